@@ -1,0 +1,171 @@
+//! Buffers that can be handed to the kernel.
+//!
+//! An I/O operation takes its buffer by value and gives it back with the result (see the
+//! crate docs for the ownership rule). The traits here say which types may be handed over:
+//! their bytes must live on the heap (or in static memory) at an address that does not
+//! change when the owning value is moved, and must stay valid until the value is dropped.
+
+use std::alloc::{self, Layout};
+use std::ops::{Deref, DerefMut};
+use std::ptr::NonNull;
+
+/// A buffer the kernel may read from while an operation is in flight.
+///
+/// # Safety
+/// `stable_ptr()` must point to `bytes_len()` initialised bytes that stay valid and at the
+/// same address while the value is moved around, until it is dropped.
+pub unsafe trait IoBuf: 'static {
+    /// Address of the first byte.
+    fn stable_ptr(&self) -> *const u8;
+    /// Number of bytes the operation may read.
+    fn bytes_len(&self) -> usize;
+}
+
+/// A buffer the kernel may write into while an operation is in flight.
+///
+/// # Safety
+/// As [`IoBuf`], and `stable_mut_ptr()` must allow writes to `bytes_len()` bytes.
+pub unsafe trait IoBufMut: IoBuf {
+    /// Address of the first byte, writable.
+    fn stable_mut_ptr(&mut self) -> *mut u8;
+}
+
+// SAFETY: a Vec's elements live on the heap; moving the Vec moves only its header. The
+// operation uses `len()` bytes, which are initialised.
+unsafe impl IoBuf for Vec<u8> {
+    fn stable_ptr(&self) -> *const u8 {
+        self.as_ptr()
+    }
+    fn bytes_len(&self) -> usize {
+        self.len()
+    }
+}
+
+// SAFETY: as for IoBuf: the heap bytes are writable through the Vec we own.
+unsafe impl IoBufMut for Vec<u8> {
+    fn stable_mut_ptr(&mut self) -> *mut u8 {
+        self.as_mut_ptr()
+    }
+}
+
+// SAFETY: a boxed slice's bytes live on the heap and do not move with the box.
+unsafe impl IoBuf for Box<[u8]> {
+    fn stable_ptr(&self) -> *const u8 {
+        self.as_ptr()
+    }
+    fn bytes_len(&self) -> usize {
+        self.len()
+    }
+}
+
+// SAFETY: as above, writable through the owned box.
+unsafe impl IoBufMut for Box<[u8]> {
+    fn stable_mut_ptr(&mut self) -> *mut u8 {
+        self.as_mut_ptr()
+    }
+}
+
+// SAFETY: static memory never moves nor goes away.
+unsafe impl IoBuf for &'static [u8] {
+    fn stable_ptr(&self) -> *const u8 {
+        self.as_ptr()
+    }
+    fn bytes_len(&self) -> usize {
+        self.len()
+    }
+}
+
+/// A zero-initialised heap buffer with a chosen alignment, for O_DIRECT I/O.
+pub struct AlignedBuf {
+    ptr: NonNull<u8>,
+    len: usize,
+    align: usize,
+}
+
+// SAFETY: AlignedBuf owns its allocation exclusively, like a Vec<u8>.
+unsafe impl Send for AlignedBuf {}
+// SAFETY: shared access only hands out `&[u8]`.
+unsafe impl Sync for AlignedBuf {}
+
+impl AlignedBuf {
+    /// Allocates `len` zero bytes aligned to `align` (a power of two).
+    ///
+    /// # Panics
+    /// If `align` is not a power of two or the layout overflows.
+    pub fn zeroed(len: usize, align: usize) -> Self {
+        let layout = Layout::from_size_align(len.max(1), align).expect("bad AlignedBuf layout");
+        // SAFETY: the layout has a non-zero size.
+        let p = unsafe { alloc::alloc_zeroed(layout) };
+        let ptr = NonNull::new(p).unwrap_or_else(|| alloc::handle_alloc_error(layout));
+        Self { ptr, len, align }
+    }
+
+    /// The alignment it was allocated with.
+    pub fn align(&self) -> usize {
+        self.align
+    }
+}
+
+impl Deref for AlignedBuf {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: `ptr` points to `len` initialised (zeroed) bytes we own.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl DerefMut for AlignedBuf {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in deref, and `&mut self` makes the access exclusive.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        let layout = Layout::from_size_align(self.len.max(1), self.align).expect("layout");
+        // SAFETY: allocated in `zeroed` with this same layout.
+        unsafe { alloc::dealloc(self.ptr.as_ptr(), layout) }
+    }
+}
+
+impl std::fmt::Debug for AlignedBuf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AlignedBuf")
+            .field("len", &self.len)
+            .field("align", &self.align)
+            .finish()
+    }
+}
+
+// SAFETY: the allocation never moves and lives until drop; all bytes are initialised.
+unsafe impl IoBuf for AlignedBuf {
+    fn stable_ptr(&self) -> *const u8 {
+        self.ptr.as_ptr()
+    }
+    fn bytes_len(&self) -> usize {
+        self.len
+    }
+}
+
+// SAFETY: as above, and we own the allocation exclusively.
+unsafe impl IoBufMut for AlignedBuf {
+    fn stable_mut_ptr(&mut self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn aligned_buf_is_aligned_and_zeroed() {
+        let mut b = AlignedBuf::zeroed(8192, 4096);
+        assert_eq!(b.stable_ptr() as usize % 4096, 0);
+        assert!(b.iter().all(|&x| x == 0));
+        b[100] = 7;
+        let moved = b;
+        assert_eq!(moved[100], 7);
+    }
+}

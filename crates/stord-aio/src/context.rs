@@ -1,0 +1,728 @@
+//! `AioContext`: one event loop, owned by one thread.
+//!
+//! One iteration ([`AioContext::run_once`]) is, in order:
+//! 1. compute the timeout: 0 if work is already runnable, else until the next timer;
+//! 2. submit the operations queued during the last iteration (one io_uring_enter);
+//! 3. busy-poll the poll handlers for the policy's window (memory peeks only): the
+//!    notifier's `notified` flag, the ring's CQ tail and TASKRUN flag, user handlers;
+//! 4. if nothing turned up, announce the block (notify_me) and wait in the reactor;
+//! 5. dispatch: remote messages, fd handlers, ready poll handlers (not polling time);
+//! 6. let the policy learn from the wait (`block_ns` = polling + blocking);
+//! 7. run bottom halves, runnable tasks and expired timers.
+
+use std::cell::{Cell, RefCell};
+use std::future::Future;
+use std::io;
+use std::os::fd::RawFd;
+use std::rc::Rc;
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use crossbeam_queue::SegQueue;
+
+use crate::bh::{Bh, BhList};
+use crate::handler::{
+    FdHandlerId, Interest, PollEntry, PollHandler, PollHandlerId, PollSource, Readiness,
+};
+use crate::notify::Notifier;
+use crate::poll::{new_policy, HandlerId, Observation, PollParams, PollPolicy};
+use crate::reactor::{Event, Reactor, ReactorInfo, ReactorKind};
+use crate::remote::{Remote, RemoteMsg};
+use crate::slab::Slab;
+use crate::stats::{AioStats, HandlerWindow, StatsSnapshot};
+use crate::sys::now_ns;
+use crate::task::{with_join, Executor, JoinHandle};
+use crate::timer::{TimerId, TimerList};
+
+/// Policy id of the notifier's poll handler.
+const NOTIFIER_ID: HandlerId = 0;
+/// Policy id of the ring's poll handler.
+const REACTOR_ID: HandlerId = 1;
+
+/// The part of a context other threads can reach.
+pub(crate) struct Shared {
+    pub(crate) name: String,
+    pub(crate) queue: SegQueue<RemoteMsg>,
+    pub(crate) notifier: Notifier,
+    pub(crate) stats: AioStats,
+    pub(crate) stopping: AtomicBool,
+    /// Set once the owning context is gone: nothing will process the queue any more.
+    pub(crate) dead: AtomicBool,
+    pub(crate) params: Mutex<PollParams>,
+    pub(crate) info: OnceLock<ReactorInfo>,
+    pub(crate) tid: AtomicI32,
+}
+
+impl Shared {
+    /// Publishes a message, then notifies.
+    pub(crate) fn send(&self, msg: RemoteMsg) {
+        self.queue.push(msg);
+        self.notifier.notify(&self.stats);
+        if self.dead.load(Ordering::Acquire) {
+            self.discard_queue();
+        }
+    }
+
+    /// Drops queued messages (their futures and closures) once nobody will run them.
+    pub(crate) fn discard_queue(&self) {
+        while let Some(msg) = self.queue.pop() {
+            drop(msg);
+        }
+    }
+}
+
+struct FdEntry {
+    cb: Option<Box<dyn FnMut(Readiness)>>,
+}
+
+/// The loop-thread half of a context.
+pub(crate) struct Inner {
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) reactor: RefCell<Reactor>,
+    pub(crate) exec: Executor,
+    pub(crate) bhs: BhList,
+    timers: RefCell<TimerList>,
+    poll_entries: RefCell<Vec<Option<PollEntry>>>,
+    fd_handlers: RefCell<Slab<FdEntry>>,
+    policy: RefCell<Box<dyn PollPolicy>>,
+    poll_started: Cell<bool>,
+    events: RefCell<Vec<Event>>,
+    ready: RefCell<Vec<HandlerId>>,
+    windows: RefCell<Vec<(Option<HandlerId>, u64)>>,
+    windows_published: Cell<bool>,
+    users: RefCell<UserHandlers>,
+}
+
+type UserHandlers = Rc<[(HandlerId, Rc<dyn PollHandler>)]>;
+
+thread_local! {
+    static CURRENT: RefCell<Option<Rc<Inner>>> = const { RefCell::new(None) };
+}
+
+/// Runs `f` with this thread's context; panics if the thread has none.
+pub(crate) fn with_current<R>(f: impl FnOnce(&Rc<Inner>) -> R) -> R {
+    try_with_current(f).expect("no AioContext on this thread")
+}
+
+/// Runs `f` with this thread's context, if it has one.
+pub(crate) fn try_with_current<R>(f: impl FnOnce(&Rc<Inner>) -> R) -> Option<R> {
+    let cur = CURRENT.try_with(|c| c.borrow().clone()).ok().flatten();
+    cur.map(|c| f(&c))
+}
+
+/// Options for a new context.
+#[derive(Debug, Clone, Default)]
+pub struct AioContextOptions {
+    /// A name for statistics and thread names.
+    pub name: String,
+    /// Which reactor to use.
+    pub reactor: ReactorKind,
+    /// Initial polling parameters.
+    pub poll: PollParams,
+}
+
+/// An event loop owned by the thread that created it (it is neither Send nor Sync).
+pub struct AioContext {
+    inner: Rc<Inner>,
+    /// The instance `new` returned (tears the context down on drop), as opposed to the
+    /// borrowed views [`with_current_context`] lends out.
+    owner: bool,
+}
+
+/// Runs `f` with the calling thread's context (e.g. inside a task or a `Remote::run`
+/// closure on an IoThread). None if the thread has no context.
+pub fn with_current_context<R>(f: impl FnOnce(&AioContext) -> R) -> Option<R> {
+    try_with_current(|inner| {
+        let view = AioContext {
+            inner: inner.clone(),
+            owner: false,
+        };
+        f(&view)
+    })
+}
+
+impl AioContext {
+    /// Creates the calling thread's context. A thread has at most one.
+    pub fn new(opts: AioContextOptions) -> io::Result<Self> {
+        opts.poll
+            .validate()
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+        if try_with_current(|_| ()).is_some() {
+            return Err(io::Error::new(
+                io::ErrorKind::AlreadyExists,
+                "this thread already has an AioContext",
+            ));
+        }
+        let notifier = Notifier::new()?;
+        let reactor = Reactor::new(opts.reactor, notifier.fd())?;
+        let shared = Arc::new(Shared {
+            name: opts.name,
+            queue: SegQueue::new(),
+            notifier,
+            stats: AioStats::default(),
+            stopping: AtomicBool::new(false),
+            dead: AtomicBool::new(false),
+            params: Mutex::new(opts.poll),
+            info: OnceLock::new(),
+            tid: AtomicI32::new(crate::sys::gettid()),
+        });
+        let _ = shared.info.set(reactor.info());
+        let is_uring = matches!(reactor, Reactor::Uring(_));
+        let mut policy = new_policy(&opts.poll);
+        policy.add_handler(NOTIFIER_ID);
+        let mut entries = vec![
+            Some(PollEntry {
+                name: "notifier".into(),
+                source: PollSource::Notifier,
+            }),
+            None,
+        ];
+        if is_uring {
+            policy.add_handler(REACTOR_ID);
+            entries[REACTOR_ID] = Some(PollEntry {
+                name: "io_uring".into(),
+                source: PollSource::Reactor,
+            });
+        }
+        let inner = Rc::new(Inner {
+            shared,
+            reactor: RefCell::new(reactor),
+            exec: Executor::default(),
+            bhs: BhList::default(),
+            timers: RefCell::default(),
+            poll_entries: RefCell::new(entries),
+            fd_handlers: RefCell::default(),
+            policy: RefCell::new(policy),
+            poll_started: Cell::new(false),
+            events: RefCell::default(),
+            ready: RefCell::default(),
+            windows: RefCell::default(),
+            windows_published: Cell::new(false),
+            users: RefCell::new(Rc::new([])),
+        });
+        CURRENT.with(|c| *c.borrow_mut() = Some(inner.clone()));
+        inner.publish_windows();
+        Ok(Self { inner, owner: true })
+    }
+
+    /// A handle for other threads.
+    pub fn remote(&self) -> Remote {
+        Remote {
+            shared: self.inner.shared.clone(),
+        }
+    }
+
+    /// Which reactor this context runs, with the io_uring flags in force.
+    pub fn reactor_info(&self) -> ReactorInfo {
+        self.inner.reactor.borrow().info()
+    }
+
+    /// Statistics now.
+    pub fn stats(&self) -> StatsSnapshot {
+        self.inner.shared.stats.snapshot()
+    }
+
+    /// Runs one loop iteration; with `blocking`, waits for something to happen first.
+    /// Returns whether any work (task, bottom half, timer, handler) was done.
+    pub fn run_once(&self, blocking: bool) -> bool {
+        self.inner.run_once(blocking)
+    }
+
+    /// Runs the loop until `future` completes, and returns its output.
+    pub fn block_on<F: Future + 'static>(&self, future: F) -> F::Output {
+        let handle = self.spawn(future);
+        loop {
+            if let Some(v) = handle.try_take() {
+                return v;
+            }
+            self.run_once(true);
+        }
+    }
+
+    /// Runs the loop until a `Remote` asks it to stop ([`Remote`] via [`IoThread`]).
+    ///
+    /// [`IoThread`]: crate::IoThread
+    pub fn run_until_stopped(&self) {
+        while !self.inner.shared.stopping.load(Ordering::Acquire) {
+            self.run_once(true);
+        }
+    }
+
+    /// Spawns a task on this context.
+    pub fn spawn<F: Future + 'static>(&self, future: F) -> JoinHandle<F::Output> {
+        let (fut, handle) = with_join(future);
+        self.inner.exec.spawn(&self.inner.shared, fut);
+        handle
+    }
+
+    /// Creates a bottom half.
+    pub fn new_bh(&self, cb: impl FnMut() + 'static) -> Bh {
+        let (key, scheduled) = self.inner.bhs.add(Box::new(cb));
+        Bh {
+            ctx: Rc::downgrade(&self.inner),
+            shared: self.inner.shared.clone(),
+            key,
+            scheduled,
+        }
+    }
+
+    /// Runs `cb` once the monotonic clock reaches `deadline_ns`.
+    pub fn add_timer(&self, deadline_ns: u64, cb: impl FnOnce() + 'static) -> TimerId {
+        self.inner.add_timer_at(deadline_ns, cb)
+    }
+
+    /// Cancels a timer; false if it already fired or was cancelled.
+    pub fn cancel_timer(&self, id: TimerId) -> bool {
+        self.inner.cancel_timer(id)
+    }
+
+    /// Registers a poll handler.
+    pub fn add_poll_handler(&self, h: Rc<dyn PollHandler>) -> PollHandlerId {
+        self.inner.add_poll_handler(h)
+    }
+
+    /// Unregisters a poll handler.
+    pub fn remove_poll_handler(&self, id: PollHandlerId) {
+        self.inner.remove_poll_handler(id)
+    }
+
+    /// Calls `cb` whenever `fd` is ready for `interest` (level-triggered). One handler
+    /// per fd.
+    pub fn set_fd_handler(
+        &self,
+        fd: RawFd,
+        interest: Interest,
+        cb: impl FnMut(Readiness) + 'static,
+    ) -> io::Result<FdHandlerId> {
+        self.inner.set_fd_handler(fd, interest, Box::new(cb))
+    }
+
+    /// Unregisters an fd handler.
+    pub fn remove_fd_handler(&self, id: FdHandlerId) {
+        self.inner.remove_fd_handler(id)
+    }
+
+    /// Changes polling parameters (and the policy) now.
+    pub fn set_poll_params(&self, params: PollParams) -> Result<(), String> {
+        params.validate()?;
+        *self
+            .inner
+            .shared
+            .params
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = params;
+        self.inner.apply_poll_params(params);
+        Ok(())
+    }
+
+    /// Number of live tasks.
+    pub fn task_count(&self) -> usize {
+        self.inner.exec.len()
+    }
+}
+
+impl Drop for AioContext {
+    fn drop(&mut self) {
+        if !self.owner {
+            return;
+        }
+        let inner = &self.inner;
+        // Dropping tasks drops their in-flight operations, which park their buffers in the
+        // reactor; then the reactor waits for the kernel to release them.
+        inner.exec.clear();
+        inner.bhs.clear();
+        inner.timers.borrow_mut().clear();
+        let fds = inner.fd_handlers.borrow_mut().drain();
+        drop(fds);
+        let entries = std::mem::take(&mut *inner.poll_entries.borrow_mut());
+        drop(entries);
+        while let Some(msg) = inner.shared.queue.pop() {
+            drop(msg);
+        }
+        inner.reactor.borrow_mut().shutdown();
+        inner.shared.stopping.store(true, Ordering::Release);
+        inner.shared.dead.store(true, Ordering::Release);
+        inner.shared.discard_queue();
+        CURRENT.with(|c| c.borrow_mut().take());
+    }
+}
+
+impl Inner {
+    pub(crate) fn add_timer_at(&self, deadline_ns: u64, cb: impl FnOnce() + 'static) -> TimerId {
+        self.timers.borrow_mut().add(deadline_ns, Box::new(cb))
+    }
+
+    pub(crate) fn cancel_timer(&self, id: TimerId) -> bool {
+        self.timers.borrow_mut().cancel(id)
+    }
+
+    pub(crate) fn spawn_local(&self, fut: crate::task::LocalFuture) {
+        self.exec.spawn(&self.shared, fut);
+    }
+
+    fn add_poll_handler(&self, h: Rc<dyn PollHandler>) -> PollHandlerId {
+        let entry = PollEntry {
+            name: h.name().to_string(),
+            source: PollSource::User(h),
+        };
+        let mut entries = self.poll_entries.borrow_mut();
+        let id = match entries
+            .iter()
+            .skip(REACTOR_ID + 1)
+            .position(Option::is_none)
+        {
+            Some(i) => i + REACTOR_ID + 1,
+            None => {
+                entries.push(None);
+                entries.len() - 1
+            }
+        };
+        entries[id] = Some(entry);
+        drop(entries);
+        self.rebuild_users();
+        self.policy.borrow_mut().add_handler(id);
+        self.windows_published.set(false);
+        if self.poll_started.get() {
+            if let Some(PollSource::User(h)) = self.source_of(id) {
+                h.poll_begin();
+            }
+        }
+        self.publish_windows();
+        PollHandlerId(id)
+    }
+
+    fn remove_poll_handler(&self, id: PollHandlerId) {
+        if id.0 <= REACTOR_ID {
+            return;
+        }
+        let removed = self
+            .poll_entries
+            .borrow_mut()
+            .get_mut(id.0)
+            .and_then(Option::take);
+        if removed.is_some() {
+            self.rebuild_users();
+            self.policy.borrow_mut().remove_handler(id.0);
+            self.windows_published.set(false);
+            self.publish_windows();
+        }
+        drop(removed);
+    }
+
+    fn source_of(&self, id: HandlerId) -> Option<PollSource> {
+        let entries = self.poll_entries.borrow();
+        match entries.get(id)?.as_ref()?.source {
+            PollSource::Notifier => Some(PollSource::Notifier),
+            PollSource::Reactor => Some(PollSource::Reactor),
+            PollSource::User(ref h) => Some(PollSource::User(h.clone())),
+        }
+    }
+
+    fn user_handlers(&self) -> UserHandlers {
+        self.users.borrow().clone()
+    }
+
+    fn rebuild_users(&self) {
+        let list: Vec<_> = self
+            .poll_entries
+            .borrow()
+            .iter()
+            .enumerate()
+            .filter_map(|(i, e)| match e {
+                Some(PollEntry {
+                    source: PollSource::User(h),
+                    ..
+                }) => Some((i, h.clone())),
+                _ => None,
+            })
+            .collect();
+        *self.users.borrow_mut() = list.into();
+    }
+
+    fn set_fd_handler(
+        &self,
+        fd: RawFd,
+        interest: Interest,
+        cb: Box<dyn FnMut(Readiness)>,
+    ) -> io::Result<FdHandlerId> {
+        let key = self
+            .fd_handlers
+            .borrow_mut()
+            .insert(FdEntry { cb: Some(cb) });
+        if let Err(e) = self.reactor.borrow_mut().add_fd(fd, interest.0, key) {
+            self.fd_handlers.borrow_mut().remove(key);
+            return Err(e);
+        }
+        Ok(FdHandlerId(key))
+    }
+
+    fn remove_fd_handler(&self, id: FdHandlerId) {
+        let removed = self.fd_handlers.borrow_mut().remove(id.0);
+        if removed.is_some() {
+            self.reactor.borrow_mut().remove_fd(id.0);
+        }
+        drop(removed);
+    }
+
+    pub(crate) fn apply_poll_params(&self, params: PollParams) {
+        let mut policy = self.policy.borrow_mut();
+        if policy.kind() == params.policy {
+            policy.set_params(&params);
+        } else {
+            let mut p = new_policy(&params);
+            for (i, e) in self.poll_entries.borrow().iter().enumerate() {
+                if e.is_some() {
+                    p.add_handler(i);
+                }
+            }
+            *policy = p;
+        }
+        drop(policy);
+        self.publish_windows();
+    }
+
+    /// Work that must run without waiting.
+    fn has_immediate_work(&self) -> bool {
+        self.exec.has_runnable() || self.bhs.has_ready() || !self.shared.queue.is_empty()
+    }
+
+    fn timer_timeout(&self, now: u64) -> Option<u64> {
+        self.timers
+            .borrow_mut()
+            .next_deadline()
+            .map(|d| d.saturating_sub(now))
+    }
+
+    /// One pass over the poll handlers: memory peeks only.
+    fn poll_all(&self, ready: &mut Vec<HandlerId>) {
+        let entries = self.poll_entries.borrow();
+        for (id, e) in entries.iter().enumerate() {
+            let Some(e) = e else { continue };
+            let hit = match &e.source {
+                PollSource::Notifier => self.shared.notifier.peek(),
+                PollSource::Reactor => self.reactor.borrow().peek(),
+                PollSource::User(h) => h.poll(),
+            };
+            if hit {
+                ready.push(id);
+            }
+        }
+    }
+
+    fn set_poll_started(&self, on: bool) {
+        if self.poll_started.replace(on) == on {
+            return;
+        }
+        for (_, h) in self.user_handlers().iter() {
+            if on {
+                h.poll_begin();
+            } else {
+                h.poll_end();
+            }
+        }
+    }
+
+    fn run_once(&self, blocking: bool) -> bool {
+        let stats = &self.shared.stats;
+        AioStats::add(&stats.iterations, 1);
+        let start = now_ns();
+        let mut timeout = if blocking && !self.has_immediate_work() {
+            self.timer_timeout(start)
+        } else {
+            Some(0)
+        };
+
+        // The end-of-iteration batch: one io_uring_enter for everything queued.
+        self.reactor.borrow_mut().flush();
+
+        let mut ready = std::mem::take(&mut *self.ready.borrow_mut());
+        ready.clear();
+        let window = if timeout == Some(0) {
+            0
+        } else {
+            self.policy.borrow().window_ns()
+        };
+        if window > 0 {
+            AioStats::add(&stats.polls_attempted, 1);
+            let limit = timeout.map_or(window, |t| t.min(window));
+            self.set_poll_started(true);
+            let mut now;
+            loop {
+                self.poll_all(&mut ready);
+                now = now_ns();
+                if !ready.is_empty() || now - start >= limit {
+                    break;
+                }
+                std::hint::spin_loop();
+            }
+            let elapsed = now - start;
+            AioStats::add(&stats.poll_ns, elapsed);
+            if ready.is_empty() {
+                AioStats::add(&stats.poll_misses, 1);
+                timeout = timeout.map(|t| t.saturating_sub(elapsed));
+            } else {
+                AioStats::add(&stats.poll_hits, 1);
+                timeout = Some(0);
+            }
+        }
+
+        let mut events = std::mem::take(&mut *self.events.borrow_mut());
+        let mut slept_ns = None;
+        let mut reaped = (0, false);
+        if timeout != Some(0) {
+            // Leaving poll mode: handlers re-enable notifications, then one final peek so
+            // nothing that arrived in between is slept through.
+            if self.poll_started.get() {
+                self.set_poll_started(false);
+                self.poll_all(&mut ready);
+                if !ready.is_empty() {
+                    timeout = Some(0);
+                }
+            }
+        }
+        if timeout != Some(0) && self.shared.notifier.prepare_block() {
+            let t0 = now_ns();
+            reaped = self.reactor.borrow_mut().wait(timeout, &mut events);
+            let t1 = now_ns();
+            self.shared.notifier.finish_block();
+            slept_ns = Some(t1 - t0);
+            AioStats::add(&stats.blocked_ns, t1 - t0);
+            AioStats::add(&stats.blocking_waits, 1);
+        } else {
+            self.shared.notifier.finish_block();
+            let mut reactor = self.reactor.borrow_mut();
+            if reactor.need_wait() {
+                reaped = reactor.wait(Some(0), &mut events);
+            }
+        }
+        let block_ns = now_ns() - start;
+
+        // Which poll handlers had an event this iteration (before `accept` clears the
+        // notifier's flag, and counting the ring if it produced completions).
+        ready.clear();
+        let (completions, notifier_fired) = reaped;
+        if self.shared.notifier.peek() || notifier_fired {
+            ready.push(NOTIFIER_ID);
+        }
+        if completions > 0 && matches!(*self.reactor.borrow(), Reactor::Uring(_)) {
+            ready.push(REACTOR_ID);
+        }
+        let users = self.user_handlers();
+        for (id, h) in users.iter() {
+            if h.poll() {
+                ready.push(*id);
+            }
+        }
+        self.shared.notifier.accept();
+        if notifier_fired && self.shared.notifier.drain() > 0 {
+            AioStats::add(&stats.eventfd_wakeups, 1);
+        }
+        AioStats::add(&stats.completions, completions as u64);
+        stats.completions_per_iteration.record(completions as u64);
+
+        // Dispatch. None of this counts as polling time.
+        let mut progress = self.drain_remote();
+        for ev in events.drain(..) {
+            let Event::Fd { key, revents } = ev;
+            let cb = self
+                .fd_handlers
+                .borrow_mut()
+                .get_mut(key)
+                .and_then(|e| e.cb.take());
+            if let Some(mut cb) = cb {
+                cb(Readiness(revents));
+                progress = true;
+                if let Some(e) = self.fd_handlers.borrow_mut().get_mut(key) {
+                    e.cb = Some(cb);
+                }
+            }
+        }
+        *self.events.borrow_mut() = events;
+        for (id, h) in users.iter() {
+            if ready.contains(id) {
+                h.ready();
+                progress = true;
+            }
+        }
+
+        self.policy.borrow_mut().adjust(&Observation {
+            block_ns,
+            slept_ns,
+            events: &ready,
+        });
+        *self.ready.borrow_mut() = ready;
+        self.publish_windows();
+
+        progress |= self.bhs.run() > 0;
+        progress |= self.exec.run() > 0;
+        progress |= self.run_timers() > 0;
+        progress
+    }
+
+    fn drain_remote(&self) -> bool {
+        let mut any = false;
+        while let Some(msg) = self.shared.queue.pop() {
+            any = true;
+            match msg {
+                RemoteMsg::Spawn(fut) => self.exec.spawn(&self.shared, fut),
+                RemoteMsg::Wake(w) => self.exec.wake_remote(w),
+                RemoteMsg::Bh(key) => self.bhs.enqueue(key),
+                RemoteMsg::SetPoll(p) => self.apply_poll_params(p),
+                RemoteMsg::Call(f) => f(),
+            }
+        }
+        any
+    }
+
+    fn run_timers(&self) -> usize {
+        let now = now_ns();
+        let mut n = 0;
+        loop {
+            let cb = self.timers.borrow_mut().pop_expired(now);
+            let Some(cb) = cb else { break };
+            cb();
+            n += 1;
+        }
+        n
+    }
+
+    /// Copies the policy's windows into the shared statistics when they change.
+    fn publish_windows(&self) {
+        let policy = self.policy.borrow();
+        let window = policy.window_ns();
+        let mut cur = self.windows.borrow_mut();
+        let before = cur.len();
+        policy.windows(&mut cur);
+        let changed = cur[..before] != cur[before..];
+        if !changed && self.windows_published.get() {
+            cur.truncate(before);
+            return;
+        }
+        cur.drain(..before);
+        self.windows_published.set(true);
+        let entries = self.poll_entries.borrow();
+        let named: Vec<HandlerWindow> = cur
+            .iter()
+            .map(|(id, ns)| HandlerWindow {
+                name: match id {
+                    None => "(context)".to_string(),
+                    Some(i) => entries
+                        .get(*i)
+                        .and_then(|e| e.as_ref())
+                        .map_or_else(|| format!("handler{i}"), |e| e.name.clone()),
+                },
+                ns: *ns,
+            })
+            .collect();
+        *self
+            .shared
+            .stats
+            .windows
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = named;
+        self.shared
+            .stats
+            .window_ns
+            .store(window, std::sync::atomic::Ordering::Relaxed);
+    }
+}

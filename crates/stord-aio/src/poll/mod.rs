@@ -1,0 +1,251 @@
+//! Polling policies: how long the loop busy-polls before it blocks.
+//!
+//! After every iteration the loop hands the policy an [`Observation`]: how long it waited
+//! for work (`block_ns`, polling plus blocking, dispatch excluded), whether it really slept
+//! and for how long, and which poll handlers had events. The policy answers with the next
+//! polling window. Policies are pure state machines with no clock of their own, so tests
+//! drive them with synthetic waits and assert the exact window after each step.
+//!
+//! One file per policy: [`off`], [`classic`] (QEMU's per-handler grow/shrink),
+//! [`weighted`] (QEMU's 2026 weighted handler intervals, `poll-weight`) and [`haltpoll`]
+//! (Linux's guest haltpoll governor).
+
+pub mod classic;
+pub mod haltpoll;
+pub mod off;
+pub mod weighted;
+
+use std::fmt;
+use std::str::FromStr;
+
+/// Index of a poll handler inside its context.
+pub type HandlerId = usize;
+
+/// QEMU's default `poll-max-ns` for IOThreads.
+pub const DEFAULT_POLL_MAX_NS: u64 = 32768;
+/// Default `poll-weight` shift (a new sample weighs 2^-3).
+pub const DEFAULT_POLL_WEIGHT: u32 = 3;
+/// Largest accepted `poll-weight`.
+pub const MAX_POLL_WEIGHT: u32 = 63;
+/// Default haltpoll grow-start (50 µs, as `guest_halt_poll_grow_start`).
+pub const DEFAULT_GROW_START_NS: u64 = 50_000;
+
+/// Which policy a context runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PolicyKind {
+    /// Never poll: block as soon as there is nothing to do.
+    Off,
+    /// QEMU's per-handler grow/shrink (the default, as in qemu-storage-daemon).
+    #[default]
+    Classic,
+    /// Per-handler moving average of the wait (`poll-weight`).
+    Weighted,
+    /// Linux's guest haltpoll governor: adjust only after a real sleep.
+    Haltpoll,
+}
+
+impl PolicyKind {
+    /// All kinds, in a stable order (for benchmarks).
+    pub const ALL: [PolicyKind; 4] = [
+        PolicyKind::Off,
+        PolicyKind::Classic,
+        PolicyKind::Weighted,
+        PolicyKind::Haltpoll,
+    ];
+
+    /// The name used on the command line and in QMP.
+    pub fn name(self) -> &'static str {
+        match self {
+            PolicyKind::Off => "off",
+            PolicyKind::Classic => "classic",
+            PolicyKind::Weighted => "weighted",
+            PolicyKind::Haltpoll => "haltpoll",
+        }
+    }
+}
+
+impl fmt::Display for PolicyKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for PolicyKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Self::ALL
+            .into_iter()
+            .find(|k| k.name() == s)
+            .ok_or_else(|| {
+                format!("unknown poll policy '{s}' (expected off, classic, weighted or haltpoll)")
+            })
+    }
+}
+
+/// The tunables of an IOThread's polling, named as QEMU's IOThread properties.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PollParams {
+    /// The policy.
+    pub policy: PolicyKind,
+    /// `poll-max-ns`: the largest window; 0 disables polling whatever the policy.
+    pub max_ns: u64,
+    /// `poll-grow`: growth factor, 0 means 2.
+    pub grow: u64,
+    /// `poll-shrink`: shrink divisor; 0 means reset to 0 (classic) or halve (weighted,
+    /// haltpoll).
+    pub shrink: u64,
+    /// `poll-weight`: the moving average gives a new sample weight 2^-weight; 0 means 3.
+    pub weight: u32,
+    /// haltpoll's grow-start: the first window after a short sleep.
+    pub grow_start_ns: u64,
+    /// haltpoll's allow-shrink switch.
+    pub allow_shrink: bool,
+}
+
+impl Default for PollParams {
+    fn default() -> Self {
+        Self {
+            policy: PolicyKind::Classic,
+            max_ns: DEFAULT_POLL_MAX_NS,
+            grow: 0,
+            shrink: 0,
+            weight: 0,
+            grow_start_ns: DEFAULT_GROW_START_NS,
+            allow_shrink: true,
+        }
+    }
+}
+
+impl PollParams {
+    /// Checks ranges; the error names the offending parameter.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.weight > MAX_POLL_WEIGHT {
+            return Err(format!(
+                "poll-weight must be in 0..={MAX_POLL_WEIGHT}, got {}",
+                self.weight
+            ));
+        }
+        Ok(())
+    }
+
+    /// The growth factor with 0 meaning 2.
+    pub fn grow_factor(&self) -> u64 {
+        if self.grow == 0 {
+            2
+        } else {
+            self.grow
+        }
+    }
+
+    /// The weight shift with 0 meaning the default.
+    pub fn weight_shift(&self) -> u32 {
+        if self.weight == 0 {
+            DEFAULT_POLL_WEIGHT
+        } else {
+            self.weight
+        }
+    }
+}
+
+/// What happened during one loop iteration, as a policy sees it.
+#[derive(Debug, Clone, Copy)]
+pub struct Observation<'a> {
+    /// Time from the start of polling to the end of the wait (polling + blocking).
+    pub block_ns: u64,
+    /// `Some(ns)` when the loop really blocked in the reactor, for that long.
+    pub slept_ns: Option<u64>,
+    /// Handlers that had an event in this iteration.
+    pub events: &'a [HandlerId],
+}
+
+/// A polling policy. One instance per context; handlers are announced as they come and go.
+pub trait PollPolicy: Send {
+    /// Which policy this is.
+    fn kind(&self) -> PolicyKind;
+    /// New parameters; like QEMU's `aio_context_set_poll_params`, windows restart from 0.
+    fn set_params(&mut self, params: &PollParams);
+    /// A handler joins.
+    fn add_handler(&mut self, id: HandlerId);
+    /// A handler leaves.
+    fn remove_handler(&mut self, id: HandlerId);
+    /// How long to poll before blocking, in nanoseconds.
+    fn window_ns(&self) -> u64;
+    /// Learns from one iteration.
+    fn adjust(&mut self, obs: &Observation<'_>);
+    /// The window of each handler (`None` for a context-wide window), for statistics.
+    fn windows(&self, out: &mut Vec<(Option<HandlerId>, u64)>);
+}
+
+/// Builds the policy `params.policy` names.
+pub fn new_policy(params: &PollParams) -> Box<dyn PollPolicy> {
+    match params.policy {
+        PolicyKind::Off => Box::new(off::Off),
+        PolicyKind::Classic => Box::new(classic::Classic::new(params)),
+        PolicyKind::Weighted => Box::new(weighted::Weighted::new(params)),
+        PolicyKind::Haltpoll => Box::new(haltpoll::Haltpoll::new(params)),
+    }
+}
+
+/// Per-handler slots indexed by [`HandlerId`], shared by the per-handler policies.
+#[derive(Debug, Default, Clone)]
+pub(crate) struct Slots<T>(Vec<Option<T>>);
+
+impl<T: Default> Slots<T> {
+    pub(crate) fn add(&mut self, id: HandlerId) {
+        if self.0.len() <= id {
+            self.0.resize_with(id + 1, || None);
+        }
+        self.0[id] = Some(T::default());
+    }
+    pub(crate) fn remove(&mut self, id: HandlerId) {
+        if let Some(s) = self.0.get_mut(id) {
+            *s = None;
+        }
+    }
+    pub(crate) fn get_mut(&mut self, id: HandlerId) -> Option<&mut T> {
+        self.0.get_mut(id).and_then(Option::as_mut)
+    }
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (HandlerId, &T)> {
+        self.0
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| s.as_ref().map(|s| (i, s)))
+    }
+    pub(crate) fn iter_mut(&mut self) -> impl Iterator<Item = (HandlerId, &mut T)> {
+        self.0
+            .iter_mut()
+            .enumerate()
+            .filter_map(|(i, s)| s.as_mut().map(|s| (i, s)))
+    }
+    pub(crate) fn reset(&mut self) {
+        for s in self.0.iter_mut().flatten() {
+            *s = T::default();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn policy_names_round_trip() {
+        for k in PolicyKind::ALL {
+            assert_eq!(k.name().parse::<PolicyKind>().unwrap(), k);
+        }
+        assert!("fast".parse::<PolicyKind>().unwrap_err().contains("fast"));
+    }
+
+    #[test]
+    fn weight_range_is_checked() {
+        let p = PollParams {
+            weight: 63,
+            ..PollParams::default()
+        };
+        assert!(p.validate().is_ok());
+        let p = PollParams { weight: 64, ..p };
+        assert!(p.validate().unwrap_err().contains("poll-weight"));
+        let p = PollParams { weight: 0, ..p };
+        assert_eq!(p.weight_shift(), 3);
+    }
+}

@@ -1,0 +1,288 @@
+//! Thin, safe wrappers over the few raw system calls the loop needs.
+//!
+//! Every `unsafe` block of the crate that is a plain syscall lives here, so that the rest
+//! of the loop is safe code. Each wrapper turns `-1`/`errno` into `io::Error`.
+
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+
+fn cvt(ret: libc::c_long) -> io::Result<usize> {
+    if ret < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(ret as usize)
+    }
+}
+
+/// Monotonic clock in nanoseconds (CLOCK_MONOTONIC).
+pub fn now_ns() -> u64 {
+    clock_ns(libc::CLOCK_MONOTONIC)
+}
+
+/// CPU time consumed by the calling thread, in nanoseconds.
+pub fn thread_cpu_ns() -> u64 {
+    clock_ns(libc::CLOCK_THREAD_CPUTIME_ID)
+}
+
+fn clock_ns(clock: libc::clockid_t) -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid, writable timespec; clock_gettime only writes to it.
+    unsafe { libc::clock_gettime(clock, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// The kernel thread id of the calling thread (what QEMU reports as `thread-id`).
+pub fn gettid() -> i32 {
+    // SAFETY: gettid has no arguments and cannot fail.
+    unsafe { libc::gettid() }
+}
+
+/// A non-blocking, close-on-exec eventfd.
+pub fn eventfd() -> io::Result<OwnedFd> {
+    // SAFETY: eventfd takes no pointers; the result is checked before use.
+    let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just returned by eventfd and is owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Adds one to an eventfd counter.
+pub fn eventfd_write(fd: RawFd) -> io::Result<()> {
+    let one: u64 = 1;
+    // SAFETY: the buffer is a live u64 of exactly the 8 bytes passed.
+    let r = unsafe { libc::write(fd, (&one as *const u64).cast(), 8) };
+    cvt(r as libc::c_long).map(|_| ())
+}
+
+/// Reads and resets an eventfd counter; `Ok(0)` when it was already zero.
+pub fn eventfd_read(fd: RawFd) -> io::Result<u64> {
+    let mut v: u64 = 0;
+    // SAFETY: the buffer is a live, writable u64 of exactly the 8 bytes passed.
+    let r = unsafe { libc::read(fd, (&mut v as *mut u64).cast(), 8) };
+    match cvt(r as libc::c_long) {
+        Ok(_) => Ok(v),
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(0),
+        Err(e) => Err(e),
+    }
+}
+
+/// `epoll_create1(EPOLL_CLOEXEC)`.
+pub fn epoll_create() -> io::Result<OwnedFd> {
+    // SAFETY: no pointers; result checked.
+    let fd = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: fresh fd owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// `epoll_ctl` with `data` as the event's user data.
+pub fn epoll_ctl(
+    epfd: RawFd,
+    op: libc::c_int,
+    fd: RawFd,
+    events: u32,
+    data: u64,
+) -> io::Result<()> {
+    let mut ev = libc::epoll_event { events, u64: data };
+    // SAFETY: `ev` is a valid epoll_event that outlives the call.
+    let r = unsafe { libc::epoll_ctl(epfd, op, fd, &mut ev) };
+    cvt(r as libc::c_long).map(|_| ())
+}
+
+/// Waits for events with a nanosecond timeout (`None` = forever) via epoll_pwait2.
+/// EINTR is reported as zero events.
+pub fn epoll_wait_ns(
+    epfd: RawFd,
+    events: &mut [libc::epoll_event],
+    timeout_ns: Option<u64>,
+) -> io::Result<usize> {
+    let ts;
+    let tsp = match timeout_ns {
+        None => std::ptr::null(),
+        Some(ns) => {
+            ts = libc::timespec {
+                tv_sec: (ns / 1_000_000_000) as libc::time_t,
+                tv_nsec: (ns % 1_000_000_000) as libc::c_long,
+            };
+            &ts as *const libc::timespec
+        }
+    };
+    // SAFETY: `events` is a writable array of the length passed; `tsp` is null or points
+    // to `ts`, which lives until the end of this function; no signal mask is passed.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_epoll_pwait2,
+            epfd,
+            events.as_mut_ptr(),
+            events.len() as libc::c_int,
+            tsp,
+            std::ptr::null::<libc::sigset_t>(),
+            0usize,
+        )
+    };
+    match cvt(r) {
+        Err(e) if e.raw_os_error() == Some(libc::EINTR) => Ok(0),
+        other => other,
+    }
+}
+
+/// `dup(fd)` with close-on-exec, as an owned fd.
+pub fn dup(fd: RawFd) -> io::Result<OwnedFd> {
+    // SAFETY: no pointers; result checked.
+    let r = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: fresh fd owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(r) })
+}
+
+/// `poll(2)` on one fd with a zero timeout: the ready events, or 0.
+pub fn poll_now(fd: RawFd, events: i16) -> io::Result<i16> {
+    let mut p = libc::pollfd {
+        fd,
+        events,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd, timeout 0.
+    let r = unsafe { libc::poll(&mut p, 1, 0) };
+    cvt(r as libc::c_long).map(|_| p.revents)
+}
+
+/// Converts a raw syscall return into the io_uring convention (`-errno` on failure).
+fn neg_errno(r: libc::c_long) -> i32 {
+    if r < 0 {
+        -io::Error::last_os_error()
+            .raw_os_error()
+            .unwrap_or(libc::EIO)
+    } else {
+        r as i32
+    }
+}
+
+/// The synchronous forms of the ring's operations, used by the epoll reactor. They all
+/// return what the matching io_uring CQE would hold: a count or `-errno`.
+pub mod blocking {
+    use super::*;
+
+    /// pread(2) into `len` bytes at `ptr`.
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` must be writable memory owned by the caller for the call's duration.
+    pub unsafe fn pread(fd: RawFd, ptr: *mut u8, len: usize, off: u64) -> i32 {
+        // SAFETY: the caller guarantees the buffer; the kernel writes at most `len` bytes.
+        neg_errno(unsafe { libc::pread(fd, ptr.cast(), len, off as libc::off_t) } as libc::c_long)
+    }
+
+    /// pwrite(2) from `len` bytes at `ptr`.
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` must be readable memory owned by the caller for the call's duration.
+    pub unsafe fn pwrite(fd: RawFd, ptr: *const u8, len: usize, off: u64) -> i32 {
+        // SAFETY: the caller guarantees the buffer; the kernel reads at most `len` bytes.
+        neg_errno(unsafe { libc::pwrite(fd, ptr.cast(), len, off as libc::off_t) } as libc::c_long)
+    }
+
+    /// preadv2(2).
+    ///
+    /// # Safety
+    /// Every iovec must describe writable memory owned by the caller for the call.
+    pub unsafe fn preadv(fd: RawFd, iov: &[libc::iovec], off: u64, flags: i32) -> i32 {
+        // SAFETY: as the caller guarantees, each iovec names live writable memory.
+        neg_errno(unsafe {
+            libc::preadv2(
+                fd,
+                iov.as_ptr(),
+                iov.len() as i32,
+                off as libc::off_t,
+                flags,
+            )
+        } as libc::c_long)
+    }
+
+    /// pwritev2(2).
+    ///
+    /// # Safety
+    /// Every iovec must describe readable memory owned by the caller for the call.
+    pub unsafe fn pwritev(fd: RawFd, iov: &[libc::iovec], off: u64, flags: i32) -> i32 {
+        // SAFETY: as the caller guarantees, each iovec names live readable memory.
+        neg_errno(unsafe {
+            libc::pwritev2(
+                fd,
+                iov.as_ptr(),
+                iov.len() as i32,
+                off as libc::off_t,
+                flags,
+            )
+        } as libc::c_long)
+    }
+
+    /// fsync(2) or fdatasync(2).
+    pub fn fsync(fd: RawFd, datasync: bool) -> i32 {
+        // SAFETY: no pointers.
+        let r = unsafe {
+            if datasync {
+                libc::fdatasync(fd)
+            } else {
+                libc::fsync(fd)
+            }
+        };
+        neg_errno(r as libc::c_long)
+    }
+
+    /// fallocate(2).
+    pub fn fallocate(fd: RawFd, mode: i32, off: u64, len: u64) -> i32 {
+        // SAFETY: no pointers.
+        let r = unsafe { libc::fallocate(fd, mode, off as libc::off_t, len as libc::off_t) };
+        neg_errno(r as libc::c_long)
+    }
+
+    /// recv(2) with MSG_DONTWAIT added.
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` must be writable memory owned by the caller for the call's duration.
+    pub unsafe fn recv(fd: RawFd, ptr: *mut u8, len: usize, flags: i32) -> i32 {
+        // SAFETY: the caller guarantees the buffer.
+        neg_errno(
+            unsafe { libc::recv(fd, ptr.cast(), len, flags | libc::MSG_DONTWAIT) } as libc::c_long,
+        )
+    }
+
+    /// send(2) with MSG_DONTWAIT and MSG_NOSIGNAL added.
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` must be readable memory owned by the caller for the call's duration.
+    pub unsafe fn send(fd: RawFd, ptr: *const u8, len: usize, flags: i32) -> i32 {
+        // SAFETY: the caller guarantees the buffer.
+        neg_errno(unsafe {
+            libc::send(
+                fd,
+                ptr.cast(),
+                len,
+                flags | libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+            )
+        } as libc::c_long)
+    }
+}
+
+/// CPU time (user + system) used so far by thread `tid` of this process, in nanoseconds,
+/// from /proc/self/task/TID/schedstat (nanosecond resolution).
+pub fn task_cpu_ns(tid: i32) -> io::Result<u64> {
+    let s = std::fs::read_to_string(format!("/proc/self/task/{tid}/schedstat"))?;
+    s.split_whitespace()
+        .next()
+        .and_then(|v| v.parse().ok())
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "bad schedstat"))
+}
+
+/// Borrows the raw fd of anything that has one (for the wrappers above).
+pub fn raw<F: AsRawFd>(f: &F) -> RawFd {
+    f.as_raw_fd()
+}

@@ -1,0 +1,198 @@
+//! The single-threaded task executor: one task per request, polled on the owning thread.
+//!
+//! A task's waker is `Send`: woken on the owning thread it goes straight onto the local
+//! run queue; woken from any other thread it travels through the context's remote queue
+//! and notifies the loop (never a silent wake that waits for a timer).
+
+use std::cell::RefCell;
+use std::collections::VecDeque;
+use std::future::Future;
+use std::pin::Pin;
+use std::rc::Rc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll, Wake, Waker};
+
+use crate::context::{try_with_current, Shared};
+use crate::remote::RemoteMsg;
+use crate::slab::{Key, Slab};
+
+pub(crate) type LocalFuture = Pin<Box<dyn Future<Output = ()>>>;
+
+pub(crate) struct TaskWaker {
+    key: Key,
+    queued: AtomicBool,
+    shared: Arc<Shared>,
+}
+
+impl Wake for TaskWaker {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref()
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        if self.queued.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let local = try_with_current(|c| {
+            if Arc::ptr_eq(&c.shared, &self.shared) {
+                c.exec.run_queue.borrow_mut().push_back(self.clone());
+                true
+            } else {
+                false
+            }
+        })
+        .unwrap_or(false);
+        if !local {
+            self.shared.send(RemoteMsg::Wake(self.clone()));
+        }
+    }
+}
+
+struct TaskSlot {
+    future: Option<LocalFuture>,
+    handle: Arc<TaskWaker>,
+    waker: Waker,
+}
+
+#[derive(Default)]
+pub(crate) struct Executor {
+    tasks: RefCell<Slab<TaskSlot>>,
+    pub(crate) run_queue: RefCell<VecDeque<Arc<TaskWaker>>>,
+}
+
+impl Executor {
+    pub(crate) fn spawn(&self, shared: &Arc<Shared>, future: LocalFuture) {
+        let mut tasks = self.tasks.borrow_mut();
+        let handle = Arc::new(TaskWaker {
+            key: tasks.next_key(),
+            queued: AtomicBool::new(true),
+            shared: shared.clone(),
+        });
+        let key = tasks.insert(TaskSlot {
+            future: Some(future),
+            handle: handle.clone(),
+            waker: Waker::from(handle.clone()),
+        });
+        debug_assert_eq!(key, handle.key);
+        drop(tasks);
+        self.run_queue.borrow_mut().push_back(handle);
+    }
+
+    /// A wake that arrived through the remote queue.
+    pub(crate) fn wake_remote(&self, w: Arc<TaskWaker>) {
+        self.run_queue.borrow_mut().push_back(w);
+    }
+
+    pub(crate) fn has_runnable(&self) -> bool {
+        !self.run_queue.borrow().is_empty()
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.tasks.borrow().len()
+    }
+
+    /// Polls the tasks that are runnable now (not those woken while doing so, which wait
+    /// for the next iteration so that I/O gets a look in). Returns how many ran.
+    pub(crate) fn run(&self) -> usize {
+        let n = self.run_queue.borrow().len();
+        let mut ran = 0;
+        for _ in 0..n {
+            let Some(w) = self.run_queue.borrow_mut().pop_front() else {
+                break;
+            };
+            w.queued.store(false, Ordering::Release);
+            let (mut fut, waker) = {
+                let mut tasks = self.tasks.borrow_mut();
+                match tasks.get_mut(w.key) {
+                    Some(slot) if Arc::ptr_eq(&slot.handle, &w) => match slot.future.take() {
+                        Some(f) => (f, slot.waker.clone()),
+                        None => continue,
+                    },
+                    _ => continue,
+                }
+            };
+            ran += 1;
+            let done = fut
+                .as_mut()
+                .poll(&mut Context::from_waker(&waker))
+                .is_ready();
+            let mut tasks = self.tasks.borrow_mut();
+            if done {
+                tasks.remove(w.key);
+            } else if let Some(slot) = tasks.get_mut(w.key) {
+                slot.future = Some(fut);
+            }
+        }
+        ran
+    }
+
+    /// Drops every task (their futures run their destructors on this thread).
+    pub(crate) fn clear(&self) {
+        loop {
+            let drained = self.tasks.borrow_mut().drain();
+            if drained.is_empty() {
+                break;
+            }
+            drop(drained);
+        }
+        self.run_queue.borrow_mut().clear();
+    }
+}
+
+struct JoinState<T> {
+    result: Option<T>,
+    waker: Option<Waker>,
+}
+
+/// Awaits a spawned task's output.
+pub struct JoinHandle<T> {
+    state: Rc<RefCell<JoinState<T>>>,
+}
+
+impl<T> JoinHandle<T> {
+    /// The output, if the task has finished.
+    pub fn try_take(&self) -> Option<T> {
+        self.state.borrow_mut().result.take()
+    }
+
+    /// Whether the task has finished.
+    pub fn is_finished(&self) -> bool {
+        self.state.borrow().result.is_some()
+    }
+}
+
+impl<T> Future for JoinHandle<T> {
+    type Output = T;
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<T> {
+        let mut s = self.state.borrow_mut();
+        match s.result.take() {
+            Some(v) => Poll::Ready(v),
+            None => {
+                s.waker = Some(cx.waker().clone());
+                Poll::Pending
+            }
+        }
+    }
+}
+
+/// Wraps `future` so that its output lands in the returned handle.
+pub(crate) fn with_join<F>(future: F) -> (LocalFuture, JoinHandle<F::Output>)
+where
+    F: Future + 'static,
+{
+    let state = Rc::new(RefCell::new(JoinState {
+        result: None,
+        waker: None,
+    }));
+    let s2 = state.clone();
+    let fut = Box::pin(async move {
+        let v = future.await;
+        let mut s = s2.borrow_mut();
+        s.result = Some(v);
+        if let Some(w) = s.waker.take() {
+            w.wake();
+        }
+    });
+    (fut, JoinHandle { state })
+}
