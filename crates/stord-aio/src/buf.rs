@@ -155,6 +155,54 @@ unsafe impl IoBufMut for AlignedBuf {
     }
 }
 
+/// A sub-range of an owned buffer, so an operation can fill or send part of it.
+#[derive(Debug)]
+pub struct Slice<B> {
+    buf: B,
+    start: usize,
+    end: usize,
+}
+
+impl<B: IoBuf> Slice<B> {
+    /// `buf[start..end]`.
+    ///
+    /// # Panics
+    /// If the range is out of bounds.
+    pub fn new(buf: B, start: usize, end: usize) -> Self {
+        assert!(start <= end && end <= buf.bytes_len(), "slice out of range");
+        Self { buf, start, end }
+    }
+
+    /// Gives the whole buffer back.
+    pub fn into_inner(self) -> B {
+        self.buf
+    }
+
+    /// The range's start within the buffer.
+    pub fn start(&self) -> usize {
+        self.start
+    }
+}
+
+// SAFETY: a sub-range of a buffer whose bytes are stable and initialised (B's contract).
+unsafe impl<B: IoBuf> IoBuf for Slice<B> {
+    fn stable_ptr(&self) -> *const u8 {
+        // SAFETY: start <= len, checked in `new`.
+        unsafe { self.buf.stable_ptr().add(self.start) }
+    }
+    fn bytes_len(&self) -> usize {
+        self.end - self.start
+    }
+}
+
+// SAFETY: as above, and B is writable.
+unsafe impl<B: IoBufMut> IoBufMut for Slice<B> {
+    fn stable_mut_ptr(&mut self) -> *mut u8 {
+        // SAFETY: start <= len, checked in `new`.
+        unsafe { self.buf.stable_mut_ptr().add(self.start) }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -48,7 +48,7 @@ mod task;
 mod timer;
 
 pub use bh::{Bh, RemoteBh};
-pub use buf::{AlignedBuf, IoBuf, IoBufMut};
+pub use buf::{AlignedBuf, IoBuf, IoBufMut, Slice};
 pub use context::{with_current_context, AioContext, AioContextOptions};
 pub use handler::{FdHandlerId, Interest, PollHandler, PollHandlerId, Readiness};
 pub use iothread::IoThread;

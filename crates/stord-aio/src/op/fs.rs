@@ -65,6 +65,18 @@ pub fn fallocate(fd: RawFd, mode: i32, offset: u64, len: u64) -> Op<Fallocate> {
     })
 }
 
+/// Non-blocking fds (pipes, sockets) may say EAGAIN: wait for readiness and retry.
+fn would_block(res: i32, fd: RawFd, events: i16) -> Blocking {
+    if res == -libc::EAGAIN {
+        Blocking::WaitFor(fd, events as u32)
+    } else {
+        Blocking::Done(res)
+    }
+}
+
+/// Offset meaning "the file's current position": use it for sockets and pipes.
+pub const CURRENT_POSITION: u64 = u64::MAX;
+
 /// See [`read`].
 pub struct Read<B> {
     fd: RawFd,
@@ -157,7 +169,8 @@ impl<B: IoBufMut> OpDesc for Readv<B> {
     fn run_blocking(&mut self) -> Blocking {
         self.build_iovecs();
         // SAFETY: every iovec names a buffer owned by this op, writable for its length.
-        Blocking::Done(unsafe { blocking::preadv(self.fd, &self.iovecs, self.offset, 0) })
+        let r = unsafe { blocking::preadv(self.fd, &self.iovecs, self.offset, 0) };
+        would_block(r, self.fd, libc::POLLIN)
     }
     fn finish(self, res: i32) -> Self::Output {
         (to_result(res), self.bufs)

@@ -12,7 +12,7 @@ mod fs;
 mod net;
 mod poll;
 
-pub use fs::{fallocate, fsync, read, readv, write, writev, writev_flags};
+pub use fs::{fallocate, fsync, read, readv, write, writev, writev_flags, CURRENT_POSITION};
 pub use net::{recv, send};
 pub use poll::{poll_add, timeout, Timeout};
 
