@@ -1,1 +1,13 @@
-//! stord: block nodes exported over NBD, FUSE and vhost-user-blk, on `stord-aio` loops.
+//! stord: block nodes exported over NBD (and later FUSE and vhost-user-blk), served by
+//! `stord-aio` IoThreads, driven by a qemu-storage-daemon compatible command line.
+//!
+//! - [`block`]: the `BlockDriver` trait, `BlockNode`, and the drivers (`null`, `file`).
+//! - [`export`]: one folder per export protocol.
+//! - [`cli`]: qsd's option syntax.
+//! - [`daemon`]: wiring: iothreads, nodes, exports, the main loop and the default job.
+
+pub mod block;
+pub mod cli;
+pub mod daemon;
+pub mod export;
+pub mod sys;

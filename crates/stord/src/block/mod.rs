@@ -1,0 +1,234 @@
+//! The block layer: drivers behind one trait, and `BlockNode`, a named driver instance with
+//! flags and statistics.
+//!
+//! Drivers are `Send + Sync` so a node can be shared by exports on several IoThreads; their
+//! request futures are not `Send`: a request runs entirely on the IoThread that issued it
+//! (for the io_uring backend, on that thread's own ring).
+
+pub mod file;
+pub mod null;
+
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+
+use stord_aio::sys::now_ns;
+use stord_aio::{AlignedBuf, Histogram};
+
+/// A request's future (not Send: it belongs to the issuing thread).
+pub type BoxFut<'a, T> = Pin<Box<dyn Future<Output = T> + 'a>>;
+
+/// The buffer requests carry: aligned for O_DIRECT, owned for the duration of the I/O.
+pub type Buf = AlignedBuf;
+
+/// Memory alignment of request buffers.
+pub const BUF_ALIGN: usize = 4096;
+
+/// A fresh request buffer of `len` bytes.
+pub fn new_buf(len: usize) -> Buf {
+    AlignedBuf::zeroed(len, BUF_ALIGN)
+}
+
+/// The allocation status of a range's first extent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockStatus {
+    /// Length of the extent (at least 1, at most the range asked about).
+    pub len: u64,
+    /// The extent has storage allocated (false: a hole).
+    pub allocated: bool,
+    /// The extent reads as zeroes.
+    pub zero: bool,
+}
+
+/// A block driver. Offsets and lengths have been checked against the size by the node.
+pub trait BlockDriver: Send + Sync {
+    /// The driver's name as on the command line (`null-co`, `file`).
+    fn driver_name(&self) -> &'static str;
+    /// Current size in bytes.
+    fn size(&self) -> u64;
+    /// Reads `buf.len()` bytes at `offset` into `buf`.
+    fn read(&self, offset: u64, buf: Buf) -> BoxFut<'_, (io::Result<()>, Buf)>;
+    /// Writes `buf` at `offset`; with `fua`, the data is durable when this completes.
+    fn write(&self, offset: u64, buf: Buf, fua: bool) -> BoxFut<'_, (io::Result<()>, Buf)>;
+    /// Makes completed writes durable.
+    fn flush(&self) -> BoxFut<'_, io::Result<()>>;
+    /// Drops the data of a range (may do nothing).
+    fn discard(&self, offset: u64, len: u64) -> BoxFut<'_, io::Result<()>>;
+    /// Zeroes a range; `may_unmap` allows leaving a hole.
+    fn write_zeroes(&self, offset: u64, len: u64, may_unmap: bool) -> BoxFut<'_, io::Result<()>>;
+    /// Status of the first extent of `[offset, offset+len)`.
+    fn block_status(&self, offset: u64, len: u64) -> BoxFut<'_, io::Result<BlockStatus>>;
+    /// Changes the size.
+    fn resize(&self, size: u64) -> BoxFut<'_, io::Result<()>>;
+    /// Extra description for query commands (e.g. the file name).
+    fn filename(&self) -> Option<String> {
+        None
+    }
+}
+
+/// Per-node counters (read from any thread).
+#[derive(Debug, Default)]
+pub struct NodeStats {
+    /// Read requests.
+    pub rd_ops: AtomicU64,
+    /// Write requests.
+    pub wr_ops: AtomicU64,
+    /// Flushes.
+    pub flush_ops: AtomicU64,
+    /// Discards.
+    pub discard_ops: AtomicU64,
+    /// Write-zeroes requests.
+    pub zero_ops: AtomicU64,
+    /// Bytes read.
+    pub rd_bytes: AtomicU64,
+    /// Bytes written.
+    pub wr_bytes: AtomicU64,
+    /// Failed requests.
+    pub errors: AtomicU64,
+    /// Request latency in nanoseconds (power-of-two buckets).
+    pub latency_ns: Histogram,
+}
+
+/// A named block node.
+pub struct BlockNode {
+    /// `node-name`.
+    pub name: String,
+    /// Refuse writes.
+    pub read_only: bool,
+    /// Opened with O_DIRECT.
+    pub direct: bool,
+    /// Counters.
+    pub stats: NodeStats,
+    driver: Box<dyn BlockDriver>,
+}
+
+fn einval(what: &str) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidInput, what.to_string())
+}
+
+impl BlockNode {
+    /// Wraps a driver.
+    pub fn new(name: String, driver: Box<dyn BlockDriver>, read_only: bool, direct: bool) -> Self {
+        Self { name, read_only, direct, stats: NodeStats::default(), driver }
+    }
+
+    /// The driver's name.
+    pub fn driver_name(&self) -> &'static str {
+        self.driver.driver_name()
+    }
+
+    /// The backing file, if any.
+    pub fn filename(&self) -> Option<String> {
+        self.driver.filename()
+    }
+
+    /// Current size.
+    pub fn size(&self) -> u64 {
+        self.driver.size()
+    }
+
+    fn check_range(&self, offset: u64, len: u64) -> io::Result<()> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.size() => Ok(()),
+            _ => Err(einval("request beyond the end of the node")),
+        }
+    }
+
+    fn check_writable(&self) -> io::Result<()> {
+        if self.read_only {
+            Err(io::Error::from_raw_os_error(libc::EPERM))
+        } else {
+            Ok(())
+        }
+    }
+
+    fn account<T>(&self, start: u64, r: &io::Result<T>) {
+        if r.is_err() {
+            self.stats.errors.fetch_add(1, Relaxed);
+        }
+        self.stats.latency_ns.record(now_ns() - start);
+    }
+
+    /// Reads `buf.len()` bytes at `offset`.
+    pub async fn read(&self, offset: u64, buf: Buf) -> (io::Result<()>, Buf) {
+        let start = now_ns();
+        self.stats.rd_ops.fetch_add(1, Relaxed);
+        if let Err(e) = self.check_range(offset, buf.len() as u64) {
+            self.stats.errors.fetch_add(1, Relaxed);
+            return (Err(e), buf);
+        }
+        let (r, buf) = self.driver.read(offset, buf).await;
+        if r.is_ok() {
+            self.stats.rd_bytes.fetch_add(buf.len() as u64, Relaxed);
+        }
+        self.account(start, &r);
+        (r, buf)
+    }
+
+    /// Writes `buf` at `offset`.
+    pub async fn write(&self, offset: u64, buf: Buf, fua: bool) -> (io::Result<()>, Buf) {
+        let start = now_ns();
+        self.stats.wr_ops.fetch_add(1, Relaxed);
+        if let Err(e) = self.check_writable().and_then(|_| self.check_range(offset, buf.len() as u64)) {
+            self.stats.errors.fetch_add(1, Relaxed);
+            return (Err(e), buf);
+        }
+        let (r, buf) = self.driver.write(offset, buf, fua).await;
+        if r.is_ok() {
+            self.stats.wr_bytes.fetch_add(buf.len() as u64, Relaxed);
+        }
+        self.account(start, &r);
+        (r, buf)
+    }
+
+    /// Flushes.
+    pub async fn flush(&self) -> io::Result<()> {
+        let start = now_ns();
+        self.stats.flush_ops.fetch_add(1, Relaxed);
+        let r = self.driver.flush().await;
+        self.account(start, &r);
+        r
+    }
+
+    /// Discards a range.
+    pub async fn discard(&self, offset: u64, len: u64) -> io::Result<()> {
+        let start = now_ns();
+        self.stats.discard_ops.fetch_add(1, Relaxed);
+        let r = match self.check_writable().and_then(|_| self.check_range(offset, len)) {
+            Ok(()) => self.driver.discard(offset, len).await,
+            Err(e) => Err(e),
+        };
+        self.account(start, &r);
+        r
+    }
+
+    /// Zeroes a range.
+    pub async fn write_zeroes(&self, offset: u64, len: u64, may_unmap: bool) -> io::Result<()> {
+        let start = now_ns();
+        self.stats.zero_ops.fetch_add(1, Relaxed);
+        let r = match self.check_writable().and_then(|_| self.check_range(offset, len)) {
+            Ok(()) => self.driver.write_zeroes(offset, len, may_unmap).await,
+            Err(e) => Err(e),
+        };
+        self.account(start, &r);
+        r
+    }
+
+    /// Allocation status of the first extent of a range.
+    pub async fn block_status(&self, offset: u64, len: u64) -> io::Result<BlockStatus> {
+        self.check_range(offset, len)?;
+        if len == 0 {
+            return Err(einval("empty block-status request"));
+        }
+        let mut st = self.driver.block_status(offset, len).await?;
+        st.len = st.len.clamp(1, len);
+        Ok(st)
+    }
+
+    /// Resizes.
+    pub async fn resize(&self, size: u64) -> io::Result<()> {
+        self.check_writable()?;
+        self.driver.resize(size).await
+    }
+}

@@ -1,0 +1,74 @@
+//! `null` (qsd: `null-co`): a device of a given size that stores nothing.
+//!
+//! Reads return zeroes with `read-zeroes=on`; with `read-zeroes=off` (the default, as in
+//! qsd) the buffer is handed back as it is, which costs nothing. Writes are dropped.
+
+use std::io;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+
+use super::{BlockDriver, BlockStatus, BoxFut, Buf};
+use crate::cli::keyval::KeyVal;
+
+/// qsd's default null size (1 GiB).
+pub const DEFAULT_SIZE: u64 = 1 << 30;
+
+/// The null driver.
+pub struct NullDriver {
+    size: AtomicU64,
+    read_zeroes: bool,
+}
+
+impl NullDriver {
+    /// A null device.
+    pub fn new(size: u64, read_zeroes: bool) -> Self {
+        Self { size: AtomicU64::new(size), read_zeroes }
+    }
+
+    /// From `--blockdev driver=null,size=...,read-zeroes=on|off`.
+    pub fn from_opts(opts: &mut KeyVal) -> Result<Self, String> {
+        let size = opts.take_u64("size", true)?.unwrap_or(DEFAULT_SIZE);
+        let read_zeroes = opts.take_bool("read-zeroes", false)?;
+        // qsd's null-co also takes latency-ns; accept 0 only (we do not simulate latency).
+        if let Some(l) = opts.take_u64("latency-ns", false)? {
+            if l != 0 {
+                return Err(format!("{}: latency-ns is not supported (only 0)", opts.what));
+            }
+        }
+        Ok(Self::new(size, read_zeroes))
+    }
+}
+
+impl BlockDriver for NullDriver {
+    fn driver_name(&self) -> &'static str {
+        "null-co"
+    }
+    fn size(&self) -> u64 {
+        self.size.load(Relaxed)
+    }
+    fn read(&self, _offset: u64, mut buf: Buf) -> BoxFut<'_, (io::Result<()>, Buf)> {
+        if self.read_zeroes {
+            buf.fill(0);
+        }
+        Box::pin(std::future::ready((Ok(()), buf)))
+    }
+    fn write(&self, _offset: u64, buf: Buf, _fua: bool) -> BoxFut<'_, (io::Result<()>, Buf)> {
+        Box::pin(std::future::ready((Ok(()), buf)))
+    }
+    fn flush(&self) -> BoxFut<'_, io::Result<()>> {
+        Box::pin(std::future::ready(Ok(())))
+    }
+    fn discard(&self, _: u64, _: u64) -> BoxFut<'_, io::Result<()>> {
+        Box::pin(std::future::ready(Ok(())))
+    }
+    fn write_zeroes(&self, _: u64, _: u64, _: bool) -> BoxFut<'_, io::Result<()>> {
+        Box::pin(std::future::ready(Ok(())))
+    }
+    fn block_status(&self, _offset: u64, len: u64) -> BoxFut<'_, io::Result<BlockStatus>> {
+        let zero = self.read_zeroes;
+        Box::pin(std::future::ready(Ok(BlockStatus { len, allocated: true, zero })))
+    }
+    fn resize(&self, size: u64) -> BoxFut<'_, io::Result<()>> {
+        self.size.store(size, Relaxed);
+        Box::pin(std::future::ready(Ok(())))
+    }
+}

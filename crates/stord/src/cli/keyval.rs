@@ -1,0 +1,206 @@
+//! QEMU's `key=value,key2=value2` option syntax (as in `--blockdev driver=file,...`).
+//!
+//! Commas inside a value are written `,,`. The first element may be a bare word that
+//! stands for an implied key (`--object iothread,id=io0` means `qom-type=iothread`). A
+//! value that starts with `{` is parsed as JSON instead, as qsd also accepts. Every key
+//! must be consumed by whoever parses the options; leftovers are reported by name.
+
+use std::collections::BTreeMap;
+
+/// Parsed options, in the order given; `take_*` consumes them.
+#[derive(Debug, Clone, Default)]
+pub struct KeyVal {
+    /// What the options describe, for error messages (e.g. "--blockdev").
+    pub what: String,
+    map: BTreeMap<String, String>,
+}
+
+impl KeyVal {
+    /// Parses `s`; `implied` names the key of a leading bare word, if allowed.
+    pub fn parse(what: &str, s: &str, implied: Option<&str>) -> Result<Self, String> {
+        let mut kv = KeyVal { what: what.to_string(), map: BTreeMap::new() };
+        if s.trim_start().starts_with('{') {
+            let v: serde_json::Value =
+                serde_json::from_str(s).map_err(|e| format!("{what}: invalid JSON: {e}"))?;
+            let obj = v.as_object().ok_or_else(|| format!("{what}: expected a JSON object"))?;
+            flatten_json(&mut kv.map, "", obj);
+            return Ok(kv);
+        }
+        let mut items = Vec::new();
+        let mut cur = String::new();
+        let mut chars = s.chars().peekable();
+        while let Some(c) = chars.next() {
+            if c == ',' {
+                if chars.peek() == Some(&',') {
+                    chars.next();
+                    cur.push(',');
+                } else {
+                    items.push(std::mem::take(&mut cur));
+                }
+            } else {
+                cur.push(c);
+            }
+        }
+        items.push(cur);
+        for (i, item) in items.into_iter().enumerate() {
+            if item.is_empty() {
+                continue;
+            }
+            let (k, v) = match (item.split_once('='), implied) {
+                (Some((k, v)), _) => (k.to_string(), v.to_string()),
+                (None, Some(key)) if i == 0 => (key.to_string(), item.clone()),
+                (None, _) => return Err(format!("{what}: expected key=value, got '{item}'")),
+            };
+            if k.is_empty() {
+                return Err(format!("{what}: empty key in '{item}'"));
+            }
+            if kv.map.insert(k.clone(), v).is_some() {
+                return Err(format!("{what}: option '{k}' given twice"));
+            }
+        }
+        Ok(kv)
+    }
+
+    /// Builds options from already split pairs (used for QMP-like input).
+    pub fn from_pairs(what: &str, pairs: impl IntoIterator<Item = (String, String)>) -> Self {
+        KeyVal { what: what.to_string(), map: pairs.into_iter().collect() }
+    }
+
+    /// Removes and returns a string option.
+    pub fn take(&mut self, key: &str) -> Option<String> {
+        self.map.remove(key)
+    }
+
+    /// A required string option.
+    pub fn take_required(&mut self, key: &str) -> Result<String, String> {
+        self.take(key)
+            .ok_or_else(|| format!("{}: parameter '{key}' is missing", self.what))
+    }
+
+    /// An `on|off` option (also `true|false|yes|no`).
+    pub fn take_bool(&mut self, key: &str, default: bool) -> Result<bool, String> {
+        match self.take(key).as_deref() {
+            None => Ok(default),
+            Some("on" | "true" | "yes") => Ok(true),
+            Some("off" | "false" | "no") => Ok(false),
+            Some(v) => Err(format!(
+                "{}: parameter '{key}' expects 'on' or 'off', got '{v}'",
+                self.what
+            )),
+        }
+    }
+
+    /// A number, with QEMU's size suffixes (k, M, G, T, in powers of 1024) when `size`.
+    pub fn take_u64(&mut self, key: &str, size: bool) -> Result<Option<u64>, String> {
+        let Some(v) = self.take(key) else { return Ok(None) };
+        parse_u64(&v, size)
+            .map(Some)
+            .ok_or_else(|| {
+                let kind = if size { "a size (e.g. 1G, 512M, 4096)" } else { "a non-negative integer" };
+                format!("{}: parameter '{key}' expects {kind}, got '{v}'", self.what)
+            })
+    }
+
+    /// An option whose value is one of `allowed`.
+    pub fn take_choice(&mut self, key: &str, allowed: &[&str]) -> Result<Option<String>, String> {
+        match self.take(key) {
+            None => Ok(None),
+            Some(v) if allowed.contains(&v.as_str()) => Ok(Some(v)),
+            Some(v) => Err(format!(
+                "{}: parameter '{key}' expects one of {}, got '{v}'",
+                self.what,
+                allowed.join(", ")
+            )),
+        }
+    }
+
+    /// Fails naming the first option nobody consumed.
+    pub fn finish(self) -> Result<(), String> {
+        match self.map.keys().next() {
+            None => Ok(()),
+            Some(k) => Err(format!("{}: invalid parameter '{k}'", self.what)),
+        }
+    }
+}
+
+fn flatten_json(out: &mut BTreeMap<String, String>, prefix: &str, obj: &serde_json::Map<String, serde_json::Value>) {
+    for (k, v) in obj {
+        let key = if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") };
+        match v {
+            serde_json::Value::Object(o) => flatten_json(out, &key, o),
+            serde_json::Value::String(s) => {
+                out.insert(key, s.clone());
+            }
+            serde_json::Value::Bool(b) => {
+                out.insert(key, if *b { "on" } else { "off" }.to_string());
+            }
+            other => {
+                out.insert(key, other.to_string());
+            }
+        }
+    }
+}
+
+/// Parses a number; with `size`, accepts k/M/G/T/P/E suffixes (powers of 1024).
+pub fn parse_u64(v: &str, size: bool) -> Option<u64> {
+    let v = v.trim();
+    if let Ok(n) = v.parse::<u64>() {
+        return Some(n);
+    }
+    if !size || v.is_empty() {
+        return None;
+    }
+    let (num, suffix) = v.split_at(v.len() - 1);
+    let shift = match suffix {
+        "k" | "K" => 10,
+        "M" | "m" => 20,
+        "G" | "g" => 30,
+        "T" | "t" => 40,
+        "P" | "p" => 50,
+        "E" | "e" => 60,
+        _ => return None,
+    };
+    let n: u64 = num.parse().ok()?;
+    n.checked_mul(1u64 << shift)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_qemu_keyval() {
+        let mut kv = KeyVal::parse("--object", "iothread,id=io0,poll-max-ns=1000", Some("qom-type")).unwrap();
+        assert_eq!(kv.take("qom-type").as_deref(), Some("iothread"));
+        assert_eq!(kv.take_u64("poll-max-ns", false).unwrap(), Some(1000));
+        assert_eq!(kv.take("id").as_deref(), Some("io0"));
+        kv.finish().unwrap();
+    }
+
+    #[test]
+    fn double_comma_escapes_and_errors_name_the_option() {
+        let mut kv = KeyVal::parse("--blockdev", "driver=file,filename=a,,b.img,cache.direct=maybe", None).unwrap();
+        assert_eq!(kv.take("filename").as_deref(), Some("a,b.img"));
+        let e = kv.take_bool("cache.direct", false).unwrap_err();
+        assert!(e.contains("cache.direct") && e.contains("maybe"), "{e}");
+        let e = kv.finish().unwrap_err();
+        assert!(e.contains("'driver'"), "{e}");
+        assert!(KeyVal::parse("--export", "type=nbd,oops", None).unwrap_err().contains("oops"));
+        assert!(KeyVal::parse("--export", "a=1,a=2", None).unwrap_err().contains("twice"));
+    }
+
+    #[test]
+    fn sizes_and_json() {
+        assert_eq!(parse_u64("1G", true), Some(1 << 30));
+        assert_eq!(parse_u64("512k", true), Some(512 << 10));
+        assert_eq!(parse_u64("1G", false), None);
+        let mut kv = KeyVal::parse(
+            "--blockdev",
+            r#"{"driver":"file","cache":{"direct":true},"size":4096}"#,
+            None,
+        )
+        .unwrap();
+        assert!(kv.take_bool("cache.direct", false).unwrap());
+        assert_eq!(kv.take_u64("size", true).unwrap(), Some(4096));
+    }
+}

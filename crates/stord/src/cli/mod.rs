@@ -1,0 +1,146 @@
+//! The command line, in qemu-storage-daemon's syntax for what stord implements.
+//!
+//! ```text
+//! stord --object iothread,id=io0,poll-max-ns=32768
+//!       --blockdev driver=file,node-name=disk,filename=disk.img,aio=io_uring,cache.direct=on
+//!       --nbd-server addr.type=unix,addr.path=/tmp/nbd.sock
+//!       --export type=nbd,id=exp0,node-name=disk,name=disk,writable=on,iothread=io0
+//!       --pidfile /run/stord.pid
+//! ```
+//!
+//! Each option takes its value as the next argument or after `=`. Values are QEMU
+//! key=value lists ([`keyval`]) or JSON objects.
+
+pub mod keyval;
+
+use std::path::PathBuf;
+
+/// One option that creates something, kept in command-line order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Item {
+    /// `--object`.
+    Object(String),
+    /// `--blockdev`.
+    Blockdev(String),
+    /// `--nbd-server`.
+    NbdServer(String),
+    /// `--export`.
+    Export(String),
+}
+
+/// The parsed command line.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CommandLine {
+    /// Creating options, in order.
+    pub items: Vec<Item>,
+    /// `--pidfile`.
+    pub pidfile: Option<PathBuf>,
+    /// `-h` / `--help`.
+    pub help: bool,
+    /// `-V` / `--version`.
+    pub version: bool,
+}
+
+/// The help text.
+pub const USAGE: &str = "\
+Usage: stord [options]
+Serve block nodes over NBD, with qemu-storage-daemon's command-line syntax.
+With no options, serves data/default.img (created sparse, 1 GiB) over NBD on a unix socket.
+
+  -h, --help                show this help
+  -V, --version             show the version
+  --object iothread,id=<id>[,poll-max-ns=<ns>][,poll-grow=<n>][,poll-shrink=<n>]
+           [,poll-weight=<0..63>][,poll-policy=off|classic|weighted|haltpoll]
+           [,poll-grow-start=<ns>][,poll-allow-shrink=on|off][,reactor=auto|io_uring|epoll]
+                            an IoThread (an event loop on its own thread)
+  --blockdev driver=null-co|null,node-name=<name>[,size=<size>][,read-zeroes=on|off]
+  --blockdev driver=file,node-name=<name>,filename=<path>[,aio=io_uring|native|threads]
+             [,cache.direct=on|off][,aio-max-batch=<n>][,discard=unmap|ignore][,read-only=on|off]
+                            a block node
+  --nbd-server addr.type=unix,addr.path=<path> | addr.type=inet,addr.host=<host>,addr.port=<port>
+               [,max-connections=<n>]
+                            the NBD server
+  --export type=nbd,id=<id>,node-name=<name>[,name=<export name>][,description=<text>]
+           [,writable=on|off][,iothread=<id>]
+                            export a node over NBD
+  --pidfile <path>          write the process id once everything is ready
+";
+
+/// Parses the arguments after the program name.
+pub fn parse(args: &[String]) -> Result<CommandLine, String> {
+    let mut cl = CommandLine::default();
+    let mut i = 0;
+    while i < args.len() {
+        let arg = &args[i];
+        let (name, inline) = match arg.split_once('=') {
+            Some((n, v)) if n.starts_with("--") => (n, Some(v.to_string())),
+            _ => (arg.as_str(), None),
+        };
+        let needs_value = matches!(name, "--object" | "--blockdev" | "--nbd-server" | "--export" | "--pidfile");
+        let value = if needs_value {
+            match inline {
+                Some(v) => Some(v),
+                None => {
+                    i += 1;
+                    Some(args.get(i).cloned().ok_or_else(|| format!("option '{name}' requires an argument"))?)
+                }
+            }
+        } else {
+            if inline.is_some() {
+                return Err(format!("option '{name}' takes no argument"));
+            }
+            None
+        };
+        match name {
+            "-h" | "--help" => cl.help = true,
+            "-V" | "--version" => cl.version = true,
+            "--object" => cl.items.push(Item::Object(value.expect("value"))),
+            "--blockdev" => cl.items.push(Item::Blockdev(value.expect("value"))),
+            "--nbd-server" => cl.items.push(Item::NbdServer(value.expect("value"))),
+            "--export" => cl.items.push(Item::Export(value.expect("value"))),
+            "--pidfile" => cl.pidfile = Some(PathBuf::from(value.expect("value"))),
+            other => {
+                return Err(format!(
+                    "unrecognized option '{other}' (supported: --object, --blockdev, --nbd-server, --export, --pidfile, --help, --version)"
+                ))
+            }
+        }
+        i += 1;
+    }
+    Ok(cl)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(s: &[&str]) -> Vec<String> {
+        s.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn parses_qsd_style_options() {
+        let cl = parse(&args(&[
+            "--object",
+            "iothread,id=io0",
+            "--blockdev=driver=null-co,node-name=n0",
+            "--nbd-server",
+            "addr.type=unix,addr.path=/tmp/x",
+            "--export",
+            "type=nbd,id=e,node-name=n0",
+            "--pidfile",
+            "/tmp/pid",
+        ]))
+        .unwrap();
+        assert_eq!(cl.items.len(), 4);
+        assert_eq!(cl.items[1], Item::Blockdev("driver=null-co,node-name=n0".into()));
+        assert_eq!(cl.pidfile, Some(PathBuf::from("/tmp/pid")));
+    }
+
+    #[test]
+    fn errors_name_the_option() {
+        assert!(parse(&args(&["--bogus"])).unwrap_err().contains("--bogus"));
+        assert!(parse(&args(&["--blockdev"])).unwrap_err().contains("--blockdev"));
+        assert!(parse(&args(&["--help=x"])).unwrap_err().contains("--help"));
+    }
+}

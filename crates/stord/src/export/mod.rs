@@ -1,0 +1,3 @@
+//! Exports: how block nodes reach clients. One folder per protocol.
+
+pub mod nbd;

@@ -1,0 +1,257 @@
+//! The fixed-newstyle negotiation phase, run on the main loop for each new connection.
+//!
+//! It ends with the export chosen (OPT_GO or OPT_EXPORT_NAME) and the options that matter
+//! to the transmission phase (structured replies, the base:allocation context), or with the
+//! connection closed (OPT_ABORT, a malformed message, end of stream).
+
+use std::io;
+use std::os::fd::RawFd;
+use std::sync::Arc;
+
+use super::io::{send_all, OutChunk, SockReader};
+use super::proto::*;
+use super::{ExportTable, NbdExport};
+
+/// What the negotiation settled.
+pub struct Negotiated {
+    /// The export.
+    pub export: Arc<NbdExport>,
+    /// Structured replies are on.
+    pub structured: bool,
+    /// base:allocation was selected for this export.
+    pub base_allocation: bool,
+    /// Bytes the client already sent past the negotiation.
+    pub pending: Vec<u8>,
+}
+
+fn invalid(msg: &str) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, msg.to_string())
+}
+
+fn opt_reply(opt: u32, kind: u32, data: &[u8]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(20 + data.len());
+    v.extend_from_slice(&OPT_REPLY_MAGIC.to_be_bytes());
+    v.extend_from_slice(&opt.to_be_bytes());
+    v.extend_from_slice(&kind.to_be_bytes());
+    v.extend_from_slice(&(data.len() as u32).to_be_bytes());
+    v.extend_from_slice(data);
+    v
+}
+
+fn opt_error(opt: u32, kind: u32, msg: &str) -> Vec<u8> {
+    opt_reply(opt, kind, msg.as_bytes())
+}
+
+/// A parser over an option's payload.
+struct Cursor<'a> {
+    data: &'a [u8],
+}
+
+impl<'a> Cursor<'a> {
+    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
+        if self.data.len() < n {
+            return None;
+        }
+        let (a, b) = self.data.split_at(n);
+        self.data = b;
+        Some(a)
+    }
+    fn u16(&mut self) -> Option<u16> {
+        self.take(2).map(|b| u16::from_be_bytes([b[0], b[1]]))
+    }
+    fn u32(&mut self) -> Option<u32> {
+        self.take(4).map(|b| u32::from_be_bytes([b[0], b[1], b[2], b[3]]))
+    }
+    fn string(&mut self) -> Option<String> {
+        let n = self.u32()? as usize;
+        if n > 4096 {
+            return None;
+        }
+        self.take(n).map(|b| String::from_utf8_lossy(b).into_owned())
+    }
+}
+
+fn export_info(e: &NbdExport, structured: bool) -> Vec<u8> {
+    let mut v = Vec::with_capacity(12);
+    v.extend_from_slice(&INFO_EXPORT.to_be_bytes());
+    v.extend_from_slice(&e.node.size().to_be_bytes());
+    v.extend_from_slice(&e.transmission_flags(structured).to_be_bytes());
+    v
+}
+
+/// Runs the negotiation on `fd`. `Ok(None)`: the client ended it cleanly.
+pub async fn negotiate(fd: RawFd, exports: &ExportTable) -> io::Result<Option<Negotiated>> {
+    let mut hello = Vec::with_capacity(18);
+    hello.extend_from_slice(&NBDMAGIC.to_be_bytes());
+    hello.extend_from_slice(&IHAVEOPT.to_be_bytes());
+    hello.extend_from_slice(&(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES).to_be_bytes());
+    send_all(fd, vec![OutChunk::Bytes(hello)]).await?;
+
+    let mut rd = SockReader::new(fd, Vec::new());
+    rd.ensure(4).await?;
+    let cflags = u32::from_be_bytes(rd.consume(4).try_into().expect("4 bytes"));
+    if cflags & !(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES) != 0 {
+        return Err(invalid("unknown client flags"));
+    }
+    let no_zeroes = cflags & FLAG_C_NO_ZEROES != 0;
+    let mut structured = false;
+    // (export name, selected) of the last SET_META_CONTEXT.
+    let mut meta: Option<(String, bool)> = None;
+
+    loop {
+        rd.ensure(16).await?;
+        let h = rd.consume(16);
+        let magic = u64::from_be_bytes(h[..8].try_into().expect("8 bytes"));
+        let opt = u32::from_be_bytes(h[8..12].try_into().expect("4 bytes"));
+        let len = u32::from_be_bytes(h[12..16].try_into().expect("4 bytes"));
+        if magic != IHAVEOPT {
+            return Err(invalid("bad option magic"));
+        }
+        if len > MAX_OPTION_LEN {
+            // Too big to be honest: answer, skip it, carry on.
+            rd.discard(len as usize).await?;
+            send_all(fd, vec![OutChunk::Bytes(opt_error(opt, REP_ERR_TOO_BIG, "option too long"))]).await?;
+            continue;
+        }
+        let data = rd.read_vec(len as usize).await?;
+        let mut replies: Vec<u8> = Vec::new();
+        match opt {
+            OPT_EXPORT_NAME => {
+                let name = String::from_utf8_lossy(&data).into_owned();
+                let Some(export) = exports.find(&name) else {
+                    // No way to report an error here: the protocol says close.
+                    return Err(invalid("unknown export"));
+                };
+                let mut v = Vec::with_capacity(10 + 124);
+                v.extend_from_slice(&export.node.size().to_be_bytes());
+                v.extend_from_slice(&export.transmission_flags(structured).to_be_bytes());
+                if !no_zeroes {
+                    v.extend_from_slice(&[0u8; 124]);
+                }
+                send_all(fd, vec![OutChunk::Bytes(v)]).await?;
+                let base_allocation = meta.as_ref().is_some_and(|(n, sel)| *sel && exports.same(n, &name));
+                return Ok(Some(Negotiated { export, structured, base_allocation, pending: rd.into_pending() }));
+            }
+            OPT_ABORT => {
+                let _ = send_all(fd, vec![OutChunk::Bytes(opt_reply(opt, REP_ACK, &[]))]).await;
+                return Ok(None);
+            }
+            OPT_LIST => {
+                if !data.is_empty() {
+                    replies = opt_error(opt, REP_ERR_INVALID, "LIST takes no data");
+                } else {
+                    for e in exports.all() {
+                        let mut d = Vec::new();
+                        d.extend_from_slice(&(e.name.len() as u32).to_be_bytes());
+                        d.extend_from_slice(e.name.as_bytes());
+                        d.extend_from_slice(e.description.as_bytes());
+                        replies.extend(opt_reply(opt, REP_SERVER, &d));
+                    }
+                    replies.extend(opt_reply(opt, REP_ACK, &[]));
+                }
+            }
+            OPT_STARTTLS => replies = opt_error(opt, REP_ERR_POLICY, "TLS is not configured"),
+            OPT_STRUCTURED_REPLY => {
+                if !data.is_empty() {
+                    replies = opt_error(opt, REP_ERR_INVALID, "STRUCTURED_REPLY takes no data");
+                } else {
+                    structured = true;
+                    replies = opt_reply(opt, REP_ACK, &[]);
+                }
+            }
+            OPT_INFO | OPT_GO => {
+                let mut c = Cursor { data: &data };
+                let parsed = (|| {
+                    let name = c.string()?;
+                    let n = c.u16()? as usize;
+                    let reqs: Vec<u16> = (0..n).map(|_| c.u16()).collect::<Option<_>>()?;
+                    c.data.is_empty().then_some((name, reqs))
+                })();
+                match parsed {
+                    None => replies = opt_error(opt, REP_ERR_INVALID, "malformed INFO/GO request"),
+                    Some((name, reqs)) => match exports.find(&name) {
+                        None => {
+                            replies = opt_error(opt, REP_ERR_UNKNOWN, &format!("export '{name}' not found"))
+                        }
+                        Some(export) => {
+                            replies.extend(opt_reply(opt, REP_INFO, &export_info(&export, structured)));
+                            if reqs.contains(&INFO_NAME) {
+                                let mut d = INFO_NAME.to_be_bytes().to_vec();
+                                d.extend_from_slice(export.name.as_bytes());
+                                replies.extend(opt_reply(opt, REP_INFO, &d));
+                            }
+                            if reqs.contains(&INFO_DESCRIPTION) && !export.description.is_empty() {
+                                let mut d = INFO_DESCRIPTION.to_be_bytes().to_vec();
+                                d.extend_from_slice(export.description.as_bytes());
+                                replies.extend(opt_reply(opt, REP_INFO, &d));
+                            }
+                            let mut d = INFO_BLOCK_SIZE.to_be_bytes().to_vec();
+                            d.extend_from_slice(&1u32.to_be_bytes());
+                            d.extend_from_slice(&4096u32.to_be_bytes());
+                            d.extend_from_slice(&MAX_PAYLOAD.to_be_bytes());
+                            replies.extend(opt_reply(opt, REP_INFO, &d));
+                            replies.extend(opt_reply(opt, REP_ACK, &[]));
+                            if opt == OPT_GO {
+                                send_all(fd, vec![OutChunk::Bytes(replies)]).await?;
+                                let base_allocation =
+                                    meta.as_ref().is_some_and(|(n, sel)| *sel && exports.same(n, &name));
+                                return Ok(Some(Negotiated {
+                                    export,
+                                    structured,
+                                    base_allocation,
+                                    pending: rd.into_pending(),
+                                }));
+                            }
+                        }
+                    },
+                }
+            }
+            OPT_LIST_META_CONTEXT | OPT_SET_META_CONTEXT => {
+                let set = opt == OPT_SET_META_CONTEXT;
+                let mut c = Cursor { data: &data };
+                let parsed = (|| {
+                    let name = c.string()?;
+                    let n = c.u32()? as usize;
+                    if n > 256 {
+                        return None;
+                    }
+                    let qs: Vec<String> = (0..n).map(|_| c.string()).collect::<Option<_>>()?;
+                    c.data.is_empty().then_some((name, qs))
+                })();
+                if set {
+                    meta = None;
+                }
+                if !structured {
+                    replies = opt_error(opt, REP_ERR_INVALID, "structured replies not negotiated");
+                } else {
+                    match parsed {
+                        None => replies = opt_error(opt, REP_ERR_INVALID, "malformed meta context request"),
+                        Some((name, qs)) if exports.find(&name).is_none() => {
+                            replies = opt_error(opt, REP_ERR_UNKNOWN, &format!("export '{name}' not found"));
+                            let _ = qs;
+                        }
+                        Some((name, qs)) => {
+                            let matches = if qs.is_empty() {
+                                !set
+                            } else {
+                                qs.iter().any(|q| q == META_BASE_ALLOCATION || (!set && q == "base:"))
+                            };
+                            if matches {
+                                let id = if set { META_BASE_ALLOCATION_ID } else { 0 };
+                                let mut d = id.to_be_bytes().to_vec();
+                                d.extend_from_slice(META_BASE_ALLOCATION.as_bytes());
+                                replies.extend(opt_reply(opt, REP_META_CONTEXT, &d));
+                            }
+                            replies.extend(opt_reply(opt, REP_ACK, &[]));
+                            if set {
+                                meta = Some((name, matches));
+                            }
+                        }
+                    }
+                }
+            }
+            _ => replies = opt_error(opt, REP_ERR_UNSUP, "unsupported option"),
+        }
+        send_all(fd, vec![OutChunk::Bytes(replies)]).await?;
+    }
+}

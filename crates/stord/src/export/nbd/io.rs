@@ -1,0 +1,206 @@
+//! Buffered socket input and gathered output for one NBD connection, on stord-aio ops.
+
+use std::io;
+use std::os::fd::RawFd;
+
+use stord_aio::{op, Interest, IoBuf, Slice};
+
+use crate::block::{new_buf, Buf};
+
+const READ_BUF: usize = 256 << 10;
+
+fn eof() -> io::Error {
+    io::Error::new(io::ErrorKind::UnexpectedEof, "connection closed")
+}
+
+/// Reads from a socket in bulk and hands out exact-sized pieces.
+pub struct SockReader {
+    fd: RawFd,
+    buf: Option<Vec<u8>>,
+    start: usize,
+    end: usize,
+}
+
+impl SockReader {
+    /// A reader that first returns `pending` (bytes already read by someone else).
+    pub fn new(fd: RawFd, pending: Vec<u8>) -> Self {
+        let mut buf = vec![0u8; READ_BUF.max(pending.len())];
+        buf[..pending.len()].copy_from_slice(&pending);
+        Self { fd, buf: Some(buf), start: 0, end: pending.len() }
+    }
+
+    /// Bytes read but not consumed.
+    pub fn buffered(&self) -> &[u8] {
+        &self.buf.as_ref().expect("buffer")[self.start..self.end]
+    }
+
+    /// Gives back the unconsumed bytes.
+    pub fn into_pending(self) -> Vec<u8> {
+        self.buffered().to_vec()
+    }
+
+    /// Reads more from the socket (at least one byte, or an error at end of stream).
+    async fn fill(&mut self) -> io::Result<()> {
+        let mut buf = self.buf.take().expect("buffer");
+        if self.start == self.end {
+            self.start = 0;
+            self.end = 0;
+        } else if self.end == buf.len() {
+            buf.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
+            self.start = 0;
+        }
+        let cap = buf.len();
+        let (r, slice) = op::recv(self.fd, Slice::new(buf, self.end, cap), 0).await;
+        self.buf = Some(slice.into_inner());
+        if matches!(&r, Err(e) if e.raw_os_error() == Some(libc::EAGAIN)) {
+            op::poll_add(self.fd, Interest::READABLE).await?;
+            return Ok(());
+        }
+        match r {
+            Ok(0) => Err(eof()),
+            Ok(n) => {
+                self.end += n;
+                Ok(())
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Waits until at least `n` bytes are buffered (n <= the buffer's size).
+    pub async fn ensure(&mut self, n: usize) -> io::Result<()> {
+        while self.end - self.start < n {
+            self.fill().await?;
+        }
+        Ok(())
+    }
+
+    /// Consumes `n` buffered bytes (after `ensure(n)`).
+    pub fn consume(&mut self, n: usize) -> &[u8] {
+        let s = self.start;
+        self.start += n;
+        &self.buf.as_ref().expect("buffer")[s..s + n]
+    }
+
+    /// Reads exactly `n` bytes into a new Vec.
+    pub async fn read_vec(&mut self, n: usize) -> io::Result<Vec<u8>> {
+        let mut out = Vec::with_capacity(n);
+        while out.len() < n {
+            if self.start == self.end {
+                self.fill().await?;
+            }
+            let take = (n - out.len()).min(self.end - self.start);
+            out.extend_from_slice(self.consume(take));
+        }
+        Ok(out)
+    }
+
+    /// Reads exactly `n` bytes into an aligned request buffer: what is buffered is copied,
+    /// the rest is received straight into the buffer.
+    pub async fn read_payload(&mut self, n: usize) -> io::Result<Buf> {
+        let mut buf = new_buf(n);
+        let have = (self.end - self.start).min(n);
+        buf[..have].copy_from_slice(self.consume(have));
+        let mut got = have;
+        while got < n {
+            let (r, slice) = op::recv(self.fd, Slice::new(buf, got, n), 0).await;
+            buf = slice.into_inner();
+            match r? {
+                0 => return Err(eof()),
+                k => got += k,
+            }
+        }
+        Ok(buf)
+    }
+
+    /// Skips `n` bytes.
+    pub async fn discard(&mut self, mut n: usize) -> io::Result<()> {
+        while n > 0 {
+            if self.start == self.end {
+                self.fill().await?;
+            }
+            let take = n.min(self.end - self.start);
+            self.consume(take);
+            n -= take;
+        }
+        Ok(())
+    }
+}
+
+/// A piece of output: small header bytes or a data buffer.
+pub enum OutChunk {
+    /// Bytes built here (headers, small replies).
+    Bytes(Vec<u8>),
+    /// A request's data buffer.
+    Data(Buf),
+}
+
+impl OutChunk {
+    fn len(&self) -> usize {
+        match self {
+            OutChunk::Bytes(v) => v.len(),
+            OutChunk::Data(b) => b.len(),
+        }
+    }
+}
+
+// SAFETY: both variants are heap buffers whose bytes do not move with the enum and are
+// fully initialised; we only forward to their own IoBuf implementations.
+unsafe impl IoBuf for OutChunk {
+    fn stable_ptr(&self) -> *const u8 {
+        match self {
+            OutChunk::Bytes(v) => v.stable_ptr(),
+            OutChunk::Data(b) => b.stable_ptr(),
+        }
+    }
+    fn bytes_len(&self) -> usize {
+        self.len()
+    }
+}
+
+/// Sends every chunk, in order, with as few writev calls as the socket allows.
+pub async fn send_all(fd: RawFd, chunks: Vec<OutChunk>) -> io::Result<()> {
+    let mut slices: Vec<Slice<OutChunk>> = chunks
+        .into_iter()
+        .filter(|c| c.len() > 0)
+        .map(|c| {
+            let n = c.len();
+            Slice::new(c, 0, n)
+        })
+        .collect();
+    while !slices.is_empty() {
+        // At most IOV_MAX (1024) iovecs per call.
+        let rest = if slices.len() > 1024 { slices.split_off(1024) } else { Vec::new() };
+        let (r, mut sent) = op::writev(fd, slices, op::CURRENT_POSITION).await;
+        let mut n = match r {
+            // A non-blocking socket with a full send buffer: wait until it drains.
+            Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => {
+                op::poll_add(fd, Interest::WRITABLE).await?;
+                sent.extend(rest);
+                slices = sent;
+                continue;
+            }
+            r => r?,
+        };
+        if n == 0 {
+            return Err(io::Error::from_raw_os_error(libc::EPIPE));
+        }
+        // Drop what went out; trim the first partly sent slice.
+        let mut keep = Vec::with_capacity(sent.len() + rest.len());
+        for s in sent.drain(..) {
+            let len = s.bytes_len();
+            if n >= len {
+                n -= len;
+                continue;
+            }
+            let start = s.start() + n;
+            n = 0;
+            let inner = s.into_inner();
+            let end = inner.len();
+            keep.push(Slice::new(inner, start, end));
+        }
+        keep.extend(rest);
+        slices = keep;
+    }
+    Ok(())
+}

@@ -1,0 +1,345 @@
+//! The transmission phase: requests read in bulk, one task per request, replies coalesced.
+//!
+//! A connection runs three kinds of task on its export's IoThread:
+//! - the *reader* receives requests into a large buffer (many per recv), parses them, reads
+//!   write payloads straight into aligned buffers and spawns one task per request;
+//! - a *request* task does the I/O on the block node and queues its reply (replies may
+//!   complete out of order, as NBD allows);
+//! - the *writer* sends everything queued with one writev per round, so a busy connection
+//!   costs a few syscalls for many requests.
+//!
+//! A malformed request closes this connection only. When the client goes away, in-flight
+//! requests finish, their replies are dropped, and everything is freed with the last task.
+
+use std::cell::{Cell, RefCell};
+use std::future::poll_fn;
+use std::io;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::rc::Rc;
+use std::sync::Arc;
+use std::task::{Poll, Waker};
+
+use super::io::{send_all, OutChunk, SockReader};
+use super::proto::*;
+use super::NbdExport;
+use crate::block::Buf;
+
+/// Requests a connection may have in flight before the reader waits.
+const MAX_IN_FLIGHT: usize = 256;
+/// Extents per BLOCK_STATUS reply.
+const MAX_EXTENTS: usize = 128;
+
+struct Conn {
+    fd: OwnedFd,
+    export: Arc<NbdExport>,
+    structured: bool,
+    base_allocation: bool,
+    out: RefCell<Vec<OutChunk>>,
+    writer_waker: RefCell<Option<Waker>>,
+    reader_waker: RefCell<Option<Waker>>,
+    in_flight: Cell<usize>,
+    /// The reader has stopped: no more requests will come.
+    reader_done: Cell<bool>,
+    /// Sending failed: replies are dropped.
+    broken: Cell<bool>,
+}
+
+impl Conn {
+    fn raw(&self) -> RawFd {
+        self.fd.as_raw_fd()
+    }
+
+    fn wake_writer(&self) {
+        if let Some(w) = self.writer_waker.borrow_mut().take() {
+            w.wake();
+        }
+    }
+
+    fn queue(&self, header: Vec<u8>, data: Option<Buf>) {
+        if self.broken.get() {
+            return;
+        }
+        let mut out = self.out.borrow_mut();
+        match out.last_mut() {
+            // Coalesce consecutive headers into one buffer.
+            Some(OutChunk::Bytes(b)) if b.len() < 4096 => b.extend_from_slice(&header),
+            _ => out.push(OutChunk::Bytes(header)),
+        }
+        if let Some(d) = data {
+            out.push(OutChunk::Data(d));
+        }
+        drop(out);
+        self.wake_writer();
+    }
+
+    fn simple_reply(&self, handle: u64, error: u32, data: Option<Buf>) {
+        let mut h = Vec::with_capacity(16);
+        h.extend_from_slice(&SIMPLE_REPLY_MAGIC.to_be_bytes());
+        h.extend_from_slice(&error.to_be_bytes());
+        h.extend_from_slice(&handle.to_be_bytes());
+        self.queue(h, data);
+    }
+
+    fn chunk_header(handle: u64, flags: u16, kind: u16, len: u32) -> Vec<u8> {
+        let mut h = Vec::with_capacity(20 + 8);
+        h.extend_from_slice(&STRUCTURED_REPLY_MAGIC.to_be_bytes());
+        h.extend_from_slice(&flags.to_be_bytes());
+        h.extend_from_slice(&kind.to_be_bytes());
+        h.extend_from_slice(&handle.to_be_bytes());
+        h.extend_from_slice(&len.to_be_bytes());
+        h
+    }
+
+    fn error_reply(&self, handle: u64, error: u32) {
+        if self.structured {
+            let mut h = Self::chunk_header(handle, REPLY_FLAG_DONE, REPLY_TYPE_ERROR, 6);
+            h.extend_from_slice(&error.to_be_bytes());
+            h.extend_from_slice(&0u16.to_be_bytes());
+            self.queue(h, None);
+        } else {
+            self.simple_reply(handle, error, None);
+        }
+    }
+
+    fn request_done(&self) {
+        self.in_flight.set(self.in_flight.get() - 1);
+        if let Some(w) = self.reader_waker.borrow_mut().take() {
+            w.wake();
+        }
+        if self.reader_done.get() && self.in_flight.get() == 0 {
+            self.wake_writer();
+        }
+    }
+}
+
+struct Request {
+    flags: u16,
+    kind: u16,
+    handle: u64,
+    offset: u64,
+    len: u32,
+}
+
+/// Serves one negotiated connection until it ends. Runs on the export's IoThread.
+pub async fn serve(fd: OwnedFd, export: Arc<NbdExport>, structured: bool, base_allocation: bool, pending: Vec<u8>) {
+    let conn = Rc::new(Conn {
+        fd,
+        export,
+        structured,
+        base_allocation,
+        out: RefCell::default(),
+        writer_waker: RefCell::default(),
+        reader_waker: RefCell::default(),
+        in_flight: Cell::new(0),
+        reader_done: Cell::new(false),
+        broken: Cell::new(false),
+    });
+    conn.export.connections.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let writer = stord_aio::spawn(write_loop(conn.clone()));
+    if let Err(e) = read_loop(&conn, pending).await {
+        if e.kind() != io::ErrorKind::UnexpectedEof {
+            tracing_log(&conn, &e);
+        }
+    }
+    conn.reader_done.set(true);
+    conn.wake_writer();
+    writer.await;
+    conn.export.connections.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+}
+
+fn tracing_log(conn: &Conn, e: &io::Error) {
+    eprintln!("stord: nbd export '{}': closing connection: {e}", conn.export.name);
+}
+
+async fn write_loop(conn: Rc<Conn>) {
+    loop {
+        let batch = poll_fn(|cx| {
+            let mut out = conn.out.borrow_mut();
+            if !out.is_empty() {
+                return Poll::Ready(Some(std::mem::take(&mut *out)));
+            }
+            if conn.reader_done.get() && conn.in_flight.get() == 0 {
+                return Poll::Ready(None);
+            }
+            *conn.writer_waker.borrow_mut() = Some(cx.waker().clone());
+            Poll::Pending
+        })
+        .await;
+        let Some(batch) = batch else { break };
+        if conn.broken.get() {
+            continue;
+        }
+        if send_all(conn.raw(), batch).await.is_err() {
+            conn.broken.set(true);
+            conn.out.borrow_mut().clear();
+            // Make the reader see the end too.
+            crate::sys::shutdown(conn.raw());
+        }
+    }
+}
+
+async fn read_loop(conn: &Rc<Conn>, pending: Vec<u8>) -> io::Result<()> {
+    let mut rd = SockReader::new(conn.raw(), pending);
+    loop {
+        // Back-pressure: at most MAX_IN_FLIGHT requests per connection.
+        poll_fn(|cx| {
+            if conn.in_flight.get() < MAX_IN_FLIGHT {
+                Poll::Ready(())
+            } else {
+                *conn.reader_waker.borrow_mut() = Some(cx.waker().clone());
+                Poll::Pending
+            }
+        })
+        .await;
+        if conn.broken.get() {
+            return Ok(());
+        }
+        rd.ensure(28).await?;
+        let h = rd.consume(28);
+        let magic = u32::from_be_bytes(h[0..4].try_into().expect("4"));
+        let req = Request {
+            flags: u16::from_be_bytes(h[4..6].try_into().expect("2")),
+            kind: u16::from_be_bytes(h[6..8].try_into().expect("2")),
+            handle: u64::from_be_bytes(h[8..16].try_into().expect("8")),
+            offset: u64::from_be_bytes(h[16..24].try_into().expect("8")),
+            len: u32::from_be_bytes(h[24..28].try_into().expect("4")),
+        };
+        if magic != REQUEST_MAGIC {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, "bad request magic"));
+        }
+        let payload = if req.kind == CMD_WRITE {
+            if req.len > MAX_PAYLOAD {
+                // We cannot skip gigabytes safely: close, as the protocol allows.
+                return Err(io::Error::new(io::ErrorKind::InvalidData, "write payload over the maximum"));
+            }
+            Some(rd.read_payload(req.len as usize).await?)
+        } else {
+            None
+        };
+        if req.kind == CMD_DISC {
+            return Ok(());
+        }
+        conn.in_flight.set(conn.in_flight.get() + 1);
+        let c = conn.clone();
+        stord_aio::spawn(async move {
+            handle(&c, req, payload).await;
+            c.request_done();
+        });
+    }
+}
+
+/// Validation common to all commands: the wire error, if the request is refused.
+fn check(conn: &Conn, req: &Request) -> Result<(), u32> {
+    let export = &conn.export;
+    let writes = matches!(req.kind, CMD_WRITE | CMD_TRIM | CMD_WRITE_ZEROES);
+    let known = matches!(req.kind, CMD_READ | CMD_WRITE | CMD_FLUSH | CMD_TRIM | CMD_WRITE_ZEROES | CMD_BLOCK_STATUS);
+    if !known {
+        return Err(EINVAL);
+    }
+    if writes && !export.writable {
+        return Err(EPERM);
+    }
+    if req.kind == CMD_READ && req.len > MAX_PAYLOAD {
+        return Err(EOVERFLOW);
+    }
+    if req.kind == CMD_BLOCK_STATUS && !conn.base_allocation {
+        return Err(EINVAL);
+    }
+    if req.kind != CMD_FLUSH {
+        let end = req.offset.checked_add(req.len as u64);
+        if end.is_none_or(|e| e > export.node.size()) {
+            return Err(EINVAL);
+        }
+    }
+    Ok(())
+}
+
+async fn handle(conn: &Conn, req: Request, payload: Option<Buf>) {
+    if let Err(e) = check(conn, &req) {
+        return conn.error_reply(req.handle, e);
+    }
+    let node = &conn.export.node;
+    let fua = req.flags & CMD_FLAG_FUA != 0;
+    let result = match req.kind {
+        CMD_READ => {
+            let (r, buf) = node.read(req.offset, crate::block::new_buf(req.len as usize)).await;
+            match r {
+                Ok(()) if conn.structured => {
+                    let mut h = Conn::chunk_header(
+                        req.handle,
+                        REPLY_FLAG_DONE,
+                        REPLY_TYPE_OFFSET_DATA,
+                        8 + req.len,
+                    );
+                    h.extend_from_slice(&req.offset.to_be_bytes());
+                    conn.queue(h, Some(buf));
+                    return;
+                }
+                Ok(()) => return conn.simple_reply(req.handle, 0, Some(buf)),
+                Err(e) => Err(e),
+            }
+        }
+        CMD_WRITE => {
+            let buf = payload.expect("write payload");
+            node.write(req.offset, buf, fua).await.0
+        }
+        CMD_FLUSH => node.flush().await,
+        CMD_TRIM => {
+            let r = node.discard(req.offset, req.len as u64).await;
+            match r {
+                Ok(()) if fua => node.flush().await,
+                other => other,
+            }
+        }
+        CMD_WRITE_ZEROES => {
+            let may_unmap = req.flags & CMD_FLAG_NO_HOLE == 0;
+            let r = node.write_zeroes(req.offset, req.len as u64, may_unmap).await;
+            match r {
+                Ok(()) if fua => node.flush().await,
+                other => other,
+            }
+        }
+        CMD_BLOCK_STATUS => return block_status(conn, &req).await,
+        _ => unreachable!("checked above"),
+    };
+    match result {
+        Ok(()) => conn.simple_reply(req.handle, 0, None),
+        Err(e) => conn.error_reply(req.handle, wire_errno(&e)),
+    }
+}
+
+async fn block_status(conn: &Conn, req: &Request) {
+    let node = &conn.export.node;
+    let end = req.offset + req.len as u64;
+    let one = req.flags & CMD_FLAG_REQ_ONE != 0;
+    let mut extents: Vec<(u32, u32)> = Vec::new();
+    let mut off = req.offset;
+    while off < end && extents.len() < MAX_EXTENTS {
+        match node.block_status(off, end - off).await {
+            Ok(st) => {
+                let flags = (if st.allocated { 0 } else { STATE_HOLE }) | (if st.zero { STATE_ZERO } else { 0 });
+                match extents.last_mut() {
+                    Some((len, f)) if *f == flags => *len += st.len as u32,
+                    _ => extents.push((st.len as u32, flags)),
+                }
+                off += st.len;
+            }
+            Err(e) if extents.is_empty() => return conn.error_reply(req.handle, wire_errno(&e)),
+            Err(_) => break,
+        }
+        if one {
+            break;
+        }
+    }
+    if one {
+        extents.truncate(1);
+    }
+    let mut payload = META_BASE_ALLOCATION_ID.to_be_bytes().to_vec();
+    for (len, flags) in &extents {
+        payload.extend_from_slice(&len.to_be_bytes());
+        payload.extend_from_slice(&flags.to_be_bytes());
+    }
+    let mut h = Conn::chunk_header(req.handle, REPLY_FLAG_DONE, REPLY_TYPE_BLOCK_STATUS, payload.len() as u32);
+    h.extend_from_slice(&payload);
+    conn.queue(h, None);
+}
