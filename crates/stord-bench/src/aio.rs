@@ -75,10 +75,22 @@ fn percentile(sorted: &[u64], p: f64) -> f64 {
 }
 
 /// Runs one case.
-pub fn run_case(reactor: ReactorKind, policy: PolicyKind, think_us: u64, duration: Duration) -> AioCase {
-    let poll = PollParams { policy, ..PollParams::default() };
-    let t = IoThread::spawn(AioContextOptions { name: format!("bench-{policy}"), reactor, poll })
-        .expect("start iothread");
+pub fn run_case(
+    reactor: ReactorKind,
+    policy: PolicyKind,
+    think_us: u64,
+    duration: Duration,
+) -> AioCase {
+    let poll = PollParams {
+        policy,
+        ..PollParams::default()
+    };
+    let t = IoThread::spawn(AioContextOptions {
+        name: format!("bench-{policy}"),
+        reactor,
+        poll,
+    })
+    .expect("start iothread");
     let remote = t.remote().clone();
     let tid = remote.thread_id();
     // Warm-up: let the policy settle.
@@ -122,7 +134,11 @@ pub fn run_case(reactor: ReactorKind, policy: PolicyKind, think_us: u64, duratio
         p99_us: percentile(&lat, 0.99),
         mean_us: lat.iter().sum::<u64>() as f64 / n / 1000.0,
         loop_cpu_ms_per_s: (cpu1 - cpu0) as f64 / 1e6 / wall,
-        poll_hit_rate: if polls == 0 { 0.0 } else { (s1.poll_hits - s0.poll_hits) as f64 / polls as f64 },
+        poll_hit_rate: if polls == 0 {
+            0.0
+        } else {
+            (s1.poll_hits - s0.poll_hits) as f64 / polls as f64
+        },
         eventfd_writes_per_rt: (s1.eventfd_writes - s0.eventfd_writes) as f64 / n,
         blocking_waits_per_rt: (s1.blocking_waits - s0.blocking_waits) as f64 / n,
         final_window_ns: s1.window_ns,
@@ -133,7 +149,17 @@ pub fn run_case(reactor: ReactorKind, policy: PolicyKind, think_us: u64, duratio
 pub fn run(opts: &AioOptions) -> Vec<AioCase> {
     println!(
         "{:<8} {:<9} {:>6} {:>9} {:>9} {:>9} {:>9} {:>12} {:>8} {:>9} {:>9}",
-        "reactor", "policy", "think", "trips", "p50 µs", "p99 µs", "mean µs", "loop CPU ms/s", "hit %", "efd w/rt", "window"
+        "reactor",
+        "policy",
+        "think",
+        "trips",
+        "p50 µs",
+        "p99 µs",
+        "mean µs",
+        "loop CPU ms/s",
+        "hit %",
+        "efd w/rt",
+        "window"
     );
     let mut out = Vec::new();
     for &think_us in &opts.think_us {

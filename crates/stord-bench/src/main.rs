@@ -51,7 +51,8 @@ fn main() {
                 let flag = args[i].as_str();
                 match flag {
                     "--duration-ms" => {
-                        opts.duration = Duration::from_millis(parse(flag, value(&args, &mut i, flag)))
+                        opts.duration =
+                            Duration::from_millis(parse(flag, value(&args, &mut i, flag)))
                     }
                     "--reactor" => opts.reactor = parse(flag, value(&args, &mut i, flag)),
                     "--policy" => policies.push(parse(flag, value(&args, &mut i, flag))),
@@ -70,7 +71,10 @@ fn main() {
             let cases = aio::run(&opts);
             let dir = results_dir(out).join("aio");
             std::fs::create_dir_all(&dir).expect("create results dir");
-            let ts = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs();
+            let ts = SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .unwrap()
+                .as_secs();
             let path = dir.join(format!("{ts}.json"));
             let doc = serde_json::json!({
                 "benchmark": "aio-remote-round-trip",
@@ -78,7 +82,8 @@ fn main() {
                 "duration_ms": opts.duration.as_millis() as u64,
                 "cases": cases,
             });
-            std::fs::write(&path, serde_json::to_string_pretty(&doc).unwrap()).expect("write results");
+            std::fs::write(&path, serde_json::to_string_pretty(&doc).unwrap())
+                .expect("write results");
             println!("results: {}", path.display());
         }
         _ => usage(),

@@ -49,10 +49,13 @@ pub fn iothread_params(kv: &mut KeyVal) -> Result<(PollParams, ReactorKind), Str
         p.shrink = v;
     }
     if let Some(v) = kv.take_u64("poll-weight", false)? {
-        p.weight = u32::try_from(v).map_err(|_| format!("{}: poll-weight must be in 0..=63", kv.what))?;
+        p.weight =
+            u32::try_from(v).map_err(|_| format!("{}: poll-weight must be in 0..=63", kv.what))?;
     }
     if let Some(v) = kv.take("poll-policy") {
-        p.policy = v.parse::<PolicyKind>().map_err(|e| format!("{}: {e}", kv.what))?;
+        p.policy = v
+            .parse::<PolicyKind>()
+            .map_err(|e| format!("{}: {e}", kv.what))?;
     }
     if let Some(v) = kv.take_u64("poll-grow-start", false)? {
         p.grow_start_ns = v;
@@ -75,8 +78,15 @@ impl Daemon {
     /// later inherits the mask and the signals arrive on our signalfd.
     pub fn new() -> io::Result<Self> {
         let signals = sys::signalfd_for_shutdown()?;
-        let main_poll = PollParams { max_ns: 0, ..PollParams::default() };
-        let ctx = AioContext::new(AioContextOptions { name: "main".into(), reactor: ReactorKind::Auto, poll: main_poll })?;
+        let main_poll = PollParams {
+            max_ns: 0,
+            ..PollParams::default()
+        };
+        let ctx = AioContext::new(AioContextOptions {
+            name: "main".into(),
+            reactor: ReactorKind::Auto,
+            poll: main_poll,
+        })?;
         let quit = Rc::new(Cell::new(false));
         let q = quit.clone();
         let sigfd = signals.as_raw_fd();
@@ -106,12 +116,19 @@ impl Daemon {
     /// Creates everything the command line asks for: iothreads first, then the rest in
     /// order; then writes the pidfile.
     pub fn apply(&mut self, cl: CommandLine) -> Result<(), String> {
-        let (objects, rest): (Vec<_>, Vec<_>) = cl.items.into_iter().partition(|i| matches!(i, Item::Object(_)));
+        let (objects, rest): (Vec<_>, Vec<_>) = cl
+            .items
+            .into_iter()
+            .partition(|i| matches!(i, Item::Object(_)));
         for item in objects.into_iter().chain(rest) {
             match item {
-                Item::Object(s) => self.add_object(KeyVal::parse("--object", &s, Some("qom-type"))?)?,
+                Item::Object(s) => {
+                    self.add_object(KeyVal::parse("--object", &s, Some("qom-type"))?)?
+                }
                 Item::Blockdev(s) => self.add_blockdev(KeyVal::parse("--blockdev", &s, None)?)?,
-                Item::NbdServer(s) => self.start_nbd_server(KeyVal::parse("--nbd-server", &s, None)?)?,
+                Item::NbdServer(s) => {
+                    self.start_nbd_server(KeyVal::parse("--nbd-server", &s, None)?)?
+                }
                 Item::Export(s) => self.add_export(KeyVal::parse("--export", &s, None)?)?,
             }
         }
@@ -127,7 +144,9 @@ impl Daemon {
     pub fn add_object(&mut self, mut kv: KeyVal) -> Result<(), String> {
         let kind = kv.take_required("qom-type")?;
         if kind != "iothread" {
-            return Err(format!("--object: unsupported object type '{kind}' (supported: iothread)"));
+            return Err(format!(
+                "--object: unsupported object type '{kind}' (supported: iothread)"
+            ));
         }
         let id = kv.take_required("id")?;
         if self.iothreads.contains_key(&id) {
@@ -135,8 +154,12 @@ impl Daemon {
         }
         let (poll, reactor) = iothread_params(&mut kv)?;
         kv.finish()?;
-        let t = IoThread::spawn(AioContextOptions { name: id.clone(), reactor, poll })
-            .map_err(|e| format!("--object: cannot start iothread '{id}': {e}"))?;
+        let t = IoThread::spawn(AioContextOptions {
+            name: id.clone(),
+            reactor,
+            poll,
+        })
+        .map_err(|e| format!("--object: cannot start iothread '{id}': {e}"))?;
         self.iothreads.insert(id, t);
         Ok(())
     }
@@ -173,7 +196,10 @@ impl Daemon {
             }
         };
         kv.finish()?;
-        self.nodes.insert(name.clone(), Arc::new(BlockNode::new(name, drv, read_only, direct)));
+        self.nodes.insert(
+            name.clone(),
+            Arc::new(BlockNode::new(name, drv, read_only, direct)),
+        );
         Ok(())
     }
 
@@ -187,20 +213,29 @@ impl Daemon {
             Some("inet") => {
                 let host = kv.take_required("addr.host")?;
                 let port = kv.take_required("addr.port")?;
-                let port = port
-                    .parse()
-                    .map_err(|_| format!("--nbd-server: parameter 'addr.port' expects a port number, got '{port}'"))?;
+                let port = port.parse().map_err(|_| {
+                    format!(
+                        "--nbd-server: parameter 'addr.port' expects a port number, got '{port}'"
+                    )
+                })?;
                 ListenAddr::Inet(host, port)
             }
-            _ => return Err("--nbd-server: parameter 'addr.type' is missing (unix or inet)".into()),
+            _ => {
+                return Err("--nbd-server: parameter 'addr.type' is missing (unix or inet)".into())
+            }
         };
         let max_connections = kv.take_u64("max-connections", false)?.unwrap_or(0) as u32;
         if kv.take("tls-creds").is_some() {
             return Err("--nbd-server: tls-creds is not supported".into());
         }
         kv.finish()?;
-        let server = NbdServer::start(&self.ctx, addr.clone(), self.exports.clone(), max_connections)
-            .map_err(|e| format!("--nbd-server: cannot listen on {addr}: {e}"))?;
+        let server = NbdServer::start(
+            &self.ctx,
+            addr.clone(),
+            self.exports.clone(),
+            max_connections,
+        )
+        .map_err(|e| format!("--nbd-server: cannot listen on {addr}: {e}"))?;
         self.nbd = Some(server);
         Ok(())
     }
@@ -209,7 +244,9 @@ impl Daemon {
     pub fn add_export(&mut self, mut kv: KeyVal) -> Result<(), String> {
         let kind = kv.take_required("type")?;
         if kind != "nbd" {
-            return Err(format!("--export: parameter 'type' expects nbd, got '{kind}'"));
+            return Err(format!(
+                "--export: parameter 'type' expects nbd, got '{kind}'"
+            ));
         }
         let id = kv.take_required("id")?;
         let node_name = kv.take_required("node-name")?;
@@ -236,7 +273,9 @@ impl Daemon {
         };
         kv.finish()?;
         if writable && node.read_only {
-            return Err(format!("--export: node '{node_name}' is read-only, cannot export it writable"));
+            return Err(format!(
+                "--export: node '{node_name}' is read-only, cannot export it writable"
+            ));
         }
         if self.nbd.is_none() {
             return Err("--export: NBD server not running (use --nbd-server first)".into());
@@ -253,7 +292,9 @@ impl Daemon {
             iothread,
             connections: Default::default(),
         };
-        self.exports.add(Arc::new(export)).map_err(|e| format!("--export: {e}"))
+        self.exports
+            .add(Arc::new(export))
+            .map_err(|e| format!("--export: {e}"))
     }
 
     /// Where the NBD server listens, if it runs.
@@ -321,9 +362,21 @@ pub fn default_job(data_dir: &Path) -> io::Result<(CommandLine, String)> {
             "driver=file,node-name=default,filename={},aio=io_uring,cache.direct=on",
             img.display().to_string().replace(',', ",,")
         )),
-        Item::NbdServer(format!("addr.type=unix,addr.path={}", sock.display().to_string().replace(',', ",,"))),
-        Item::Export("type=nbd,id=export0,node-name=default,name=default,writable=on,iothread=iothread0".into()),
+        Item::NbdServer(format!(
+            "addr.type=unix,addr.path={}",
+            sock.display().to_string().replace(',', ",,")
+        )),
+        Item::Export(
+            "type=nbd,id=export0,node-name=default,name=default,writable=on,iothread=iothread0"
+                .into(),
+        ),
     ];
     let uri = format!("nbd+unix:///default?socket={}", sock.display());
-    Ok((CommandLine { items, ..CommandLine::default() }, uri))
+    Ok((
+        CommandLine {
+            items,
+            ..CommandLine::default()
+        },
+        uri,
+    ))
 }

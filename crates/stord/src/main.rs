@@ -32,7 +32,10 @@ fn main() -> ExitCode {
                 banner = Some(uri);
             }
             Err(e) => {
-                eprintln!("stord: cannot prepare the default image under {}: {e}", data.display());
+                eprintln!(
+                    "stord: cannot prepare the default image under {}: {e}",
+                    data.display()
+                );
                 return ExitCode::from(1);
             }
         }

@@ -52,7 +52,11 @@ pub fn signalfd_for_shutdown() -> io::Result<std::os::fd::OwnedFd> {
         libc::sigaddset(&mut set, libc::SIGINT);
         libc::sigaddset(&mut set, libc::SIGTERM);
         libc::sigaddset(&mut set, libc::SIGHUP);
-        check(libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()))?;
+        check(libc::pthread_sigmask(
+            libc::SIG_BLOCK,
+            &set,
+            std::ptr::null_mut(),
+        ))?;
         let fd = libc::signalfd(-1, &set, libc::SFD_NONBLOCK | libc::SFD_CLOEXEC);
         if fd < 0 {
             return Err(io::Error::last_os_error());

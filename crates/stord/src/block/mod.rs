@@ -110,7 +110,13 @@ fn einval(what: &str) -> io::Error {
 impl BlockNode {
     /// Wraps a driver.
     pub fn new(name: String, driver: Box<dyn BlockDriver>, read_only: bool, direct: bool) -> Self {
-        Self { name, read_only, direct, stats: NodeStats::default(), driver }
+        Self {
+            name,
+            read_only,
+            direct,
+            stats: NodeStats::default(),
+            driver,
+        }
     }
 
     /// The driver's name.
@@ -170,7 +176,10 @@ impl BlockNode {
     pub async fn write(&self, offset: u64, buf: Buf, fua: bool) -> (io::Result<()>, Buf) {
         let start = now_ns();
         self.stats.wr_ops.fetch_add(1, Relaxed);
-        if let Err(e) = self.check_writable().and_then(|_| self.check_range(offset, buf.len() as u64)) {
+        if let Err(e) = self
+            .check_writable()
+            .and_then(|_| self.check_range(offset, buf.len() as u64))
+        {
             self.stats.errors.fetch_add(1, Relaxed);
             return (Err(e), buf);
         }
@@ -195,7 +204,10 @@ impl BlockNode {
     pub async fn discard(&self, offset: u64, len: u64) -> io::Result<()> {
         let start = now_ns();
         self.stats.discard_ops.fetch_add(1, Relaxed);
-        let r = match self.check_writable().and_then(|_| self.check_range(offset, len)) {
+        let r = match self
+            .check_writable()
+            .and_then(|_| self.check_range(offset, len))
+        {
             Ok(()) => self.driver.discard(offset, len).await,
             Err(e) => Err(e),
         };
@@ -207,7 +219,10 @@ impl BlockNode {
     pub async fn write_zeroes(&self, offset: u64, len: u64, may_unmap: bool) -> io::Result<()> {
         let start = now_ns();
         self.stats.zero_ops.fetch_add(1, Relaxed);
-        let r = match self.check_writable().and_then(|_| self.check_range(offset, len)) {
+        let r = match self
+            .check_writable()
+            .and_then(|_| self.check_range(offset, len))
+        {
             Ok(()) => self.driver.write_zeroes(offset, len, may_unmap).await,
             Err(e) => Err(e),
         };

@@ -21,7 +21,10 @@ pub struct NullDriver {
 impl NullDriver {
     /// A null device.
     pub fn new(size: u64, read_zeroes: bool) -> Self {
-        Self { size: AtomicU64::new(size), read_zeroes }
+        Self {
+            size: AtomicU64::new(size),
+            read_zeroes,
+        }
     }
 
     /// From `--blockdev driver=null,size=...,read-zeroes=on|off`.
@@ -31,7 +34,10 @@ impl NullDriver {
         // qsd's null-co also takes latency-ns; accept 0 only (we do not simulate latency).
         if let Some(l) = opts.take_u64("latency-ns", false)? {
             if l != 0 {
-                return Err(format!("{}: latency-ns is not supported (only 0)", opts.what));
+                return Err(format!(
+                    "{}: latency-ns is not supported (only 0)",
+                    opts.what
+                ));
             }
         }
         Ok(Self::new(size, read_zeroes))
@@ -65,7 +71,11 @@ impl BlockDriver for NullDriver {
     }
     fn block_status(&self, _offset: u64, len: u64) -> BoxFut<'_, io::Result<BlockStatus>> {
         let zero = self.read_zeroes;
-        Box::pin(std::future::ready(Ok(BlockStatus { len, allocated: true, zero })))
+        Box::pin(std::future::ready(Ok(BlockStatus {
+            len,
+            allocated: true,
+            zero,
+        })))
     }
     fn resize(&self, size: u64) -> BoxFut<'_, io::Result<()>> {
         self.size.store(size, Relaxed);

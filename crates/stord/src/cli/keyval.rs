@@ -18,11 +18,16 @@ pub struct KeyVal {
 impl KeyVal {
     /// Parses `s`; `implied` names the key of a leading bare word, if allowed.
     pub fn parse(what: &str, s: &str, implied: Option<&str>) -> Result<Self, String> {
-        let mut kv = KeyVal { what: what.to_string(), map: BTreeMap::new() };
+        let mut kv = KeyVal {
+            what: what.to_string(),
+            map: BTreeMap::new(),
+        };
         if s.trim_start().starts_with('{') {
             let v: serde_json::Value =
                 serde_json::from_str(s).map_err(|e| format!("{what}: invalid JSON: {e}"))?;
-            let obj = v.as_object().ok_or_else(|| format!("{what}: expected a JSON object"))?;
+            let obj = v
+                .as_object()
+                .ok_or_else(|| format!("{what}: expected a JSON object"))?;
             flatten_json(&mut kv.map, "", obj);
             return Ok(kv);
         }
@@ -63,7 +68,10 @@ impl KeyVal {
 
     /// Builds options from already split pairs (used for QMP-like input).
     pub fn from_pairs(what: &str, pairs: impl IntoIterator<Item = (String, String)>) -> Self {
-        KeyVal { what: what.to_string(), map: pairs.into_iter().collect() }
+        KeyVal {
+            what: what.to_string(),
+            map: pairs.into_iter().collect(),
+        }
     }
 
     /// Removes and returns a string option.
@@ -92,13 +100,17 @@ impl KeyVal {
 
     /// A number, with QEMU's size suffixes (k, M, G, T, in powers of 1024) when `size`.
     pub fn take_u64(&mut self, key: &str, size: bool) -> Result<Option<u64>, String> {
-        let Some(v) = self.take(key) else { return Ok(None) };
-        parse_u64(&v, size)
-            .map(Some)
-            .ok_or_else(|| {
-                let kind = if size { "a size (e.g. 1G, 512M, 4096)" } else { "a non-negative integer" };
-                format!("{}: parameter '{key}' expects {kind}, got '{v}'", self.what)
-            })
+        let Some(v) = self.take(key) else {
+            return Ok(None);
+        };
+        parse_u64(&v, size).map(Some).ok_or_else(|| {
+            let kind = if size {
+                "a size (e.g. 1G, 512M, 4096)"
+            } else {
+                "a non-negative integer"
+            };
+            format!("{}: parameter '{key}' expects {kind}, got '{v}'", self.what)
+        })
     }
 
     /// An option whose value is one of `allowed`.
@@ -123,9 +135,17 @@ impl KeyVal {
     }
 }
 
-fn flatten_json(out: &mut BTreeMap<String, String>, prefix: &str, obj: &serde_json::Map<String, serde_json::Value>) {
+fn flatten_json(
+    out: &mut BTreeMap<String, String>,
+    prefix: &str,
+    obj: &serde_json::Map<String, serde_json::Value>,
+) {
     for (k, v) in obj {
-        let key = if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") };
+        let key = if prefix.is_empty() {
+            k.clone()
+        } else {
+            format!("{prefix}.{k}")
+        };
         match v {
             serde_json::Value::Object(o) => flatten_json(out, &key, o),
             serde_json::Value::String(s) => {
@@ -170,7 +190,12 @@ mod tests {
 
     #[test]
     fn parses_qemu_keyval() {
-        let mut kv = KeyVal::parse("--object", "iothread,id=io0,poll-max-ns=1000", Some("qom-type")).unwrap();
+        let mut kv = KeyVal::parse(
+            "--object",
+            "iothread,id=io0,poll-max-ns=1000",
+            Some("qom-type"),
+        )
+        .unwrap();
         assert_eq!(kv.take("qom-type").as_deref(), Some("iothread"));
         assert_eq!(kv.take_u64("poll-max-ns", false).unwrap(), Some(1000));
         assert_eq!(kv.take("id").as_deref(), Some("io0"));
@@ -179,14 +204,23 @@ mod tests {
 
     #[test]
     fn double_comma_escapes_and_errors_name_the_option() {
-        let mut kv = KeyVal::parse("--blockdev", "driver=file,filename=a,,b.img,cache.direct=maybe", None).unwrap();
+        let mut kv = KeyVal::parse(
+            "--blockdev",
+            "driver=file,filename=a,,b.img,cache.direct=maybe",
+            None,
+        )
+        .unwrap();
         assert_eq!(kv.take("filename").as_deref(), Some("a,b.img"));
         let e = kv.take_bool("cache.direct", false).unwrap_err();
         assert!(e.contains("cache.direct") && e.contains("maybe"), "{e}");
         let e = kv.finish().unwrap_err();
         assert!(e.contains("'driver'"), "{e}");
-        assert!(KeyVal::parse("--export", "type=nbd,oops", None).unwrap_err().contains("oops"));
-        assert!(KeyVal::parse("--export", "a=1,a=2", None).unwrap_err().contains("twice"));
+        assert!(KeyVal::parse("--export", "type=nbd,oops", None)
+            .unwrap_err()
+            .contains("oops"));
+        assert!(KeyVal::parse("--export", "a=1,a=2", None)
+            .unwrap_err()
+            .contains("twice"));
     }
 
     #[test]

@@ -76,13 +76,20 @@ pub fn parse(args: &[String]) -> Result<CommandLine, String> {
             Some((n, v)) if n.starts_with("--") => (n, Some(v.to_string())),
             _ => (arg.as_str(), None),
         };
-        let needs_value = matches!(name, "--object" | "--blockdev" | "--nbd-server" | "--export" | "--pidfile");
+        let needs_value = matches!(
+            name,
+            "--object" | "--blockdev" | "--nbd-server" | "--export" | "--pidfile"
+        );
         let value = if needs_value {
             match inline {
                 Some(v) => Some(v),
                 None => {
                     i += 1;
-                    Some(args.get(i).cloned().ok_or_else(|| format!("option '{name}' requires an argument"))?)
+                    Some(
+                        args.get(i)
+                            .cloned()
+                            .ok_or_else(|| format!("option '{name}' requires an argument"))?,
+                    )
                 }
             }
         } else {
@@ -133,14 +140,19 @@ mod tests {
         ]))
         .unwrap();
         assert_eq!(cl.items.len(), 4);
-        assert_eq!(cl.items[1], Item::Blockdev("driver=null-co,node-name=n0".into()));
+        assert_eq!(
+            cl.items[1],
+            Item::Blockdev("driver=null-co,node-name=n0".into())
+        );
         assert_eq!(cl.pidfile, Some(PathBuf::from("/tmp/pid")));
     }
 
     #[test]
     fn errors_name_the_option() {
         assert!(parse(&args(&["--bogus"])).unwrap_err().contains("--bogus"));
-        assert!(parse(&args(&["--blockdev"])).unwrap_err().contains("--blockdev"));
+        assert!(parse(&args(&["--blockdev"]))
+            .unwrap_err()
+            .contains("--blockdev"));
         assert!(parse(&args(&["--help=x"])).unwrap_err().contains("--help"));
     }
 }

@@ -194,7 +194,8 @@ impl LinuxAio {
         // written by us (on this thread), tail by the kernel, read atomically.
         unsafe {
             let h = self.ctx as *mut AioRingHeader;
-            let tail = (*(std::ptr::addr_of!((*h).tail) as *const AtomicU32)).load(Ordering::Relaxed);
+            let tail =
+                (*(std::ptr::addr_of!((*h).tail) as *const AtomicU32)).load(Ordering::Relaxed);
             std::ptr::read_volatile(std::ptr::addr_of!((*h).head)) != tail
         }
     }
@@ -202,7 +203,9 @@ impl LinuxAio {
     fn complete(&self, data: u64, res: i64) {
         let idx = data as usize;
         let mut reqs = self.reqs.borrow_mut();
-        let Some(Some(req)) = reqs.get_mut(idx) else { return };
+        let Some(Some(req)) = reqs.get_mut(idx) else {
+            return;
+        };
         self.in_flight.set(self.in_flight.get() - 1);
         if req.orphan {
             reqs[idx] = None;
@@ -236,9 +239,13 @@ impl LinuxAio {
                     break;
                 }
                 let n = if tail > head { tail - head } else { nr - head };
-                let events = (h as *const u8).add(std::mem::size_of::<AioRingHeader>()) as *const IoEvent;
-                let batch = (0..n).map(|i| std::ptr::read_volatile(events.add((head + i) as usize))).collect();
-                (*(std::ptr::addr_of!((*h).head) as *const AtomicU32)).store((head + n) % nr, Ordering::Release);
+                let events =
+                    (h as *const u8).add(std::mem::size_of::<AioRingHeader>()) as *const IoEvent;
+                let batch = (0..n)
+                    .map(|i| std::ptr::read_volatile(events.add((head + i) as usize)))
+                    .collect();
+                (*(std::ptr::addr_of!((*h).head) as *const AtomicU32))
+                    .store((head + n) % nr, Ordering::Release);
                 batch
             };
             total += batch.len();
@@ -253,7 +260,10 @@ impl LinuxAio {
         let mut events = [IoEvent::default(); 64];
         let mut total = 0;
         loop {
-            let ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+            let ts = libc::timespec {
+                tv_sec: 0,
+                tv_nsec: 0,
+            };
             // SAFETY: `events` is a writable array of 64 io_events; `ts` lives for the call.
             let r = unsafe {
                 libc::syscall(
@@ -283,14 +293,25 @@ impl LinuxAio {
             if pending.is_empty() || room == 0 {
                 break;
             }
-            let n = (pending.len() as u32).min(room).min(self.max_batch.get().max(1)) as usize;
+            let n = (pending.len() as u32)
+                .min(room)
+                .min(self.max_batch.get().max(1)) as usize;
             let iocbs = pending.make_contiguous();
             let mut ptrs: Vec<*mut Iocb> = iocbs[..n].iter_mut().map(|i| i as *mut Iocb).collect();
             // SAFETY: `ptrs` holds `n` pointers to live iocbs; the kernel copies them during
             // the call. The buffers they name are owned by `self.reqs` until completion.
-            let r = unsafe { libc::syscall(libc::SYS_io_submit, self.ctx, n as libc::c_long, ptrs.as_mut_ptr()) };
+            let r = unsafe {
+                libc::syscall(
+                    libc::SYS_io_submit,
+                    self.ctx,
+                    n as libc::c_long,
+                    ptrs.as_mut_ptr(),
+                )
+            };
             if r < 0 {
-                let e = io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO);
+                let e = io::Error::last_os_error()
+                    .raw_os_error()
+                    .unwrap_or(libc::EIO);
                 if e == libc::EAGAIN {
                     break;
                 }
@@ -310,10 +331,23 @@ impl LinuxAio {
         }
     }
 
-    fn enqueue(&self, fd: RawFd, write: bool, fua: bool, buf: Buf, start: usize, offset: u64) -> usize {
+    fn enqueue(
+        &self,
+        fd: RawFd,
+        write: bool,
+        fua: bool,
+        buf: Buf,
+        start: usize,
+        offset: u64,
+    ) -> usize {
         let ptr = buf.stable_ptr() as u64 + start as u64;
         let len = (buf.len() - start) as u64;
-        let req = Req { buf: Some(buf), res: None, waker: None, orphan: false };
+        let req = Req {
+            buf: Some(buf),
+            res: None,
+            waker: None,
+            orphan: false,
+        };
         let idx = match self.free.borrow_mut().pop() {
             Some(i) => {
                 self.reqs.borrow_mut()[i] = Some(req);
@@ -327,7 +361,11 @@ impl LinuxAio {
         };
         let iocb = Iocb {
             aio_data: idx as u64,
-            aio_lio_opcode: if write { IOCB_CMD_PWRITE } else { IOCB_CMD_PREAD },
+            aio_lio_opcode: if write {
+                IOCB_CMD_PWRITE
+            } else {
+                IOCB_CMD_PREAD
+            },
             aio_rw_flags: if fua { libc::RWF_DSYNC } else { 0 },
             aio_fildes: fd as u32,
             aio_buf: ptr,
@@ -437,7 +475,12 @@ pub(super) async fn transfer(
     } else if let Some(bh) = aio.submit_bh.borrow().as_ref() {
         bh.schedule();
     }
-    AioFuture { aio, idx, done: false }.await
+    AioFuture {
+        aio,
+        idx,
+        done: false,
+    }
+    .await
 }
 
 // The ABI structs must match the kernel's sizes exactly.

@@ -79,7 +79,10 @@ impl FileOptions {
     /// From `--blockdev driver=file,filename=...,aio=...,cache.direct=...`.
     pub fn from_opts(opts: &mut KeyVal, read_only: bool) -> Result<Self, String> {
         let filename = opts.take_required("filename")?;
-        let aio = match opts.take_choice("aio", &["io_uring", "native", "threads"])?.as_deref() {
+        let aio = match opts
+            .take_choice("aio", &["io_uring", "native", "threads"])?
+            .as_deref()
+        {
             Some("io_uring") => AioMode::IoUring,
             Some("native") => AioMode::Native,
             Some("threads") | None => AioMode::Threads,
@@ -91,7 +94,10 @@ impl FileOptions {
             return Err(format!("{}: cache.no-flush=on is not supported", opts.what));
         }
         let aio_max_batch = opts.take_u64("aio-max-batch", false)?.unwrap_or(0) as u32;
-        let discard = match opts.take_choice("discard", &["unmap", "ignore", "on", "off"])?.as_deref() {
+        let discard = match opts
+            .take_choice("discard", &["unmap", "ignore", "on", "off"])?
+            .as_deref()
+        {
             Some("unmap" | "on") => DiscardMode::Unmap,
             _ => DiscardMode::Ignore,
         };
@@ -99,9 +105,19 @@ impl FileOptions {
         let _ = opts.take_choice("locking", &["auto", "on", "off"])?;
         if aio == AioMode::Native && !direct {
             // Same rule as QEMU: linux-aio without O_DIRECT would block in io_submit.
-            return Err(format!("{}: aio=native requires cache.direct=on", opts.what));
+            return Err(format!(
+                "{}: aio=native requires cache.direct=on",
+                opts.what
+            ));
         }
-        Ok(Self { filename, aio, direct, aio_max_batch, discard, read_only })
+        Ok(Self {
+            filename,
+            aio,
+            direct,
+            aio_max_batch,
+            discard,
+            read_only,
+        })
     }
 }
 
@@ -163,22 +179,48 @@ impl FileDriver {
     }
 
     /// One backend transfer on `buf[start..]` at `offset`: the raw result (count or -errno).
-    async fn transfer(&self, write: bool, fua: bool, buf: Buf, start: usize, offset: u64) -> (i32, Buf) {
+    async fn transfer(
+        &self,
+        write: bool,
+        fua: bool,
+        buf: Buf,
+        start: usize,
+        offset: u64,
+    ) -> (i32, Buf) {
         match self.opts.aio {
             AioMode::IoUring => uring::transfer(self.raw(), write, fua, buf, start, offset).await,
             AioMode::Native => {
-                linux_aio::transfer(self.raw(), write, fua, buf, start, offset, self.opts.aio_max_batch).await
+                linux_aio::transfer(
+                    self.raw(),
+                    write,
+                    fua,
+                    buf,
+                    start,
+                    offset,
+                    self.opts.aio_max_batch,
+                )
+                .await
             }
-            AioMode::Threads => threads::transfer(self.fd.clone(), write, fua, buf, start, offset).await,
+            AioMode::Threads => {
+                threads::transfer(self.fd.clone(), write, fua, buf, start, offset).await
+            }
         }
     }
 
     /// Reads or writes all of `buf` at `offset`, resubmitting as the rules say.
-    async fn rw_all(&self, write: bool, fua: bool, mut buf: Buf, offset: u64) -> (io::Result<()>, Buf) {
+    async fn rw_all(
+        &self,
+        write: bool,
+        fua: bool,
+        mut buf: Buf,
+        offset: u64,
+    ) -> (io::Result<()>, Buf) {
         let len = buf.len();
         let mut done = 0usize;
         while done < len {
-            let (res, b) = self.transfer(write, fua, buf, done, offset + done as u64).await;
+            let (res, b) = self
+                .transfer(write, fua, buf, done, offset + done as u64)
+                .await;
             buf = b;
             match res {
                 r if r == -libc::EINTR || r == -libc::EAGAIN => continue,
@@ -199,7 +241,7 @@ impl FileDriver {
     }
 
     fn aligned(&self, offset: u64, len: usize) -> bool {
-        offset % self.align == 0 && len as u64 % self.align == 0
+        offset.is_multiple_of(self.align) && (len as u64).is_multiple_of(self.align)
     }
 
     /// The aligned range covering `[offset, offset+len)`.
@@ -285,21 +327,39 @@ impl FileDriver {
 
     fn block_status_impl(&self, offset: u64, len: u64) -> io::Result<BlockStatus> {
         if self.block_device {
-            return Ok(BlockStatus { len, allocated: true, zero: false });
+            return Ok(BlockStatus {
+                len,
+                allocated: true,
+                zero: false,
+            });
         }
         let size = self.size();
         match self.seek(offset, libc::SEEK_DATA) {
             Ok(data) if data == offset => {
                 // Data starts here; it lasts until the next hole.
                 let hole = self.seek(offset, libc::SEEK_HOLE).unwrap_or(size);
-                Ok(BlockStatus { len: (hole - offset).min(len), allocated: true, zero: false })
+                Ok(BlockStatus {
+                    len: (hole - offset).min(len),
+                    allocated: true,
+                    zero: false,
+                })
             }
-            Ok(data) => Ok(BlockStatus { len: (data - offset).min(len), allocated: false, zero: true }),
+            Ok(data) => Ok(BlockStatus {
+                len: (data - offset).min(len),
+                allocated: false,
+                zero: true,
+            }),
             // ENXIO: no data after offset: a hole to the end.
-            Err(e) if errno(&e) == libc::ENXIO => {
-                Ok(BlockStatus { len, allocated: false, zero: true })
-            }
-            Err(_) => Ok(BlockStatus { len, allocated: true, zero: false }),
+            Err(e) if errno(&e) == libc::ENXIO => Ok(BlockStatus {
+                len,
+                allocated: false,
+                zero: true,
+            }),
+            Err(_) => Ok(BlockStatus {
+                len,
+                allocated: true,
+                zero: false,
+            }),
         }
     }
 }
@@ -331,7 +391,11 @@ impl BlockDriver for FileDriver {
         let r = if self.opts.discard == DiscardMode::Ignore || self.block_device {
             Ok(())
         } else {
-            match self.fallocate(libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, offset, len) {
+            match self.fallocate(
+                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                offset,
+                len,
+            ) {
                 Err(e) if errno(&e) == libc::EOPNOTSUPP => Ok(()),
                 other => other,
             }

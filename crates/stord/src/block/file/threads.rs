@@ -30,7 +30,10 @@ struct Pool {
 fn pool() -> &'static Pool {
     static POOL: OnceLock<&'static Pool> = OnceLock::new();
     POOL.get_or_init(|| {
-        let pool: &'static Pool = Box::leak(Box::new(Pool { queue: Mutex::default(), cond: Condvar::new() }));
+        let pool: &'static Pool = Box::leak(Box::new(Pool {
+            queue: Mutex::default(),
+            cond: Condvar::new(),
+        }));
         for i in 0..WORKERS {
             std::thread::Builder::new()
                 .name(format!("stord-worker{i}"))
@@ -77,7 +80,10 @@ impl<T> Future for PoolFuture<T> {
 }
 
 fn run<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> PoolFuture<T> {
-    let shared = Arc::new(Mutex::new(Shared { result: None, waker: None }));
+    let shared = Arc::new(Mutex::new(Shared {
+        result: None,
+        waker: None,
+    }));
     let s2 = shared.clone();
     let job: Job = Box::new(move || {
         let v = f();
@@ -91,7 +97,10 @@ fn run<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> PoolFuture<
         }
     });
     let p = pool();
-    p.queue.lock().unwrap_or_else(|e| e.into_inner()).push_back(job);
+    p.queue
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .push_back(job);
     p.cond.notify_one();
     PoolFuture { shared }
 }

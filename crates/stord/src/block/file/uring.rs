@@ -18,7 +18,14 @@ fn raw(r: io::Result<usize>) -> i32 {
 }
 
 /// One read or write of `buf[start..]` at `offset`; the raw result.
-pub(super) async fn transfer(fd: RawFd, write: bool, fua: bool, buf: Buf, start: usize, offset: u64) -> (i32, Buf) {
+pub(super) async fn transfer(
+    fd: RawFd,
+    write: bool,
+    fua: bool,
+    buf: Buf,
+    start: usize,
+    offset: u64,
+) -> (i32, Buf) {
     let end = buf.len();
     let slice = Slice::new(buf, start, end);
     if write && fua {

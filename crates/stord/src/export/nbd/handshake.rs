@@ -60,14 +60,16 @@ impl<'a> Cursor<'a> {
         self.take(2).map(|b| u16::from_be_bytes([b[0], b[1]]))
     }
     fn u32(&mut self) -> Option<u32> {
-        self.take(4).map(|b| u32::from_be_bytes([b[0], b[1], b[2], b[3]]))
+        self.take(4)
+            .map(|b| u32::from_be_bytes([b[0], b[1], b[2], b[3]]))
     }
     fn string(&mut self) -> Option<String> {
         let n = self.u32()? as usize;
         if n > 4096 {
             return None;
         }
-        self.take(n).map(|b| String::from_utf8_lossy(b).into_owned())
+        self.take(n)
+            .map(|b| String::from_utf8_lossy(b).into_owned())
     }
 }
 
@@ -110,7 +112,15 @@ pub async fn negotiate(fd: RawFd, exports: &ExportTable) -> io::Result<Option<Ne
         if len > MAX_OPTION_LEN {
             // Too big to be honest: answer, skip it, carry on.
             rd.discard(len as usize).await?;
-            send_all(fd, vec![OutChunk::Bytes(opt_error(opt, REP_ERR_TOO_BIG, "option too long"))]).await?;
+            send_all(
+                fd,
+                vec![OutChunk::Bytes(opt_error(
+                    opt,
+                    REP_ERR_TOO_BIG,
+                    "option too long",
+                ))],
+            )
+            .await?;
             continue;
         }
         let data = rd.read_vec(len as usize).await?;
@@ -129,8 +139,15 @@ pub async fn negotiate(fd: RawFd, exports: &ExportTable) -> io::Result<Option<Ne
                     v.extend_from_slice(&[0u8; 124]);
                 }
                 send_all(fd, vec![OutChunk::Bytes(v)]).await?;
-                let base_allocation = meta.as_ref().is_some_and(|(n, sel)| *sel && exports.same(n, &name));
-                return Ok(Some(Negotiated { export, structured, base_allocation, pending: rd.into_pending() }));
+                let base_allocation = meta
+                    .as_ref()
+                    .is_some_and(|(n, sel)| *sel && exports.same(n, &name));
+                return Ok(Some(Negotiated {
+                    export,
+                    structured,
+                    base_allocation,
+                    pending: rd.into_pending(),
+                }));
             }
             OPT_ABORT => {
                 let _ = send_all(fd, vec![OutChunk::Bytes(opt_reply(opt, REP_ACK, &[]))]).await;
@@ -171,10 +188,18 @@ pub async fn negotiate(fd: RawFd, exports: &ExportTable) -> io::Result<Option<Ne
                     None => replies = opt_error(opt, REP_ERR_INVALID, "malformed INFO/GO request"),
                     Some((name, reqs)) => match exports.find(&name) {
                         None => {
-                            replies = opt_error(opt, REP_ERR_UNKNOWN, &format!("export '{name}' not found"))
+                            replies = opt_error(
+                                opt,
+                                REP_ERR_UNKNOWN,
+                                &format!("export '{name}' not found"),
+                            )
                         }
                         Some(export) => {
-                            replies.extend(opt_reply(opt, REP_INFO, &export_info(&export, structured)));
+                            replies.extend(opt_reply(
+                                opt,
+                                REP_INFO,
+                                &export_info(&export, structured),
+                            ));
                             if reqs.contains(&INFO_NAME) {
                                 let mut d = INFO_NAME.to_be_bytes().to_vec();
                                 d.extend_from_slice(export.name.as_bytes());
@@ -193,8 +218,9 @@ pub async fn negotiate(fd: RawFd, exports: &ExportTable) -> io::Result<Option<Ne
                             replies.extend(opt_reply(opt, REP_ACK, &[]));
                             if opt == OPT_GO {
                                 send_all(fd, vec![OutChunk::Bytes(replies)]).await?;
-                                let base_allocation =
-                                    meta.as_ref().is_some_and(|(n, sel)| *sel && exports.same(n, &name));
+                                let base_allocation = meta
+                                    .as_ref()
+                                    .is_some_and(|(n, sel)| *sel && exports.same(n, &name));
                                 return Ok(Some(Negotiated {
                                     export,
                                     structured,
@@ -225,16 +251,24 @@ pub async fn negotiate(fd: RawFd, exports: &ExportTable) -> io::Result<Option<Ne
                     replies = opt_error(opt, REP_ERR_INVALID, "structured replies not negotiated");
                 } else {
                     match parsed {
-                        None => replies = opt_error(opt, REP_ERR_INVALID, "malformed meta context request"),
+                        None => {
+                            replies =
+                                opt_error(opt, REP_ERR_INVALID, "malformed meta context request")
+                        }
                         Some((name, qs)) if exports.find(&name).is_none() => {
-                            replies = opt_error(opt, REP_ERR_UNKNOWN, &format!("export '{name}' not found"));
+                            replies = opt_error(
+                                opt,
+                                REP_ERR_UNKNOWN,
+                                &format!("export '{name}' not found"),
+                            );
                             let _ = qs;
                         }
                         Some((name, qs)) => {
                             let matches = if qs.is_empty() {
                                 !set
                             } else {
-                                qs.iter().any(|q| q == META_BASE_ALLOCATION || (!set && q == "base:"))
+                                qs.iter()
+                                    .any(|q| q == META_BASE_ALLOCATION || (!set && q == "base:"))
                             };
                             if matches {
                                 let id = if set { META_BASE_ALLOCATION_ID } else { 0 };

@@ -26,7 +26,12 @@ impl SockReader {
     pub fn new(fd: RawFd, pending: Vec<u8>) -> Self {
         let mut buf = vec![0u8; READ_BUF.max(pending.len())];
         buf[..pending.len()].copy_from_slice(&pending);
-        Self { fd, buf: Some(buf), start: 0, end: pending.len() }
+        Self {
+            fd,
+            buf: Some(buf),
+            start: 0,
+            end: pending.len(),
+        }
     }
 
     /// Bytes read but not consumed.
@@ -170,7 +175,11 @@ pub async fn send_all(fd: RawFd, chunks: Vec<OutChunk>) -> io::Result<()> {
         .collect();
     while !slices.is_empty() {
         // At most IOV_MAX (1024) iovecs per call.
-        let rest = if slices.len() > 1024 { slices.split_off(1024) } else { Vec::new() };
+        let rest = if slices.len() > 1024 {
+            slices.split_off(1024)
+        } else {
+            Vec::new()
+        };
         let (r, mut sent) = op::writev(fd, slices, op::CURRENT_POSITION).await;
         let mut n = match r {
             // A non-blocking socket with a full send buffer: wait until it drains.

@@ -156,7 +156,12 @@ impl Listener {
 
 impl NbdServer {
     /// Binds `addr` and starts accepting on `ctx` (the main loop).
-    pub fn start(ctx: &AioContext, addr: ListenAddr, exports: ExportTable, max_connections: u32) -> std::io::Result<Self> {
+    pub fn start(
+        ctx: &AioContext,
+        addr: ListenAddr,
+        exports: ExportTable,
+        max_connections: u32,
+    ) -> std::io::Result<Self> {
         let listener = match &addr {
             ListenAddr::Unix(p) => {
                 if p.exists() {
@@ -201,7 +206,11 @@ impl NbdServer {
                 }
             }
         })?;
-        Ok(Self { addr, listener: fd, handler: Some(handler) })
+        Ok(Self {
+            addr,
+            listener: fd,
+            handler: Some(handler),
+        })
     }
 
     /// Stops listening (existing connections go on) and removes a unix socket file.
@@ -232,7 +241,13 @@ async fn handle_connection(conn: OwnedFd, exports: ExportTable) {
     match export.iothread.clone() {
         Some(remote) if !remote.is_current() => {
             remote.call(move || {
-                stord_aio::spawn(transmission::serve(conn, n.export, n.structured, n.base_allocation, n.pending));
+                stord_aio::spawn(transmission::serve(
+                    conn,
+                    n.export,
+                    n.structured,
+                    n.base_allocation,
+                    n.pending,
+                ));
             });
         }
         _ => transmission::serve(conn, n.export, n.structured, n.base_allocation, n.pending).await,

@@ -121,7 +121,13 @@ struct Request {
 }
 
 /// Serves one negotiated connection until it ends. Runs on the export's IoThread.
-pub async fn serve(fd: OwnedFd, export: Arc<NbdExport>, structured: bool, base_allocation: bool, pending: Vec<u8>) {
+pub async fn serve(
+    fd: OwnedFd,
+    export: Arc<NbdExport>,
+    structured: bool,
+    base_allocation: bool,
+    pending: Vec<u8>,
+) {
     let conn = Rc::new(Conn {
         fd,
         export,
@@ -134,7 +140,9 @@ pub async fn serve(fd: OwnedFd, export: Arc<NbdExport>, structured: bool, base_a
         reader_done: Cell::new(false),
         broken: Cell::new(false),
     });
-    conn.export.connections.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    conn.export
+        .connections
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let writer = stord_aio::spawn(write_loop(conn.clone()));
     if let Err(e) = read_loop(&conn, pending).await {
         if e.kind() != io::ErrorKind::UnexpectedEof {
@@ -144,11 +152,16 @@ pub async fn serve(fd: OwnedFd, export: Arc<NbdExport>, structured: bool, base_a
     conn.reader_done.set(true);
     conn.wake_writer();
     writer.await;
-    conn.export.connections.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    conn.export
+        .connections
+        .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
 }
 
 fn tracing_log(conn: &Conn, e: &io::Error) {
-    eprintln!("stord: nbd export '{}': closing connection: {e}", conn.export.name);
+    eprintln!(
+        "stord: nbd export '{}': closing connection: {e}",
+        conn.export.name
+    );
 }
 
 async fn write_loop(conn: Rc<Conn>) {
@@ -205,12 +218,18 @@ async fn read_loop(conn: &Rc<Conn>, pending: Vec<u8>) -> io::Result<()> {
             len: u32::from_be_bytes(h[24..28].try_into().expect("4")),
         };
         if magic != REQUEST_MAGIC {
-            return Err(io::Error::new(io::ErrorKind::InvalidData, "bad request magic"));
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "bad request magic",
+            ));
         }
         let payload = if req.kind == CMD_WRITE {
             if req.len > MAX_PAYLOAD {
                 // We cannot skip gigabytes safely: close, as the protocol allows.
-                return Err(io::Error::new(io::ErrorKind::InvalidData, "write payload over the maximum"));
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    "write payload over the maximum",
+                ));
             }
             Some(rd.read_payload(req.len as usize).await?)
         } else {
@@ -232,7 +251,10 @@ async fn read_loop(conn: &Rc<Conn>, pending: Vec<u8>) -> io::Result<()> {
 fn check(conn: &Conn, req: &Request) -> Result<(), u32> {
     let export = &conn.export;
     let writes = matches!(req.kind, CMD_WRITE | CMD_TRIM | CMD_WRITE_ZEROES);
-    let known = matches!(req.kind, CMD_READ | CMD_WRITE | CMD_FLUSH | CMD_TRIM | CMD_WRITE_ZEROES | CMD_BLOCK_STATUS);
+    let known = matches!(
+        req.kind,
+        CMD_READ | CMD_WRITE | CMD_FLUSH | CMD_TRIM | CMD_WRITE_ZEROES | CMD_BLOCK_STATUS
+    );
     if !known {
         return Err(EINVAL);
     }
@@ -262,7 +284,9 @@ async fn handle(conn: &Conn, req: Request, payload: Option<Buf>) {
     let fua = req.flags & CMD_FLAG_FUA != 0;
     let result = match req.kind {
         CMD_READ => {
-            let (r, buf) = node.read(req.offset, crate::block::new_buf(req.len as usize)).await;
+            let (r, buf) = node
+                .read(req.offset, crate::block::new_buf(req.len as usize))
+                .await;
             match r {
                 Ok(()) if conn.structured => {
                     let mut h = Conn::chunk_header(
@@ -293,7 +317,9 @@ async fn handle(conn: &Conn, req: Request, payload: Option<Buf>) {
         }
         CMD_WRITE_ZEROES => {
             let may_unmap = req.flags & CMD_FLAG_NO_HOLE == 0;
-            let r = node.write_zeroes(req.offset, req.len as u64, may_unmap).await;
+            let r = node
+                .write_zeroes(req.offset, req.len as u64, may_unmap)
+                .await;
             match r {
                 Ok(()) if fua => node.flush().await,
                 other => other,
@@ -317,7 +343,8 @@ async fn block_status(conn: &Conn, req: &Request) {
     while off < end && extents.len() < MAX_EXTENTS {
         match node.block_status(off, end - off).await {
             Ok(st) => {
-                let flags = (if st.allocated { 0 } else { STATE_HOLE }) | (if st.zero { STATE_ZERO } else { 0 });
+                let flags = (if st.allocated { 0 } else { STATE_HOLE })
+                    | (if st.zero { STATE_ZERO } else { 0 });
                 match extents.last_mut() {
                     Some((len, f)) if *f == flags => *len += st.len as u32,
                     _ => extents.push((st.len as u32, flags)),
@@ -339,7 +366,12 @@ async fn block_status(conn: &Conn, req: &Request) {
         payload.extend_from_slice(&len.to_be_bytes());
         payload.extend_from_slice(&flags.to_be_bytes());
     }
-    let mut h = Conn::chunk_header(req.handle, REPLY_FLAG_DONE, REPLY_TYPE_BLOCK_STATUS, payload.len() as u32);
+    let mut h = Conn::chunk_header(
+        req.handle,
+        REPLY_FLAG_DONE,
+        REPLY_TYPE_BLOCK_STATUS,
+        payload.len() as u32,
+    );
     h.extend_from_slice(&payload);
     conn.queue(h, None);
 }

@@ -1,0 +1,169 @@
+//! Helpers for end-to-end tests: run the real `stord` binary and real clients.
+
+#![allow(dead_code)]
+
+pub mod rawnbd;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::time::{Duration, Instant};
+
+/// A fresh directory for one test.
+pub fn tmpdir(name: &str) -> PathBuf {
+    let d =
+        Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("stord-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// A sparse file of `size` bytes.
+pub fn sparse_image(path: &Path, size: u64) {
+    let f = std::fs::File::create(path).unwrap();
+    f.set_len(size).unwrap();
+}
+
+/// A running stord; killed when dropped.
+pub struct Stord {
+    pub child: Child,
+    pub dir: PathBuf,
+    pub sock: PathBuf,
+    pub pidfile: PathBuf,
+    pub args: Vec<String>,
+}
+
+impl Stord {
+    /// Starts stord with `args` plus `--pidfile`, and waits until the pidfile appears.
+    pub fn start(dir: &Path, args: &[String]) -> Stord {
+        let pidfile = dir.join("stord.pid");
+        let _ = std::fs::remove_file(&pidfile);
+        let mut full: Vec<String> = args.to_vec();
+        full.push("--pidfile".into());
+        full.push(pidfile.display().to_string());
+        let child = Command::new(env!("CARGO_BIN_EXE_stord"))
+            .args(&full)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn stord");
+        let mut s = Stord {
+            child,
+            dir: dir.to_path_buf(),
+            sock: dir.join("nbd.sock"),
+            pidfile,
+            args: args.to_vec(),
+        };
+        let start = Instant::now();
+        while !s.pidfile.exists() {
+            if let Some(status) = s.child.try_wait().unwrap() {
+                let mut err = String::new();
+                use std::io::Read;
+                s.child
+                    .stderr
+                    .take()
+                    .unwrap()
+                    .read_to_string(&mut err)
+                    .unwrap();
+                panic!("stord exited early ({status}): {err}");
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "stord did not start"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        s
+    }
+
+    /// Standard arguments: one iothread, `blockdev`, an NBD server on `dir/nbd.sock`, and an
+    /// export named `disk` of node `disk`.
+    pub fn with_node(dir: &Path, blockdev: &str, writable: bool) -> Stord {
+        let sock = dir.join("nbd.sock");
+        let args = vec![
+            "--object".to_string(),
+            "iothread,id=io0".to_string(),
+            "--blockdev".to_string(),
+            format!("node-name=disk,{blockdev}"),
+            "--nbd-server".to_string(),
+            format!("addr.type=unix,addr.path={}", sock.display()),
+            "--export".to_string(),
+            format!(
+                "type=nbd,id=exp0,node-name=disk,name=disk,writable={},iothread=io0",
+                if writable { "on" } else { "off" }
+            ),
+        ];
+        Stord::start(dir, &args)
+    }
+
+    /// The NBD URI of export `disk`.
+    pub fn uri(&self) -> String {
+        format!("nbd+unix:///disk?socket={}", self.sock.display())
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    /// Open file descriptors of the daemon.
+    pub fn fd_count(&self) -> usize {
+        std::fs::read_dir(format!("/proc/{}/fd", self.pid()))
+            .unwrap()
+            .count()
+    }
+
+    pub fn signal(&self, sig: i32) {
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe { libc::kill(self.pid(), sig) };
+    }
+
+    /// SIGKILL and reap.
+    pub fn kill9(&mut self) {
+        self.signal(libc::SIGKILL);
+        let _ = self.child.wait();
+    }
+
+    /// Waits for exit (bounded).
+    pub fn wait_exit(&mut self, limit: Duration) -> ExitStatus {
+        let start = Instant::now();
+        loop {
+            if let Some(st) = self.child.try_wait().unwrap() {
+                return st;
+            }
+            assert!(start.elapsed() < limit, "stord did not exit");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    pub fn is_running(&mut self) -> bool {
+        self.child.try_wait().unwrap().is_none()
+    }
+}
+
+impl Drop for Stord {
+    fn drop(&mut self) {
+        if self.child.try_wait().ok().flatten().is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// Runs a command; returns its output (does not check the status).
+pub fn run(cmd: &str, args: &[&str]) -> Output {
+    Command::new(cmd).args(args).output().unwrap_or_else(|e| {
+        panic!("cannot run {cmd}: {e} (is it installed? scripts/install-deps.sh)")
+    })
+}
+
+/// Runs a command and asserts success; returns stdout.
+pub fn run_ok(cmd: &str, args: &[&str]) -> String {
+    let out = run(cmd, args);
+    assert!(
+        out.status.success(),
+        "{cmd} {args:?} failed: {}\nstdout: {}\nstderr: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}

@@ -1,0 +1,124 @@
+//! A deliberately small, blocking NBD client for protocol edge cases that real clients
+//! refuse to send (out-of-range requests, unknown commands, garbage, abrupt disconnects).
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+
+pub const CMD_READ: u16 = 0;
+pub const CMD_WRITE: u16 = 1;
+pub const CMD_DISC: u16 = 2;
+pub const CMD_FLUSH: u16 = 3;
+
+pub struct RawNbd {
+    pub s: UnixStream,
+    pub size: u64,
+    pub flags: u16,
+}
+
+impl RawNbd {
+    /// Connects and negotiates export `name` with OPT_GO (simple replies only).
+    pub fn connect(sock: &Path, name: &str) -> RawNbd {
+        let mut s = UnixStream::connect(sock).unwrap();
+        let mut hello = [0u8; 18];
+        s.read_exact(&mut hello).unwrap();
+        assert_eq!(&hello[..8], b"NBDMAGIC");
+        assert_eq!(&hello[8..16], b"IHAVEOPT");
+        s.write_all(&3u32.to_be_bytes()).unwrap(); // FIXED_NEWSTYLE | NO_ZEROES
+        let mut data = Vec::new();
+        data.extend_from_slice(&(name.len() as u32).to_be_bytes());
+        data.extend_from_slice(name.as_bytes());
+        data.extend_from_slice(&0u16.to_be_bytes());
+        let mut opt = Vec::new();
+        opt.extend_from_slice(b"IHAVEOPT");
+        opt.extend_from_slice(&7u32.to_be_bytes()); // GO
+        opt.extend_from_slice(&(data.len() as u32).to_be_bytes());
+        opt.extend_from_slice(&data);
+        s.write_all(&opt).unwrap();
+        let (mut size, mut flags) = (0, 0);
+        loop {
+            let mut h = [0u8; 20];
+            s.read_exact(&mut h).unwrap();
+            let kind = u32::from_be_bytes(h[12..16].try_into().unwrap());
+            let len = u32::from_be_bytes(h[16..20].try_into().unwrap()) as usize;
+            let mut d = vec![0u8; len];
+            s.read_exact(&mut d).unwrap();
+            match kind {
+                1 => break, // ACK
+                3 if u16::from_be_bytes([d[0], d[1]]) == 0 => {
+                    size = u64::from_be_bytes(d[2..10].try_into().unwrap());
+                    flags = u16::from_be_bytes([d[10], d[11]]);
+                }
+                3 => {}
+                k => panic!(
+                    "GO failed: reply type {k:#x}: {}",
+                    String::from_utf8_lossy(&d)
+                ),
+            }
+        }
+        RawNbd { s, size, flags }
+    }
+
+    pub fn send_request(
+        &mut self,
+        kind: u16,
+        flags: u16,
+        handle: u64,
+        offset: u64,
+        len: u32,
+        payload: &[u8],
+    ) {
+        let mut r = Vec::with_capacity(28 + payload.len());
+        r.extend_from_slice(&0x2560_9513u32.to_be_bytes());
+        r.extend_from_slice(&flags.to_be_bytes());
+        r.extend_from_slice(&kind.to_be_bytes());
+        r.extend_from_slice(&handle.to_be_bytes());
+        r.extend_from_slice(&offset.to_be_bytes());
+        r.extend_from_slice(&len.to_be_bytes());
+        r.extend_from_slice(payload);
+        self.s.write_all(&r).unwrap();
+    }
+
+    /// Reads a simple reply: (error, handle); for a successful read, `data_len` bytes follow.
+    pub fn read_reply(&mut self, data_len: usize) -> (u32, u64, Vec<u8>) {
+        let mut h = [0u8; 16];
+        self.s.read_exact(&mut h).unwrap();
+        assert_eq!(
+            u32::from_be_bytes(h[0..4].try_into().unwrap()),
+            0x6744_6698,
+            "simple reply magic"
+        );
+        let err = u32::from_be_bytes(h[4..8].try_into().unwrap());
+        let handle = u64::from_be_bytes(h[8..16].try_into().unwrap());
+        let mut data = vec![0u8; if err == 0 { data_len } else { 0 }];
+        self.s.read_exact(&mut data).unwrap();
+        (err, handle, data)
+    }
+
+    pub fn write(&mut self, handle: u64, offset: u64, data: &[u8]) -> u32 {
+        self.send_request(CMD_WRITE, 0, handle, offset, data.len() as u32, data);
+        self.read_reply(0).0
+    }
+
+    pub fn read(&mut self, handle: u64, offset: u64, len: u32) -> (u32, Vec<u8>) {
+        self.send_request(CMD_READ, 0, handle, offset, len, &[]);
+        let (e, _, d) = self.read_reply(len as usize);
+        (e, d)
+    }
+
+    /// True if the server has closed the connection (EOF within the timeout).
+    pub fn is_closed(&mut self) -> bool {
+        self.s
+            .set_read_timeout(Some(std::time::Duration::from_secs(5)))
+            .unwrap();
+        let mut b = [0u8; 64];
+        loop {
+            match self.s.read(&mut b) {
+                Ok(0) => return true,
+                Ok(_) => continue,
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return true,
+                Err(_) => return false,
+            }
+        }
+    }
+}

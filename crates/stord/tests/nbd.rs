@@ -1,0 +1,483 @@
+//! The NBD export end to end, with clients nobody here wrote: nbdinfo, nbdcopy,
+//! qemu-img, qemu-io and fio's nbd engine (plus a tiny raw client for garbage).
+
+mod common;
+
+use std::time::Duration;
+
+use common::rawnbd::{RawNbd, CMD_DISC, CMD_READ};
+use common::{run, run_ok, sparse_image, tmpdir, Stord};
+
+fn file_node(img: &std::path::Path, aio: &str, direct: bool) -> String {
+    format!(
+        "driver=file,filename={},aio={aio},discard=unmap,cache.direct={}",
+        img.display(),
+        if direct { "on" } else { "off" }
+    )
+}
+
+#[test]
+fn nbdinfo_reports_size_flags_and_allocation_map() {
+    let dir = tmpdir("nbdinfo");
+    let img = dir.join("disk.img");
+    sparse_image(&img, 64 << 20);
+    let s = Stord::with_node(&dir, &file_node(&img, "io_uring", true), true);
+    let uri = s.uri();
+    let info: serde_json::Value =
+        serde_json::from_str(&run_ok("nbdinfo", &["--json", &uri])).unwrap();
+    let e = &info["exports"][0];
+    assert_eq!(e["export-size"], 64 << 20);
+    assert_eq!(e["is_read_only"], false);
+    for flag in [
+        "can_flush",
+        "can_fua",
+        "can_trim",
+        "can_zero",
+        "can_multi_conn",
+        "can_df",
+    ] {
+        assert_eq!(e[flag], true, "{flag}: {e}");
+    }
+    assert!(e["contexts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|c| c == "base:allocation"));
+    assert_eq!(info["protocol"], "newstyle-fixed");
+
+    // Nothing written yet: one hole.
+    let map = run_ok("nbdinfo", &["--map", "--totals", &uri]);
+    assert!(map.contains("hole,zero") && !map.contains(" data"), "{map}");
+    // Write 1 MiB at 4 MiB: the map shows data there.
+    run_ok("qemu-io", &["-f", "raw", "-c", "write -P 0xab 4M 1M", &uri]);
+    let map = run_ok("nbdinfo", &["--map", &uri]);
+    assert!(
+        map.lines()
+            .any(|l| l.split_whitespace().collect::<Vec<_>>()[..3] == ["4194304", "1048576", "0"]),
+        "{map}"
+    );
+    // Trim half of it: the hole now reaches 4.5 MiB and only the second half is data.
+    run_ok("qemu-io", &["-f", "raw", "-c", "discard 4M 512k", &uri]);
+    let map = run_ok("nbdinfo", &["--map", &uri]);
+    let rows: Vec<Vec<&str>> = map
+        .lines()
+        .map(|l| l.split_whitespace().take(3).collect())
+        .collect();
+    assert!(rows.contains(&vec!["0", "4718592", "3"]), "{map}");
+    assert!(rows.contains(&vec!["4718592", "524288", "0"]), "{map}");
+    // Write zeroes without a hole, then read back the pattern that is left.
+    run_ok(
+        "qemu-io",
+        &["-f", "raw", "-c", "read -P 0xab 4718592 512k", &uri],
+    );
+    run_ok(
+        "qemu-io",
+        &[
+            "-f",
+            "raw",
+            "-c",
+            "write -z 4718592 4k",
+            "-c",
+            "read -P 0 4718592 4k",
+            &uri,
+        ],
+    );
+}
+
+#[test]
+fn qemu_img_convert_both_ways_and_compare() {
+    let dir = tmpdir("convert");
+    let img = dir.join("disk.img");
+    sparse_image(&img, 32 << 20);
+    // A source with data, zeroes and holes.
+    let src = dir.join("src.raw");
+    sparse_image(&src, 32 << 20);
+    let src_s = src.display().to_string();
+    run_ok(
+        "qemu-io",
+        &[
+            "-f",
+            "raw",
+            "-c",
+            "write -P 0x11 0 3M",
+            "-c",
+            "write -P 0x77 20M 1536k",
+            &src_s,
+        ],
+    );
+    let s = Stord::with_node(&dir, &file_node(&img, "io_uring", true), true);
+    let uri = s.uri();
+    run_ok(
+        "qemu-img",
+        &["convert", "-n", "-f", "raw", "-O", "raw", &src_s, &uri],
+    );
+    let out = run_ok(
+        "qemu-img",
+        &["compare", "-f", "raw", "-F", "raw", &src_s, &uri],
+    );
+    assert!(out.contains("Images are identical"), "{out}");
+    let back = dir.join("back.raw");
+    run_ok(
+        "qemu-img",
+        &[
+            "convert",
+            "-f",
+            "raw",
+            "-O",
+            "raw",
+            &uri,
+            &back.display().to_string(),
+        ],
+    );
+    let out = run_ok(
+        "qemu-img",
+        &[
+            "compare",
+            "-f",
+            "raw",
+            "-F",
+            "raw",
+            &src_s,
+            &back.display().to_string(),
+        ],
+    );
+    assert!(out.contains("Images are identical"), "{out}");
+    // And a difference is noticed.
+    run_ok("qemu-io", &["-f", "raw", "-c", "write -P 0x12 1M 4k", &uri]);
+    let out = run(
+        "qemu-img",
+        &["compare", "-f", "raw", "-F", "raw", &src_s, &uri],
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+}
+
+fn fio_verify(uri: &str, size: &str) {
+    let out = run_ok(
+        "fio",
+        &[
+            "--name=verify",
+            "--ioengine=nbd",
+            &format!("--uri={uri}"),
+            "--rw=randwrite",
+            "--bs=4k",
+            "--iodepth=16",
+            &format!("--size={size}"),
+            "--verify=crc32c",
+            "--do_verify=1",
+            "--output-format=json",
+        ],
+    );
+    let v: serde_json::Value = serde_json::from_str(&out[out.find('{').unwrap()..]).unwrap();
+    let job = &v["jobs"][0];
+    assert_eq!(job["error"], 0, "{job}");
+    assert!(
+        job["read"]["io_bytes"].as_u64().unwrap() > 0,
+        "verify read nothing: {job}"
+    );
+}
+
+#[test]
+fn fio_verify_on_every_aio_mode() {
+    let dir = tmpdir("fio-verify");
+    for (aio, direct) in [
+        ("io_uring", true),
+        ("io_uring", false),
+        ("native", true),
+        ("threads", true),
+        ("threads", false),
+    ] {
+        let img = dir.join(format!("{aio}-{direct}.img"));
+        sparse_image(&img, 32 << 20);
+        let s = Stord::with_node(&dir, &file_node(&img, aio, direct), true);
+        fio_verify(&s.uri(), "16M");
+        drop(s);
+    }
+    // native without O_DIRECT is refused, with a message naming the option.
+    let img = dir.join("bad.img");
+    sparse_image(&img, 1 << 20);
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_stord"))
+        .args([
+            "--blockdev",
+            &format!("node-name=d,{}", file_node(&img, "native", false)),
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cache.direct"));
+}
+
+#[test]
+fn null_node_serves_zeroes() {
+    let dir = tmpdir("null");
+    let s = Stord::with_node(&dir, "driver=null-co,size=64M,read-zeroes=on", true);
+    let out = run_ok(
+        "qemu-io",
+        &[
+            "-f",
+            "raw",
+            "-c",
+            "write -P 0x55 0 64k",
+            "-c",
+            "read -P 0 0 64k",
+            &s.uri(),
+        ],
+    );
+    assert!(out.contains("read 65536/65536"), "{out}");
+    let info = run_ok("nbdinfo", &["--size", &s.uri()]);
+    assert_eq!(info.trim(), (64u64 << 20).to_string());
+}
+
+#[test]
+fn read_only_export_refuses_writes() {
+    let dir = tmpdir("ro");
+    let img = dir.join("disk.img");
+    std::fs::write(&img, vec![0x42u8; 1 << 20]).unwrap();
+    let s = Stord::with_node(&dir, &file_node(&img, "io_uring", false), false);
+    let info: serde_json::Value =
+        serde_json::from_str(&run_ok("nbdinfo", &["--json", &s.uri()])).unwrap();
+    assert_eq!(info["exports"][0]["is_read_only"], true);
+    let out = run("qemu-io", &["-f", "raw", "-c", "write 0 4k", &s.uri()]);
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // qemu-io sees the read-only flag and refuses to open for writing (EACCES).
+    assert!(
+        text.contains("Permission denied") || text.contains("not permitted"),
+        "{text}"
+    );
+    // The raw protocol answer is EPERM, and the data is untouched.
+    let mut c = RawNbd::connect(&s.sock, "disk");
+    assert_eq!(c.write(1, 0, &[0u8; 512]), 1, "EPERM");
+    let (e, d) = c.read(2, 0, 512);
+    assert_eq!(e, 0);
+    assert!(d.iter().all(|&b| b == 0x42));
+    // A read-only node cannot be exported writable.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_stord"))
+        .args([
+            "--blockdev",
+            &format!(
+                "node-name=d,read-only=on,{}",
+                file_node(&img, "io_uring", false)
+            ),
+            "--nbd-server",
+            &format!("addr.type=unix,addr.path={}", dir.join("x.sock").display()),
+            "--export",
+            "type=nbd,id=e,node-name=d,writable=on",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("read-only"));
+}
+
+#[test]
+fn protocol_errors_close_only_that_connection() {
+    let dir = tmpdir("garbage");
+    let img = dir.join("disk.img");
+    sparse_image(&img, 8 << 20);
+    let s = Stord::with_node(&dir, &file_node(&img, "io_uring", true), true);
+    let mut c = RawNbd::connect(&s.sock, "disk");
+    assert_eq!(c.size, 8 << 20);
+    // Past the end: EINVAL; straddling the end too.
+    let (e, _) = c.read(1, 8 << 20, 512);
+    assert_eq!(e, 22);
+    let (e, _) = c.read(2, (8 << 20) - 512, 1024);
+    assert_eq!(e, 22);
+    assert_eq!(c.write(3, (8 << 20) - 4, &[1u8; 8]), 22);
+    // Over the maximum payload: EOVERFLOW for a read.
+    c.send_request(CMD_READ, 0, 4, 0, 64 << 20, &[]);
+    assert_eq!(c.read_reply(0).0, 75);
+    // Unknown command: EINVAL, and the connection still works.
+    c.send_request(99, 0, 5, 0, 0, &[]);
+    assert_eq!(c.read_reply(0).0, 22);
+    assert_eq!(c.write(6, 4096, &[7u8; 4096]), 0);
+    assert_eq!(c.read(7, 4096, 4096).1, vec![7u8; 4096]);
+    // Garbage in transmission: the server closes this connection.
+    use std::io::Write;
+    c.s.write_all(&[0xffu8; 64]).unwrap();
+    assert!(c.is_closed());
+    // Garbage during negotiation: closed too.
+    let mut g = std::os::unix::net::UnixStream::connect(&s.sock).unwrap();
+    g.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\nAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA")
+        .unwrap();
+    let mut raw = RawNbd {
+        s: g,
+        size: 0,
+        flags: 0,
+    };
+    assert!(raw.is_closed());
+    // Unknown export via GO: an error reply, not a crash.
+    let out = run(
+        "nbdinfo",
+        &[&format!("nbd+unix:///nope?socket={}", s.sock.display())],
+    );
+    assert!(!out.status.success());
+    // Everyone else is still served.
+    let mut ok = RawNbd::connect(&s.sock, "disk");
+    assert_eq!(ok.read(1, 4096, 4096).1, vec![7u8; 4096]);
+    run_ok("nbdinfo", &[&s.uri()]);
+}
+
+#[test]
+fn sixty_four_concurrent_connections() {
+    let dir = tmpdir("conns");
+    let img = dir.join("disk.img");
+    sparse_image(&img, 16 << 20);
+    let s = Stord::with_node(&dir, &file_node(&img, "io_uring", true), true);
+    let mut clients: Vec<RawNbd> = (0..64).map(|_| RawNbd::connect(&s.sock, "disk")).collect();
+    // All connected at once; each writes its own block, then all read everything back.
+    for (i, c) in clients.iter_mut().enumerate() {
+        assert_eq!(
+            c.write(i as u64, i as u64 * 65536, &vec![i as u8 + 1; 65536]),
+            0
+        );
+    }
+    let handles: Vec<_> = clients
+        .into_iter()
+        .enumerate()
+        .map(|(i, mut c)| {
+            std::thread::spawn(move || {
+                for j in 0..64u64 {
+                    let (e, d) = c.read(j, j * 65536, 65536);
+                    assert_eq!(e, 0);
+                    assert!(d.iter().all(|&b| b == j as u8 + 1), "client {i} block {j}");
+                }
+                c.send_request(CMD_DISC, 0, 0, 0, 0, &[]);
+                assert!(c.is_closed());
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+}
+
+#[test]
+fn disconnect_mid_request_leaks_nothing() {
+    let dir = tmpdir("midreq");
+    let img = dir.join("disk.img");
+    sparse_image(&img, 16 << 20);
+    let mut s = Stord::with_node(&dir, &file_node(&img, "io_uring", true), true);
+    // Warm up (lazy allocations, worker threads) before counting fds.
+    drop(RawNbd::connect(&s.sock, "disk"));
+    std::thread::sleep(Duration::from_millis(100));
+    let fds_before = s.fd_count();
+    for round in 0..20 {
+        let mut c = RawNbd::connect(&s.sock, "disk");
+        match round % 3 {
+            // A write header promising 1 MiB, then only part of the payload.
+            0 => c.send_request(1, 0, 1, 0, 1 << 20, &[0u8; 1000]),
+            // Many reads whose replies nobody reads.
+            1 => {
+                for h in 0..200 {
+                    c.send_request(CMD_READ, 0, h, (h % 16) << 20 >> 4, 65536, &[]);
+                }
+            }
+            // Half a request header.
+            _ => {
+                use std::io::Write;
+                c.s.write_all(&0x2560_9513u32.to_be_bytes()).unwrap();
+            }
+        }
+        drop(c);
+    }
+    // The daemon is alive, serves, and has released every connection's fd.
+    let start = std::time::Instant::now();
+    while s.fd_count() > fds_before {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "fds leaked: {} > {fds_before}",
+            s.fd_count()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(s.is_running());
+    run_ok("nbdinfo", &[&s.uri()]);
+}
+
+#[test]
+fn flushed_data_survives_kill_9() {
+    let dir = tmpdir("kill9");
+    let img = dir.join("disk.img");
+    sparse_image(&img, 32 << 20);
+    let fio_args = |uri: &str, verify_only: bool| {
+        let mut a = vec![
+            "--name=persist".to_string(),
+            "--ioengine=nbd".to_string(),
+            format!("--uri={uri}"),
+            "--rw=randwrite".to_string(),
+            "--bs=4k".to_string(),
+            "--iodepth=8".to_string(),
+            "--size=8M".to_string(),
+            "--randseed=1234".to_string(),
+            "--verify=crc32c".to_string(),
+        ];
+        if verify_only {
+            a.push("--verify_only".to_string());
+        } else {
+            a.push("--do_verify=0".to_string());
+            a.push("--end_fsync=1".to_string());
+        }
+        a
+    };
+    let mut s = Stord::with_node(&dir, &file_node(&img, "io_uring", true), true);
+    let uri = s.uri();
+    let args = fio_args(&uri, false);
+    run_ok("fio", &args.iter().map(String::as_str).collect::<Vec<_>>());
+    s.kill9();
+    let s = Stord::start(&dir, &s.args.clone());
+    let args = fio_args(&s.uri(), true);
+    let out = run_ok("fio", &args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(!out.contains("verify: bad"), "{out}");
+}
+
+#[test]
+fn sigterm_shuts_down_cleanly() {
+    let dir = tmpdir("sigterm");
+    let img = dir.join("disk.img");
+    sparse_image(&img, 1 << 20);
+    let mut s = Stord::with_node(&dir, &file_node(&img, "threads", false), true);
+    assert!(s.sock.exists());
+    s.signal(libc::SIGTERM);
+    let st = s.wait_exit(Duration::from_secs(10));
+    assert!(st.success(), "{st}");
+    assert!(!s.sock.exists(), "socket left behind");
+    assert!(!s.pidfile.exists(), "pidfile left behind");
+}
+
+#[test]
+fn bad_command_lines_name_the_problem() {
+    let bin = env!("CARGO_BIN_EXE_stord");
+    let cases: &[(&[&str], &str)] = &[
+        (&["--blockdev", "driver=qcow9,node-name=x"], "driver"),
+        (&["--blockdev", "driver=null-co"], "node-name"),
+        (
+            &["--blockdev", "driver=null-co,node-name=x,size=huge"],
+            "size",
+        ),
+        (
+            &["--blockdev", "driver=null-co,node-name=x,colour=blue"],
+            "colour",
+        ),
+        (&["--object", "iothread,id=a,poll-weight=64"], "poll-weight"),
+        (&["--object", "iothread,id=a,poll-policy=turbo"], "turbo"),
+        (&["--export", "type=nbd,id=e,node-name=missing"], "missing"),
+        (&["--frobnicate"], "--frobnicate"),
+    ];
+    for (args, needle) in cases {
+        let out = std::process::Command::new(bin)
+            .args(*args)
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{args:?} succeeded");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(needle), "{args:?}: {err}");
+    }
+}
