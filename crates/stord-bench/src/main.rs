@@ -3,8 +3,13 @@
 //! Subcommands:
 //! - `aio [--duration-ms N] [--reactor io_uring|epoll] [--policy P]... [--think-us N]...`:
 //!   Remote round trips into an IoThread per polling policy and think time.
+//! - `nbd [--runtime S] [--reps N] [--backend null|file]... [--daemon stord|qsd|nbdkit]...
+//!   [--workload randread:16]... [--stord-policy P] [--file-aio MODE]`: fio's nbd engine
+//!   against stord, qemu-storage-daemon and nbdkit, with fio on the raw file as the floor.
 
 mod aio;
+mod nbd;
+mod peers;
 
 use std::path::PathBuf;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -12,7 +17,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 fn usage() -> ! {
     eprintln!(
         "usage: stord-bench aio [--duration-ms N] [--reactor io_uring|epoll] \
-         [--policy off|classic|weighted|haltpoll]... [--think-us N]... [--out DIR]"
+         [--policy off|classic|weighted|haltpoll]... [--think-us N]... [--out DIR]\n\
+         \x20      stord-bench nbd [--runtime S] [--reps N] [--backend null|file]... \
+         [--daemon stord|qsd|nbdkit]... [--workload RW:QD]... [--stord-policy P] [--file-aio MODE] [--out DIR]"
     );
     std::process::exit(2);
 }
@@ -85,6 +92,65 @@ fn main() {
             std::fs::write(&path, serde_json::to_string_pretty(&doc).unwrap())
                 .expect("write results");
             println!("results: {}", path.display());
+        }
+        Some("nbd") => {
+            let mut opts = nbd::NbdOptions::default();
+            let (mut backends, mut daemons, mut workloads, mut out) =
+                (Vec::new(), Vec::new(), Vec::new(), None);
+            let mut i = 1;
+            while i < args.len() {
+                let flag = args[i].as_str();
+                match flag {
+                    "--runtime" => opts.runtime_s = parse(flag, value(&args, &mut i, flag)),
+                    "--reps" => opts.reps = parse(flag, value(&args, &mut i, flag)),
+                    "--backend" => backends.push(value(&args, &mut i, flag).to_string()),
+                    "--daemon" => daemons.push(value(&args, &mut i, flag).to_string()),
+                    "--workload" => {
+                        let v = value(&args, &mut i, flag);
+                        let (rw, qd) = v.split_once(':').unwrap_or_else(|| usage());
+                        workloads.push((rw.to_string(), parse(flag, qd)));
+                    }
+                    "--stord-policy" => opts.stord_policy = value(&args, &mut i, flag).to_string(),
+                    "--file-aio" => opts.file_aio = value(&args, &mut i, flag).to_string(),
+                    "--out" => out = Some(PathBuf::from(value(&args, &mut i, flag))),
+                    _ => usage(),
+                }
+                i += 1;
+            }
+            if !backends.is_empty() {
+                opts.backends = backends;
+            }
+            if !daemons.is_empty() {
+                opts.daemons = daemons;
+            }
+            if !workloads.is_empty() {
+                opts.workloads = workloads;
+            }
+            let rows = nbd::run(&opts);
+            let table = nbd::markdown(&rows);
+            println!("{table}");
+            let dir = results_dir(out).join("nbd");
+            std::fs::create_dir_all(&dir).expect("create results dir");
+            let ts = SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .unwrap()
+                .as_secs();
+            let doc = serde_json::json!({
+                "benchmark": "nbd-fio",
+                "unix_time": ts,
+                "runtime_s": opts.runtime_s,
+                "reps": opts.reps,
+                "stord_policy": opts.stord_policy,
+                "file_aio": opts.file_aio,
+                "rows": rows,
+            });
+            std::fs::write(
+                dir.join(format!("{ts}.json")),
+                serde_json::to_string_pretty(&doc).unwrap(),
+            )
+            .expect("write results");
+            std::fs::write(dir.join(format!("{ts}.md")), &table).expect("write results");
+            println!("results: {}", dir.join(format!("{ts}.json")).display());
         }
         _ => usage(),
     }

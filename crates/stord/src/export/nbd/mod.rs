@@ -231,7 +231,9 @@ async fn handle_connection(conn: OwnedFd, exports: ExportTable) {
         Ok(Some(n)) => n,
         Ok(None) => return,
         Err(e) => {
-            if e.kind() != std::io::ErrorKind::UnexpectedEof {
+            use std::io::ErrorKind::*;
+            // A client that just probes and hangs up is not worth a log line.
+            if !matches!(e.kind(), UnexpectedEof | BrokenPipe | ConnectionReset) {
                 eprintln!("stord: nbd: negotiation failed: {e}");
             }
             return;

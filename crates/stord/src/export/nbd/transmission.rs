@@ -145,7 +145,8 @@ pub async fn serve(
         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let writer = stord_aio::spawn(write_loop(conn.clone()));
     if let Err(e) = read_loop(&conn, pending).await {
-        if e.kind() != io::ErrorKind::UnexpectedEof {
+        use io::ErrorKind::*;
+        if !matches!(e.kind(), UnexpectedEof | BrokenPipe | ConnectionReset) {
             tracing_log(&conn, &e);
         }
     }

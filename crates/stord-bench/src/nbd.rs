@@ -1,0 +1,325 @@
+//! `stord-bench nbd`: fio's nbd engine against stord, qemu-storage-daemon and nbdkit,
+//! with fio on the raw file as the floor, in one run.
+//!
+//! Each case (backend x workload) runs every daemon in turn, and the whole round is
+//! repeated (A B C, A B C, ...) so slow drift on a noisy machine hits all alike. Each run
+//! starts a fresh daemon with one IoThread. Reported: median IOPS, mean/p50/p99 latency,
+//! the daemon's CPU time per I/O (utime+stime from /proc/PID/stat over the run), spread
+//! across repetitions, and the ratios to qsd.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use serde::Serialize;
+
+use crate::peers::{repo_root, run_fio, stord_binary, Daemon, FioResult};
+
+/// Options of the NBD benchmark.
+pub struct NbdOptions {
+    pub runtime_s: u64,
+    pub reps: usize,
+    pub backends: Vec<String>,
+    pub workloads: Vec<(String, u32)>,
+    pub daemons: Vec<String>,
+    pub stord_policy: String,
+    pub file_aio: String,
+}
+
+impl Default for NbdOptions {
+    fn default() -> Self {
+        Self {
+            runtime_s: 5,
+            reps: 2,
+            backends: vec!["null".into(), "file".into()],
+            workloads: vec![
+                ("randread".into(), 1),
+                ("randwrite".into(), 1),
+                ("randread".into(), 16),
+                ("randwrite".into(), 16),
+            ],
+            daemons: vec!["stord".into(), "qsd".into(), "nbdkit".into()],
+            stord_policy: "classic".into(),
+            file_aio: "io_uring".into(),
+        }
+    }
+}
+
+/// One daemon's figures for one case (medians over the repetitions).
+#[derive(Debug, Clone, Serialize)]
+pub struct Row {
+    pub backend: String,
+    pub workload: String,
+    pub iodepth: u32,
+    pub daemon: String,
+    pub iops: f64,
+    pub mean_us: f64,
+    pub p50_us: f64,
+    pub p99_us: f64,
+    pub cpu_us_per_io: Option<f64>,
+    pub iops_spread: f64,
+    pub runs: Vec<FioResult>,
+}
+
+const IMAGE_SIZE: u64 = 1 << 30;
+
+fn bench_dir() -> PathBuf {
+    let d = repo_root().join("results/tmp");
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// A 1 GiB image filled with data, so O_DIRECT reads really reach the disk.
+fn prepare_image(path: &Path) {
+    if std::fs::metadata(path)
+        .map(|m| m.len() == IMAGE_SIZE)
+        .unwrap_or(false)
+    {
+        return;
+    }
+    eprintln!("preparing {} (1 GiB of data)...", path.display());
+    let st = Command::new("fio")
+        .args([
+            "--name=fill",
+            "--ioengine=libaio",
+            "--direct=1",
+            "--rw=write",
+            "--bs=1M",
+            "--iodepth=8",
+            &format!("--size={IMAGE_SIZE}"),
+            &format!("--filename={}", path.display()),
+        ])
+        .stdout(std::process::Stdio::null())
+        .status()
+        .expect("fio");
+    assert!(st.success());
+}
+
+fn daemon_args(
+    daemon: &str,
+    backend: &str,
+    img: &Path,
+    sock: &Path,
+    opts: &NbdOptions,
+) -> (PathBuf, Vec<String>, String) {
+    let node = match backend {
+        "null" => format!("driver=null-co,node-name=disk,size={IMAGE_SIZE}"),
+        _ => format!(
+            "driver=file,node-name=disk,filename={},aio={},cache.direct=on",
+            img.display(),
+            opts.file_aio
+        ),
+    };
+    let qsd_style = |bin: PathBuf, iothread: String| {
+        (
+            bin,
+            vec![
+                "--object".into(),
+                iothread,
+                "--blockdev".into(),
+                node.clone(),
+                "--nbd-server".into(),
+                format!("addr.type=unix,addr.path={}", sock.display()),
+                "--export".into(),
+                "type=nbd,id=exp0,node-name=disk,name=disk,writable=on,iothread=io0".into(),
+            ],
+            format!("nbd+unix:///disk?socket={}", sock.display()),
+        )
+    };
+    match daemon {
+        "stord" => qsd_style(
+            stord_binary(),
+            format!("iothread,id=io0,poll-policy={}", opts.stord_policy),
+        ),
+        "qsd" => qsd_style(
+            PathBuf::from("qemu-storage-daemon"),
+            "iothread,id=io0".into(),
+        ),
+        "nbdkit" => {
+            let mut args = vec!["-f".to_string(), "-U".into(), sock.display().to_string()];
+            match backend {
+                "null" => args.extend(["null".into(), "1G".into()]),
+                _ => args.extend([
+                    "file".into(),
+                    img.display().to_string(),
+                    "cache=none".into(),
+                ]),
+            }
+            (
+                PathBuf::from("nbdkit"),
+                args,
+                format!("nbd+unix:///?socket={}", sock.display()),
+            )
+        }
+        other => panic!("unknown daemon {other}"),
+    }
+}
+
+fn which(cmd: &str) -> PathBuf {
+    let out = Command::new("sh")
+        .args(["-c", &format!("command -v {cmd}")])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{cmd} not found: run scripts/install-deps.sh"
+    );
+    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
+}
+
+fn fio_common(rw: &str, qd: u32, runtime: u64) -> Vec<String> {
+    vec![
+        "--name=bench".into(),
+        format!("--rw={rw}"),
+        "--bs=4k".into(),
+        format!("--iodepth={qd}"),
+        "--time_based".into(),
+        format!("--runtime={runtime}"),
+        "--ramp_time=1".into(),
+        format!("--size={IMAGE_SIZE}"),
+        "--norandommap".into(),
+        "--randrepeat=0".into(),
+    ]
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    let n = v.len();
+    if n == 0 {
+        0.0
+    } else if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+/// Runs the matrix; prints progress and returns the rows.
+pub fn run(opts: &NbdOptions) -> Vec<Row> {
+    let dir = bench_dir();
+    let img = dir.join("nbd-bench.img");
+    let sock = dir.join("nbd-bench.sock");
+    if opts.backends.iter().any(|b| b == "file") {
+        prepare_image(&img);
+    }
+    for d in &opts.daemons {
+        if d != "stord" {
+            which(if d == "qsd" { "qemu-storage-daemon" } else { d });
+        }
+    }
+    let mut rows = Vec::new();
+    let total_runs: usize = opts.backends.len()
+        * opts.workloads.len()
+        * opts.reps
+        * (opts.daemons.len() + usize::from(opts.backends.iter().any(|b| b == "file")));
+    let mut done_runs = 0;
+    for backend in &opts.backends {
+        for (rw, qd) in &opts.workloads {
+            let mut names: Vec<String> = opts.daemons.clone();
+            if backend == "file" {
+                names.push("fio-raw".into());
+            }
+            let mut per: Vec<Vec<(FioResult, Option<f64>)>> = vec![Vec::new(); names.len()];
+            for rep in 0..opts.reps {
+                for (i, d) in names.iter().enumerate() {
+                    done_runs += 1;
+                    eprintln!(
+                        "[{done_runs}/{total_runs}] {backend} {rw} QD{qd} {d} (rep {})",
+                        rep + 1
+                    );
+                    let mut fio = fio_common(rw, *qd, opts.runtime_s);
+                    if d == "fio-raw" {
+                        fio.extend([
+                            "--ioengine=io_uring".into(),
+                            "--direct=1".into(),
+                            format!("--filename={}", img.display()),
+                        ]);
+                        per[i].push((run_fio(&fio), None));
+                        continue;
+                    }
+                    let (bin, args, uri) = daemon_args(d, backend, &img, &sock, opts);
+                    let daemon = Daemon::start(d, &bin, &args, &sock);
+                    fio.extend(["--ioengine=nbd".into(), format!("--uri={uri}")]);
+                    let cpu0 = daemon.cpu_ns();
+                    let r = run_fio(&fio);
+                    let cpu1 = daemon.cpu_ns();
+                    // fio's ramp time also costs CPU: count all I/Os fio did over the run.
+                    let ios_total = r.iops * (opts.runtime_s + 1) as f64;
+                    let cpu = (cpu1 - cpu0) as f64 / 1000.0 / ios_total.max(1.0);
+                    per[i].push((r, Some(cpu)));
+                    drop(daemon);
+                }
+            }
+            for (i, d) in names.iter().enumerate() {
+                let runs: Vec<FioResult> = per[i].iter().map(|(r, _)| r.clone()).collect();
+                let iops: Vec<f64> = runs.iter().map(|r| r.iops).collect();
+                let med = median(iops.clone());
+                let spread = if med > 0.0 {
+                    (iops.iter().cloned().fold(f64::MIN, f64::max)
+                        - iops.iter().cloned().fold(f64::MAX, f64::min))
+                        / med
+                } else {
+                    0.0
+                };
+                let cpu: Vec<f64> = per[i].iter().filter_map(|(_, c)| *c).collect();
+                rows.push(Row {
+                    backend: backend.clone(),
+                    workload: rw.clone(),
+                    iodepth: *qd,
+                    daemon: d.clone(),
+                    iops: med,
+                    mean_us: median(runs.iter().map(|r| r.mean_us).collect()),
+                    p50_us: median(runs.iter().map(|r| r.p50_us).collect()),
+                    p99_us: median(runs.iter().map(|r| r.p99_us).collect()),
+                    cpu_us_per_io: (!cpu.is_empty()).then(|| median(cpu)),
+                    iops_spread: spread,
+                    runs,
+                });
+            }
+        }
+    }
+    let _ = std::fs::remove_file(&sock);
+    rows
+}
+
+/// The rows as a Markdown table with ratios to qsd (and to raw fio for the file backend).
+pub fn markdown(rows: &[Row]) -> String {
+    let mut s = String::from(
+        "| backend | workload | daemon | IOPS | × qsd | × raw fio | mean µs | p50 µs | p99 µs | CPU µs/IO | CPU × qsd | spread |\n|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for r in rows {
+        let find = |d: &str| {
+            rows.iter().find(|x| {
+                x.backend == r.backend
+                    && x.workload == r.workload
+                    && x.iodepth == r.iodepth
+                    && x.daemon == d
+            })
+        };
+        let qsd = find("qsd");
+        let raw = find("fio-raw");
+        let ratio = |a: f64, b: Option<f64>| {
+            b.filter(|b| *b > 0.0)
+                .map_or("–".to_string(), |b| format!("{:.2}", a / b))
+        };
+        s += &format!(
+            "| {} | {} QD{} | {} | {:.0} | {} | {} | {:.1} | {:.1} | {:.1} | {} | {} | {:.0}% |\n",
+            r.backend,
+            r.workload,
+            r.iodepth,
+            r.daemon,
+            r.iops,
+            ratio(r.iops, qsd.map(|q| q.iops)),
+            ratio(r.iops, raw.map(|q| q.iops)),
+            r.mean_us,
+            r.p50_us,
+            r.p99_us,
+            r.cpu_us_per_io.map_or("–".into(), |c| format!("{c:.1}")),
+            match (r.cpu_us_per_io, qsd.and_then(|q| q.cpu_us_per_io)) {
+                (Some(a), Some(b)) if b > 0.0 => format!("{:.2}", a / b),
+                _ => "–".into(),
+            },
+            r.iops_spread * 100.0
+        );
+    }
+    s
+}

@@ -1,0 +1,145 @@
+//! Running the daemons under test (stord, qemu-storage-daemon, nbdkit) and fio, and
+//! measuring a daemon's CPU time.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+/// The repo root (stord-bench lives in crates/stord-bench).
+pub fn repo_root() -> PathBuf {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    p.canonicalize().unwrap_or(p)
+}
+
+/// The release stord binary, built if missing or stale.
+pub fn stord_binary() -> PathBuf {
+    let root = repo_root();
+    let status = Command::new("cargo")
+        .args(["build", "--release", "-p", "stord", "--quiet"])
+        .current_dir(&root)
+        .status()
+        .expect("run cargo build");
+    assert!(status.success(), "building stord failed");
+    root.join("target/release/stord")
+}
+
+/// A daemon process that is killed when dropped.
+pub struct Daemon {
+    pub child: Child,
+}
+
+impl Daemon {
+    /// Starts `cmd args` and waits until `sock` accepts connections.
+    pub fn start(name: &str, cmd: &Path, args: &[String], sock: &Path) -> Daemon {
+        let _ = std::fs::remove_file(sock);
+        let child = Command::new(cmd)
+            .args(args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {}: {e}", cmd.display()));
+        let mut d = Daemon { child };
+        let start = Instant::now();
+        loop {
+            if std::os::unix::net::UnixStream::connect(sock).is_ok() {
+                break;
+            }
+            if let Ok(Some(st)) = d.child.try_wait() {
+                panic!("{name} exited during start-up: {st}");
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(15),
+                "{name} did not start listening"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        d
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// CPU time (user + system) of all the daemon's live threads, in nanoseconds.
+    pub fn cpu_ns(&self) -> u64 {
+        process_cpu_ns(self.pid())
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_secs(5) {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Sum of utime+stime of a process (all threads, including exited ones), from
+/// /proc/PID/stat, in nanoseconds (clock-tick resolution).
+pub fn process_cpu_ns(pid: u32) -> u64 {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return 0;
+    };
+    // Fields after the ")" of the command name: state is field 3; utime 14, stime 15.
+    let rest = &stat[stat.rfind(')').map_or(0, |i| i + 2)..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: u64 = f.get(11).and_then(|v| v.parse().ok()).unwrap_or(0)
+        + f.get(12).and_then(|v| v.parse().ok()).unwrap_or(0);
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+    ticks * 1_000_000_000 / hz
+}
+
+/// What one fio run measured.
+#[derive(Debug, Clone, Serialize)]
+pub struct FioResult {
+    pub iops: f64,
+    pub mean_us: f64,
+    pub p50_us: f64,
+    pub p99_us: f64,
+    pub total_ios: u64,
+}
+
+/// Runs fio with `args` (plus json output) and parses the first job's read or write side.
+pub fn run_fio(args: &[String]) -> FioResult {
+    let out = Command::new("fio")
+        .args(args)
+        .arg("--output-format=json")
+        .output()
+        .expect("run fio (scripts/install-deps.sh installs it)");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "fio {args:?} failed: {}{}",
+        text,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let start = text.find('{').expect("fio json");
+    let v: serde_json::Value = serde_json::from_str(&text[start..]).expect("parse fio json");
+    let job = &v["jobs"][0];
+    let side = if job["write"]["total_ios"].as_u64().unwrap_or(0)
+        > job["read"]["total_ios"].as_u64().unwrap_or(0)
+    {
+        &job["write"]
+    } else {
+        &job["read"]
+    };
+    let pct = |p: &str| side["clat_ns"]["percentile"][p].as_f64().unwrap_or(0.0) / 1000.0;
+    FioResult {
+        iops: side["iops"].as_f64().unwrap_or(0.0),
+        mean_us: side["lat_ns"]["mean"].as_f64().unwrap_or(0.0) / 1000.0,
+        p50_us: pct("50.000000"),
+        p99_us: pct("99.000000"),
+        total_ios: side["total_ios"].as_u64().unwrap_or(0),
+    }
+}
