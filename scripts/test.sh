@@ -1,12 +1,21 @@
 #!/bin/bash
 # The whole test suite: installs what the tests need (from .ci/apt-packages.txt), then
 # runs every test twice, once with the io_uring reactor and once with the epoll fallback
-# (STORD_AIO_REACTOR selects the reactor of every context created with `auto`).
+# (STORD_AIO_REACTOR selects the reactor of every context created with `auto`, including
+# the daemons the end-to-end tests start). Ends with one "N passed, N failed" line.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/install-deps.sh
 export CARGO_TERM_COLOR=never
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+status=0
 for reactor in io_uring epoll; do
     echo "=== tests with STORD_AIO_REACTOR=$reactor ==="
-    STORD_AIO_REACTOR=$reactor cargo test --workspace --all-targets
+    STORD_AIO_REACTOR=$reactor cargo test --workspace --all-targets 2>&1 | tee -a "$log" || status=1
 done
+passed=$(grep -Eo '^test result: .* ([0-9]+) passed' "$log" | grep -Eo '[0-9]+ passed' | awk '{s+=$1} END {print s+0}')
+failed=$(grep -Eo '^test result: .* ([0-9]+) failed' "$log" | grep -Eo '[0-9]+ failed' | awk '{s+=$1} END {print s+0}')
+echo
+echo "$passed passed, $failed failed"
+exit $status

@@ -272,6 +272,22 @@ pub mod blocking {
     }
 }
 
+/// writev(2) of borrowed slices, with MSG_DONTWAIT semantics if the fd is non-blocking:
+/// returns the count written, or WouldBlock.
+pub fn writev_now(fd: RawFd, bufs: &[&[u8]]) -> io::Result<usize> {
+    let iov: Vec<libc::iovec> = bufs
+        .iter()
+        .take(1024)
+        .map(|b| libc::iovec {
+            iov_base: b.as_ptr() as *mut _,
+            iov_len: b.len(),
+        })
+        .collect();
+    // SAFETY: every iovec points into a slice borrowed for the duration of this call.
+    let r = unsafe { libc::writev(fd, iov.as_ptr(), iov.len() as i32) };
+    cvt(r as libc::c_long)
+}
+
 /// CPU time (user + system) used so far by thread `tid` of this process, in nanoseconds,
 /// from /proc/self/task/TID/schedstat (nanosecond resolution).
 pub fn task_cpu_ns(tid: i32) -> io::Result<u64> {

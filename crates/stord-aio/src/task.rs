@@ -17,6 +17,9 @@ use crate::context::{try_with_current, Shared};
 use crate::remote::RemoteMsg;
 use crate::slab::{Key, Slab};
 
+/// Task polls per loop iteration, at least (more if more were runnable at its start).
+const RUN_BUDGET: usize = 256;
+
 pub(crate) type LocalFuture = Pin<Box<dyn Future<Output = ()>>>;
 
 pub(crate) struct TaskWaker {
@@ -92,12 +95,13 @@ impl Executor {
         self.tasks.borrow().len()
     }
 
-    /// Polls the tasks that are runnable now (not those woken while doing so, which wait
-    /// for the next iteration so that I/O gets a look in). Returns how many ran.
+    /// Polls runnable tasks, including those woken while doing so (a request task spawned
+    /// by a reader runs in the same pass), up to a budget so that a task that keeps waking
+    /// itself cannot starve I/O. Returns how many polls ran.
     pub(crate) fn run(&self) -> usize {
-        let n = self.run_queue.borrow().len();
+        let budget = self.run_queue.borrow().len().max(RUN_BUDGET);
         let mut ran = 0;
-        for _ in 0..n {
+        for _ in 0..budget {
             let Some(w) = self.run_queue.borrow_mut().pop_front() else {
                 break;
             };

@@ -327,7 +327,18 @@ impl Daemon {
                 }
             }
         }
-        for (_, mut t) in std::mem::take(&mut self.iothreads) {
+        if std::env::var_os("STORD_STATS").is_some() {
+            let h = crate::block::file::harvest_histograms();
+            eprintln!(
+                "stord: linux-aio completions per harvest (power-of-two buckets): on event {:?}, after io_submit {:?}",
+                h.on_event.snapshot(),
+                h.after_submit.snapshot()
+            );
+        }
+        for (id, mut t) in std::mem::take(&mut self.iothreads) {
+            if std::env::var_os("STORD_STATS").is_some() {
+                eprintln!("stord: iothread {id}: {:?}", t.remote().stats());
+            }
             t.stop();
         }
         if let Some(p) = self.pidfile.take() {

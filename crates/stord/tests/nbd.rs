@@ -481,3 +481,32 @@ fn bad_command_lines_name_the_problem() {
         assert!(err.contains(needle), "{args:?}: {err}");
     }
 }
+
+#[test]
+fn tcp_listener_serves_clients() {
+    let dir = tmpdir("tcp");
+    let img = dir.join("disk.img");
+    sparse_image(&img, 4 << 20);
+    // A port unlikely to be taken: derived from our pid, on loopback only.
+    let port = 20000 + (std::process::id() % 20000) as u16;
+    let args: Vec<String> = [
+        "--blockdev",
+        &format!("node-name=disk,{}", file_node(&img, "io_uring", false)),
+        "--nbd-server",
+        &format!("addr.type=inet,addr.host=127.0.0.1,addr.port={port}"),
+        "--export",
+        "type=nbd,id=e,node-name=disk,name=disk,writable=on",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let _s = Stord::start(&dir, &args);
+    let uri = format!("nbd://127.0.0.1:{port}/disk");
+    run_ok(
+        "qemu-io",
+        &["-f", "raw", "-c", "write -P 0x3c 1M 64k", &uri],
+    );
+    run_ok("qemu-io", &["-f", "raw", "-c", "read -P 0x3c 1M 64k", &uri]);
+    let size = run_ok("nbdinfo", &["--size", &uri]);
+    assert_eq!(size.trim(), (4u64 << 20).to_string());
+}
