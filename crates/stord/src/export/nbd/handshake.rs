@@ -81,6 +81,27 @@ fn export_info(e: &NbdExport, structured: bool) -> Vec<u8> {
     v
 }
 
+/// The outcome once an export is chosen: base:allocation counts only if the last
+/// SET_META_CONTEXT selected it for this same export.
+fn settle(
+    export: Arc<NbdExport>,
+    structured: bool,
+    meta: &Option<(String, bool)>,
+    exports: &ExportTable,
+    name: &str,
+    rd: SockReader,
+) -> Negotiated {
+    let base_allocation = meta
+        .as_ref()
+        .is_some_and(|(n, sel)| *sel && exports.same(n, name));
+    Negotiated {
+        export,
+        structured,
+        base_allocation,
+        pending: rd.into_pending(),
+    }
+}
+
 /// Runs the negotiation on `fd`. `Ok(None)`: the client ended it cleanly.
 pub async fn negotiate(fd: RawFd, exports: &ExportTable) -> io::Result<Option<Negotiated>> {
     let mut hello = Vec::with_capacity(18);
@@ -139,15 +160,7 @@ pub async fn negotiate(fd: RawFd, exports: &ExportTable) -> io::Result<Option<Ne
                     v.extend_from_slice(&[0u8; 124]);
                 }
                 send_all(fd, vec![OutChunk::Bytes(v)]).await?;
-                let base_allocation = meta
-                    .as_ref()
-                    .is_some_and(|(n, sel)| *sel && exports.same(n, &name));
-                return Ok(Some(Negotiated {
-                    export,
-                    structured,
-                    base_allocation,
-                    pending: rd.into_pending(),
-                }));
+                return Ok(Some(settle(export, structured, &meta, exports, &name, rd)));
             }
             OPT_ABORT => {
                 let _ = send_all(fd, vec![OutChunk::Bytes(opt_reply(opt, REP_ACK, &[]))]).await;
@@ -218,15 +231,8 @@ pub async fn negotiate(fd: RawFd, exports: &ExportTable) -> io::Result<Option<Ne
                             replies.extend(opt_reply(opt, REP_ACK, &[]));
                             if opt == OPT_GO {
                                 send_all(fd, vec![OutChunk::Bytes(replies)]).await?;
-                                let base_allocation = meta
-                                    .as_ref()
-                                    .is_some_and(|(n, sel)| *sel && exports.same(n, &name));
-                                return Ok(Some(Negotiated {
-                                    export,
-                                    structured,
-                                    base_allocation,
-                                    pending: rd.into_pending(),
-                                }));
+                                let n = settle(export, structured, &meta, exports, &name, rd);
+                                return Ok(Some(n));
                             }
                         }
                     },
