@@ -25,7 +25,10 @@ fn main() -> ExitCode {
     }
     let mut banner = None;
     if cl.items.is_empty() {
-        let data = repo_root().join("data");
+        // STORD_DATA_DIR moves the built-in default's folder (tests use it).
+        let data = std::env::var_os("STORD_DATA_DIR")
+            .map(std::path::PathBuf::from)
+            .unwrap_or_else(|| repo_root().join("data"));
         match default_job(&data) {
             Ok((default, uri)) => {
                 cl.items = default.items;

@@ -510,3 +510,53 @@ fn tcp_listener_serves_clients() {
     let size = run_ok("nbdinfo", &["--size", &uri]);
     assert_eq!(size.trim(), (4u64 << 20).to_string());
 }
+
+#[test]
+fn no_arguments_serves_the_built_in_default() {
+    let dir = tmpdir("default");
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_stord"))
+        .env("STORD_DATA_DIR", &dir)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let sock = dir.join("stord.sock");
+    let start = std::time::Instant::now();
+    while std::os::unix::net::UnixStream::connect(&sock).is_err() {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "default job did not start"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let uri = format!("nbd+unix:///default?socket={}", sock.display());
+    let size = run_ok("nbdinfo", &["--size", &uri]);
+    assert_eq!(size.trim(), (1u64 << 30).to_string());
+    // The image is sparse and writable.
+    assert!(std::fs::metadata(dir.join("default.img")).unwrap().len() == 1 << 30);
+    run_ok(
+        "qemu-io",
+        &[
+            "-f",
+            "raw",
+            "-c",
+            "write -P 0x61 0 4k",
+            "-c",
+            "read -P 0x61 0 4k",
+            &uri,
+        ],
+    );
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    assert!(child.wait().unwrap().success());
+    let mut out = String::new();
+    use std::io::Read;
+    child
+        .stdout
+        .take()
+        .unwrap()
+        .read_to_string(&mut out)
+        .unwrap();
+    assert!(out.contains(&uri), "the banner prints the URI: {out}");
+    assert!(!sock.exists());
+}
