@@ -277,19 +277,33 @@ fn bottom_halves_run_once_per_schedule() {
         bh.cancel();
         ctx.run_once(false);
         assert_eq!(*runs.borrow(), 3);
-        // From another thread: wakes a blocking loop and runs once.
+        // From another thread, while the loop is not running: two schedules, one run.
         let remote_bh = bh.remote();
+        let rb = remote_bh.clone();
+        std::thread::spawn(move || {
+            rb.schedule();
+            rb.schedule();
+        })
+        .join()
+        .unwrap();
+        while *runs.borrow() < 4 {
+            ctx.run_once(true);
+        }
+        for _ in 0..3 {
+            ctx.run_once(false);
+        }
+        assert_eq!(*runs.borrow(), 4, "{reactor}");
+        // From another thread while the loop blocks: the schedule wakes it.
         let th = std::thread::spawn(move || {
             std::thread::sleep(Duration::from_millis(5));
             remote_bh.schedule();
-            remote_bh.schedule();
         });
-        while *runs.borrow() < 4 {
+        while *runs.borrow() < 5 {
             ctx.run_once(true);
         }
         th.join().unwrap();
         ctx.run_once(false);
-        assert_eq!(*runs.borrow(), 4, "{reactor}");
+        assert_eq!(*runs.borrow(), 5, "{reactor}");
         // A bottom half may reschedule itself; each schedule is one more run.
         let count = Rc::new(RefCell::new(0));
         let c = count.clone();

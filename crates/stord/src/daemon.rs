@@ -1,18 +1,22 @@
-//! The daemon: IoThreads, block nodes and exports, wired on the main loop.
+//! The daemon: IoThreads, block nodes, exports and monitors, wired on the main loop.
 //!
-//! The main thread runs its own `AioContext` (with polling off, like QEMU's main loop): it
-//! accepts and negotiates NBD connections and handles signals. Exports with an `iothread`
-//! run their connections there. SIGINT, SIGTERM and SIGHUP stop the daemon: the server
-//! stops listening, writable nodes are flushed, IoThreads are joined, the socket and the
-//! pidfile are removed.
+//! The main thread runs its own `AioContext` (polling off, like QEMU's main loop): it
+//! accepts and negotiates NBD connections, serves the QMP monitors and handles signals.
+//! Exports with an `iothread` run their connections there. Everything the command line and
+//! QMP create lives in [`State`], shared (main thread only) by the monitor tasks.
+//!
+//! Shutdown (SIGINT, SIGTERM, SIGHUP or QMP `quit`): stop listening, disconnect clients and
+//! let their in-flight requests finish (bounded), flush writable nodes, join IoThreads,
+//! remove sockets and the pidfile.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::collections::BTreeMap;
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use stord_aio::{AioContext, AioContextOptions, IoThread, PolicyKind, PollParams, ReactorKind};
 
@@ -22,17 +26,46 @@ use crate::block::{BlockDriver, BlockNode};
 use crate::cli::keyval::KeyVal;
 use crate::cli::{CommandLine, Item};
 use crate::export::nbd::{ExportTable, ListenAddr, NbdExport, NbdServer};
+use crate::qmp::{Events, MonitorServer};
 use crate::sys;
+
+/// An IoThread and the parameters it was created with.
+pub struct IoThreadObject {
+    /// The thread.
+    pub thread: IoThread,
+}
+
+/// Everything the daemon has created (main thread only).
+#[derive(Default)]
+pub struct State {
+    /// `--object iothread` by id.
+    pub iothreads: BTreeMap<String, IoThreadObject>,
+    /// Block nodes by node-name.
+    pub nodes: BTreeMap<String, Arc<BlockNode>>,
+    /// NBD exports.
+    pub exports: ExportTable,
+    /// The NBD server, if started.
+    pub nbd: Option<NbdServer>,
+    /// `--chardev socket` paths by id, until a monitor takes them.
+    pub chardevs: BTreeMap<String, PathBuf>,
+    /// Listening monitors.
+    pub monitors: Vec<MonitorServer>,
+    /// Event fan-out to negotiated monitor connections.
+    pub events: Events,
+    /// Set to stop the main loop.
+    pub quit: Rc<Cell<bool>>,
+    /// The SHUTDOWN event has been sent (by `quit`).
+    pub shutdown_announced: Cell<bool>,
+}
+
+/// Shared handle to the state.
+pub type SharedState = Rc<RefCell<State>>;
 
 /// The running daemon.
 pub struct Daemon {
     ctx: AioContext,
-    iothreads: BTreeMap<String, IoThread>,
-    nodes: BTreeMap<String, Arc<BlockNode>>,
-    exports: ExportTable,
-    nbd: Option<NbdServer>,
+    state: SharedState,
     pidfile: Option<PathBuf>,
-    quit: Rc<Cell<bool>>,
     _signals: OwnedFd,
 }
 
@@ -73,6 +106,233 @@ pub fn iothread_params(kv: &mut KeyVal) -> Result<(PollParams, ReactorKind), Str
     Ok((p, reactor))
 }
 
+impl State {
+    /// `--object iothread,id=...` / `object-add`.
+    pub fn add_object(&mut self, mut kv: KeyVal) -> Result<(), String> {
+        let kind = kv.take_required("qom-type")?;
+        if kind != "iothread" {
+            return Err(format!(
+                "{}: unsupported object type '{kind}' (supported: iothread)",
+                kv.what
+            ));
+        }
+        let id = kv.take_required("id")?;
+        if self.iothreads.contains_key(&id) {
+            return Err(format!(
+                "attempt to add duplicate property '{id}' to object (type 'container')"
+            ));
+        }
+        let (poll, reactor) = iothread_params(&mut kv)?;
+        kv.finish()?;
+        let thread = IoThread::spawn(AioContextOptions {
+            name: id.clone(),
+            reactor,
+            poll,
+        })
+        .map_err(|e| format!("cannot start iothread '{id}': {e}"))?;
+        self.iothreads.insert(id, IoThreadObject { thread });
+        Ok(())
+    }
+
+    /// `object-del`: fails while an export runs on the iothread.
+    pub fn del_object(&mut self, id: &str) -> Result<(), String> {
+        let Some(obj) = self.iothreads.get(id) else {
+            return Err(format!("object '{id}' not found"));
+        };
+        let remote = obj.thread.remote().clone();
+        let in_use = self.exports.all().iter().any(|e| {
+            e.iothread
+                .as_ref()
+                .is_some_and(|r| r.thread_id() == remote.thread_id())
+        });
+        if in_use {
+            return Err(format!("object '{id}' is in use and cannot be deleted"));
+        }
+        if let Some(mut obj) = self.iothreads.remove(id) {
+            obj.thread.stop();
+        }
+        Ok(())
+    }
+
+    /// `--blockdev` / `blockdev-add`.
+    pub fn add_blockdev(&mut self, mut kv: KeyVal) -> Result<(), String> {
+        let driver = kv.take_required("driver")?;
+        let name = kv.take_required("node-name")?;
+        if self.nodes.contains_key(&name) {
+            return Err(format!("Duplicate nodes with node-name='{name}'"));
+        }
+        let read_only = kv.take_bool("read-only", false)?;
+        let _ = kv.take_bool("auto-read-only", false)?;
+        if let Some(dz) = kv.take_choice("detect-zeroes", &["off", "on", "unmap"])? {
+            if dz != "off" {
+                return Err(format!(
+                    "{}: detect-zeroes is not supported (only off)",
+                    kv.what
+                ));
+            }
+        }
+        let (drv, direct): (Box<dyn BlockDriver>, bool) = match driver.as_str() {
+            "null" | "null-co" => {
+                let _ = kv.take_bool("cache.direct", false)?;
+                (Box::new(NullDriver::from_opts(&mut kv)?), false)
+            }
+            "file" | "host_device" => {
+                let opts = FileOptions::from_opts(&mut kv, read_only)?;
+                let direct = opts.direct;
+                let f = FileDriver::open(opts).map_err(|e| format!("{}: {e}", kv.what))?;
+                (Box::new(f), direct)
+            }
+            other => {
+                return Err(format!(
+                    "{}: parameter 'driver' expects null-co, null or file, got '{other}'",
+                    kv.what
+                ))
+            }
+        };
+        kv.finish()?;
+        self.nodes.insert(
+            name.clone(),
+            Arc::new(BlockNode::new(name, drv, read_only, direct)),
+        );
+        Ok(())
+    }
+
+    /// `blockdev-del`: fails while an export uses the node.
+    pub fn del_blockdev(&mut self, name: &str) -> Result<(), String> {
+        let Some(node) = self.nodes.get(name) else {
+            return Err(format!("Failed to find node with node-name='{name}'"));
+        };
+        // Exports (live or still draining) hold references; we hold one.
+        if Arc::strong_count(node) > 1 {
+            return Err(format!("Node {name} is in use"));
+        }
+        self.nodes.remove(name);
+        Ok(())
+    }
+
+    /// `--nbd-server` / `nbd-server-start`.
+    pub fn start_nbd_server(
+        &mut self,
+        ctx: &AioContext,
+        addr: ListenAddr,
+        max_connections: u32,
+    ) -> Result<(), String> {
+        if self.nbd.is_some() {
+            return Err("NBD server already running".into());
+        }
+        let server = NbdServer::start(ctx, addr.clone(), self.exports.clone(), max_connections)
+            .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
+        self.nbd = Some(server);
+        Ok(())
+    }
+
+    /// `nbd-server-stop`: stops listening; exports stay until deleted (as in QEMU, NBD
+    /// exports are removed with the server).
+    pub fn stop_nbd_server(&mut self, ctx: &AioContext) -> Result<(), String> {
+        let Some(mut s) = self.nbd.take() else {
+            return Err("NBD server not running".into());
+        };
+        s.stop(ctx);
+        for e in self.exports.all() {
+            self.begin_export_removal(&e.id);
+        }
+        Ok(())
+    }
+
+    /// `--export` / `block-export-add`.
+    pub fn add_export(&mut self, mut kv: KeyVal) -> Result<(), String> {
+        let kind = kv.take_required("type")?;
+        if kind != "nbd" {
+            return Err(format!(
+                "{}: parameter 'type' expects nbd, got '{kind}'",
+                kv.what
+            ));
+        }
+        let id = kv.take_required("id")?;
+        let node_name = kv.take_required("node-name")?;
+        let node = self
+            .nodes
+            .get(&node_name)
+            .cloned()
+            .ok_or_else(|| format!("{}: cannot find node '{node_name}'", kv.what))?;
+        let name = kv.take("name").unwrap_or_else(|| node_name.clone());
+        let description = kv.take("description").unwrap_or_default();
+        let writable = kv.take_bool("writable", false)?;
+        let _ = kv.take_bool("writethrough", false)?;
+        let _ = kv.take_bool("fixed-iothread", false)?;
+        let _ = kv.take_bool("allocation-depth", false)?;
+        let iothread = match kv.take("iothread") {
+            None => None,
+            Some(t) => Some(
+                self.iothreads
+                    .get(&t)
+                    .ok_or_else(|| format!("{}: iothread '{t}' not found", kv.what))?
+                    .thread
+                    .remote()
+                    .clone(),
+            ),
+        };
+        let what = kv.what.clone();
+        kv.finish()?;
+        if writable && node.read_only {
+            return Err(format!(
+                "{what}: node '{node_name}' is read-only, cannot export it writable"
+            ));
+        }
+        if self.nbd.is_none() {
+            return Err("NBD server not running".into());
+        }
+        if self.exports.by_id(&id).is_some() {
+            return Err(format!("Block export id '{id}' is already in use"));
+        }
+        let export = NbdExport::new(id, name, description, node, writable, iothread);
+        self.exports
+            .add(Arc::new(export))
+            .map_err(|e| format!("{what}: {e}"))
+    }
+
+    /// `block-export-del`: with `hard`, clients are disconnected; without, the export must
+    /// have none. The export is gone (and `BLOCK_EXPORT_DELETED` sent) once the last
+    /// client's requests have finished.
+    pub fn del_export(&mut self, id: &str, hard: bool) -> Result<(), String> {
+        let Some(e) = self.exports.by_id(id) else {
+            return Err(format!("Export '{id}' is not found"));
+        };
+        if e.shutting_down.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(format!("Export '{id}' is already shutting down"));
+        }
+        if !hard && e.client_count() > 0 {
+            return Err(format!(
+                "export '{id}' still in use (use mode 'hard' to disconnect its clients)"
+            ));
+        }
+        self.begin_export_removal(id);
+        Ok(())
+    }
+
+    fn begin_export_removal(&mut self, id: &str) {
+        let Some(e) = self.exports.remove_id(id) else {
+            return;
+        };
+        e.disconnect_all();
+        let events = self.events.clone();
+        stord_aio::spawn(async move {
+            while e.client_count() > 0 {
+                stord_aio::sleep(Duration::from_millis(5)).await;
+            }
+            events.emit("BLOCK_EXPORT_DELETED", serde_json::json!({ "id": e.id }));
+            drop(e);
+        });
+    }
+
+    /// Deletes every export, disconnecting its clients.
+    fn drain_exports(&mut self) {
+        for e in self.exports.all() {
+            self.begin_export_removal(&e.id);
+        }
+    }
+}
+
 impl Daemon {
     /// Creates the main loop. Blocks the shutdown signals first so every thread started
     /// later inherits the mask and the signals arrive on our signalfd.
@@ -87,8 +347,8 @@ impl Daemon {
             reactor: ReactorKind::Auto,
             poll: main_poll,
         })?;
-        let quit = Rc::new(Cell::new(false));
-        let q = quit.clone();
+        let state: SharedState = Rc::default();
+        let q = state.borrow().quit.clone();
         let sigfd = signals.as_raw_fd();
         ctx.set_fd_handler(sigfd, stord_aio::Interest::READABLE, move |_| {
             while let Some(sig) = sys::read_signal(sigfd) {
@@ -98,12 +358,8 @@ impl Daemon {
         })?;
         Ok(Self {
             ctx,
-            iothreads: BTreeMap::new(),
-            nodes: BTreeMap::new(),
-            exports: ExportTable::default(),
-            nbd: None,
+            state,
             pidfile: None,
-            quit,
             _signals: signals,
         })
     }
@@ -113,23 +369,51 @@ impl Daemon {
         &self.ctx
     }
 
-    /// Creates everything the command line asks for: iothreads first, then the rest in
-    /// order; then writes the pidfile.
+    /// The shared state.
+    pub fn state(&self) -> &SharedState {
+        &self.state
+    }
+
+    /// Creates everything the command line asks for: iothreads and chardevs first, then
+    /// the rest in order; then writes the pidfile.
     pub fn apply(&mut self, cl: CommandLine) -> Result<(), String> {
-        let (objects, rest): (Vec<_>, Vec<_>) = cl
+        let (first, rest): (Vec<_>, Vec<_>) = cl
             .items
             .into_iter()
-            .partition(|i| matches!(i, Item::Object(_)));
-        for item in objects.into_iter().chain(rest) {
+            .partition(|i| matches!(i, Item::Object(_) | Item::Chardev(_)));
+        for item in first.into_iter().chain(rest) {
+            let mut st = self.state.borrow_mut();
             match item {
                 Item::Object(s) => {
-                    self.add_object(KeyVal::parse("--object", &s, Some("qom-type"))?)?
+                    st.add_object(KeyVal::parse("--object", &s, Some("qom-type"))?)?
                 }
-                Item::Blockdev(s) => self.add_blockdev(KeyVal::parse("--blockdev", &s, None)?)?,
+                Item::Chardev(s) => {
+                    add_chardev(&mut st, KeyVal::parse("--chardev", &s, Some("backend"))?)?
+                }
+                Item::Blockdev(s) => st.add_blockdev(KeyVal::parse("--blockdev", &s, None)?)?,
                 Item::NbdServer(s) => {
-                    self.start_nbd_server(KeyVal::parse("--nbd-server", &s, None)?)?
+                    let (addr, max) = nbd_server_opts(KeyVal::parse("--nbd-server", &s, None)?)?;
+                    st.start_nbd_server(&self.ctx, addr, max)
+                        .map_err(|e| format!("--nbd-server: {e}"))?
                 }
-                Item::Export(s) => self.add_export(KeyVal::parse("--export", &s, None)?)?,
+                Item::Export(s) => st.add_export(KeyVal::parse("--export", &s, None)?)?,
+                Item::Monitor(s) => {
+                    let mut kv = KeyVal::parse("--monitor", &s, Some("chardev"))?;
+                    let id = kv.take_required("chardev")?;
+                    let _ = kv.take_choice("mode", &["control"])?;
+                    let _ = kv.take_bool("pretty", false)?;
+                    kv.finish()?;
+                    let path = st
+                        .chardevs
+                        .remove(&id)
+                        .ok_or_else(|| format!("--monitor: chardev '{id}' not found"))?;
+                    drop(st);
+                    let server = MonitorServer::start(&self.ctx, &path, self.state.clone())
+                        .map_err(|e| {
+                            format!("--monitor: cannot listen on {}: {e}", path.display())
+                        })?;
+                    self.state.borrow_mut().monitors.push(server);
+                }
             }
         }
         if let Some(p) = cl.pidfile {
@@ -140,186 +424,69 @@ impl Daemon {
         Ok(())
     }
 
-    /// `--object iothread,id=...`.
-    pub fn add_object(&mut self, mut kv: KeyVal) -> Result<(), String> {
-        let kind = kv.take_required("qom-type")?;
-        if kind != "iothread" {
-            return Err(format!(
-                "--object: unsupported object type '{kind}' (supported: iothread)"
-            ));
-        }
-        let id = kv.take_required("id")?;
-        if self.iothreads.contains_key(&id) {
-            return Err(format!("--object: an object with id '{id}' already exists"));
-        }
-        let (poll, reactor) = iothread_params(&mut kv)?;
-        kv.finish()?;
-        let t = IoThread::spawn(AioContextOptions {
-            name: id.clone(),
-            reactor,
-            poll,
-        })
-        .map_err(|e| format!("--object: cannot start iothread '{id}': {e}"))?;
-        self.iothreads.insert(id, t);
-        Ok(())
-    }
-
-    /// `--blockdev driver=...,node-name=...`.
-    pub fn add_blockdev(&mut self, mut kv: KeyVal) -> Result<(), String> {
-        let driver = kv.take_required("driver")?;
-        let name = kv.take_required("node-name")?;
-        if self.nodes.contains_key(&name) {
-            return Err(format!("--blockdev: duplicate node name '{name}'"));
-        }
-        let read_only = kv.take_bool("read-only", false)?;
-        let _ = kv.take_bool("auto-read-only", false)?;
-        if let Some(dz) = kv.take_choice("detect-zeroes", &["off", "on", "unmap"])? {
-            if dz != "off" {
-                return Err("--blockdev: detect-zeroes is not supported (only off)".into());
-            }
-        }
-        let (drv, direct): (Box<dyn BlockDriver>, bool) = match driver.as_str() {
-            "null" | "null-co" => {
-                let _ = kv.take_bool("cache.direct", false)?;
-                (Box::new(NullDriver::from_opts(&mut kv)?), false)
-            }
-            "file" | "host_device" => {
-                let opts = FileOptions::from_opts(&mut kv, read_only)?;
-                let direct = opts.direct;
-                let f = FileDriver::open(opts).map_err(|e| format!("--blockdev: {e}"))?;
-                (Box::new(f), direct)
-            }
-            other => {
-                return Err(format!(
-                    "--blockdev: parameter 'driver' expects null-co, null or file, got '{other}'"
-                ))
-            }
-        };
-        kv.finish()?;
-        self.nodes.insert(
-            name.clone(),
-            Arc::new(BlockNode::new(name, drv, read_only, direct)),
-        );
-        Ok(())
-    }
-
-    /// `--nbd-server addr.type=...`.
-    pub fn start_nbd_server(&mut self, mut kv: KeyVal) -> Result<(), String> {
-        if self.nbd.is_some() {
-            return Err("--nbd-server: NBD server already running".into());
-        }
-        let addr = match kv.take_choice("addr.type", &["unix", "inet"])?.as_deref() {
-            Some("unix") => ListenAddr::Unix(PathBuf::from(kv.take_required("addr.path")?)),
-            Some("inet") => {
-                let host = kv.take_required("addr.host")?;
-                let port = kv.take_required("addr.port")?;
-                let port = port.parse().map_err(|_| {
-                    format!(
-                        "--nbd-server: parameter 'addr.port' expects a port number, got '{port}'"
-                    )
-                })?;
-                ListenAddr::Inet(host, port)
-            }
-            _ => {
-                return Err("--nbd-server: parameter 'addr.type' is missing (unix or inet)".into())
-            }
-        };
-        let max_connections = kv.take_u64("max-connections", false)?.unwrap_or(0) as u32;
-        if kv.take("tls-creds").is_some() {
-            return Err("--nbd-server: tls-creds is not supported".into());
-        }
-        kv.finish()?;
-        let server = NbdServer::start(
-            &self.ctx,
-            addr.clone(),
-            self.exports.clone(),
-            max_connections,
-        )
-        .map_err(|e| format!("--nbd-server: cannot listen on {addr}: {e}"))?;
-        self.nbd = Some(server);
-        Ok(())
-    }
-
-    /// `--export type=nbd,...`.
-    pub fn add_export(&mut self, mut kv: KeyVal) -> Result<(), String> {
-        let kind = kv.take_required("type")?;
-        if kind != "nbd" {
-            return Err(format!(
-                "--export: parameter 'type' expects nbd, got '{kind}'"
-            ));
-        }
-        let id = kv.take_required("id")?;
-        let node_name = kv.take_required("node-name")?;
-        let node = self
-            .nodes
-            .get(&node_name)
-            .cloned()
-            .ok_or_else(|| format!("--export: cannot find node '{node_name}'"))?;
-        let name = kv.take("name").unwrap_or_else(|| node_name.clone());
-        let description = kv.take("description").unwrap_or_default();
-        let writable = kv.take_bool("writable", false)?;
-        let _ = kv.take_bool("writethrough", false)?;
-        let _ = kv.take_bool("fixed-iothread", false)?;
-        let _ = kv.take_bool("allocation-depth", false)?;
-        let iothread = match kv.take("iothread") {
-            None => None,
-            Some(t) => Some(
-                self.iothreads
-                    .get(&t)
-                    .ok_or_else(|| format!("--export: iothread '{t}' not found"))?
-                    .remote()
-                    .clone(),
-            ),
-        };
-        kv.finish()?;
-        if writable && node.read_only {
-            return Err(format!(
-                "--export: node '{node_name}' is read-only, cannot export it writable"
-            ));
-        }
-        if self.nbd.is_none() {
-            return Err("--export: NBD server not running (use --nbd-server first)".into());
-        }
-        if self.exports.all().iter().any(|e| e.id == id) {
-            return Err(format!("--export: an export with id '{id}' already exists"));
-        }
-        let export = NbdExport {
-            id,
-            name,
-            description,
-            node,
-            writable,
-            iothread,
-            connections: Default::default(),
-        };
-        self.exports
-            .add(Arc::new(export))
-            .map_err(|e| format!("--export: {e}"))
-    }
-
     /// Where the NBD server listens, if it runs.
-    pub fn nbd_addr(&self) -> Option<&ListenAddr> {
-        self.nbd.as_ref().map(|s| &s.addr)
+    pub fn nbd_addr(&self) -> Option<ListenAddr> {
+        self.state.borrow().nbd.as_ref().map(|s| s.addr.clone())
     }
 
-    /// Runs the main loop until a shutdown signal.
+    /// Runs the main loop until a shutdown signal or `quit`.
     pub fn run(&mut self) {
-        while !self.quit.get() {
+        let quit = self.state.borrow().quit.clone();
+        while !quit.get() {
             self.ctx.run_once(true);
         }
     }
 
     /// Asks the main loop to stop (from the main thread).
     pub fn request_quit(&self) {
-        self.quit.set(true);
+        self.state.borrow().quit.set(true);
     }
 
-    /// Stops serving, flushes writable nodes, joins IoThreads and removes files.
+    /// Stops serving, lets in-flight requests finish (at most 5 s), flushes writable nodes,
+    /// joins IoThreads and removes sockets and the pidfile.
     pub fn shutdown(&mut self) {
-        if let Some(mut s) = self.nbd.take() {
-            s.stop(&self.ctx);
+        {
+            let st = self.state.borrow();
+            if !st.shutdown_announced.replace(true) {
+                st.events.emit(
+                    "SHUTDOWN",
+                    serde_json::json!({ "guest": false, "reason": "host-signal" }),
+                );
+            }
         }
-        for node in self.nodes.values() {
+        // Let monitors send what they have (the reply to `quit`, SHUTDOWN), bounded.
+        let deadline = Instant::now() + Duration::from_millis(500);
+        while !self.state.borrow().events.flushed() && Instant::now() < deadline {
+            self.ctx
+                .block_on(stord_aio::sleep(Duration::from_millis(1)));
+        }
+        {
+            let mut st = self.state.borrow_mut();
+            if let Some(mut s) = st.nbd.take() {
+                s.stop(&self.ctx);
+            }
+            for m in std::mem::take(&mut st.monitors) {
+                m.stop(&self.ctx);
+            }
+            st.drain_exports();
+        }
+        // Let the disconnected clients' requests finish, bounded.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let busy = self
+                .state
+                .borrow()
+                .nodes
+                .values()
+                .any(|n| Arc::strong_count(n) > 1);
+            if !busy || Instant::now() >= deadline {
+                break;
+            }
+            self.ctx
+                .block_on(stord_aio::sleep(Duration::from_millis(5)));
+        }
+        let nodes: Vec<Arc<BlockNode>> = self.state.borrow().nodes.values().cloned().collect();
+        for node in nodes {
             if !node.read_only {
                 let n = node.clone();
                 if let Err(e) = self.ctx.block_on(async move { n.flush().await }) {
@@ -335,16 +502,71 @@ impl Daemon {
                 h.after_submit.snapshot()
             );
         }
-        for (id, mut t) in std::mem::take(&mut self.iothreads) {
+        let threads = std::mem::take(&mut self.state.borrow_mut().iothreads);
+        for (id, mut t) in threads {
             if std::env::var_os("STORD_STATS").is_some() {
-                eprintln!("stord: iothread {id}: {:?}", t.remote().stats());
+                eprintln!("stord: iothread {id}: {:?}", t.thread.remote().stats());
             }
-            t.stop();
+            t.thread.stop();
         }
         if let Some(p) = self.pidfile.take() {
             let _ = std::fs::remove_file(p);
         }
     }
+}
+
+/// `--chardev socket,id=...,path=...,server=on,wait=off`.
+fn add_chardev(st: &mut State, mut kv: KeyVal) -> Result<(), String> {
+    let backend = kv.take_required("backend")?;
+    if backend != "socket" {
+        return Err(format!(
+            "--chardev: backend '{backend}' is not supported (only socket)"
+        ));
+    }
+    let id = kv.take_required("id")?;
+    let path = kv.take_required("path")?;
+    if !kv.take_bool("server", false)? {
+        return Err("--chardev: only server=on sockets are supported".into());
+    }
+    if kv.take_bool("wait", true)? {
+        return Err("--chardev: wait=on is not supported (use wait=off)".into());
+    }
+    kv.finish()?;
+    if st.chardevs.contains_key(&id) {
+        return Err(format!("--chardev: duplicate chardev id '{id}'"));
+    }
+    st.chardevs.insert(id, PathBuf::from(path));
+    Ok(())
+}
+
+/// The `--nbd-server` options (flat SocketAddress).
+pub fn nbd_server_opts(mut kv: KeyVal) -> Result<(ListenAddr, u32), String> {
+    let addr = match kv.take_choice("addr.type", &["unix", "inet"])?.as_deref() {
+        Some("unix") => ListenAddr::Unix(PathBuf::from(kv.take_required("addr.path")?)),
+        Some("inet") => {
+            let host = kv.take_required("addr.host")?;
+            let port = kv.take_required("addr.port")?;
+            let port = port.parse().map_err(|_| {
+                format!(
+                    "{}: parameter 'addr.port' expects a port number, got '{port}'",
+                    kv.what
+                )
+            })?;
+            ListenAddr::Inet(host, port)
+        }
+        _ => {
+            return Err(format!(
+                "{}: parameter 'addr.type' is missing (unix or inet)",
+                kv.what
+            ))
+        }
+    };
+    let max_connections = kv.take_u64("max-connections", false)?.unwrap_or(0) as u32;
+    if kv.take("tls-creds").is_some() {
+        return Err(format!("{}: tls-creds is not supported", kv.what));
+    }
+    kv.finish()?;
+    Ok((addr, max_connections))
 }
 
 /// The repository's root (for the built-in default's data folder).
@@ -367,16 +589,14 @@ pub fn default_job(data_dir: &Path) -> io::Result<(CommandLine, String)> {
         f.set_len(DEFAULT_IMAGE_SIZE)?;
     }
     let sock = data_dir.join("stord.sock");
+    let esc = |p: &Path| p.display().to_string().replace(',', ",,");
     let items = vec![
         Item::Object("iothread,id=iothread0".into()),
         Item::Blockdev(format!(
             "driver=file,node-name=default,filename={},aio=io_uring,cache.direct=on",
-            img.display().to_string().replace(',', ",,")
+            esc(&img)
         )),
-        Item::NbdServer(format!(
-            "addr.type=unix,addr.path={}",
-            sock.display().to_string().replace(',', ",,")
-        )),
+        Item::NbdServer(format!("addr.type=unix,addr.path={}", esc(&sock))),
         Item::Export(
             "type=nbd,id=export0,node-name=default,name=default,writable=on,iothread=iothread0"
                 .into(),

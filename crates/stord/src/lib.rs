@@ -4,10 +4,12 @@
 //! - [`block`]: the `BlockDriver` trait, `BlockNode`, and the drivers (`null`, `file`).
 //! - [`export`]: one folder per export protocol.
 //! - [`cli`]: qsd's option syntax.
+//! - [`qmp`]: the QMP monitor.
 //! - [`daemon`]: wiring: iothreads, nodes, exports, the main loop and the default job.
 
 pub mod block;
 pub mod cli;
 pub mod daemon;
 pub mod export;
+pub mod qmp;
 pub mod sys;

@@ -23,6 +23,46 @@ fn main() -> ExitCode {
         println!("stord {}", env!("CARGO_PKG_VERSION"));
         return ExitCode::SUCCESS;
     }
+    // --daemonize: fork now, before any thread exists. The parent waits for the child to
+    // report "ready" (or an error) through a pipe, and exits accordingly.
+    let mut ready_pipe: Option<std::os::unix::net::UnixStream> = None;
+    if cl.daemonize {
+        let (mut parent_end, child_end) = match std::os::unix::net::UnixStream::pair() {
+            Ok(p) => p,
+            Err(e) => {
+                eprintln!("stord: --daemonize: {e}");
+                return ExitCode::from(1);
+            }
+        };
+        match stord::sys::fork() {
+            Err(e) => {
+                eprintln!("stord: --daemonize: fork failed: {e}");
+                return ExitCode::from(1);
+            }
+            Ok(Some(_child)) => {
+                drop(child_end);
+                let mut msg = String::new();
+                use std::io::Read;
+                let _ = parent_end.read_to_string(&mut msg);
+                if msg == "ok" {
+                    return ExitCode::SUCCESS;
+                }
+                eprint!("{msg}");
+                return ExitCode::from(1);
+            }
+            Ok(None) => {
+                drop(parent_end);
+                let _ = stord::sys::setsid();
+                ready_pipe = Some(child_end);
+            }
+        }
+    }
+    let report = |pipe: &mut Option<std::os::unix::net::UnixStream>, msg: &str| {
+        if let Some(mut p) = pipe.take() {
+            use std::io::Write;
+            let _ = p.write_all(msg.as_bytes());
+        }
+    };
     let mut banner = None;
     if cl.items.is_empty() {
         // STORD_DATA_DIR moves the built-in default's folder (tests use it).
@@ -47,13 +87,22 @@ fn main() -> ExitCode {
         Ok(d) => d,
         Err(e) => {
             eprintln!("stord: cannot start the main loop: {e}");
+            report(
+                &mut ready_pipe,
+                &format!("stord: cannot start the main loop: {e}\n"),
+            );
             return ExitCode::from(1);
         }
     };
     if let Err(e) = daemon.apply(cl) {
         eprintln!("stord: {e}");
+        report(&mut ready_pipe, &format!("stord: {e}\n"));
         daemon.shutdown();
         return ExitCode::from(1);
+    }
+    if ready_pipe.is_some() {
+        let _ = stord::sys::stdio_to_devnull();
+        report(&mut ready_pipe, "ok");
     }
     if let Some(uri) = banner {
         println!("stord: serving the built-in default image; connect with:");

@@ -78,3 +78,41 @@ pub fn read_signal(fd: RawFd) -> Option<u32> {
         (n == std::mem::size_of::<libc::signalfd_siginfo>() as isize).then_some(info.ssi_signo)
     }
 }
+
+/// fork(2): `Ok(Some(pid))` in the parent, `Ok(None)` in the child. Call it before any
+/// thread is started (the child only gets the calling thread).
+pub fn fork() -> io::Result<Option<i32>> {
+    // SAFETY: called while the process is single-threaded (before the daemon starts any
+    // thread), so the child's copy of memory and locks is consistent.
+    let pid = unsafe { libc::fork() };
+    match pid {
+        -1 => Err(io::Error::last_os_error()),
+        0 => Ok(None),
+        p => Ok(Some(p)),
+    }
+}
+
+/// setsid(2): detach from the controlling terminal.
+pub fn setsid() -> io::Result<()> {
+    // SAFETY: no arguments.
+    let r = unsafe { libc::setsid() };
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
+/// Points stdin, stdout and stderr at /dev/null.
+pub fn stdio_to_devnull() -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let null = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/null")?;
+    for fd in 0..3 {
+        // SAFETY: dup2 onto the standard descriptors; `null` stays open for the call.
+        check(unsafe { libc::dup2(null.as_raw_fd(), fd) })?;
+    }
+    Ok(())
+}

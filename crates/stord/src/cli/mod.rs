@@ -26,6 +26,10 @@ pub enum Item {
     NbdServer(String),
     /// `--export`.
     Export(String),
+    /// `--chardev`.
+    Chardev(String),
+    /// `--monitor`.
+    Monitor(String),
 }
 
 /// The parsed command line.
@@ -39,6 +43,8 @@ pub struct CommandLine {
     pub help: bool,
     /// `-V` / `--version`.
     pub version: bool,
+    /// `--daemonize`.
+    pub daemonize: bool,
 }
 
 /// The help text.
@@ -63,7 +69,10 @@ With no options, serves data/default.img (created sparse, 1 GiB) over NBD on a u
   --export type=nbd,id=<id>,node-name=<name>[,name=<export name>][,description=<text>]
            [,writable=on|off][,iothread=<id>]
                             export a node over NBD
+  --chardev socket,id=<id>,path=<path>,server=on,wait=off
+  --monitor chardev=<id>    a QMP monitor on that socket (created 0600)
   --pidfile <path>          write the process id once everything is ready
+  --daemonize               detach once everything is ready (the parent exits 0 then)
 ";
 
 /// Parses the arguments after the program name.
@@ -78,7 +87,13 @@ pub fn parse(args: &[String]) -> Result<CommandLine, String> {
         };
         let needs_value = matches!(
             name,
-            "--object" | "--blockdev" | "--nbd-server" | "--export" | "--pidfile"
+            "--object"
+                | "--blockdev"
+                | "--nbd-server"
+                | "--export"
+                | "--pidfile"
+                | "--chardev"
+                | "--monitor"
         );
         let value = if needs_value {
             match inline {
@@ -106,9 +121,13 @@ pub fn parse(args: &[String]) -> Result<CommandLine, String> {
             "--nbd-server" => cl.items.push(Item::NbdServer(value.expect("value"))),
             "--export" => cl.items.push(Item::Export(value.expect("value"))),
             "--pidfile" => cl.pidfile = Some(PathBuf::from(value.expect("value"))),
+            "--chardev" => cl.items.push(Item::Chardev(value.expect("value"))),
+            "--monitor" => cl.items.push(Item::Monitor(value.expect("value"))),
+            "--daemonize" => cl.daemonize = true,
             other => {
                 return Err(format!(
-                    "unrecognized option '{other}' (supported: --object, --blockdev, --nbd-server, --export, --pidfile, --help, --version)"
+                    "unrecognized option '{other}' (supported: --object, --blockdev, --nbd-server, --export, \
+                     --chardev, --monitor, --pidfile, --daemonize, --help, --version)"
                 ))
             }
         }

@@ -11,12 +11,13 @@ mod transmission;
 
 use std::cell::RefCell;
 use std::net::TcpListener;
+use std::os::fd::RawFd;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
 use std::rc::Rc;
-use std::sync::atomic::AtomicUsize;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
 use stord_aio::{AioContext, FdHandlerId, Interest, Remote};
 
@@ -37,11 +38,53 @@ pub struct NbdExport {
     pub writable: bool,
     /// Where connections run (None: the main loop).
     pub iothread: Option<Remote>,
-    /// Connections in transmission phase now.
-    pub connections: AtomicUsize,
+    /// Sockets of the connections in transmission phase now.
+    pub clients: Mutex<Vec<RawFd>>,
+    /// Deleted: new connections are refused, existing ones are being closed.
+    pub shutting_down: AtomicBool,
 }
 
 impl NbdExport {
+    /// A new export with no clients.
+    pub fn new(
+        id: String,
+        name: String,
+        description: String,
+        node: Arc<BlockNode>,
+        writable: bool,
+        iothread: Option<Remote>,
+    ) -> Self {
+        Self {
+            id,
+            name,
+            description,
+            node,
+            writable,
+            iothread,
+            clients: Mutex::default(),
+            shutting_down: AtomicBool::new(false),
+        }
+    }
+
+    /// Connections in transmission phase now.
+    pub fn client_count(&self) -> usize {
+        self.clients.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    /// Marks the export deleted and disconnects every client (their in-flight requests
+    /// finish; replies are dropped). Safe from any thread.
+    pub fn disconnect_all(&self) {
+        self.shutting_down.store(true, Ordering::SeqCst);
+        for &fd in self
+            .clients
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+        {
+            crate::sys::shutdown(fd);
+        }
+    }
+
     /// The transmission flags advertised for this export.
     pub fn transmission_flags(&self, structured: bool) -> u16 {
         let mut f = FLAG_HAS_FLAGS | FLAG_SEND_FLUSH | FLAG_SEND_FUA | FLAG_CAN_MULTI_CONN;
@@ -77,6 +120,11 @@ impl ExportTable {
         let mut v = self.0.borrow_mut();
         let i = v.iter().position(|e| e.id == id)?;
         Some(v.remove(i))
+    }
+
+    /// The export with block-export id `id`.
+    pub fn by_id(&self, id: &str) -> Option<Arc<NbdExport>> {
+        self.0.borrow().iter().find(|e| e.id == id).cloned()
     }
 
     /// The export a client asks for by name; "" means the only export, if there is one.
@@ -240,6 +288,9 @@ async fn handle_connection(conn: OwnedFd, exports: ExportTable) {
         }
     };
     let export = n.export.clone();
+    if export.shutting_down.load(Ordering::SeqCst) {
+        return;
+    }
     match export.iothread.clone() {
         Some(remote) if !remote.is_current() => {
             remote.call(move || {

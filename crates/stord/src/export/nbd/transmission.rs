@@ -140,9 +140,20 @@ pub async fn serve(
         reader_done: Cell::new(false),
         broken: Cell::new(false),
     });
+    let fd_raw = conn.raw();
     conn.export
-        .connections
-        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        .clients
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .push(fd_raw);
+    if conn
+        .export
+        .shutting_down
+        .load(std::sync::atomic::Ordering::SeqCst)
+    {
+        // Deleted while this connection was moving to its IoThread.
+        crate::sys::shutdown(fd_raw);
+    }
     let writer = stord_aio::spawn(write_loop(conn.clone()));
     if let Err(e) = read_loop(&conn, pending).await {
         use io::ErrorKind::*;
@@ -153,9 +164,13 @@ pub async fn serve(
     conn.reader_done.set(true);
     conn.wake_writer();
     writer.await;
+    // Forget the fd before it is closed (with the last reference to `conn`), so a
+    // disconnect from another thread never shuts down a reused fd number.
     conn.export
-        .connections
-        .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+        .clients
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .retain(|&f| f != fd_raw);
 }
 
 fn tracing_log(conn: &Conn, e: &io::Error) {

@@ -1,0 +1,348 @@
+//! The QMP monitor: qemu-storage-daemon's control protocol on a unix socket.
+//!
+//! Each connection gets the greeting, must negotiate with `qmp_capabilities`, then sends
+//! `{"execute": ..., "arguments": ..., "id": ...}` and gets `{"return": ...}` or
+//! `{"error": {"class", "desc"}}` with the id echoed. Events go to every negotiated
+//! connection with a timestamp. Malformed JSON or a bad command gets an error object and
+//! the connection stays usable; a message over [`MAX_MESSAGE`] closes that connection only.
+//! Connections run as tasks on the main loop.
+
+mod commands;
+pub mod stream;
+
+use std::cell::{Cell, RefCell};
+use std::io;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::UnixListener;
+use std::path::{Path, PathBuf};
+use std::rc::{Rc, Weak};
+use std::task::{Poll, Waker};
+
+use serde_json::{json, Value};
+use stord_aio::{op, AioContext, FdHandlerId, Interest, Slice};
+
+use crate::daemon::SharedState;
+use stream::{JsonStream, Piece};
+
+/// Largest message a client may send (a bigger one closes its connection).
+pub const MAX_MESSAGE: usize = 1 << 20;
+
+/// An error reply.
+#[derive(Debug, Clone)]
+pub struct QmpError {
+    /// QAPI error class (GenericError, CommandNotFound, ...).
+    pub class: &'static str,
+    /// Human-readable description.
+    pub desc: String,
+}
+
+impl QmpError {
+    /// A GenericError.
+    pub fn generic(desc: impl Into<String>) -> Self {
+        Self {
+            class: "GenericError",
+            desc: desc.into(),
+        }
+    }
+}
+
+impl From<String> for QmpError {
+    fn from(s: String) -> Self {
+        QmpError::generic(s)
+    }
+}
+
+/// Outgoing bytes of one connection, sent by its writer task.
+#[derive(Default)]
+struct Outbox {
+    buf: RefCell<Vec<u8>>,
+    waker: RefCell<Option<Waker>>,
+    closed: Cell<bool>,
+    negotiated: Cell<bool>,
+    /// The writer holds bytes it has not finished sending.
+    sending: Cell<bool>,
+}
+
+impl Outbox {
+    fn send(&self, v: &Value) {
+        if self.closed.get() {
+            return;
+        }
+        let mut b = self.buf.borrow_mut();
+        b.extend_from_slice(v.to_string().as_bytes());
+        b.extend_from_slice(b"\r\n");
+        drop(b);
+        if let Some(w) = self.waker.borrow_mut().take() {
+            w.wake();
+        }
+    }
+}
+
+/// Fan-out of events to negotiated connections.
+#[derive(Clone, Default)]
+pub struct Events(Rc<RefCell<Vec<Weak<Outbox>>>>);
+
+impl Events {
+    /// Sends `{"event": name, "data": data, "timestamp": ...}` to every negotiated monitor.
+    pub fn emit(&self, name: &str, data: Value) {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        let ev = json!({
+            "event": name,
+            "data": data,
+            "timestamp": { "seconds": now.as_secs(), "microseconds": now.subsec_micros() },
+        });
+        let mut list = self.0.borrow_mut();
+        list.retain(|w| w.strong_count() > 0);
+        for w in list.iter() {
+            if let Some(o) = w.upgrade() {
+                if o.negotiated.get() {
+                    o.send(&ev);
+                }
+            }
+        }
+    }
+
+    /// Whether every connection has sent all it was given (used at shutdown, so that the
+    /// reply to `quit` and the SHUTDOWN event reach the client).
+    pub fn flushed(&self) -> bool {
+        self.0
+            .borrow()
+            .iter()
+            .filter_map(Weak::upgrade)
+            .all(|o| o.closed.get() || (o.buf.borrow().is_empty() && !o.sending.get()))
+    }
+
+    fn add(&self, o: &Rc<Outbox>) {
+        self.0.borrow_mut().push(Rc::downgrade(o));
+    }
+}
+
+/// A listening monitor socket.
+pub struct MonitorServer {
+    path: PathBuf,
+    handler: FdHandlerId,
+    _listener: OwnedFd,
+}
+
+impl MonitorServer {
+    /// Listens on `path` (mode 0600) and serves connections on the main loop.
+    pub fn start(ctx: &AioContext, path: &Path, state: SharedState) -> io::Result<Self> {
+        if path.exists() {
+            let _ = std::fs::remove_file(path);
+        }
+        let listener = UnixListener::bind(path)?;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+        listener.set_nonblocking(true)?;
+        let fd: OwnedFd = listener.try_clone()?.into();
+        let handler = ctx.set_fd_handler(fd.as_raw_fd(), Interest::READABLE, move |_| loop {
+            match listener.accept() {
+                Ok((s, _)) => {
+                    if s.set_nonblocking(true).is_err() {
+                        continue;
+                    }
+                    let st = state.clone();
+                    stord_aio::spawn(serve(OwnedFd::from(s), st));
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(_) => break,
+            }
+        })?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            handler,
+            _listener: fd,
+        })
+    }
+
+    /// Stops listening and removes the socket.
+    pub fn stop(self, ctx: &AioContext) {
+        ctx.remove_fd_handler(self.handler);
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+fn greeting() -> Value {
+    json!({
+        "QMP": {
+            "version": {
+                "qemu": { "major": 0, "minor": 1, "micro": 0 },
+                "package": format!("stord {}", env!("CARGO_PKG_VERSION")),
+            },
+            "capabilities": [],
+        }
+    })
+}
+
+async fn write_loop(fd: RawFd, out: Rc<Outbox>) {
+    loop {
+        let data = std::future::poll_fn(|cx| {
+            let mut b = out.buf.borrow_mut();
+            if !b.is_empty() {
+                return Poll::Ready(Some(std::mem::take(&mut *b)));
+            }
+            if out.closed.get() {
+                return Poll::Ready(None);
+            }
+            *out.waker.borrow_mut() = Some(cx.waker().clone());
+            Poll::Pending
+        })
+        .await;
+        let Some(mut data) = data else { break };
+        out.sending.set(true);
+        let mut off = 0;
+        while off < data.len() {
+            let n = data.len();
+            let (r, s) = op::send(fd, Slice::new(data, off, n), 0).await;
+            data = s.into_inner();
+            match r {
+                Ok(k) if k > 0 => off += k,
+                Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => {
+                    if op::poll_add(fd, Interest::WRITABLE).await.is_err() {
+                        out.closed.set(true);
+                        return;
+                    }
+                }
+                _ => {
+                    out.closed.set(true);
+                    return;
+                }
+            }
+        }
+        out.sending.set(false);
+    }
+}
+
+async fn serve(conn: OwnedFd, state: SharedState) {
+    let fd = conn.as_raw_fd();
+    let out = Rc::new(Outbox::default());
+    state.borrow().events.add(&out);
+    let writer = stord_aio::spawn(write_loop(fd, out.clone()));
+    out.send(&greeting());
+    let mut stream = JsonStream::default();
+    let mut buf = vec![0u8; 64 << 10];
+    'conn: loop {
+        let n = buf.len();
+        let (r, s) = op::recv(fd, Slice::new(buf, 0, n), 0).await;
+        buf = s.into_inner();
+        let k = match r {
+            Ok(0) => break,
+            Ok(k) => k,
+            Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => {
+                if op::poll_add(fd, Interest::READABLE).await.is_err() {
+                    break;
+                }
+                continue;
+            }
+            Err(_) => break,
+        };
+        for piece in stream.push(&buf[..k]) {
+            let reply = match piece {
+                Piece::Garbage(_) => Some(error_reply(
+                    None,
+                    &QmpError::generic("JSON parse error, invalid token"),
+                )),
+                Piece::Json(text) if text.len() > MAX_MESSAGE => break 'conn,
+                Piece::Json(text) => match serde_json::from_slice::<Value>(&text) {
+                    Err(e) => Some(error_reply(
+                        None,
+                        &QmpError::generic(format!("JSON parse error, {e}")),
+                    )),
+                    Ok(v) => handle(&state, &out, v).await,
+                },
+            };
+            if let Some(r) = reply {
+                out.send(&r);
+            }
+        }
+        if stream.pending() > MAX_MESSAGE {
+            // An oversized message: close this connection only.
+            break;
+        }
+    }
+    out.closed.set(true);
+    if let Some(w) = out.waker.borrow_mut().take() {
+        w.wake();
+    }
+    writer.await;
+    drop(conn);
+}
+
+fn error_reply(id: Option<&Value>, e: &QmpError) -> Value {
+    let mut v = json!({ "error": { "class": e.class, "desc": e.desc } });
+    if let Some(id) = id {
+        v["id"] = id.clone();
+    }
+    v
+}
+
+async fn handle(state: &SharedState, out: &Rc<Outbox>, msg: Value) -> Option<Value> {
+    let Value::Object(mut obj) = msg else {
+        return Some(error_reply(
+            None,
+            &QmpError::generic("QMP input must be a JSON object"),
+        ));
+    };
+    let id = obj.remove("id");
+    let reply = |r: Result<Value, QmpError>| match r {
+        Ok(v) => {
+            let mut m = json!({ "return": v });
+            if let Some(id) = &id {
+                m["id"] = id.clone();
+            }
+            m
+        }
+        Err(e) => error_reply(id.as_ref(), &e),
+    };
+    if obj.contains_key("exec-oob") {
+        return Some(reply(Err(QmpError::generic(
+            "QMP input member 'exec-oob' is unexpected (out-of-band is not offered)",
+        ))));
+    }
+    let cmd = match obj.remove("execute") {
+        Some(Value::String(c)) => c,
+        Some(_) => {
+            return Some(reply(Err(QmpError::generic(
+                "QMP input member 'execute' must be a string",
+            ))))
+        }
+        None => {
+            return Some(reply(Err(QmpError::generic(
+                "QMP input lacks member 'execute'",
+            ))))
+        }
+    };
+    let args = match obj.remove("arguments") {
+        None => serde_json::Map::new(),
+        Some(Value::Object(m)) => m,
+        Some(_) => {
+            return Some(reply(Err(QmpError::generic(
+                "QMP input member 'arguments' must be an object",
+            ))))
+        }
+    };
+    if let Some(k) = obj.keys().next() {
+        return Some(reply(Err(QmpError::generic(format!(
+            "QMP input member '{k}' is unexpected"
+        )))));
+    }
+    if !out.negotiated.get() {
+        if cmd == "qmp_capabilities" {
+            out.negotiated.set(true);
+            return Some(reply(Ok(json!({}))));
+        }
+        return Some(reply(Err(QmpError {
+            class: "CommandNotFound",
+            desc: "Expecting capabilities negotiation with 'qmp_capabilities'".into(),
+        })));
+    }
+    if cmd == "qmp_capabilities" {
+        return Some(reply(Err(QmpError {
+            class: "CommandNotFound",
+            desc: "Capabilities negotiation is already complete, command ignored".into(),
+        })));
+    }
+    Some(reply(commands::execute(state, &cmd, args).await))
+}

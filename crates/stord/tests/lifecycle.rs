@@ -1,0 +1,232 @@
+//! The daemon's life cycle: SIGTERM under load, --daemonize, the monitor socket's mode.
+
+mod common;
+
+use std::os::unix::fs::PermissionsExt;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::rawnbd::{RawNbd, CMD_FLUSH};
+use common::{run_ok, sparse_image, tmpdir, Stord};
+
+#[test]
+fn sigterm_during_fio_writes_keeps_acknowledged_flushed_data() {
+    let dir = tmpdir("sigterm-load");
+    let img = dir.join("disk.img");
+    sparse_image(&img, 64 << 20);
+    let sock = dir.join("nbd.sock");
+    let mon = dir.join("qmp.sock");
+    let args: Vec<String> = vec![
+        "--chardev".into(),
+        format!("socket,id=m,path={},server=on,wait=off", mon.display()),
+        "--monitor".into(),
+        "chardev=m".into(),
+        "--object".into(),
+        "iothread,id=io0".into(),
+        "--blockdev".into(),
+        format!(
+            "driver=file,node-name=disk,filename={},aio=io_uring,cache.direct=on",
+            img.display()
+        ),
+        "--nbd-server".into(),
+        format!("addr.type=unix,addr.path={}", sock.display()),
+        "--export".into(),
+        "type=nbd,id=e,node-name=disk,name=disk,writable=on,iothread=io0".into(),
+    ];
+    let mut s = Stord::start(&dir, &args);
+    assert_eq!(
+        std::fs::metadata(&mon).unwrap().permissions().mode() & 0o777,
+        0o600
+    );
+    // fio writes to the first 32 MiB; a tracker writes numbered blocks to the last 32 MiB,
+    // flushing after each, and remembers which writes+flushes were acknowledged.
+    let uri = s.uri();
+    let mut fio = Command::new("fio")
+        .args([
+            "--name=load",
+            "--ioengine=nbd",
+            &format!("--uri={uri}"),
+            "--rw=randwrite",
+            "--bs=64k",
+            "--iodepth=16",
+            "--size=32M",
+            "--time_based",
+            "--runtime=30",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut tracker = RawNbd::connect(&s.sock, "disk");
+    let base = 32u64 << 20;
+    let mut acked = Vec::new();
+    let start = Instant::now();
+    let mut signalled = false;
+    for i in 0..4096u64 {
+        if !signalled && start.elapsed() > Duration::from_millis(700) {
+            s.signal(libc::SIGTERM);
+            signalled = true;
+        }
+        let block = vec![(i % 251) as u8 + 1; 4096];
+        let offset = base + (i % 8192) * 4096;
+        use std::io::{Read, Write};
+        let mut req = Vec::new();
+        req.extend_from_slice(&0x2560_9513u32.to_be_bytes());
+        req.extend_from_slice(&0u16.to_be_bytes());
+        req.extend_from_slice(&1u16.to_be_bytes());
+        req.extend_from_slice(&i.to_be_bytes());
+        req.extend_from_slice(&offset.to_be_bytes());
+        req.extend_from_slice(&4096u32.to_be_bytes());
+        req.extend_from_slice(&block);
+        req.extend_from_slice(&0x2560_9513u32.to_be_bytes());
+        req.extend_from_slice(&0u16.to_be_bytes());
+        req.extend_from_slice(&CMD_FLUSH.to_be_bytes());
+        req.extend_from_slice(&(i | 1 << 63).to_be_bytes());
+        req.extend_from_slice(&0u64.to_be_bytes());
+        req.extend_from_slice(&0u32.to_be_bytes());
+        if tracker.s.write_all(&req).is_err() {
+            break;
+        }
+        // Two simple replies: the write and the flush.
+        let mut ok = true;
+        for _ in 0..2 {
+            let mut h = [0u8; 16];
+            if tracker.s.read_exact(&mut h).is_err() || h[4..8] != [0, 0, 0, 0] {
+                ok = false;
+                break;
+            }
+        }
+        if !ok {
+            break;
+        }
+        acked.push((offset, block[0]));
+        if signalled && start.elapsed() > Duration::from_secs(10) {
+            break;
+        }
+    }
+    assert!(signalled, "the tracker finished before the signal");
+    let status = s.wait_exit(Duration::from_secs(15));
+    assert!(status.success(), "stord exited with {status}");
+    let _ = fio.wait();
+    assert!(!s.sock.exists(), "NBD socket left behind");
+    assert!(!mon.exists(), "monitor socket left behind");
+    assert!(!s.pidfile.exists(), "pidfile left behind");
+    assert!(
+        acked.len() > 10,
+        "too few acknowledged writes ({}) to mean anything",
+        acked.len()
+    );
+    // Every acknowledged and flushed block is in the image (last write per offset wins).
+    let data = std::fs::read(&img).unwrap();
+    let mut last = std::collections::HashMap::new();
+    for (off, pat) in &acked {
+        last.insert(*off, *pat);
+    }
+    for (off, pat) in last {
+        let b = &data[off as usize..off as usize + 4096];
+        assert!(
+            b.iter().all(|&x| x == pat),
+            "block at {off} lost (expected {pat:#x}, found {:#x})",
+            b[0]
+        );
+    }
+}
+
+#[test]
+fn daemonize_returns_once_ready_and_the_daemon_serves() {
+    let dir = tmpdir("daemonize");
+    let img = dir.join("disk.img");
+    sparse_image(&img, 4 << 20);
+    let sock = dir.join("nbd.sock");
+    let pidfile = dir.join("stord.pid");
+    let status = Command::new(env!("CARGO_BIN_EXE_stord"))
+        .args([
+            "--daemonize",
+            "--pidfile",
+            &pidfile.display().to_string(),
+            "--blockdev",
+            &format!("driver=file,node-name=disk,filename={}", img.display()),
+            "--nbd-server",
+            &format!("addr.type=unix,addr.path={}", sock.display()),
+            "--export",
+            "type=nbd,id=e,node-name=disk,name=disk,writable=on",
+        ])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    // Ready when the parent returns: pidfile and socket exist, the export serves.
+    let pid: i32 = std::fs::read_to_string(&pidfile)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(std::path::Path::new(&format!("/proc/{pid}")).exists());
+    let uri = format!("nbd+unix:///disk?socket={}", sock.display());
+    run_ok("nbdinfo", &[&uri]);
+    // SAFETY: kill(2) on the daemon we started.
+    unsafe { libc::kill(pid, libc::SIGTERM) };
+    let start = Instant::now();
+    while std::path::Path::new(&format!("/proc/{pid}")).exists()
+        && std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .map(|s| !s.contains(") Z"))
+            .unwrap_or(false)
+    {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "daemon did not exit"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(!pidfile.exists() && !sock.exists());
+    // A bad command line makes --daemonize fail in the parent, with the message.
+    let out = Command::new(env!("CARGO_BIN_EXE_stord"))
+        .args([
+            "--daemonize",
+            "--blockdev",
+            "driver=file,node-name=x,filename=/nonexistent/img",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("nonexistent"));
+}
+
+#[test]
+fn qmp_quit_shuts_down_cleanly() {
+    let dir = tmpdir("quit");
+    let mon = dir.join("qmp.sock");
+    let mut s = Stord::start(
+        &dir,
+        &[
+            "--chardev".into(),
+            format!("socket,id=m,path={},server=on,wait=off", mon.display()),
+            "--monitor".into(),
+            "chardev=m".into(),
+        ],
+    );
+    use std::io::{BufRead, BufReader, Write};
+    let c = std::os::unix::net::UnixStream::connect(&mon).unwrap();
+    let mut r = BufReader::new(c.try_clone().unwrap());
+    let mut w = c;
+    let mut line = String::new();
+    r.read_line(&mut line).unwrap();
+    assert!(line.contains("\"QMP\""));
+    w.write_all(b"{\"execute\":\"qmp_capabilities\"}\n{\"execute\":\"quit\",\"id\":1}\n")
+        .unwrap();
+    let mut seen = String::new();
+    for _ in 0..3 {
+        line.clear();
+        if r.read_line(&mut line).unwrap() == 0 {
+            break;
+        }
+        seen.push_str(&line);
+    }
+    assert!(
+        seen.contains("\"SHUTDOWN\"") && seen.contains("host-qmp-quit"),
+        "{seen}"
+    );
+    assert!(seen.contains("\"id\":1"), "{seen}");
+    let st = s.wait_exit(Duration::from_secs(10));
+    assert!(st.success());
+    assert!(!mon.exists() && !s.pidfile.exists());
+}

@@ -1,0 +1,51 @@
+//! QMP end to end: Python scripts drive stord with the `qemu.qmp` client library (installed
+//! by scripts/install-deps.sh from tests/qmp/requirements.txt). Each script asserts and exits
+//! non-zero on failure; this harness runs one per test.
+
+mod common;
+
+use std::process::Command;
+
+fn run_script(name: &str) {
+    let dir = common::tmpdir(&format!("qmp-{}", name.trim_end_matches(".py")));
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/qmp")
+        .join(name);
+    let out = Command::new("python3")
+        .arg(&script)
+        .env("STORD_BIN", env!("CARGO_BIN_EXE_stord"))
+        .env("STORD_TEST_DIR", &dir)
+        .output()
+        .expect("python3");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && stdout.contains("PASS"),
+        "{name} failed:\n{stdout}\n{stderr}"
+    );
+}
+
+#[test]
+fn qmp_adds_a_node_and_an_export_at_runtime() {
+    run_script("runtime_export.py");
+}
+
+#[test]
+fn qmp_tunes_polling_live() {
+    run_script("poll_tuning.py");
+}
+
+#[test]
+fn qmp_survives_bad_input() {
+    run_script("bad_input.py");
+}
+
+#[test]
+fn qmp_deletes_an_export_under_load() {
+    run_script("delete_under_load.py");
+}
+
+#[test]
+fn qmp_query_shapes_match_qemu_storage_daemon() {
+    run_script("compare_qsd.py");
+}

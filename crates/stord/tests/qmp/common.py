@@ -1,0 +1,125 @@
+"""Helpers for the QMP tests: start stord (or qsd) and talk to it with qemu.qmp."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from qemu.qmp.legacy import QEMUMonitorProtocol
+
+STORD = os.environ.get("STORD_BIN", "stord")
+WORKDIR = os.environ.get("STORD_TEST_DIR", "/tmp")
+
+
+def path(name):
+    return os.path.join(WORKDIR, name)
+
+
+class Daemon:
+    """A stord (or qemu-storage-daemon) process with a QMP monitor on a unix socket."""
+
+    def __init__(self, args, binary=STORD, tag="stord"):
+        self.qmp_path = path(f"{tag}-qmp.sock")
+        self.pidfile = path(f"{tag}.pid")
+        for p in (self.qmp_path, self.pidfile):
+            if os.path.exists(p):
+                os.unlink(p)
+        full = [binary,
+                "--chardev", f"socket,id=mon0,path={self.qmp_path},server=on,wait=off",
+                "--monitor", "chardev=mon0",
+                "--pidfile", self.pidfile] + list(args)
+        self.proc = subprocess.Popen(full, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 15
+        while not os.path.exists(self.pidfile):
+            if self.proc.poll() is not None:
+                raise AssertionError(f"{binary} exited: {self.proc.stderr.read()}")
+            if time.time() > deadline:
+                raise AssertionError(f"{binary} did not start")
+            time.sleep(0.01)
+
+    def qmp(self):
+        q = QEMUMonitorProtocol(self.qmp_path)
+        q.connect(negotiate=True)
+        return q
+
+    def signal(self, sig):
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout=15):
+        return self.proc.wait(timeout=timeout)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def ok(resp):
+    """The 'return' of a response, asserting it is not an error."""
+    assert "return" in resp, f"expected success, got {resp}"
+    return resp["return"]
+
+
+def err(resp, cls="GenericError", contains=None):
+    assert "error" in resp, f"expected an error, got {resp}"
+    assert resp["error"]["class"] == cls, resp
+    if contains:
+        assert contains in resp["error"]["desc"], resp
+    return resp["error"]["desc"]
+
+
+def sparse(name, size):
+    p = path(name)
+    with open(p, "wb") as f:
+        f.truncate(size)
+    return p
+
+
+def fio(*args, check=True):
+    out = subprocess.run(["fio", "--output-format=json"] + list(args),
+                         capture_output=True, text=True)
+    if check:
+        assert out.returncode == 0, f"fio failed: {out.stdout}{out.stderr}"
+    try:
+        return json.loads(out.stdout[out.stdout.index("{"):])
+    except ValueError:
+        return None
+
+
+def wait_event(q, name, timeout=10.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        ev = q.pull_event(wait=max(0.01, deadline - time.time()))
+        if ev and ev["event"] == name:
+            return ev
+    raise AssertionError(f"no {name} event within {timeout}s")
+
+
+def raw_monitor(sock_path):
+    """A raw socket past capabilities negotiation, for input qemu.qmp would not send."""
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(sock_path)
+    f = s.makefile("rwb")
+    greeting = json.loads(f.readline())
+    assert "QMP" in greeting
+    f.write(b'{"execute": "qmp_capabilities"}\n')
+    f.flush()
+    assert "return" in json.loads(f.readline())
+    return s, f
+
+
+def main(test):
+    try:
+        test()
+    except AssertionError:
+        import traceback
+        traceback.print_exc()
+        sys.exit(1)
+    print("PASS")
