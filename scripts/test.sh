@@ -12,7 +12,7 @@ trap 'rm -f "$log"' EXIT
 status=0
 for reactor in io_uring epoll; do
     echo "=== tests with STORD_AIO_REACTOR=$reactor ==="
-    STORD_AIO_REACTOR=$reactor cargo test --workspace --all-targets 2>&1 | tee -a "$log" || status=1
+    STORD_AIO_REACTOR=$reactor cargo test --workspace --all-targets --no-fail-fast 2>&1 | tee -a "$log" || status=1
 done
 passed=$(grep -Eo '^test result: .* ([0-9]+) passed' "$log" | grep -Eo '[0-9]+ passed' | awk '{s+=$1} END {print s+0}')
 failed=$(grep -Eo '^test result: .* ([0-9]+) failed' "$log" | grep -Eo '[0-9]+ failed' | awk '{s+=$1} END {print s+0}')

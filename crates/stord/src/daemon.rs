@@ -25,6 +25,7 @@ use crate::block::null::NullDriver;
 use crate::block::{BlockDriver, BlockNode};
 use crate::cli::keyval::KeyVal;
 use crate::cli::{CommandLine, Item};
+use crate::export::fuse::{FuseExport, FuseOptions};
 use crate::export::nbd::{ExportTable, ListenAddr, NbdExport, NbdServer};
 use crate::qmp::{Events, MonitorServer};
 use crate::sys;
@@ -44,6 +45,8 @@ pub struct State {
     pub nodes: BTreeMap<String, Arc<BlockNode>>,
     /// NBD exports.
     pub exports: ExportTable,
+    /// FUSE exports by id.
+    pub fuse_exports: BTreeMap<String, FuseExport>,
     /// The NBD server, if started.
     pub nbd: Option<NbdServer>,
     /// `--chardev socket` paths by id, until a monitor takes them.
@@ -239,12 +242,59 @@ impl State {
         Ok(())
     }
 
+    fn export_id_taken(&self, id: &str) -> bool {
+        self.exports.by_id(id).is_some() || self.fuse_exports.contains_key(id)
+    }
+
+    /// `--export type=fuse`.
+    fn add_fuse_export(&mut self, mut kv: KeyVal) -> Result<(), String> {
+        let opts = FuseOptions::from_opts(&mut kv)?;
+        let what = kv.what.clone();
+        kv.finish()?;
+        let node = self
+            .nodes
+            .get(&opts.node_name)
+            .cloned()
+            .ok_or_else(|| format!("{what}: cannot find node '{}'", opts.node_name))?;
+        if self.export_id_taken(&opts.id) {
+            return Err(format!("Block export id '{}' is already in use", opts.id));
+        }
+        if self
+            .fuse_exports
+            .values()
+            .any(|e| e.mountpoint == opts.mountpoint)
+        {
+            return Err(format!(
+                "{what}: '{}' is already a FUSE export's mountpoint",
+                opts.mountpoint.display()
+            ));
+        }
+        let mut remotes = Vec::new();
+        for t in &opts.iothreads {
+            let r = self
+                .iothreads
+                .get(t)
+                .ok_or_else(|| format!("{what}: iothread '{t}' not found"))?
+                .thread
+                .remote()
+                .clone();
+            remotes.push(r);
+        }
+        let id = opts.id.clone();
+        let export = FuseExport::start(opts, node, remotes)?;
+        self.fuse_exports.insert(id, export);
+        Ok(())
+    }
+
     /// `--export` / `block-export-add`.
     pub fn add_export(&mut self, mut kv: KeyVal) -> Result<(), String> {
         let kind = kv.take_required("type")?;
+        if kind == "fuse" {
+            return self.add_fuse_export(kv);
+        }
         if kind != "nbd" {
             return Err(format!(
-                "{}: parameter 'type' expects nbd, got '{kind}'",
+                "{}: parameter 'type' expects nbd or fuse, got '{kind}'",
                 kv.what
             ));
         }
@@ -282,7 +332,7 @@ impl State {
         if self.nbd.is_none() {
             return Err("NBD server not running".into());
         }
-        if self.exports.by_id(&id).is_some() {
+        if self.export_id_taken(&id) {
             return Err(format!("Block export id '{id}' is already in use"));
         }
         let export = NbdExport::new(id, name, description, node, writable, iothread);
@@ -295,6 +345,14 @@ impl State {
     /// have none. The export is gone (and `BLOCK_EXPORT_DELETED` sent) once the last
     /// client's requests have finished.
     pub fn del_export(&mut self, id: &str, hard: bool) -> Result<(), String> {
+        if let Some(mut f) = self.fuse_exports.remove(id) {
+            // Unmounting ends every open file's access; requests in progress finish.
+            f.stop(Duration::from_secs(5));
+            drop(f);
+            self.events
+                .emit("BLOCK_EXPORT_DELETED", serde_json::json!({ "id": id }));
+            return Ok(());
+        }
         let Some(e) = self.exports.by_id(id) else {
             return Err(format!("Export '{id}' is not found"));
         };
@@ -325,8 +383,13 @@ impl State {
         });
     }
 
-    /// Deletes every export, disconnecting its clients.
+    /// Deletes every export, disconnecting its clients and unmounting FUSE files.
     fn drain_exports(&mut self) {
+        for (id, mut f) in std::mem::take(&mut self.fuse_exports) {
+            f.stop(Duration::from_secs(5));
+            self.events
+                .emit("BLOCK_EXPORT_DELETED", serde_json::json!({ "id": id }));
+        }
         for e in self.exports.all() {
             self.begin_export_removal(&e.id);
         }

@@ -116,3 +116,125 @@ pub fn stdio_to_devnull() -> io::Result<()> {
     }
     Ok(())
 }
+
+/// `ioctl(fd, FUSE_DEV_IOC_CLONE, &src)`: makes `fd` (a fresh /dev/fuse open) another
+/// channel of the FUSE connection behind `src`.
+pub fn fuse_clone(fd: RawFd, src: RawFd) -> io::Result<()> {
+    const FUSE_DEV_IOC_CLONE: libc::c_ulong = 0x8004_e500; // _IOR(229, 0, uint32_t)
+    let src32: u32 = src as u32;
+    // SAFETY: the ioctl reads one u32 from the pointer, which points to a live local.
+    check(unsafe { libc::ioctl(fd, FUSE_DEV_IOC_CLONE, &src32 as *const u32) })
+}
+
+/// mount(2).
+pub fn mount(
+    source: &str,
+    target: &std::path::Path,
+    fstype: &str,
+    flags: libc::c_ulong,
+    data: &str,
+) -> io::Result<()> {
+    use std::ffi::CString;
+    use std::os::unix::ffi::OsStrExt;
+    let cstr = |s: &[u8]| CString::new(s).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL));
+    let (src, tgt, fs, dat) = (
+        cstr(source.as_bytes())?,
+        cstr(target.as_os_str().as_bytes())?,
+        cstr(fstype.as_bytes())?,
+        cstr(data.as_bytes())?,
+    );
+    // SAFETY: all four pointers are NUL-terminated strings that live for the call.
+    check(unsafe {
+        libc::mount(
+            src.as_ptr(),
+            tgt.as_ptr(),
+            fs.as_ptr(),
+            flags,
+            dat.as_ptr().cast(),
+        )
+    })
+}
+
+/// umount2(2).
+pub fn umount(target: &std::path::Path, flags: i32) -> io::Result<()> {
+    use std::ffi::CString;
+    use std::os::unix::ffi::OsStrExt;
+    let t = CString::new(target.as_os_str().as_bytes())
+        .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+    // SAFETY: `t` is a NUL-terminated string that lives for the call.
+    check(unsafe { libc::umount2(t.as_ptr(), flags) })
+}
+
+/// A child process that unmounts `target` (lazily) as soon as this process is gone, even
+/// after SIGKILL: it waits for end-of-file on a pipe whose only writer is us.
+pub struct UnmountWatchdog {
+    pid: i32,
+    pipe_w: Option<std::os::fd::OwnedFd>,
+}
+
+impl UnmountWatchdog {
+    /// Starts the watchdog for `target`.
+    pub fn spawn(target: &std::path::Path) -> io::Result<Self> {
+        use std::ffi::CString;
+        use std::os::fd::FromRawFd;
+        use std::os::unix::ffi::OsStrExt;
+        let t = CString::new(target.as_os_str().as_bytes())
+            .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+        let mut fds = [0i32; 2];
+        // SAFETY: pipe2 writes two fds into the array.
+        check(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) })?;
+        let (r, w) = (fds[0], fds[1]);
+        // SAFETY: the child only makes async-signal-safe calls (close_range, read, umount2,
+        // _exit) on memory prepared before the fork, so forking a threaded process is sound.
+        let pid = unsafe { libc::fork() };
+        if pid < 0 {
+            // SAFETY: closing the two fds pipe2 just gave us.
+            unsafe {
+                libc::close(r);
+                libc::close(w);
+            }
+            return Err(io::Error::last_os_error());
+        }
+        if pid == 0 {
+            // SAFETY: see above; the child never returns into Rust code.
+            unsafe {
+                // Keep only the read end (as fd 0), so nothing else of ours stays open.
+                libc::dup2(r, 0);
+                libc::syscall(libc::SYS_close_range, 1u32, u32::MAX, 0u32);
+                let mut b = [0u8; 1];
+                while libc::read(0, b.as_mut_ptr().cast(), 1) != 0 {
+                    if *libc::__errno_location() != libc::EINTR {
+                        break;
+                    }
+                }
+                libc::umount2(t.as_ptr(), libc::MNT_DETACH);
+                libc::_exit(0);
+            }
+        }
+        // SAFETY: closing our copy of the read end; the write end becomes owned.
+        unsafe { libc::close(r) };
+        // SAFETY: `w` came from pipe2 and is owned by nobody else.
+        let pipe_w = Some(unsafe { std::os::fd::OwnedFd::from_raw_fd(w) });
+        Ok(Self { pid, pipe_w })
+    }
+}
+
+impl Drop for UnmountWatchdog {
+    fn drop(&mut self) {
+        // Closing the pipe wakes the watchdog (its unmount is then a harmless no-op if we
+        // unmounted already); reap it.
+        self.pipe_w.take();
+        let mut status = 0;
+        // SAFETY: waitpid on our own child.
+        unsafe { libc::waitpid(self.pid, &mut status, 0) };
+    }
+}
+
+/// One `len`-byte pread at `offset` into a fresh 4 KiB-aligned buffer (to probe what
+/// O_DIRECT accepts); returns the raw result (count or -errno).
+pub fn direct_read(fd: RawFd, len: usize, offset: u64) -> i32 {
+    use stord_aio::IoBufMut;
+    let mut buf = crate::block::new_buf(len);
+    // SAFETY: the buffer is ours, aligned, and `len` bytes long.
+    unsafe { stord_aio::sys::blocking::pread(fd, buf.stable_mut_ptr(), len, offset) }
+}

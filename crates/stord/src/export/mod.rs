@@ -1,3 +1,4 @@
 //! Exports: how block nodes reach clients. One folder per protocol.
 
+pub mod fuse;
 pub mod nbd;

@@ -243,7 +243,21 @@ pub async fn execute(
                 .map_err(Into::into)
         }
         "block-export-add" => {
-            for k in ["type", "id", "node-name", "name", "description", "iothread"] {
+            if let Some(Value::Array(list)) = a.map.remove("iothread") {
+                // A list of iothreads (FUSE multi-queue): iothread.0, iothread.1, ...
+                for (i, t) in list.into_iter().enumerate() {
+                    a.map.insert(format!("iothread.{i}"), t);
+                }
+            }
+            for k in [
+                "type",
+                "id",
+                "node-name",
+                "name",
+                "description",
+                "iothread",
+                "mountpoint",
+            ] {
                 if let Some(v) = a.map.get(k) {
                     if !v.is_string() {
                         return Err(Args::type_error(k, "string"));
@@ -290,20 +304,23 @@ pub async fn execute(
         "query-block-exports" => {
             a.finish()?;
             let st = state.borrow();
-            Ok(Value::Array(
-                st.exports
-                    .all()
-                    .iter()
-                    .map(|e| {
-                        json!({
-                            "type": "nbd",
-                            "id": e.id,
-                            "node-name": e.node.name,
-                            "shutting-down": e.shutting_down.load(std::sync::atomic::Ordering::SeqCst),
-                        })
+            let mut v: Vec<Value> = st
+                .exports
+                .all()
+                .iter()
+                .map(|e| {
+                    json!({
+                        "type": "nbd",
+                        "id": e.id,
+                        "node-name": e.node.name,
+                        "shutting-down": e.shutting_down.load(std::sync::atomic::Ordering::SeqCst),
                     })
-                    .collect(),
-            ))
+                })
+                .collect();
+            v.extend(st.fuse_exports.values().map(|e| {
+                json!({ "type": "fuse", "id": e.id, "node-name": e.node.name, "shutting-down": false })
+            }));
+            Ok(Value::Array(v))
         }
         "quit" => {
             a.finish()?;

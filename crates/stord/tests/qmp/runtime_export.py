@@ -1,5 +1,7 @@
 """Add a file node and an NBD export at runtime, write and verify with fio, delete both."""
 
+import os
+
 import common
 from common import ok, err
 
@@ -37,6 +39,25 @@ def test():
         assert ok(q.cmd_raw("query-named-block-nodes")) == []
         ok(q.cmd_raw("nbd-server-stop"))
         err(q.cmd_raw("nbd-server-stop"), contains="not running")
+        # A FUSE export added and deleted at runtime: the file appears, then is unmounted.
+        img2 = common.sparse("fuse.img", 8 << 20)
+        mnt = common.path("fuse-mnt")
+        open(mnt, "w").close()
+        ok(q.cmd_raw("blockdev-add", {"driver": "file", "node-name": "f", "filename": img2}))
+        ok(q.cmd_raw("block-export-add", {"type": "fuse", "id": "fx", "node-name": "f",
+                                          "mountpoint": mnt, "writable": True,
+                                          "iothread": ["io0"]}))
+        assert os.path.getsize(mnt) == 8 << 20
+        with open(mnt, "r+b") as fh:
+            fh.write(b"stord" * 100)
+        assert any(e["id"] == "fx" and e["type"] == "fuse" for e in ok(q.cmd_raw("query-block-exports")))
+        ok(q.cmd_raw("block-export-del", {"id": "fx"}))
+        common.wait_event(q, "BLOCK_EXPORT_DELETED")
+        assert os.path.getsize(mnt) == 0, "still mounted"
+        with open(img2, "rb") as fh:
+            assert fh.read(500) == b"stord" * 100
+        ok(q.cmd_raw("blockdev-del", {"node-name": "f"}))
+
         # iothreads can come and go at runtime too.
         ok(q.cmd_raw("object-add", {"qom-type": "iothread", "id": "io1", "poll-max-ns": 1000}))
         ids = [t["id"] for t in ok(q.cmd_raw("query-iothreads"))]

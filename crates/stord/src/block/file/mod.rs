@@ -11,6 +11,7 @@
 //! requests that are not aligned go through an aligned bounce buffer.
 
 mod linux_aio;
+mod range_lock;
 mod threads;
 mod uring;
 
@@ -129,6 +130,22 @@ pub struct FileDriver {
     /// Offset and length alignment required with O_DIRECT.
     align: u64,
     block_device: bool,
+    /// Write serialisation for read-modify-write (only used when `align > 1`).
+    write_locks: range_lock::RangeLocks,
+}
+
+/// The smallest offset/length alignment O_DIRECT accepts on this file: 512 if a 512-byte
+/// read at 512 works, else 4096.
+fn probe_direct_alignment(fd: RawFd, size: u64) -> u64 {
+    if size < 1024 {
+        return 4096;
+    }
+    let r = crate::sys::direct_read(fd, 512, 512);
+    if r == 512 {
+        512
+    } else {
+        4096
+    }
 }
 
 fn errno(e: &io::Error) -> i32 {
@@ -165,12 +182,18 @@ impl FileDriver {
             meta.len()
         };
         let fd: OwnedFd = file.into();
+        let align = if opts.direct {
+            probe_direct_alignment(fd.as_raw_fd(), size)
+        } else {
+            1
+        };
         Ok(Self {
             fd: Arc::new(fd),
-            align: if opts.direct { 4096 } else { 1 },
+            align,
             opts,
             size: AtomicU64::new(size),
             block_device,
+            write_locks: range_lock::RangeLocks::default(),
         })
     }
 
@@ -268,11 +291,16 @@ impl FileDriver {
     }
 
     async fn write_impl(&self, offset: u64, buf: Buf, fua: bool) -> (io::Result<()>, Buf) {
+        if self.align == 1 {
+            return self.rw_all(true, fua, buf, offset).await;
+        }
+        // Hold the aligned span so that no read-modify-write overlaps this write.
+        let (wstart, wlen) = self.widen(offset, buf.len());
+        let _span = self.write_locks.lock(wstart, wstart + wlen as u64).await;
         if self.aligned(offset, buf.len()) {
             return self.rw_all(true, fua, buf, offset).await;
         }
         // Read-modify-write through an aligned bounce buffer.
-        let (wstart, wlen) = self.widen(offset, buf.len());
         let (r, mut bounce) = self.rw_all(false, false, new_buf(wlen), wstart).await;
         if let Err(e) = r {
             return (Err(e), buf);

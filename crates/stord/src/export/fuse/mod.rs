@@ -1,0 +1,328 @@
+//! The FUSE export: a block node appears as a regular file at `mountpoint`.
+//!
+//! We mount with mount(2) (we run as root) onto an existing regular file, read requests
+//! from /dev/fuse ourselves (no libfuse), one task per request ([`session`]). With a list
+//! of IoThreads each gets its own channel, cloned with FUSE_DEV_IOC_CLONE, read by an fd
+//! handler (never a poll handler: reading /dev/fuse is a syscall). A watchdog process
+//! unmounts if the daemon dies without doing so (kill -9).
+
+mod proto;
+mod session;
+
+use std::fs::{File, OpenOptions};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use stord_aio::{FdHandlerId, Interest, Remote};
+
+use crate::block::BlockNode;
+use crate::cli::keyval::KeyVal;
+use crate::sys::{self, UnmountWatchdog};
+
+/// Largest READ we accept (and the mount's max_read).
+pub const MAX_READ: u32 = 1 << 20;
+/// Largest WRITE the kernel sends us (negotiated in INIT).
+pub const MAX_WRITE: u32 = 1 << 20;
+
+/// State shared by all of an export's queues.
+pub struct FuseShared {
+    node: Arc<BlockNode>,
+    writable: bool,
+    growable: bool,
+    allow_other: bool,
+    mode: AtomicU32,
+    uid: u32,
+    gid: u32,
+    max_write: u32,
+    /// Requests being processed now (all queues).
+    in_flight: AtomicUsize,
+    /// The channel is gone (unmounted) or broken: stop reading.
+    halted: AtomicBool,
+    /// The kernel's INIT has been answered.
+    initialized: AtomicBool,
+}
+
+impl FuseShared {
+    fn request_buf_len(&self) -> usize {
+        (self.max_write as usize + 4096).max(proto::FUSE_MIN_READ_BUFFER)
+    }
+
+    fn allocated_bytes(&self) -> u64 {
+        self.node
+            .filename()
+            .and_then(|f| std::fs::metadata(f).ok())
+            .filter(|m| m.file_type().is_file())
+            .map(|m| m.blocks() * 512)
+            .unwrap_or_else(|| self.node.size())
+    }
+}
+
+/// Where one queue runs.
+struct QueueHandle {
+    remote: Option<Remote>,
+    handler: Option<FdHandlerId>,
+    _dev: Arc<File>,
+}
+
+/// `allow-other`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AllowOther {
+    /// Only the mounting user (root) may access the file.
+    Off,
+    /// Everyone may (subject to the file mode).
+    On,
+    /// Try on, fall back to off.
+    Auto,
+}
+
+/// A mounted FUSE export.
+pub struct FuseExport {
+    /// Block-export id.
+    pub id: String,
+    /// The node.
+    pub node: Arc<BlockNode>,
+    /// Where it is mounted.
+    pub mountpoint: PathBuf,
+    shared: Arc<FuseShared>,
+    queues: Vec<QueueHandle>,
+    mounted: bool,
+    _watchdog: Option<UnmountWatchdog>,
+}
+
+/// Options of `--export type=fuse`.
+pub struct FuseOptions {
+    pub id: String,
+    pub node_name: String,
+    pub mountpoint: PathBuf,
+    pub writable: bool,
+    pub growable: bool,
+    pub allow_other: AllowOther,
+    pub iothreads: Vec<String>,
+}
+
+impl FuseOptions {
+    /// Parses the options after `type=fuse` (the caller took `type`).
+    pub fn from_opts(kv: &mut KeyVal) -> Result<Self, String> {
+        let id = kv.take_required("id")?;
+        let node_name = kv.take_required("node-name")?;
+        let mountpoint = PathBuf::from(kv.take_required("mountpoint")?);
+        let writable = kv.take_bool("writable", false)?;
+        let growable = kv.take_bool("growable", false)?;
+        let allow_other = match kv
+            .take_choice("allow-other", &["off", "on", "auto"])?
+            .as_deref()
+        {
+            Some("on") => AllowOther::On,
+            Some("auto") => AllowOther::Auto,
+            _ => AllowOther::Off,
+        };
+        let _ = kv.take_bool("writethrough", false)?;
+        let _ = kv.take_bool("fixed-iothread", false)?;
+        // iothread=ID, or a list: iothread.0=a,iothread.1=b (JSON: "iothread": ["a", "b"]).
+        let mut iothreads = Vec::new();
+        if let Some(t) = kv.take("iothread") {
+            iothreads.push(t);
+        }
+        let mut i = 0;
+        while let Some(t) = kv.take(&format!("iothread.{i}")) {
+            iothreads.push(t);
+            i += 1;
+        }
+        let _ = kv.take_choice("io-uring", &["off", "auto"])?;
+        Ok(Self {
+            id,
+            node_name,
+            mountpoint,
+            writable,
+            growable,
+            allow_other,
+            iothreads,
+        })
+    }
+}
+
+impl FuseExport {
+    /// Mounts `node` at `opts.mountpoint` and starts serving on `remotes` (empty: the
+    /// calling thread's loop). Must run on the main loop.
+    pub fn start(
+        opts: FuseOptions,
+        node: Arc<BlockNode>,
+        remotes: Vec<Remote>,
+    ) -> Result<Self, String> {
+        let what = "--export type=fuse";
+        let meta = std::fs::metadata(&opts.mountpoint)
+            .map_err(|e| format!("{what}: mountpoint '{}': {e}", opts.mountpoint.display()))?;
+        if !meta.file_type().is_file() {
+            return Err(format!(
+                "{what}: mountpoint '{}' is not a regular file",
+                opts.mountpoint.display()
+            ));
+        }
+        if (opts.writable || opts.growable) && node.read_only {
+            return Err(format!("{what}: node '{}' is read-only", node.name));
+        }
+        let dev = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_CLOEXEC | libc::O_NONBLOCK)
+            .open("/dev/fuse")
+            .map_err(|e| format!("{what}: cannot open /dev/fuse: {e}"))?;
+        // The file keeps the owner of the mountpoint it covers.
+        let (uid, gid) = (meta.uid(), meta.gid());
+        let mut mode = libc::S_IFREG | 0o400;
+        if opts.writable {
+            mode |= 0o200;
+        }
+        let try_mount = |allow_other: bool| {
+            let mut data = format!(
+                "fd={},rootmode={:o},user_id={uid},group_id={gid},max_read={MAX_READ},default_permissions",
+                dev.as_raw_fd(),
+                libc::S_IFREG
+            );
+            if allow_other {
+                data.push_str(",allow_other");
+            }
+            let mut flags = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOATIME;
+            if !opts.writable {
+                flags |= libc::MS_RDONLY;
+            }
+            sys::mount("stord", &opts.mountpoint, "fuse.stord", flags, &data)
+        };
+        let allow_other = match opts.allow_other {
+            AllowOther::On => {
+                try_mount(true).map_err(|e| format!("{what}: mount failed: {e}"))?;
+                true
+            }
+            AllowOther::Off => {
+                try_mount(false).map_err(|e| format!("{what}: mount failed: {e}"))?;
+                false
+            }
+            AllowOther::Auto => match try_mount(true) {
+                Ok(()) => true,
+                Err(_) => {
+                    try_mount(false).map_err(|e| format!("{what}: mount failed: {e}"))?;
+                    false
+                }
+            },
+        };
+        let watchdog = UnmountWatchdog::spawn(&opts.mountpoint).ok();
+        let shared = Arc::new(FuseShared {
+            node: node.clone(),
+            writable: opts.writable,
+            growable: opts.growable,
+            allow_other,
+            mode: AtomicU32::new(mode),
+            uid,
+            gid,
+            max_write: MAX_WRITE,
+            in_flight: AtomicUsize::new(0),
+            halted: AtomicBool::new(false),
+            initialized: AtomicBool::new(false),
+        });
+        let mut export = FuseExport {
+            id: opts.id,
+            node,
+            mountpoint: opts.mountpoint,
+            shared: shared.clone(),
+            queues: Vec::new(),
+            mounted: true,
+            _watchdog: watchdog,
+        };
+        let first = Arc::new(dev);
+        let mut devs = vec![first.clone()];
+        for _ in 1..remotes.len() {
+            let clone = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .custom_flags(libc::O_CLOEXEC | libc::O_NONBLOCK)
+                .open("/dev/fuse")
+                .map_err(|e| format!("{what}: cannot open /dev/fuse: {e}"))?;
+            sys::fuse_clone(clone.as_raw_fd(), first.as_raw_fd())
+                .map_err(|e| format!("{what}: FUSE_DEV_IOC_CLONE failed: {e}"))?;
+            devs.push(Arc::new(clone));
+        }
+        let places: Vec<Option<Remote>> = if remotes.is_empty() {
+            vec![None]
+        } else {
+            remotes.into_iter().map(Some).collect()
+        };
+        for (dev, remote) in devs.into_iter().zip(places) {
+            let (d, s) = (dev.clone(), shared.clone());
+            let register = move || {
+                stord_aio::with_current_context(|ctx| {
+                    let q = session::Queue::new(d.clone(), s);
+                    let fd = d.as_raw_fd();
+                    ctx.set_fd_handler(fd, Interest::READABLE, move |_| q.on_readable())
+                        .map_err(|e| e.to_string())
+                })
+                .unwrap_or_else(|| Err("no event loop".into()))
+            };
+            let handler = match &remote {
+                Some(r) if !r.is_current() => r.run(register).ok_or("iothread is gone")?,
+                _ => register(),
+            }
+            .map_err(|e| format!("{what}: {e}"))?;
+            export.queues.push(QueueHandle {
+                remote,
+                handler: Some(handler),
+                _dev: dev,
+            });
+        }
+        Ok(export)
+    }
+
+    /// Requests in progress.
+    pub fn in_flight(&self) -> usize {
+        self.shared.in_flight.load(Ordering::SeqCst)
+    }
+
+    /// Unmounts, stops reading, and waits (at most `limit`) for requests in progress.
+    pub fn stop(&mut self, limit: Duration) {
+        if self.mounted {
+            self.mounted = false;
+            if sys::umount(&self.mountpoint, 0).is_err() {
+                let _ = sys::umount(&self.mountpoint, libc::MNT_DETACH);
+            }
+        }
+        self.shared.halted.store(true, Ordering::SeqCst);
+        for q in &mut self.queues {
+            if let Some(h) = q.handler.take() {
+                let remove = move || {
+                    stord_aio::with_current_context(|ctx| ctx.remove_fd_handler(h));
+                };
+                match &q.remote {
+                    Some(r) if !r.is_current() => {
+                        r.run(remove);
+                    }
+                    _ => remove(),
+                }
+            }
+        }
+        let deadline = Instant::now() + limit;
+        while self.in_flight() > 0 && Instant::now() < deadline {
+            let on_main = stord_aio::with_current_context(|ctx| {
+                ctx.block_on(stord_aio::sleep(Duration::from_millis(2)));
+            });
+            if on_main.is_none() {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        }
+    }
+
+    /// Where it is mounted, as text.
+    pub fn mountpoint(&self) -> &Path {
+        &self.mountpoint
+    }
+}
+
+impl Drop for FuseExport {
+    fn drop(&mut self) {
+        if self.mounted {
+            self.stop(Duration::from_secs(1));
+        }
+    }
+}
