@@ -6,8 +6,11 @@
 //! - `nbd [--runtime S] [--reps N] [--backend null|file]... [--daemon stord|qsd|nbdkit]...
 //!   [--workload randread:16]... [--stord-policy P] [--file-aio MODE]`: fio's nbd engine
 //!   against stord, qemu-storage-daemon and nbdkit, with fio on the raw file as the floor.
+//! - `fuse [--runtime S] [--reps N] [--backend null|file]... [--iothreads N]...
+//!   [--daemon stord|qsd]...`: fio through the FUSE-mounted image, stord vs qsd.
 
 mod aio;
+mod fuse;
 mod nbd;
 mod peers;
 
@@ -142,6 +145,57 @@ fn main() {
                 "reps": opts.reps,
                 "stord_policy": opts.stord_policy,
                 "file_aio": opts.file_aio,
+                "rows": rows,
+            });
+            std::fs::write(
+                dir.join(format!("{ts}.json")),
+                serde_json::to_string_pretty(&doc).unwrap(),
+            )
+            .expect("write results");
+            std::fs::write(dir.join(format!("{ts}.md")), &table).expect("write results");
+            println!("results: {}", dir.join(format!("{ts}.json")).display());
+        }
+        Some("fuse") => {
+            let mut opts = fuse::FuseOptions::default();
+            let (mut backends, mut daemons, mut threads, mut out) =
+                (Vec::new(), Vec::new(), Vec::new(), None);
+            let mut i = 1;
+            while i < args.len() {
+                let flag = args[i].as_str();
+                match flag {
+                    "--runtime" => opts.runtime_s = parse(flag, value(&args, &mut i, flag)),
+                    "--reps" => opts.reps = parse(flag, value(&args, &mut i, flag)),
+                    "--backend" => backends.push(value(&args, &mut i, flag).to_string()),
+                    "--daemon" => daemons.push(value(&args, &mut i, flag).to_string()),
+                    "--iothreads" => threads.push(parse(flag, value(&args, &mut i, flag))),
+                    "--out" => out = Some(PathBuf::from(value(&args, &mut i, flag))),
+                    _ => usage(),
+                }
+                i += 1;
+            }
+            if !backends.is_empty() {
+                opts.backends = backends;
+            }
+            if !daemons.is_empty() {
+                opts.daemons = daemons;
+            }
+            if !threads.is_empty() {
+                opts.iothreads = threads;
+            }
+            let rows = fuse::run(&opts);
+            let table = nbd::markdown(&rows);
+            println!("{table}");
+            let dir = results_dir(out).join("fuse");
+            std::fs::create_dir_all(&dir).expect("create results dir");
+            let ts = SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .unwrap()
+                .as_secs();
+            let doc = serde_json::json!({
+                "benchmark": "fuse-fio",
+                "unix_time": ts,
+                "runtime_s": opts.runtime_s,
+                "reps": opts.reps,
                 "rows": rows,
             });
             std::fs::write(

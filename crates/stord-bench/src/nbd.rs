@@ -60,16 +60,16 @@ pub struct Row {
     pub runs: Vec<FioResult>,
 }
 
-const IMAGE_SIZE: u64 = 1 << 30;
+pub(crate) const IMAGE_SIZE: u64 = 1 << 30;
 
-fn bench_dir() -> PathBuf {
+pub(crate) fn bench_dir() -> PathBuf {
     let d = repo_root().join("results/tmp");
     std::fs::create_dir_all(&d).unwrap();
     d
 }
 
 /// A 1 GiB image filled with data, so O_DIRECT reads really reach the disk.
-fn prepare_image(path: &Path) {
+pub(crate) fn prepare_image(path: &Path) {
     if std::fs::metadata(path)
         .map(|m| m.len() == IMAGE_SIZE)
         .unwrap_or(false)
@@ -154,7 +154,7 @@ fn daemon_args(
     }
 }
 
-fn which(cmd: &str) -> PathBuf {
+pub(crate) fn which(cmd: &str) -> PathBuf {
     let out = Command::new("sh")
         .args(["-c", &format!("command -v {cmd}")])
         .output()
@@ -181,7 +181,7 @@ fn fio_common(rw: &str, qd: u32, runtime: u64) -> Vec<String> {
     ]
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     let n = v.len();
     if n == 0 {

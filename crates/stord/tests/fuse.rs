@@ -20,7 +20,11 @@ fn is_mounted(p: &Path) -> bool {
 fn wait_unmounted(p: &Path) {
     let start = Instant::now();
     while is_mounted(p) {
-        assert!(start.elapsed() < Duration::from_secs(10), "{} still mounted", p.display());
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "{} still mounted",
+            p.display()
+        );
         std::thread::sleep(Duration::from_millis(10));
     }
 }

@@ -1,0 +1,204 @@
+//! `stord-bench fuse`: fio through a FUSE-mounted image, stord vs qemu-storage-daemon,
+//! with fio on the raw file as the floor, in one run.
+//!
+//! Workloads as the FUSE issue asks: libaio O_DIRECT 4k randread/randwrite at QD16 and
+//! psync QD1, on the null and the O_DIRECT file backends, with one and two IoThreads.
+
+use std::path::Path;
+
+use crate::nbd::{bench_dir, median, prepare_image, which, Row, IMAGE_SIZE};
+use crate::peers::{process_cpu_ns, run_fio, stord_binary, FioResult};
+
+/// Options of the FUSE benchmark.
+pub struct FuseOptions {
+    pub runtime_s: u64,
+    pub reps: usize,
+    pub backends: Vec<String>,
+    pub iothreads: Vec<usize>,
+    pub daemons: Vec<String>,
+}
+
+impl Default for FuseOptions {
+    fn default() -> Self {
+        Self {
+            runtime_s: 5,
+            reps: 2,
+            backends: vec!["null".into(), "file".into()],
+            iothreads: vec![1, 2],
+            daemons: vec!["stord".into(), "qsd".into()],
+        }
+    }
+}
+
+const WORKLOADS: [(&str, u32); 4] = [
+    ("randread", 1),
+    ("randwrite", 1),
+    ("randread", 16),
+    ("randwrite", 16),
+];
+
+fn is_mounted(p: &Path) -> bool {
+    let needle = format!(" {} ", p.display());
+    std::fs::read_to_string("/proc/mounts")
+        .map(|m| m.lines().any(|l| l.contains(&needle)))
+        .unwrap_or(false)
+}
+
+struct Mounted {
+    child: std::process::Child,
+    mnt: std::path::PathBuf,
+}
+
+impl Drop for Mounted {
+    fn drop(&mut self) {
+        // SAFETY: kill(2) on our own child.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let _ = self.child.wait();
+        let start = std::time::Instant::now();
+        while is_mounted(&self.mnt) && start.elapsed().as_secs() < 5 {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+    }
+}
+
+fn start(daemon: &str, backend: &str, img: &Path, mnt: &Path, threads: usize) -> Mounted {
+    std::fs::write(mnt, b"").expect("mountpoint");
+    let node = match backend {
+        "null" => format!("driver=null-co,node-name=disk,size={IMAGE_SIZE},read-zeroes=on"),
+        _ => format!(
+            "driver=file,node-name=disk,filename={},aio=io_uring,cache.direct=on",
+            img.display()
+        ),
+    };
+    let mut args: Vec<String> = Vec::new();
+    for i in 0..threads {
+        args.push("--object".into());
+        args.push(format!("iothread,id=io{i}"));
+    }
+    args.push("--blockdev".into());
+    args.push(node);
+    let mut export = format!(
+        "type=fuse,id=f0,node-name=disk,mountpoint={},writable=on",
+        mnt.display()
+    );
+    if threads == 1 {
+        export.push_str(",iothread=io0");
+    } else {
+        for i in 0..threads {
+            export.push_str(&format!(",iothread.{i}=io{i}"));
+        }
+    }
+    args.push("--export".into());
+    args.push(export);
+    let bin = if daemon == "stord" {
+        stord_binary()
+    } else {
+        which("qemu-storage-daemon")
+    };
+    let child = std::process::Command::new(bin)
+        .args(&args)
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("start daemon");
+    let start = std::time::Instant::now();
+    while !is_mounted(mnt) {
+        assert!(start.elapsed().as_secs() < 15, "{daemon} did not mount");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    Mounted {
+        child,
+        mnt: mnt.to_path_buf(),
+    }
+}
+
+fn fio_args(rw: &str, qd: u32, runtime: u64, filename: &Path) -> Vec<String> {
+    let mut a = vec![
+        "--name=bench".to_string(),
+        format!("--filename={}", filename.display()),
+        format!("--rw={rw}"),
+        "--bs=4k".into(),
+        "--direct=1".into(),
+        "--time_based".into(),
+        format!("--runtime={runtime}"),
+        "--ramp_time=1".into(),
+        format!("--size={IMAGE_SIZE}"),
+        "--norandommap".into(),
+        "--randrepeat=0".into(),
+    ];
+    if qd == 1 {
+        a.push("--ioengine=psync".into());
+    } else {
+        a.push("--ioengine=libaio".into());
+        a.push(format!("--iodepth={qd}"));
+    }
+    a
+}
+
+/// Runs the matrix.
+pub fn run(opts: &FuseOptions) -> Vec<Row> {
+    let dir = bench_dir();
+    let img = dir.join("nbd-bench.img");
+    let mnt = dir.join("fuse-mnt");
+    if opts.backends.iter().any(|b| b == "file") {
+        prepare_image(&img);
+    }
+    let mut rows = Vec::new();
+    for backend in &opts.backends {
+        for &threads in &opts.iothreads {
+            for (rw, qd) in WORKLOADS {
+                let mut names: Vec<String> = opts.daemons.clone();
+                if backend == "file" && threads == 1 {
+                    names.push("fio-raw".into());
+                }
+                let mut per: Vec<Vec<(FioResult, Option<f64>)>> = vec![Vec::new(); names.len()];
+                for rep in 0..opts.reps {
+                    for (i, d) in names.iter().enumerate() {
+                        eprintln!(
+                            "fuse {backend} {threads}t {rw} QD{qd} {d} (rep {})",
+                            rep + 1
+                        );
+                        if d == "fio-raw" {
+                            per[i].push((run_fio(&fio_args(rw, qd, opts.runtime_s, &img)), None));
+                            continue;
+                        }
+                        let m = start(d, backend, &img, &mnt, threads);
+                        let pid = m.child.id();
+                        let c0 = process_cpu_ns(pid);
+                        let r = run_fio(&fio_args(rw, qd, opts.runtime_s, &mnt));
+                        let c1 = process_cpu_ns(pid);
+                        let ios = r.iops * (opts.runtime_s + 1) as f64;
+                        per[i].push((r, Some((c1 - c0) as f64 / 1000.0 / ios.max(1.0))));
+                        drop(m);
+                    }
+                }
+                for (i, d) in names.iter().enumerate() {
+                    let runs: Vec<FioResult> = per[i].iter().map(|(r, _)| r.clone()).collect();
+                    let iops: Vec<f64> = runs.iter().map(|r| r.iops).collect();
+                    let med = median(iops.clone());
+                    let spread = if med > 0.0 {
+                        (iops.iter().cloned().fold(f64::MIN, f64::max)
+                            - iops.iter().cloned().fold(f64::MAX, f64::min))
+                            / med
+                    } else {
+                        0.0
+                    };
+                    let cpu: Vec<f64> = per[i].iter().filter_map(|(_, c)| *c).collect();
+                    rows.push(Row {
+                        backend: format!("{backend} {threads}t"),
+                        workload: rw.to_string(),
+                        iodepth: qd,
+                        daemon: d.clone(),
+                        iops: med,
+                        mean_us: median(runs.iter().map(|r| r.mean_us).collect()),
+                        p50_us: median(runs.iter().map(|r| r.p50_us).collect()),
+                        p99_us: median(runs.iter().map(|r| r.p99_us).collect()),
+                        cpu_us_per_io: (!cpu.is_empty()).then(|| median(cpu)),
+                        iops_spread: spread,
+                        runs,
+                    });
+                }
+            }
+        }
+    }
+    rows
+}
