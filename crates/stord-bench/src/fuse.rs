@@ -146,7 +146,10 @@ pub fn run(opts: &FuseOptions) -> Vec<Row> {
     for backend in &opts.backends {
         for &threads in &opts.iothreads {
             for (rw, qd) in WORKLOADS {
-                let mut names: Vec<String> = opts.daemons.clone();
+                // qsd before 10.1 takes a single iothread for FUSE (no multi-queue): it only
+                // runs in the one-IoThread rows.
+                let mut names: Vec<String> =
+                    opts.daemons.iter().filter(|d| threads == 1 || *d != "qsd").cloned().collect();
                 if backend == "file" && threads == 1 {
                     names.push("fio-raw".into());
                 }
