@@ -148,8 +148,12 @@ pub fn run(opts: &FuseOptions) -> Vec<Row> {
             for (rw, qd) in WORKLOADS {
                 // qsd before 10.1 takes a single iothread for FUSE (no multi-queue): it only
                 // runs in the one-IoThread rows.
-                let mut names: Vec<String> =
-                    opts.daemons.iter().filter(|d| threads == 1 || *d != "qsd").cloned().collect();
+                let mut names: Vec<String> = opts
+                    .daemons
+                    .iter()
+                    .filter(|d| threads == 1 || *d != "qsd")
+                    .cloned()
+                    .collect();
                 if backend == "file" && threads == 1 {
                     names.push("fio-raw".into());
                 }

@@ -386,6 +386,13 @@ impl State {
     /// Deletes every export, disconnecting its clients and unmounting FUSE files.
     fn drain_exports(&mut self) {
         for (id, mut f) in std::mem::take(&mut self.fuse_exports) {
+            if std::env::var_os("STORD_STATS").is_some() {
+                let (dev, uring) = f.request_counts();
+                eprintln!(
+                    "stord: fuse export {id}: transport {}, requests via /dev/fuse {dev}, via io_uring {uring}",
+                    f.transport()
+                );
+            }
             f.stop(Duration::from_secs(5));
             self.events
                 .emit("BLOCK_EXPORT_DELETED", serde_json::json!({ "id": id }));

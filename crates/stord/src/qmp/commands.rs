@@ -318,7 +318,13 @@ pub async fn execute(
                 })
                 .collect();
             v.extend(st.fuse_exports.values().map(|e| {
-                json!({ "type": "fuse", "id": e.id, "node-name": e.node.name, "shutting-down": false })
+                json!({
+                    "type": "fuse",
+                    "id": e.id,
+                    "node-name": e.node.name,
+                    "shutting-down": false,
+                    "x-transport": e.transport(),
+                })
             }));
             Ok(Value::Array(v))
         }

@@ -42,6 +42,7 @@ impl Stord {
         full.push(pidfile.display().to_string());
         let child = Command::new(env!("CARGO_BIN_EXE_stord"))
             .args(&full)
+            .env("STORD_STATS", "1")
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
@@ -132,6 +133,18 @@ impl Stord {
             assert!(start.elapsed() < limit, "stord did not exit");
             std::thread::sleep(Duration::from_millis(10));
         }
+    }
+
+    /// SIGTERM, wait for exit, and return what the daemon wrote to stderr.
+    pub fn stop_and_stderr(&mut self) -> String {
+        self.signal(libc::SIGTERM);
+        self.wait_exit(Duration::from_secs(15));
+        let mut err = String::new();
+        if let Some(mut e) = self.child.stderr.take() {
+            use std::io::Read;
+            let _ = e.read_to_string(&mut err);
+        }
+        err
     }
 
     pub fn is_running(&mut self) -> bool {

@@ -6,15 +6,17 @@
 //! handler (never a poll handler: reading /dev/fuse is a syscall). A watchdog process
 //! unmounts if the daemon dies without doing so (kill -9).
 
+mod handler;
 mod proto;
 mod session;
+mod uring;
 
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use stord_aio::{FdHandlerId, Interest, Remote};
@@ -25,8 +27,11 @@ use crate::sys::{self, UnmountWatchdog};
 
 /// Largest READ we accept (and the mount's max_read).
 pub const MAX_READ: u32 = 1 << 20;
-/// Largest WRITE the kernel sends us (negotiated in INIT).
-pub const MAX_WRITE: u32 = 1 << 20;
+/// Largest WRITE the kernel sends us (negotiated in INIT; also the io_uring payload size).
+pub const MAX_WRITE: u32 = 128 << 10;
+
+/// Kernel queue ids per IoThread (None: the loop the export was created on).
+type UringPlan = Vec<(Option<Remote>, Vec<u16>)>;
 
 /// State shared by all of an export's queues.
 pub struct FuseShared {
@@ -44,9 +49,55 @@ pub struct FuseShared {
     halted: AtomicBool,
     /// The kernel's INIT has been answered.
     initialized: AtomicBool,
+    /// The export asked for FUSE over io_uring (and the kernel has it enabled).
+    want_uring: bool,
+    /// INIT granted FUSE over io_uring.
+    uring_granted: AtomicBool,
+    /// Which kernel queues (qids) each IoThread serves over io_uring (None: this loop).
+    uring_plan: Mutex<Option<UringPlan>>,
+    /// Rings started, for teardown.
+    rings: Mutex<Vec<(Option<Remote>, u64)>>,
+    /// Requests served through /dev/fuse reads and through io_uring entries.
+    dev_requests: std::sync::atomic::AtomicU64,
+    uring_requests: std::sync::atomic::AtomicU64,
 }
 
 impl FuseShared {
+    /// Called by the queue that answered INIT: if io_uring was granted, start a ring on
+    /// every IoThread of the plan (registration must follow the INIT reply).
+    fn after_init(self: &Arc<Self>, dev: &Arc<File>) {
+        if !self.uring_granted.load(Ordering::SeqCst) {
+            return;
+        }
+        let Some(plan) = self
+            .uring_plan
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+        else {
+            return;
+        };
+        for (remote, qids) in plan {
+            let (s, d, r2) = (self.clone(), dev.clone(), remote.clone());
+            let start = move || match uring::start(s.clone(), d, &qids) {
+                Ok(id) => {
+                    eprintln!("stord: fuse: serving queues {qids:?} over io_uring");
+                    s.rings
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .push((r2, id));
+                }
+                Err(e) => eprintln!(
+                    "stord: fuse: io_uring queues {qids:?} failed, staying on /dev/fuse: {e}"
+                ),
+            };
+            match remote {
+                Some(r) if !r.is_current() => r.call(start),
+                _ => start(),
+            }
+        }
+    }
+
     fn request_buf_len(&self) -> usize {
         (self.max_write as usize + 4096).max(proto::FUSE_MIN_READ_BUFFER)
     }
@@ -102,6 +153,8 @@ pub struct FuseOptions {
     pub growable: bool,
     pub allow_other: AllowOther,
     pub iothreads: Vec<String>,
+    /// `io-uring`: Some(true) on, Some(false) off, None auto.
+    pub io_uring: Option<bool>,
 }
 
 impl FuseOptions {
@@ -132,7 +185,14 @@ impl FuseOptions {
             iothreads.push(t);
             i += 1;
         }
-        let _ = kv.take_choice("io-uring", &["off", "auto"])?;
+        let io_uring = match kv
+            .take_choice("io-uring", &["on", "off", "auto"])?
+            .as_deref()
+        {
+            Some("on") => Some(true),
+            Some("off") | None => Some(false),
+            _ => None,
+        };
         Ok(Self {
             id,
             node_name,
@@ -141,6 +201,7 @@ impl FuseOptions {
             growable,
             allow_other,
             iothreads,
+            io_uring,
         })
     }
 }
@@ -209,6 +270,25 @@ impl FuseExport {
                 }
             },
         };
+        let kernel_uring = std::fs::read_to_string("/sys/module/fuse/parameters/enable_uring")
+            .map(|v| v.trim() == "Y")
+            .unwrap_or(false);
+        let want_uring = match opts.io_uring {
+            Some(true) if !kernel_uring => {
+                let _ = sys::umount(&opts.mountpoint, libc::MNT_DETACH);
+                return Err(format!(
+                    "{what}: io-uring=on but the kernel does not offer FUSE over io_uring \
+                     (/sys/module/fuse/parameters/enable_uring is not Y)"
+                ));
+            }
+            Some(b) => b,
+            None => {
+                if !kernel_uring {
+                    eprintln!("stord: fuse: FUSE over io_uring is not enabled in the kernel; using /dev/fuse");
+                }
+                kernel_uring
+            }
+        };
         let watchdog = UnmountWatchdog::spawn(&opts.mountpoint).ok();
         let shared = Arc::new(FuseShared {
             node: node.clone(),
@@ -222,6 +302,12 @@ impl FuseExport {
             in_flight: AtomicUsize::new(0),
             halted: AtomicBool::new(false),
             initialized: AtomicBool::new(false),
+            want_uring,
+            uring_granted: AtomicBool::new(false),
+            uring_plan: Mutex::new(None),
+            rings: Mutex::default(),
+            dev_requests: Default::default(),
+            uring_requests: Default::default(),
         });
         let mut export = FuseExport {
             id: opts.id,
@@ -250,6 +336,15 @@ impl FuseExport {
         } else {
             remotes.into_iter().map(Some).collect()
         };
+        if want_uring {
+            // The kernel has one queue per possible CPU; spread them over our IoThreads.
+            let mut plan: UringPlan = places.iter().map(|p| (p.clone(), Vec::new())).collect();
+            for qid in 0..possible_cpus() {
+                let n = plan.len();
+                plan[qid as usize % n].1.push(qid);
+            }
+            *shared.uring_plan.lock().unwrap_or_else(|e| e.into_inner()) = Some(plan);
+        }
         for (dev, remote) in devs.into_iter().zip(places) {
             let (d, s) = (dev.clone(), shared.clone());
             let register = move || {
@@ -273,6 +368,23 @@ impl FuseExport {
             });
         }
         Ok(export)
+    }
+
+    /// "io_uring" once INIT granted FUSE over io_uring, else "/dev/fuse".
+    pub fn transport(&self) -> &'static str {
+        if self.shared.uring_granted.load(Ordering::SeqCst) {
+            "io_uring"
+        } else {
+            "/dev/fuse"
+        }
+    }
+
+    /// Requests served so far: (through /dev/fuse, through io_uring).
+    pub fn request_counts(&self) -> (u64, u64) {
+        (
+            self.shared.dev_requests.load(Ordering::Relaxed),
+            self.shared.uring_requests.load(Ordering::Relaxed),
+        )
     }
 
     /// Requests in progress.
@@ -302,6 +414,16 @@ impl FuseExport {
                 }
             }
         }
+        let rings =
+            std::mem::take(&mut *self.shared.rings.lock().unwrap_or_else(|e| e.into_inner()));
+        for (remote, id) in rings {
+            match remote {
+                Some(r) if !r.is_current() => {
+                    r.run(move || uring::teardown(id));
+                }
+                _ => uring::teardown(id),
+            }
+        }
         let deadline = Instant::now() + limit;
         while self.in_flight() > 0 && Instant::now() < deadline {
             let on_main = stord_aio::with_current_context(|ctx| {
@@ -325,4 +447,18 @@ impl Drop for FuseExport {
             self.stop(Duration::from_secs(1));
         }
     }
+}
+
+/// Number of possible CPUs (the kernel makes one FUSE io_uring queue per possible CPU).
+fn possible_cpus() -> u16 {
+    std::fs::read_to_string("/sys/devices/system/cpu/possible")
+        .ok()
+        .and_then(|s| {
+            s.trim()
+                .rsplit(['-', ','])
+                .next()
+                .and_then(|n| n.parse::<u16>().ok())
+        })
+        .map(|max| max + 1)
+        .unwrap_or(1)
 }

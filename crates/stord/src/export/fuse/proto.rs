@@ -133,3 +133,18 @@ impl Attr {
         v.extend_from_slice(&0u32.to_le_bytes()); // flags
     }
 }
+
+// FUSE over io_uring.
+/// INIT flag: flags2 is valid.
+pub const INIT_EXT: u64 = 1 << 30;
+/// INIT flags2 bit (1 << 41 overall): serve requests through io_uring.
+pub const OVER_IO_URING_FLAGS2: u32 = 1 << (41 - 32);
+/// URING_CMD command: register an entry (and wait for a request).
+pub const URING_CMD_REGISTER: u32 = 1;
+/// URING_CMD command: commit a reply and wait for the next request.
+pub const URING_CMD_COMMIT_AND_FETCH: u32 = 2;
+/// Layout of `struct fuse_uring_req_header`: in/out header area, op struct area, ent_in_out.
+pub const URING_HDR_IN_OUT: usize = 0;
+pub const URING_HDR_OP_IN: usize = 128;
+pub const URING_HDR_ENT: usize = 256;
+pub const URING_HDR_LEN: usize = 288;

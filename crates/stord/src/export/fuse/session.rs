@@ -4,14 +4,14 @@
 
 use std::cell::RefCell;
 use std::fs::File;
-use std::io::{self, IoSlice, Read, Write};
+use std::io::{IoSlice, Read, Write};
 use std::rc::Rc;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
+use super::handler::Processed;
 use super::proto::*;
 use super::FuseShared;
-use crate::block::{new_buf, Buf};
 
 /// Requests read per readiness event before giving the loop back.
 const READS_PER_EVENT: usize = 64;
@@ -55,6 +55,7 @@ impl Queue {
             let mut buf = self.buffer();
             match (&*self.dev).read(&mut buf) {
                 Ok(n) => {
+                    self.shared.dev_requests.fetch_add(1, Ordering::Relaxed);
                     let q = self.clone();
                     self.shared.in_flight.fetch_add(1, Ordering::SeqCst);
                     stord_aio::spawn(async move {
@@ -86,308 +87,24 @@ impl Queue {
         let _ = (&*self.dev).write_vectored(&slices);
     }
 
-    fn reply_err(&self, unique: u64, errno: i32) {
-        self.send(&[&reply(unique, -errno, 0)]);
-    }
-
-    fn reply(&self, unique: u64, body: &[u8]) {
-        let h = reply(unique, 0, body.len());
-        self.send(&[&h, body]);
-    }
-
     async fn handle(&self, msg: &[u8]) {
-        let Some(h) = InHeader::parse(msg) else {
+        let Some(Processed {
+            unique,
+            opcode,
+            result,
+        }) = self.shared.process(msg).await
+        else {
             return;
         };
-        if h.len as usize != msg.len() {
-            // The kernel never sends this; treat the channel as broken, as qsd does.
-            self.shared.halted.store(true, Ordering::SeqCst);
-            return;
-        }
-        let body = &msg[IN_HEADER.min(msg.len())..];
-        let f = Fields(body);
-        let r = match h.opcode {
-            INIT => return self.init(h.unique, &f),
-            FORGET | BATCH_FORGET | INTERRUPT => return,
-            LOOKUP => Err(libc::ENOENT),
-            GETATTR => Ok(self.attr_out()),
-            SETATTR => self.setattr(&f).await,
-            OPEN => {
-                let mut v = Vec::with_capacity(16);
-                v.extend_from_slice(&0u64.to_le_bytes());
-                v.extend_from_slice(
-                    &(FOPEN_DIRECT_IO | FOPEN_PARALLEL_DIRECT_WRITES).to_le_bytes(),
-                );
-                v.extend_from_slice(&0u32.to_le_bytes());
-                Ok(v)
+        match result {
+            Ok(body) => {
+                let h = reply(unique, 0, body.as_slice().len());
+                self.send(&[&h, body.as_slice()]);
             }
-            RELEASE | DESTROY => Ok(Vec::new()),
-            READ => return self.read(h.unique, &f).await,
-            WRITE => self.write(&f, body).await,
-            FSYNC | FLUSH => self
-                .shared
-                .node
-                .flush()
-                .await
-                .map(|()| Vec::new())
-                .map_err(errno),
-            FALLOCATE => self.fallocate(&f).await,
-            LSEEK => self.lseek(&f).await,
-            STATFS => Ok(self.statfs()),
-            _ => Err(libc::ENOSYS),
-        };
-        match r {
-            Ok(v) => self.reply(h.unique, &v),
-            Err(e) => self.reply_err(h.unique, e),
+            Err(e) => self.send(&[&reply(unique, -e, 0)]),
+        }
+        if opcode == INIT {
+            self.shared.after_init(&self.dev);
         }
     }
-
-    fn init(&self, unique: u64, f: &Fields<'_>) {
-        let (Some(major), Some(minor), Some(flags)) = (f.u32(0), f.u32(4), f.u32(12)) else {
-            return self.reply_err(unique, libc::EINVAL);
-        };
-        if major != FUSE_KERNEL_VERSION || minor < 23 {
-            return self.reply_err(unique, libc::EPROTO);
-        }
-        let want = (ASYNC_READ | ASYNC_DIO | BIG_WRITES | MAX_PAGES) as u32;
-        let max_write = self.shared.max_write;
-        let mut v = Vec::with_capacity(64);
-        v.extend_from_slice(&FUSE_KERNEL_VERSION.to_le_bytes());
-        v.extend_from_slice(&FUSE_KERNEL_MINOR.min(minor).to_le_bytes());
-        v.extend_from_slice(&0u32.to_le_bytes()); // max_readahead
-        v.extend_from_slice(&(flags & want).to_le_bytes());
-        v.extend_from_slice(&u16::MAX.to_le_bytes()); // max_background
-        v.extend_from_slice(&49151u16.to_le_bytes()); // congestion_threshold
-        v.extend_from_slice(&max_write.to_le_bytes());
-        v.extend_from_slice(&1u32.to_le_bytes()); // time_gran
-        v.extend_from_slice(&(max_write.div_ceil(4096) as u16).to_le_bytes()); // max_pages
-        v.extend_from_slice(&0u16.to_le_bytes()); // map_alignment
-        v.extend_from_slice(&0u32.to_le_bytes()); // flags2
-        v.extend_from_slice(&0u32.to_le_bytes()); // max_stack_depth
-        v.extend_from_slice(&[0u8; 24]); // unused
-        self.reply(unique, &v);
-        self.shared.initialized.store(true, Ordering::SeqCst);
-    }
-
-    fn attr_out(&self) -> Vec<u8> {
-        let s = &self.shared;
-        let size = s.node.size();
-        let blocks = s.allocated_bytes().div_ceil(512);
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap_or_default();
-        let attr = Attr {
-            size,
-            blocks,
-            mode: s.mode.load(Ordering::Relaxed),
-            uid: s.uid,
-            gid: s.gid,
-            blksize: if s.node.direct { 4096 } else { 512 },
-            time_s: now.as_secs(),
-            time_ns: now.subsec_nanos(),
-        };
-        let mut v = Vec::with_capacity(104);
-        v.extend_from_slice(&1u64.to_le_bytes()); // attr_valid: 1 s
-        v.extend_from_slice(&0u32.to_le_bytes());
-        v.extend_from_slice(&0u32.to_le_bytes());
-        attr.put(&mut v);
-        v
-    }
-
-    async fn setattr(&self, f: &Fields<'_>) -> Result<Vec<u8>, i32> {
-        let s = &self.shared;
-        let valid = f.u32(0).ok_or(libc::EINVAL)?;
-        let supported = FATTR_SIZE | FATTR_MODE | FATTR_UID | FATTR_GID;
-        let ignored = FATTR_FH
-            | FATTR_LOCKOWNER
-            | FATTR_KILL_SUIDGID
-            | FATTR_ATIME
-            | FATTR_MTIME
-            | FATTR_ATIME_NOW
-            | FATTR_MTIME_NOW
-            | FATTR_CTIME;
-        if valid & !(supported | ignored) != 0 {
-            return Err(libc::ENOTSUP);
-        }
-        if valid & (FATTR_UID | FATTR_GID) != 0 && !s.allow_other {
-            return Err(libc::ENOTSUP);
-        }
-        if valid & FATTR_MODE != 0 {
-            let mode = f.u32(68).ok_or(libc::EINVAL)?;
-            if mode & 0o077 != 0 && !s.allow_other {
-                return Err(libc::EPERM);
-            }
-            if mode & 0o222 != 0 && !s.writable {
-                return Err(libc::EROFS);
-            }
-            s.mode
-                .store((mode & 0o7777) | libc::S_IFREG, Ordering::Relaxed);
-        }
-        if valid & FATTR_SIZE != 0 {
-            let size = f.u64(16).ok_or(libc::EINVAL)?;
-            if !s.writable {
-                return Err(libc::EACCES);
-            }
-            if size > s.node.size() && !s.growable {
-                return Err(libc::EPERM);
-            }
-            s.node.resize(size).await.map_err(errno)?;
-        }
-        Ok(self.attr_out())
-    }
-
-    async fn read(&self, unique: u64, f: &Fields<'_>) {
-        let s = &self.shared;
-        let (Some(offset), Some(size)) = (f.u64(8), f.u32(16)) else {
-            return self.reply_err(unique, libc::EINVAL);
-        };
-        if size > super::MAX_READ {
-            return self.reply_err(unique, libc::EINVAL);
-        }
-        let len = s.node.size();
-        if offset >= len || size == 0 {
-            return self.reply(unique, &[]);
-        }
-        let n = (size as u64).min(len - offset) as usize;
-        let (r, buf): (io::Result<()>, Buf) = s.node.read(offset, new_buf(n)).await;
-        match r {
-            Ok(()) => self.reply(unique, &buf),
-            Err(e) => self.reply_err(unique, errno(e)),
-        }
-    }
-
-    async fn write(&self, f: &Fields<'_>, body: &[u8]) -> Result<Vec<u8>, i32> {
-        let s = &self.shared;
-        let offset = f.u64(8).ok_or(libc::EINVAL)?;
-        let size = f.u32(16).ok_or(libc::EINVAL)? as usize;
-        const WRITE_IN: usize = 40;
-        if body.len() < WRITE_IN + size {
-            return Err(libc::EINVAL);
-        }
-        if !s.writable {
-            return Err(libc::EACCES);
-        }
-        let end = offset.checked_add(size as u64).ok_or(libc::EINVAL)?;
-        let mut n = size;
-        if end > s.node.size() {
-            if s.growable {
-                s.node.resize(end).await.map_err(errno)?;
-            } else if offset >= s.node.size() {
-                return Err(libc::ENOSPC);
-            } else {
-                n = (s.node.size() - offset) as usize;
-            }
-        }
-        let mut buf = new_buf(n);
-        buf.copy_from_slice(&body[WRITE_IN..WRITE_IN + n]);
-        let (r, _) = s.node.write(offset, buf, false).await;
-        r.map_err(errno)?;
-        let mut v = Vec::with_capacity(8);
-        v.extend_from_slice(&(n as u32).to_le_bytes());
-        v.extend_from_slice(&0u32.to_le_bytes());
-        Ok(v)
-    }
-
-    async fn fallocate(&self, f: &Fields<'_>) -> Result<Vec<u8>, i32> {
-        let s = &self.shared;
-        let (offset, length, mode) = (
-            f.u64(8).ok_or(libc::EINVAL)?,
-            f.u64(16).ok_or(libc::EINVAL)?,
-            f.u32(24).ok_or(libc::EINVAL)? as i32,
-        );
-        if !s.writable {
-            return Err(libc::EACCES);
-        }
-        let size = s.node.size();
-        let keep = mode & libc::FALLOC_FL_KEEP_SIZE != 0;
-        let end = offset.checked_add(length).ok_or(libc::EINVAL)?;
-        let clamp = |end: u64| end.min(size);
-        if mode & libc::FALLOC_FL_PUNCH_HOLE != 0 {
-            if !keep {
-                return Err(libc::EINVAL);
-            }
-            if offset < size {
-                s.node
-                    .write_zeroes(offset, clamp(end) - offset, true)
-                    .await
-                    .map_err(errno)?;
-            }
-        } else if mode & libc::FALLOC_FL_ZERO_RANGE != 0 {
-            if !keep && end > size {
-                if !s.growable {
-                    return Err(libc::EPERM);
-                }
-                s.node.resize(end).await.map_err(errno)?;
-            }
-            let size = s.node.size();
-            if offset < size {
-                s.node
-                    .write_zeroes(offset, end.min(size) - offset, false)
-                    .await
-                    .map_err(errno)?;
-            }
-        } else if mode & !libc::FALLOC_FL_KEEP_SIZE == 0 {
-            // Preallocation: only extending is meaningful (the image is always allocated
-            // as far as readers can tell).
-            if end > size && !keep {
-                if !s.growable {
-                    return Err(libc::EPERM);
-                }
-                s.node.resize(end).await.map_err(errno)?;
-            }
-        } else {
-            return Err(libc::EOPNOTSUPP);
-        }
-        Ok(Vec::new())
-    }
-
-    async fn lseek(&self, f: &Fields<'_>) -> Result<Vec<u8>, i32> {
-        let s = &self.shared;
-        let offset = f.u64(8).ok_or(libc::EINVAL)?;
-        let whence = f.u32(16).ok_or(libc::EINVAL)? as i32;
-        if whence != libc::SEEK_DATA && whence != libc::SEEK_HOLE {
-            return Err(libc::EINVAL);
-        }
-        let len = s.node.size();
-        if offset >= len {
-            return Err(libc::ENXIO);
-        }
-        let mut pos = offset;
-        loop {
-            if pos >= len {
-                // The end of the image counts as a hole; there is no data past it.
-                if whence == libc::SEEK_DATA {
-                    return Err(libc::ENXIO);
-                }
-                return Ok(len.to_le_bytes().to_vec());
-            }
-            let st = s.node.block_status(pos, len - pos).await.map_err(errno)?;
-            // Allocated extents are data (even if they read as zeroes), as for SEEK_DATA on
-            // the backing file; unallocated ones are holes.
-            if (whence == libc::SEEK_DATA) == st.allocated {
-                return Ok(pos.to_le_bytes().to_vec());
-            }
-            pos += st.len;
-        }
-    }
-
-    fn statfs(&self) -> Vec<u8> {
-        let s = &self.shared;
-        let blocks = s.node.size().div_ceil(512);
-        let mut v = Vec::with_capacity(80);
-        v.extend_from_slice(&blocks.to_le_bytes());
-        v.extend_from_slice(&0u64.to_le_bytes()); // bfree
-        v.extend_from_slice(&0u64.to_le_bytes()); // bavail
-        v.extend_from_slice(&1u64.to_le_bytes()); // files
-        v.extend_from_slice(&0u64.to_le_bytes()); // ffree
-        v.extend_from_slice(&512u32.to_le_bytes()); // bsize
-        v.extend_from_slice(&255u32.to_le_bytes()); // namelen
-        v.extend_from_slice(&512u32.to_le_bytes()); // frsize
-        v.extend_from_slice(&[0u8; 28]); // padding + spare
-        v
-    }
-}
-
-fn errno(e: io::Error) -> i32 {
-    e.raw_os_error().unwrap_or(libc::EIO)
 }

@@ -1,0 +1,334 @@
+//! FUSE over io_uring (kernel 6.14+, `/sys/module/fuse/parameters/enable_uring`).
+//!
+//! After INIT grants it, every CPU's kernel queue (qid) gets entries registered with
+//! IORING_OP_URING_CMD on an SQE128 ring: a 288-byte header buffer and a payload buffer per
+//! entry. A request arrives as a CQE (the headers and payload already copied in); we answer
+//! by writing the reply into the same buffers and submitting COMMIT_AND_FETCH, which also
+//! re-arms the entry for the next request. No read(2)/write(2) on /dev/fuse per request.
+//!
+//! Each IoThread serving qids owns one such ring (created on that thread). Its completions
+//! are a poll handler (peek at the CQ) and, for when the loop sleeps, an eventfd the kernel
+//! signals on each CQE, suppressed while the loop busy-polls.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::fs::File;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::rc::Rc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use io_uring::{cqueue, opcode, squeue, types, IoUring};
+use stord_aio::{FdHandlerId, Interest, PollHandler, PollHandlerId};
+
+use super::handler::Processed;
+use super::proto::*;
+use super::FuseShared;
+
+/// Entries registered per kernel queue.
+const DEPTH: usize = 16;
+
+struct Entry {
+    qid: u16,
+    header: Box<[u8]>,
+    payload: Box<[u8]>,
+    iov: Box<[libc::iovec; 2]>,
+    /// Registered with the kernel (a CQE will come back for it).
+    armed: bool,
+}
+
+/// One IoThread's FUSE ring for one export.
+pub struct FuseRing {
+    // Declared first so it is dropped before the ring whose memory it peeks at.
+    cq_status: cqueue::CompletionStatus,
+    ring: RefCell<IoUring<squeue::Entry128, cqueue::Entry>>,
+    dev: Arc<File>,
+    eventfd: OwnedFd,
+    entries: RefCell<Vec<Entry>>,
+    shared: Arc<FuseShared>,
+    handlers: RefCell<Option<(FdHandlerId, PollHandlerId)>>,
+}
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+thread_local! {
+    static RINGS: RefCell<HashMap<u64, Rc<FuseRing>>> = RefCell::new(HashMap::new());
+}
+
+fn uring_cmd(
+    fd: i32,
+    cmd_op: u32,
+    iov: *const libc::iovec,
+    commit_id: u64,
+    qid: u16,
+    user_data: u64,
+) -> squeue::Entry128 {
+    let mut cmd = [0u8; 80];
+    // struct fuse_uring_cmd_req { u64 flags; u64 commit_id; u16 qid; u8 padding[6]; }
+    cmd[8..16].copy_from_slice(&commit_id.to_le_bytes());
+    cmd[16..18].copy_from_slice(&qid.to_le_bytes());
+    let e = opcode::UringCmd80::new(types::Fd(fd), cmd_op)
+        .cmd(cmd)
+        .addr(Some(iov as u64))
+        .build()
+        .user_data(user_data);
+    // The kernel wants sqe->len = 2 (two iovecs), which the builder cannot set.
+    // SAFETY: Entry128 is #[repr(C)] over the kernel's 128-byte SQE (a 64-byte io_uring_sqe
+    // plus 64 command bytes), so it has the layout of [u8; 128]; `len` is the u32 at byte 24.
+    let mut raw: [u8; 128] = unsafe { std::mem::transmute(e) };
+    raw[24..28].copy_from_slice(&2u32.to_le_bytes());
+    // SAFETY: as above, in the other direction; every byte pattern is a valid SQE value.
+    unsafe { std::mem::transmute::<[u8; 128], squeue::Entry128>(raw) }
+}
+
+impl FuseRing {
+    fn push(&self, e: &squeue::Entry128) {
+        let mut ring = self.ring.borrow_mut();
+        loop {
+            // SAFETY: every SQE pushed here names an entry's iovec array and buffers, which
+            // live in `self.entries` (boxed, never moved) until the entry's completion has
+            // been reaped or the ring is torn down (see `teardown`, which leaks them if the
+            // kernel has not given them back).
+            if unsafe { ring.submission().push(e) }.is_ok() {
+                break;
+            }
+            let _ = ring.submit();
+        }
+        let _ = ring.submit();
+    }
+
+    /// Reaps the CQ: each completed entry holds a request; handle it in a task.
+    fn reap(self: &Rc<Self>) {
+        let cqes: Vec<(u64, i32)> = {
+            let mut ring = self.ring.borrow_mut();
+            let mut cq = ring.completion();
+            cq.sync();
+            cq.map(|c| (c.user_data(), c.result())).collect()
+        };
+        for (idx, res) in cqes {
+            let idx = idx as usize;
+            if res != 0 {
+                // -ENOTCONN/-ECONNABORTED at teardown; anything else ends this entry too.
+                if let Some(e) = self.entries.borrow_mut().get_mut(idx) {
+                    e.armed = false;
+                }
+                if res != -libc::ENOTCONN && res != -libc::ECONNABORTED && res != -libc::ECANCELED {
+                    eprintln!(
+                        "stord: fuse io_uring entry {idx} failed: {}",
+                        std::io::Error::from_raw_os_error(-res)
+                    );
+                }
+                continue;
+            }
+            let Some(msg) = self.request_bytes(idx) else {
+                continue;
+            };
+            self.shared.uring_requests.fetch_add(1, Ordering::Relaxed);
+            let me = self.clone();
+            self.shared.in_flight.fetch_add(1, Ordering::SeqCst);
+            stord_aio::spawn(async move {
+                let processed = me.shared.process(&msg).await;
+                me.commit(idx, processed);
+                me.shared.in_flight.fetch_sub(1, Ordering::SeqCst);
+            });
+        }
+    }
+
+    /// The request of entry `idx` as /dev/fuse would deliver it: in header, op struct,
+    /// payload (with the header's length made to match).
+    fn request_bytes(&self, idx: usize) -> Option<Vec<u8>> {
+        let entries = self.entries.borrow();
+        let e = entries.get(idx)?;
+        let h = &e.header;
+        let f = Fields(h);
+        let total = f.u32(URING_HDR_IN_OUT)? as usize;
+        let payload_sz = (f.u32(URING_HDR_ENT + 16)? as usize).min(e.payload.len());
+        let op_len = total.saturating_sub(IN_HEADER + payload_sz).min(128);
+        let mut msg = Vec::with_capacity(IN_HEADER + op_len + payload_sz);
+        msg.extend_from_slice(&h[URING_HDR_IN_OUT..URING_HDR_IN_OUT + IN_HEADER]);
+        msg.extend_from_slice(&h[URING_HDR_OP_IN..URING_HDR_OP_IN + op_len]);
+        msg.extend_from_slice(&e.payload[..payload_sz]);
+        let len = msg.len() as u32;
+        msg[0..4].copy_from_slice(&len.to_le_bytes());
+        Some(msg)
+    }
+
+    /// Writes the reply into entry `idx` and submits COMMIT_AND_FETCH.
+    fn commit(&self, idx: usize, processed: Option<Processed>) {
+        let mut entries = self.entries.borrow_mut();
+        let Some(e) = entries.get_mut(idx) else {
+            return;
+        };
+        let f = Fields(&e.header);
+        let commit_id = f.u64(URING_HDR_ENT + 8).unwrap_or(0);
+        let unique = f.u64(URING_HDR_IN_OUT + 8).unwrap_or(0);
+        let (error, body_len) = match &processed {
+            Some(Processed {
+                result: Ok(body), ..
+            }) => {
+                let b = body.as_slice();
+                let n = b.len().min(e.payload.len());
+                e.payload[..n].copy_from_slice(&b[..n]);
+                (0i32, n)
+            }
+            Some(Processed {
+                result: Err(errno), ..
+            }) => (-errno, 0),
+            // Requests without a reply never come over the ring; answer ENOSYS to be safe.
+            None => (-libc::ENOSYS, 0),
+        };
+        let out = reply(unique, error, body_len);
+        e.header[URING_HDR_IN_OUT..URING_HDR_IN_OUT + OUT_HEADER].copy_from_slice(&out);
+        e.header[URING_HDR_ENT + 16..URING_HDR_ENT + 20]
+            .copy_from_slice(&(body_len as u32).to_le_bytes());
+        let sqe = uring_cmd(
+            self.dev.as_raw_fd(),
+            URING_CMD_COMMIT_AND_FETCH,
+            e.iov.as_ptr(),
+            commit_id,
+            e.qid,
+            idx as u64,
+        );
+        drop(entries);
+        self.push(&sqe);
+    }
+}
+
+struct RingPoller(Rc<FuseRing>);
+
+impl PollHandler for RingPoller {
+    fn name(&self) -> &str {
+        "fuse-uring"
+    }
+    fn poll(&self) -> bool {
+        !self.0.cq_status.is_empty()
+    }
+    fn ready(&self) {
+        self.0.reap();
+    }
+    fn poll_begin(&self) {
+        // While we spin on the CQ, the kernel need not signal the eventfd.
+        if let Ok(mut r) = self.0.ring.try_borrow_mut() {
+            r.completion().disable_eventfd();
+        }
+    }
+    fn poll_end(&self) {
+        if let Ok(mut r) = self.0.ring.try_borrow_mut() {
+            r.completion().enable_eventfd();
+        }
+    }
+}
+
+/// Creates this thread's ring for `qids`, registers their entries and hooks the ring into
+/// the current loop. Returns an id for [`teardown`].
+pub fn start(shared: Arc<FuseShared>, dev: Arc<File>, qids: &[u16]) -> Result<u64, String> {
+    let mut ring: IoUring<squeue::Entry128, cqueue::Entry> = IoUring::builder()
+        .setup_cqsize((qids.len() * DEPTH * 2).next_power_of_two() as u32)
+        .build((qids.len() * DEPTH).next_power_of_two() as u32)
+        .map_err(|e| format!("cannot create the FUSE io_uring: {e}"))?;
+    let eventfd = stord_aio::sys::eventfd().map_err(|e| e.to_string())?;
+    ring.submitter()
+        .register_eventfd(eventfd.as_raw_fd())
+        .map_err(|e| format!("cannot register the FUSE ring's eventfd: {e}"))?;
+    // SAFETY: stored in the FuseRing next to the ring and declared before it, so it is
+    // dropped first and never outlives the ring's memory.
+    let cq_status = unsafe { ring.completion().status() };
+    let payload_len = shared.max_write as usize + 4096;
+    let mut entries = Vec::with_capacity(qids.len() * DEPTH);
+    for &qid in qids {
+        for _ in 0..DEPTH {
+            let mut header = vec![0u8; URING_HDR_LEN].into_boxed_slice();
+            let mut payload = vec![0u8; payload_len].into_boxed_slice();
+            let iov = Box::new([
+                libc::iovec {
+                    iov_base: header.as_mut_ptr().cast(),
+                    iov_len: header.len(),
+                },
+                libc::iovec {
+                    iov_base: payload.as_mut_ptr().cast(),
+                    iov_len: payload.len(),
+                },
+            ]);
+            entries.push(Entry {
+                qid,
+                header,
+                payload,
+                iov,
+                armed: true,
+            });
+        }
+    }
+    let r = Rc::new(FuseRing {
+        cq_status,
+        ring: RefCell::new(ring),
+        dev: dev.clone(),
+        eventfd,
+        entries: RefCell::new(entries),
+        shared,
+        handlers: RefCell::new(None),
+    });
+    let n = r.entries.borrow().len();
+    for idx in 0..n {
+        let (qid, iov) = {
+            let es = r.entries.borrow();
+            (es[idx].qid, es[idx].iov.as_ptr())
+        };
+        r.push(&uring_cmd(
+            dev.as_raw_fd(),
+            URING_CMD_REGISTER,
+            iov,
+            0,
+            qid,
+            idx as u64,
+        ));
+    }
+    let hooked =
+        stord_aio::with_current_context(|ctx| -> Result<(FdHandlerId, PollHandlerId), String> {
+            let rr = r.clone();
+            let fd_id = ctx
+                .set_fd_handler(r.eventfd.as_raw_fd(), Interest::READABLE, move |_| {
+                    let _ = stord_aio::sys::eventfd_read(rr.eventfd.as_raw_fd());
+                    rr.reap();
+                })
+                .map_err(|e| e.to_string())?;
+            let poll_id = ctx.add_poll_handler(Rc::new(RingPoller(r.clone())));
+            Ok((fd_id, poll_id))
+        })
+        .ok_or("no event loop on this thread")??;
+    *r.handlers.borrow_mut() = Some(hooked);
+    // Registration errors (e.g. the kernel refusing) show up as CQEs right away.
+    r.reap();
+    let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+    RINGS.with(|m| m.borrow_mut().insert(id, r));
+    Ok(id)
+}
+
+/// Unhooks ring `id` from this thread's loop and frees it once the kernel has handed every
+/// entry back (the connection is gone by then); if it does not within a second, the ring
+/// and its buffers are leaked rather than freed under the kernel.
+pub fn teardown(id: u64) {
+    let Some(r) = RINGS.with(|m| m.borrow_mut().remove(&id)) else {
+        return;
+    };
+    if let Some((fd_id, poll_id)) = r.handlers.borrow_mut().take() {
+        stord_aio::with_current_context(|ctx| {
+            ctx.remove_fd_handler(fd_id);
+            ctx.remove_poll_handler(poll_id);
+        });
+    }
+    let deadline = Instant::now() + Duration::from_secs(1);
+    loop {
+        r.reap();
+        if !r.entries.borrow().iter().any(|e| e.armed) || Instant::now() >= deadline {
+            break;
+        }
+        let ring = r.ring.borrow();
+        let ts = types::Timespec::new().nsec(10_000_000);
+        let args = types::SubmitArgs::new().timespec(&ts);
+        let _ = ring.submitter().submit_with_args(1, &args);
+    }
+    if r.entries.borrow().iter().any(|e| e.armed) {
+        std::mem::forget(r);
+    }
+}
