@@ -353,7 +353,10 @@ fn stopping_an_iothread_joins_it() {
         assert!(dropped.load(SeqCst), "pending task was not dropped");
         // After the stop, hand-overs neither run nor hang.
         assert_eq!(remote.run(|| 1), None);
-        assert!(!std::path::Path::new(&format!("/proc/self/task/{tid}")).exists());
+        // The kernel drops the task's /proc entry just after the joiner is released.
+        wait_until("the thread's task entry to go", || {
+            !std::path::Path::new(&format!("/proc/self/task/{tid}")).exists()
+        });
     }
 }
 

@@ -25,7 +25,7 @@ impl Default for FuseOptions {
             reps: 2,
             backends: vec!["null".into(), "file".into()],
             iothreads: vec![1, 2],
-            daemons: vec!["stord".into(), "qsd".into()],
+            daemons: vec!["stord".into(), "stord-uring".into(), "qsd".into()],
         }
     }
 }
@@ -134,8 +134,36 @@ fn fio_args(rw: &str, qd: u32, runtime: u64, filename: &Path) -> Vec<String> {
     a
 }
 
+const URING_PARAM: &str = "/sys/module/fuse/parameters/enable_uring";
+
+/// Turns the kernel's FUSE-over-io_uring switch on for the run, and back as it was.
+struct UringSwitch(Option<String>);
+
+impl UringSwitch {
+    fn on() -> Self {
+        let old = std::fs::read_to_string(URING_PARAM).ok();
+        if std::fs::write(URING_PARAM, "Y").is_err() {
+            eprintln!("warning: cannot enable {URING_PARAM}; stord-uring rows will fail");
+        }
+        Self(old)
+    }
+}
+
+impl Drop for UringSwitch {
+    fn drop(&mut self) {
+        if let Some(old) = &self.0 {
+            let _ = std::fs::write(URING_PARAM, old.trim());
+        }
+    }
+}
+
 /// Runs the matrix.
 pub fn run(opts: &FuseOptions) -> Vec<Row> {
+    let _switch = opts
+        .daemons
+        .iter()
+        .any(|d| d == "stord-uring")
+        .then(UringSwitch::on);
     let dir = bench_dir();
     let img = dir.join("nbd-bench.img");
     let mnt = dir.join("fuse-mnt");

@@ -48,6 +48,8 @@ pub struct FuseRing {
     entries: RefCell<Vec<Entry>>,
     shared: Arc<FuseShared>,
     handlers: RefCell<Option<(FdHandlerId, PollHandlerId)>>,
+    /// Submits the commits queued during a loop iteration with one io_uring_enter.
+    flush_bh: RefCell<Option<stord_aio::Bh>>,
 }
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
@@ -83,7 +85,18 @@ fn uring_cmd(
 }
 
 impl FuseRing {
+    /// Queues an SQE; it goes out with the iteration's batch (the flush bottom half).
     fn push(&self, e: &squeue::Entry128) {
+        self.push_now(e, false);
+        match self.flush_bh.borrow().as_ref() {
+            Some(bh) => bh.schedule(),
+            None => {
+                let _ = self.ring.borrow().submit();
+            }
+        }
+    }
+
+    fn push_now(&self, e: &squeue::Entry128, submit: bool) {
         let mut ring = self.ring.borrow_mut();
         loop {
             // SAFETY: every SQE pushed here names an entry's iovec array and buffers, which
@@ -95,11 +108,30 @@ impl FuseRing {
             }
             let _ = ring.submit();
         }
-        let _ = ring.submit();
+        if submit {
+            let _ = ring.submit();
+        }
+    }
+
+    /// Completions waiting (CQ) or deferred task work that will produce them.
+    fn has_work(&self) -> bool {
+        if !self.cq_status.is_empty() {
+            return true;
+        }
+        match self.ring.try_borrow() {
+            // SAFETY: no SubmissionQueue of this ring is alive outside `push_now`, which
+            // never runs while this borrow is held; this only reads the SQ header flags.
+            Ok(r) => unsafe { r.submission_shared() }.taskrun(),
+            Err(_) => false,
+        }
     }
 
     /// Reaps the CQ: each completed entry holds a request; handle it in a task.
     fn reap(self: &Rc<Self>) {
+        // Run deferred task work (it posts the CQEs) if the kernel says there is some.
+        if self.has_work() && self.cq_status.is_empty() {
+            let _ = self.ring.borrow().submit();
+        }
         let cqes: Vec<(u64, i32)> = {
             let mut ring = self.ring.borrow_mut();
             let mut cq = ring.completion();
@@ -202,7 +234,7 @@ impl PollHandler for RingPoller {
         "fuse-uring"
     }
     fn poll(&self) -> bool {
-        !self.0.cq_status.is_empty()
+        self.0.has_work()
     }
     fn ready(&self) {
         self.0.reap();
@@ -223,9 +255,18 @@ impl PollHandler for RingPoller {
 /// Creates this thread's ring for `qids`, registers their entries and hooks the ring into
 /// the current loop. Returns an id for [`teardown`].
 pub fn start(shared: Arc<FuseShared>, dev: Arc<File>, qids: &[u16]) -> Result<u64, String> {
+    // Owned by this thread only: SINGLE_ISSUER + DEFER_TASKRUN keep request arrivals from
+    // interrupting the thread (no IPI); TASKRUN_FLAG lets the poll handler see them, and the
+    // registered eventfd wakes the loop when it sleeps.
+    let entries = (qids.len() * DEPTH).next_power_of_two() as u32;
+    let cq = (qids.len() * DEPTH * 2).next_power_of_two() as u32;
     let mut ring: IoUring<squeue::Entry128, cqueue::Entry> = IoUring::builder()
-        .setup_cqsize((qids.len() * DEPTH * 2).next_power_of_two() as u32)
-        .build((qids.len() * DEPTH).next_power_of_two() as u32)
+        .setup_cqsize(cq)
+        .setup_single_issuer()
+        .setup_defer_taskrun()
+        .setup_taskrun_flag()
+        .build(entries)
+        .or_else(|_| IoUring::builder().setup_cqsize(cq).build(entries))
         .map_err(|e| format!("cannot create the FUSE io_uring: {e}"))?;
     let eventfd = stord_aio::sys::eventfd().map_err(|e| e.to_string())?;
     ring.submitter()
@@ -267,6 +308,7 @@ pub fn start(shared: Arc<FuseShared>, dev: Arc<File>, qids: &[u16]) -> Result<u6
         entries: RefCell::new(entries),
         shared,
         handlers: RefCell::new(None),
+        flush_bh: RefCell::new(None),
     });
     let n = r.entries.borrow().len();
     for idx in 0..n {
@@ -311,6 +353,8 @@ pub fn teardown(id: u64) {
     let Some(r) = RINGS.with(|m| m.borrow_mut().remove(&id)) else {
         return;
     };
+    r.flush_bh.borrow_mut().take();
+    let _ = r.ring.borrow().submit();
     if let Some((fd_id, poll_id)) = r.handlers.borrow_mut().take() {
         stord_aio::with_current_context(|ctx| {
             ctx.remove_fd_handler(fd_id);
