@@ -79,6 +79,7 @@ unsafe impl IoBuf for &'static [u8] {
 pub struct AlignedBuf {
     ptr: NonNull<u8>,
     len: usize,
+    cap: usize,
     align: usize,
 }
 
@@ -97,7 +98,27 @@ impl AlignedBuf {
         // SAFETY: the layout has a non-zero size.
         let p = unsafe { alloc::alloc_zeroed(layout) };
         let ptr = NonNull::new(p).unwrap_or_else(|| alloc::handle_alloc_error(layout));
-        Self { ptr, len, align }
+        Self {
+            ptr,
+            len,
+            cap: len,
+            align,
+        }
+    }
+
+    /// Bytes allocated (the largest length `set_len` accepts).
+    pub fn capacity(&self) -> usize {
+        self.cap
+    }
+
+    /// Changes the length (the bytes stay initialised: they were zeroed at allocation and
+    /// only ever written since), so one allocation can carry requests of different sizes.
+    ///
+    /// # Panics
+    /// If `len` exceeds the capacity.
+    pub fn set_len(&mut self, len: usize) {
+        assert!(len <= self.cap, "AlignedBuf::set_len beyond capacity");
+        self.len = len;
     }
 
     /// The alignment it was allocated with.
@@ -123,7 +144,7 @@ impl DerefMut for AlignedBuf {
 
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
-        let layout = Layout::from_size_align(self.len.max(1), self.align).expect("layout");
+        let layout = Layout::from_size_align(self.cap.max(1), self.align).expect("layout");
         // SAFETY: allocated in `zeroed` with this same layout.
         unsafe { alloc::dealloc(self.ptr.as_ptr(), layout) }
     }
@@ -213,7 +234,11 @@ mod tests {
         assert_eq!(b.stable_ptr() as usize % 4096, 0);
         assert!(b.iter().all(|&x| x == 0));
         b[100] = 7;
-        let moved = b;
+        let mut moved = b;
+        assert_eq!(moved[100], 7);
+        moved.set_len(200);
+        assert_eq!(moved.len(), 200);
+        moved.set_len(8192);
         assert_eq!(moved[100], 7);
     }
 }

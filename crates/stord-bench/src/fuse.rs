@@ -88,9 +88,12 @@ fn start(daemon: &str, backend: &str, img: &Path, mnt: &Path, threads: usize) ->
             export.push_str(&format!(",iothread.{i}=io{i}"));
         }
     }
+    if daemon == "stord-uring" {
+        export.push_str(",io-uring=on");
+    }
     args.push("--export".into());
     args.push(export);
-    let bin = if daemon == "stord" {
+    let bin = if daemon.starts_with("stord") {
         stord_binary()
     } else {
         which("qemu-storage-daemon")

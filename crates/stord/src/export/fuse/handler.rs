@@ -186,52 +186,73 @@ impl FuseShared {
     }
 
     async fn read(&self, f: &Fields<'_>) -> Result<Body, i32> {
-        let s = self;
+        let size = f.u32(16).ok_or(libc::EINVAL)?.min(super::MAX_READ) as usize;
+        let (r, buf) = self.read_into(f, new_buf(size)).await;
+        r.map(|_| Body::Data(buf))
+    }
+
+    /// READ into `buf` (whose capacity must cover the request): on success `buf` holds
+    /// exactly the bytes to return (clamped at the end of the image).
+    pub async fn read_into(&self, f: &Fields<'_>, mut buf: Buf) -> (Result<usize, i32>, Buf) {
         let (Some(offset), Some(size)) = (f.u64(8), f.u32(16)) else {
-            return Err(libc::EINVAL);
+            return (Err(libc::EINVAL), buf);
         };
-        if size > super::MAX_READ {
-            return Err(libc::EINVAL);
+        if size > super::MAX_READ || size as usize > buf.capacity() {
+            return (Err(libc::EINVAL), buf);
         }
-        let len = s.node.size();
+        let len = self.node.size();
         if offset >= len || size == 0 {
-            return Ok(Body::Bytes(Vec::new()));
+            buf.set_len(0);
+            return (Ok(0), buf);
         }
         let n = (size as u64).min(len - offset) as usize;
-        let (r, buf): (io::Result<()>, Buf) = s.node.read(offset, new_buf(n)).await;
-        r.map(|()| Body::Data(buf)).map_err(errno)
+        buf.set_len(n);
+        let (r, buf): (io::Result<()>, Buf) = self.node.read(offset, buf).await;
+        (r.map(|()| n).map_err(errno), buf)
     }
 
     async fn write(&self, f: &Fields<'_>, body: &[u8]) -> Result<Vec<u8>, i32> {
-        let s = self;
-        let offset = f.u64(8).ok_or(libc::EINVAL)?;
         let size = f.u32(16).ok_or(libc::EINVAL)? as usize;
         const WRITE_IN: usize = 40;
         if body.len() < WRITE_IN + size {
             return Err(libc::EINVAL);
         }
-        if !s.writable {
-            return Err(libc::EACCES);
+        let mut buf = new_buf(size);
+        buf.copy_from_slice(&body[WRITE_IN..WRITE_IN + size]);
+        let n = self.write_from(f, buf).await.0?;
+        Ok(write_out(n))
+    }
+
+    /// WRITE of `buf` (holding the request's data): the count written.
+    pub async fn write_from(&self, f: &Fields<'_>, mut buf: Buf) -> (Result<u32, i32>, Buf) {
+        let (Some(offset), Some(size)) = (f.u64(8), f.u32(16)) else {
+            return (Err(libc::EINVAL), buf);
+        };
+        let size = size as usize;
+        if size > buf.len() {
+            return (Err(libc::EINVAL), buf);
         }
-        let end = offset.checked_add(size as u64).ok_or(libc::EINVAL)?;
+        if !self.writable {
+            return (Err(libc::EACCES), buf);
+        }
+        let Some(end) = offset.checked_add(size as u64) else {
+            return (Err(libc::EINVAL), buf);
+        };
         let mut n = size;
-        if end > s.node.size() {
-            if s.growable {
-                s.node.resize(end).await.map_err(errno)?;
-            } else if offset >= s.node.size() {
-                return Err(libc::ENOSPC);
+        if end > self.node.size() {
+            if self.growable {
+                if let Err(e) = self.node.resize(end).await {
+                    return (Err(errno(e)), buf);
+                }
+            } else if offset >= self.node.size() {
+                return (Err(libc::ENOSPC), buf);
             } else {
-                n = (s.node.size() - offset) as usize;
+                n = (self.node.size() - offset) as usize;
             }
         }
-        let mut buf = new_buf(n);
-        buf.copy_from_slice(&body[WRITE_IN..WRITE_IN + n]);
-        let (r, _) = s.node.write(offset, buf, false).await;
-        r.map_err(errno)?;
-        let mut v = Vec::with_capacity(8);
-        v.extend_from_slice(&(n as u32).to_le_bytes());
-        v.extend_from_slice(&0u32.to_le_bytes());
-        Ok(v)
+        buf.set_len(n);
+        let (r, buf) = self.node.write(offset, buf, false).await;
+        (r.map(|()| n as u32).map_err(errno), buf)
     }
 
     async fn fallocate(&self, f: &Fields<'_>) -> Result<Vec<u8>, i32> {
@@ -332,6 +353,14 @@ impl FuseShared {
         v.extend_from_slice(&[0u8; 28]); // padding + spare
         v
     }
+}
+
+/// `fuse_write_out`.
+pub fn write_out(n: u32) -> Vec<u8> {
+    let mut v = Vec::with_capacity(8);
+    v.extend_from_slice(&n.to_le_bytes());
+    v.extend_from_slice(&0u32.to_le_bytes());
+    v
 }
 
 fn errno(e: io::Error) -> i32 {

@@ -22,9 +22,10 @@ use std::time::{Duration, Instant};
 use io_uring::{cqueue, opcode, squeue, types, IoUring};
 use stord_aio::{FdHandlerId, Interest, PollHandler, PollHandlerId};
 
-use super::handler::Processed;
+use super::handler::{write_out, Processed};
 use super::proto::*;
 use super::FuseShared;
+use crate::block::Buf;
 
 /// Entries registered per kernel queue.
 const DEPTH: usize = 16;
@@ -32,7 +33,9 @@ const DEPTH: usize = 16;
 struct Entry {
     qid: u16,
     header: Box<[u8]>,
-    payload: Box<[u8]>,
+    /// The payload buffer; lent to a READ or WRITE while it runs (the kernel does not
+    /// touch it until we commit, and only the task holding it commits).
+    payload: Option<Buf>,
     iov: Box<[libc::iovec; 2]>,
     /// Registered with the kernel (a CQE will come back for it).
     armed: bool,
@@ -153,6 +156,9 @@ impl FuseRing {
                 }
                 continue;
             }
+            if self.try_zero_copy(idx) {
+                continue;
+            }
             let Some(msg) = self.request_bytes(idx) else {
                 continue;
             };
@@ -167,48 +173,69 @@ impl FuseRing {
         }
     }
 
-    /// The request of entry `idx` as /dev/fuse would deliver it: in header, op struct,
-    /// payload (with the header's length made to match).
-    fn request_bytes(&self, idx: usize) -> Option<Vec<u8>> {
-        let entries = self.entries.borrow();
-        let e = entries.get(idx)?;
-        let h = &e.header;
-        let f = Fields(h);
-        let total = f.u32(URING_HDR_IN_OUT)? as usize;
-        let payload_sz = (f.u32(URING_HDR_ENT + 16)? as usize).min(e.payload.len());
-        let op_len = total.saturating_sub(IN_HEADER + payload_sz).min(128);
-        let mut msg = Vec::with_capacity(IN_HEADER + op_len + payload_sz);
-        msg.extend_from_slice(&h[URING_HDR_IN_OUT..URING_HDR_IN_OUT + IN_HEADER]);
-        msg.extend_from_slice(&h[URING_HDR_OP_IN..URING_HDR_OP_IN + op_len]);
-        msg.extend_from_slice(&e.payload[..payload_sz]);
-        let len = msg.len() as u32;
-        msg[0..4].copy_from_slice(&len.to_le_bytes());
-        Some(msg)
+    /// READ and WRITE run on the entry's own payload buffer: the data goes from the node
+    /// into it (or from it to the node) with no copy. True if the request was taken.
+    fn try_zero_copy(self: &Rc<Self>, idx: usize) -> bool {
+        let (opcode, op, payload, payload_sz) = {
+            let mut entries = self.entries.borrow_mut();
+            let Some(e) = entries.get_mut(idx) else {
+                return false;
+            };
+            let f = Fields(&e.header);
+            let opcode = f.u32(URING_HDR_IN_OUT + 4).unwrap_or(0);
+            if opcode != READ && opcode != WRITE {
+                return false;
+            }
+            let payload_sz = f.u32(URING_HDR_ENT + 16).unwrap_or(0) as usize;
+            let op = e.header[URING_HDR_OP_IN..URING_HDR_OP_IN + 40].to_vec();
+            let Some(payload) = e.payload.take() else {
+                return false;
+            };
+            (opcode, op, payload, payload_sz)
+        };
+        self.shared.uring_requests.fetch_add(1, Ordering::Relaxed);
+        self.shared.in_flight.fetch_add(1, Ordering::SeqCst);
+        let me = self.clone();
+        stord_aio::spawn(async move {
+            let f = Fields(&op);
+            let (result, mut buf) = if opcode == READ {
+                me.shared.read_into(&f, payload).await
+            } else {
+                let mut payload = payload;
+                let cap = payload.capacity();
+                payload.set_len(payload_sz.min(cap));
+                let (r, mut buf) = me.shared.write_from(&f, payload).await;
+                let cap = buf.capacity();
+                buf.set_len(cap);
+                let r = r.map(|n| {
+                    buf[..8].copy_from_slice(&write_out(n));
+                    8
+                });
+                (r, buf)
+            };
+            let cap = buf.capacity();
+            buf.set_len(cap);
+            me.finish(idx, Some(buf), result);
+            me.shared.in_flight.fetch_sub(1, Ordering::SeqCst);
+        });
+        true
     }
 
-    /// Writes the reply into entry `idx` and submits COMMIT_AND_FETCH.
-    fn commit(&self, idx: usize, processed: Option<Processed>) {
+    /// Puts the payload back (if it was lent), writes the out header and commits.
+    fn finish(&self, idx: usize, payload: Option<Buf>, result: Result<usize, i32>) {
         let mut entries = self.entries.borrow_mut();
         let Some(e) = entries.get_mut(idx) else {
             return;
         };
+        if payload.is_some() {
+            e.payload = payload;
+        }
         let f = Fields(&e.header);
         let commit_id = f.u64(URING_HDR_ENT + 8).unwrap_or(0);
         let unique = f.u64(URING_HDR_IN_OUT + 8).unwrap_or(0);
-        let (error, body_len) = match &processed {
-            Some(Processed {
-                result: Ok(body), ..
-            }) => {
-                let b = body.as_slice();
-                let n = b.len().min(e.payload.len());
-                e.payload[..n].copy_from_slice(&b[..n]);
-                (0i32, n)
-            }
-            Some(Processed {
-                result: Err(errno), ..
-            }) => (-errno, 0),
-            // Requests without a reply never come over the ring; answer ENOSYS to be safe.
-            None => (-libc::ENOSYS, 0),
+        let (error, body_len) = match result {
+            Ok(n) => (0, n),
+            Err(errno) => (-errno, 0),
         };
         let out = reply(unique, error, body_len);
         e.header[URING_HDR_IN_OUT..URING_HDR_IN_OUT + OUT_HEADER].copy_from_slice(&out);
@@ -224,6 +251,50 @@ impl FuseRing {
         );
         drop(entries);
         self.push(&sqe);
+    }
+
+    /// The request of entry `idx` as /dev/fuse would deliver it: in header, op struct,
+    /// payload (with the header's length made to match).
+    fn request_bytes(&self, idx: usize) -> Option<Vec<u8>> {
+        let entries = self.entries.borrow();
+        let e = entries.get(idx)?;
+        let payload = e.payload.as_ref()?;
+        let h = &e.header;
+        let f = Fields(h);
+        let total = f.u32(URING_HDR_IN_OUT)? as usize;
+        let payload_sz = (f.u32(URING_HDR_ENT + 16)? as usize).min(payload.len());
+        let op_len = total.saturating_sub(IN_HEADER + payload_sz).min(128);
+        let mut msg = Vec::with_capacity(IN_HEADER + op_len + payload_sz);
+        msg.extend_from_slice(&h[URING_HDR_IN_OUT..URING_HDR_IN_OUT + IN_HEADER]);
+        msg.extend_from_slice(&h[URING_HDR_OP_IN..URING_HDR_OP_IN + op_len]);
+        msg.extend_from_slice(&payload[..payload_sz]);
+        let len = msg.len() as u32;
+        msg[0..4].copy_from_slice(&len.to_le_bytes());
+        Some(msg)
+    }
+
+    /// Copies a generic reply into entry `idx`'s payload and commits it.
+    fn commit(&self, idx: usize, processed: Option<Processed>) {
+        let result = match processed {
+            Some(Processed {
+                result: Ok(body), ..
+            }) => {
+                let b = body.as_slice();
+                let mut entries = self.entries.borrow_mut();
+                let Some(payload) = entries.get_mut(idx).and_then(|e| e.payload.as_mut()) else {
+                    return;
+                };
+                let n = b.len().min(payload.len());
+                payload[..n].copy_from_slice(&b[..n]);
+                Ok(n)
+            }
+            Some(Processed {
+                result: Err(errno), ..
+            }) => Err(errno),
+            // Requests without a reply never come over the ring; answer ENOSYS to be safe.
+            None => Err(libc::ENOSYS),
+        };
+        self.finish(idx, None, result);
     }
 }
 
@@ -280,7 +351,7 @@ pub fn start(shared: Arc<FuseShared>, dev: Arc<File>, qids: &[u16]) -> Result<u6
     for &qid in qids {
         for _ in 0..DEPTH {
             let mut header = vec![0u8; URING_HDR_LEN].into_boxed_slice();
-            let mut payload = vec![0u8; payload_len].into_boxed_slice();
+            let mut payload = crate::block::new_buf(payload_len);
             let iov = Box::new([
                 libc::iovec {
                     iov_base: header.as_mut_ptr().cast(),
@@ -294,7 +365,7 @@ pub fn start(shared: Arc<FuseShared>, dev: Arc<File>, qids: &[u16]) -> Result<u6
             entries.push(Entry {
                 qid,
                 header,
-                payload,
+                payload: Some(payload),
                 iov,
                 armed: true,
             });
