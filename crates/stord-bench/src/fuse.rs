@@ -6,7 +6,7 @@
 
 use std::path::Path;
 
-use crate::nbd::{bench_dir, median, prepare_image, which, Row, IMAGE_SIZE};
+use crate::nbd::{bench_dir, prepare_image, which, Row, IMAGE_SIZE};
 use crate::peers::{process_cpu_ns, run_fio, stord_binary, FioResult};
 
 /// Options of the FUSE benchmark.
@@ -210,30 +210,13 @@ pub fn run(opts: &FuseOptions) -> Vec<Row> {
                     }
                 }
                 for (i, d) in names.iter().enumerate() {
-                    let runs: Vec<FioResult> = per[i].iter().map(|(r, _)| r.clone()).collect();
-                    let iops: Vec<f64> = runs.iter().map(|r| r.iops).collect();
-                    let med = median(iops.clone());
-                    let spread = if med > 0.0 {
-                        (iops.iter().cloned().fold(f64::MIN, f64::max)
-                            - iops.iter().cloned().fold(f64::MAX, f64::min))
-                            / med
-                    } else {
-                        0.0
-                    };
-                    let cpu: Vec<f64> = per[i].iter().filter_map(|(_, c)| *c).collect();
-                    rows.push(Row {
-                        backend: format!("{backend} {threads}t"),
-                        workload: rw.to_string(),
-                        iodepth: qd,
-                        daemon: d.clone(),
-                        iops: med,
-                        mean_us: median(runs.iter().map(|r| r.mean_us).collect()),
-                        p50_us: median(runs.iter().map(|r| r.p50_us).collect()),
-                        p99_us: median(runs.iter().map(|r| r.p99_us).collect()),
-                        cpu_us_per_io: (!cpu.is_empty()).then(|| median(cpu)),
-                        iops_spread: spread,
-                        runs,
-                    });
+                    rows.push(Row::summarize(
+                        &format!("{backend} {threads}t"),
+                        rw,
+                        qd,
+                        d,
+                        &per[i],
+                    ));
                 }
             }
         }

@@ -50,6 +50,35 @@ fn results_dir(out: Option<PathBuf>) -> PathBuf {
     out.unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../results"))
 }
 
+/// Prints the table and writes `results/<kind>/<time>.{json,md}`.
+fn write_rows(
+    out: Option<PathBuf>,
+    kind: &str,
+    name: &str,
+    rows: &[nbd::Row],
+    extra: serde_json::Value,
+) {
+    let table = nbd::markdown(rows);
+    println!("{table}");
+    let dir = results_dir(out).join(kind);
+    std::fs::create_dir_all(&dir).expect("create results dir");
+    let ts = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let mut doc = serde_json::json!({ "benchmark": name, "unix_time": ts, "rows": rows });
+    if let (Some(d), serde_json::Value::Object(e)) = (doc.as_object_mut(), extra) {
+        d.extend(e);
+    }
+    std::fs::write(
+        dir.join(format!("{ts}.json")),
+        serde_json::to_string_pretty(&doc).unwrap(),
+    )
+    .expect("write results");
+    std::fs::write(dir.join(format!("{ts}.md")), &table).expect("write results");
+    println!("results: {}", dir.join(format!("{ts}.json")).display());
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(String::as_str) {
@@ -130,30 +159,13 @@ fn main() {
                 opts.workloads = workloads;
             }
             let rows = nbd::run(&opts);
-            let table = nbd::markdown(&rows);
-            println!("{table}");
-            let dir = results_dir(out).join("nbd");
-            std::fs::create_dir_all(&dir).expect("create results dir");
-            let ts = SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .unwrap()
-                .as_secs();
-            let doc = serde_json::json!({
-                "benchmark": "nbd-fio",
-                "unix_time": ts,
+            let extra = serde_json::json!({
                 "runtime_s": opts.runtime_s,
                 "reps": opts.reps,
                 "stord_policy": opts.stord_policy,
                 "file_aio": opts.file_aio,
-                "rows": rows,
             });
-            std::fs::write(
-                dir.join(format!("{ts}.json")),
-                serde_json::to_string_pretty(&doc).unwrap(),
-            )
-            .expect("write results");
-            std::fs::write(dir.join(format!("{ts}.md")), &table).expect("write results");
-            println!("results: {}", dir.join(format!("{ts}.json")).display());
+            write_rows(out, "nbd", "nbd-fio", &rows, extra);
         }
         Some("fuse") => {
             let mut opts = fuse::FuseOptions::default();
@@ -183,28 +195,8 @@ fn main() {
                 opts.iothreads = threads;
             }
             let rows = fuse::run(&opts);
-            let table = nbd::markdown(&rows);
-            println!("{table}");
-            let dir = results_dir(out).join("fuse");
-            std::fs::create_dir_all(&dir).expect("create results dir");
-            let ts = SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .unwrap()
-                .as_secs();
-            let doc = serde_json::json!({
-                "benchmark": "fuse-fio",
-                "unix_time": ts,
-                "runtime_s": opts.runtime_s,
-                "reps": opts.reps,
-                "rows": rows,
-            });
-            std::fs::write(
-                dir.join(format!("{ts}.json")),
-                serde_json::to_string_pretty(&doc).unwrap(),
-            )
-            .expect("write results");
-            std::fs::write(dir.join(format!("{ts}.md")), &table).expect("write results");
-            println!("results: {}", dir.join(format!("{ts}.json")).display());
+            let extra = serde_json::json!({ "runtime_s": opts.runtime_s, "reps": opts.reps });
+            write_rows(out, "fuse", "fuse-fio", &rows, extra);
         }
         _ => usage(),
     }

@@ -250,35 +250,45 @@ pub fn run(opts: &NbdOptions) -> Vec<Row> {
                 }
             }
             for (i, d) in names.iter().enumerate() {
-                let runs: Vec<FioResult> = per[i].iter().map(|(r, _)| r.clone()).collect();
-                let iops: Vec<f64> = runs.iter().map(|r| r.iops).collect();
-                let med = median(iops.clone());
-                let spread = if med > 0.0 {
-                    (iops.iter().cloned().fold(f64::MIN, f64::max)
-                        - iops.iter().cloned().fold(f64::MAX, f64::min))
-                        / med
-                } else {
-                    0.0
-                };
-                let cpu: Vec<f64> = per[i].iter().filter_map(|(_, c)| *c).collect();
-                rows.push(Row {
-                    backend: backend.clone(),
-                    workload: rw.clone(),
-                    iodepth: *qd,
-                    daemon: d.clone(),
-                    iops: med,
-                    mean_us: median(runs.iter().map(|r| r.mean_us).collect()),
-                    p50_us: median(runs.iter().map(|r| r.p50_us).collect()),
-                    p99_us: median(runs.iter().map(|r| r.p99_us).collect()),
-                    cpu_us_per_io: (!cpu.is_empty()).then(|| median(cpu)),
-                    iops_spread: spread,
-                    runs,
-                });
+                rows.push(Row::summarize(backend, rw, *qd, d, &per[i]));
             }
         }
     }
     let _ = std::fs::remove_file(&sock);
     rows
+}
+
+impl Row {
+    /// Medians (and the IOPS spread) of one daemon's repetitions of a case.
+    pub fn summarize(
+        backend: &str,
+        workload: &str,
+        iodepth: u32,
+        daemon: &str,
+        per: &[(FioResult, Option<f64>)],
+    ) -> Row {
+        let runs: Vec<FioResult> = per.iter().map(|(r, _)| r.clone()).collect();
+        let iops: Vec<f64> = runs.iter().map(|r| r.iops).collect();
+        let med = median(iops.clone());
+        let (hi, lo) = (
+            iops.iter().cloned().fold(f64::MIN, f64::max),
+            iops.iter().cloned().fold(f64::MAX, f64::min),
+        );
+        let cpu: Vec<f64> = per.iter().filter_map(|(_, c)| *c).collect();
+        Row {
+            backend: backend.to_string(),
+            workload: workload.to_string(),
+            iodepth,
+            daemon: daemon.to_string(),
+            iops: med,
+            mean_us: median(runs.iter().map(|r| r.mean_us).collect()),
+            p50_us: median(runs.iter().map(|r| r.p50_us).collect()),
+            p99_us: median(runs.iter().map(|r| r.p99_us).collect()),
+            cpu_us_per_io: (!cpu.is_empty()).then(|| median(cpu)),
+            iops_spread: if med > 0.0 { (hi - lo) / med } else { 0.0 },
+            runs,
+        }
+    }
 }
 
 /// The rows as a Markdown table with ratios to qsd (and to raw fio for the file backend).
