@@ -6,11 +6,13 @@
 //! - `nbd [--runtime S] [--reps N] [--backend null|file]... [--daemon stord|qsd|nbdkit]...
 //!   [--workload randread:16]... [--stord-policy P] [--file-aio MODE]`: fio's nbd engine
 //!   against stord, qemu-storage-daemon and nbdkit, with fio on the raw file as the floor.
+//! - `idle [--seconds N]`: CPU used by each daemon with two IoThreads and an export, idle.
 //! - `fuse [--runtime S] [--reps N] [--backend null|file]... [--iothreads N]...
 //!   [--daemon stord|qsd]...`: fio through the FUSE-mounted image, stord vs qsd.
 
 mod aio;
 mod fuse;
+mod idle;
 mod nbd;
 mod peers;
 
@@ -197,6 +199,30 @@ fn main() {
             let rows = fuse::run(&opts);
             let extra = serde_json::json!({ "runtime_s": opts.runtime_s, "reps": opts.reps });
             write_rows(out, "fuse", "fuse-fio", &rows, extra);
+        }
+        Some("idle") => {
+            let secs = match args.get(1).map(String::as_str) {
+                Some("--seconds") => parse(
+                    "--seconds",
+                    args.get(2).map(String::as_str).unwrap_or_else(|| usage()),
+                ),
+                _ => 10,
+            };
+            let rows = idle::run(secs);
+            let dir = results_dir(None).join("idle");
+            std::fs::create_dir_all(&dir).expect("create results dir");
+            let ts = SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .unwrap()
+                .as_secs();
+            let doc =
+                serde_json::json!({ "benchmark": "idle-cost", "unix_time": ts, "rows": rows });
+            std::fs::write(
+                dir.join(format!("{ts}.json")),
+                serde_json::to_string_pretty(&doc).unwrap(),
+            )
+            .expect("write results");
+            println!("results: {}", dir.join(format!("{ts}.json")).display());
         }
         _ => usage(),
     }
