@@ -181,15 +181,6 @@ pub mod blocking {
         neg_errno(unsafe { libc::pread(fd, ptr.cast(), len, off as libc::off_t) } as libc::c_long)
     }
 
-    /// pwrite(2) from `len` bytes at `ptr`.
-    ///
-    /// # Safety
-    /// `ptr..ptr+len` must be readable memory owned by the caller for the call's duration.
-    pub unsafe fn pwrite(fd: RawFd, ptr: *const u8, len: usize, off: u64) -> i32 {
-        // SAFETY: the caller guarantees the buffer; the kernel reads at most `len` bytes.
-        neg_errno(unsafe { libc::pwrite(fd, ptr.cast(), len, off as libc::off_t) } as libc::c_long)
-    }
-
     /// preadv2(2).
     ///
     /// # Safety
@@ -250,9 +241,8 @@ pub mod blocking {
     /// `ptr..ptr+len` must be writable memory owned by the caller for the call's duration.
     pub unsafe fn recv(fd: RawFd, ptr: *mut u8, len: usize, flags: i32) -> i32 {
         // SAFETY: the caller guarantees the buffer.
-        neg_errno(
-            unsafe { libc::recv(fd, ptr.cast(), len, flags | libc::MSG_DONTWAIT) } as libc::c_long,
-        )
+        let r = unsafe { libc::recv(fd, ptr.cast(), len, flags | libc::MSG_DONTWAIT) };
+        neg_errno(r as libc::c_long)
     }
 
     /// send(2) with MSG_DONTWAIT and MSG_NOSIGNAL added.

@@ -24,17 +24,26 @@ fn usage() -> ! {
         "usage: stord-bench aio [--duration-ms N] [--reactor io_uring|epoll] \
          [--policy off|classic|weighted|haltpoll]... [--think-us N]... [--out DIR]\n\
          \x20      stord-bench nbd [--runtime S] [--reps N] [--backend null|file]... \
-         [--daemon stord|qsd|nbdkit]... [--workload RW:QD]... [--stord-policy P] [--file-aio MODE] [--out DIR]"
+         [--daemon stord|qsd|nbdkit]... [--workload RW:QD]... [--stord-policy P] [--file-aio MODE] [--out DIR]\n\
+         \x20      stord-bench fuse [--runtime S] [--reps N] [--backend null|file]... \
+         [--iothreads N]... [--daemon stord|stord-uring|qsd]... [--out DIR]\n\
+         \x20      stord-bench idle [--seconds N] [--out DIR]"
     );
     std::process::exit(2);
 }
 
-fn value<'a>(args: &'a [String], i: &mut usize, flag: &str) -> &'a str {
-    *i += 1;
-    args.get(*i).map(String::as_str).unwrap_or_else(|| {
-        eprintln!("stord-bench: {flag} needs a value");
-        usage()
-    })
+/// Every option takes a value: `--flag value` pairs, in order.
+fn flag_pairs(args: &[String]) -> Vec<(&str, &str)> {
+    args.chunks(2)
+        .map(|c| match c {
+            [f, v] if f.starts_with("--") => (f.as_str(), v.as_str()),
+            [f] => {
+                eprintln!("stord-bench: {f} needs a value");
+                usage()
+            }
+            _ => usage(),
+        })
+        .collect()
 }
 
 fn parse<T: std::str::FromStr>(flag: &str, v: &str) -> T
@@ -47,182 +56,146 @@ where
     })
 }
 
-/// The repo's `results/` folder (or `--out`).
-fn results_dir(out: Option<PathBuf>) -> PathBuf {
-    out.unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../results"))
+/// Replaces `dst` with `src` when the command line gave any.
+fn set_if_given<T>(dst: &mut Vec<T>, src: Vec<T>) {
+    if !src.is_empty() {
+        *dst = src;
+    }
 }
 
-/// Prints the table and writes `results/<kind>/<time>.{json,md}`.
-fn write_rows(
-    out: Option<PathBuf>,
-    kind: &str,
-    name: &str,
-    rows: &[nbd::Row],
-    extra: serde_json::Value,
-) {
-    let table = nbd::markdown(rows);
-    println!("{table}");
-    let dir = results_dir(out).join(kind);
+/// Writes `doc` (plus the time) to `results/<kind>/<time>.json` (or under `--out`), and
+/// `md` next to it if given.
+fn write_results(out: Option<PathBuf>, kind: &str, mut doc: serde_json::Value, md: Option<&str>) {
+    let dir = out
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../results"))
+        .join(kind);
     std::fs::create_dir_all(&dir).expect("create results dir");
     let ts = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .unwrap()
         .as_secs();
-    let mut doc = serde_json::json!({ "benchmark": name, "unix_time": ts, "rows": rows });
-    if let (Some(d), serde_json::Value::Object(e)) = (doc.as_object_mut(), extra) {
-        d.extend(e);
+    doc["unix_time"] = ts.into();
+    let path = dir.join(format!("{ts}.json"));
+    std::fs::write(&path, serde_json::to_string_pretty(&doc).unwrap()).expect("write results");
+    if let Some(md) = md {
+        std::fs::write(dir.join(format!("{ts}.md")), md).expect("write results");
     }
-    std::fs::write(
-        dir.join(format!("{ts}.json")),
-        serde_json::to_string_pretty(&doc).unwrap(),
-    )
-    .expect("write results");
-    std::fs::write(dir.join(format!("{ts}.md")), &table).expect("write results");
-    println!("results: {}", dir.join(format!("{ts}.json")).display());
+    println!("results: {}", path.display());
+}
+
+/// Prints the rows as a table and writes them with the run's parameters.
+fn write_rows(
+    out: Option<PathBuf>,
+    kind: &str,
+    name: &str,
+    rows: &[nbd::Row],
+    mut doc: serde_json::Value,
+) {
+    let table = nbd::markdown(rows);
+    println!("{table}");
+    doc["benchmark"] = name.into();
+    doc["rows"] = serde_json::to_value(rows).unwrap();
+    write_results(out, kind, doc, Some(&table));
 }
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    match args.first().map(String::as_str) {
-        Some("aio") => {
+    let Some(cmd) = args.first().map(String::as_str) else {
+        usage()
+    };
+    let mut out = None;
+    match cmd {
+        "aio" => {
             let mut opts = aio::AioOptions::default();
-            let (mut policies, mut thinks, mut out) = (Vec::new(), Vec::new(), None);
-            let mut i = 1;
-            while i < args.len() {
-                let flag = args[i].as_str();
+            let (mut policies, mut thinks) = (Vec::new(), Vec::new());
+            for (flag, v) in flag_pairs(&args[1..]) {
                 match flag {
-                    "--duration-ms" => {
-                        opts.duration =
-                            Duration::from_millis(parse(flag, value(&args, &mut i, flag)))
-                    }
-                    "--reactor" => opts.reactor = parse(flag, value(&args, &mut i, flag)),
-                    "--policy" => policies.push(parse(flag, value(&args, &mut i, flag))),
-                    "--think-us" => thinks.push(parse(flag, value(&args, &mut i, flag))),
-                    "--out" => out = Some(PathBuf::from(value(&args, &mut i, flag))),
+                    "--duration-ms" => opts.duration = Duration::from_millis(parse(flag, v)),
+                    "--reactor" => opts.reactor = parse(flag, v),
+                    "--policy" => policies.push(parse(flag, v)),
+                    "--think-us" => thinks.push(parse(flag, v)),
+                    "--out" => out = Some(PathBuf::from(v)),
                     _ => usage(),
                 }
-                i += 1;
             }
-            if !policies.is_empty() {
-                opts.policies = policies;
-            }
-            if !thinks.is_empty() {
-                opts.think_us = thinks;
-            }
+            set_if_given(&mut opts.policies, policies);
+            set_if_given(&mut opts.think_us, thinks);
             let cases = aio::run(&opts);
-            let dir = results_dir(out).join("aio");
-            std::fs::create_dir_all(&dir).expect("create results dir");
-            let ts = SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .unwrap()
-                .as_secs();
-            let path = dir.join(format!("{ts}.json"));
             let doc = serde_json::json!({
                 "benchmark": "aio-remote-round-trip",
-                "unix_time": ts,
                 "duration_ms": opts.duration.as_millis() as u64,
                 "cases": cases,
             });
-            std::fs::write(&path, serde_json::to_string_pretty(&doc).unwrap())
-                .expect("write results");
-            println!("results: {}", path.display());
+            write_results(out, "aio", doc, None);
         }
-        Some("nbd") => {
+        "nbd" => {
             let mut opts = nbd::NbdOptions::default();
-            let (mut backends, mut daemons, mut workloads, mut out) =
-                (Vec::new(), Vec::new(), Vec::new(), None);
-            let mut i = 1;
-            while i < args.len() {
-                let flag = args[i].as_str();
+            let (mut backends, mut daemons, mut workloads) = (Vec::new(), Vec::new(), Vec::new());
+            for (flag, v) in flag_pairs(&args[1..]) {
                 match flag {
-                    "--runtime" => opts.runtime_s = parse(flag, value(&args, &mut i, flag)),
-                    "--reps" => opts.reps = parse(flag, value(&args, &mut i, flag)),
-                    "--backend" => backends.push(value(&args, &mut i, flag).to_string()),
-                    "--daemon" => daemons.push(value(&args, &mut i, flag).to_string()),
+                    "--runtime" => opts.runtime_s = parse(flag, v),
+                    "--reps" => opts.reps = parse(flag, v),
+                    "--backend" => backends.push(v.to_string()),
+                    "--daemon" => daemons.push(v.to_string()),
                     "--workload" => {
-                        let v = value(&args, &mut i, flag);
                         let (rw, qd) = v.split_once(':').unwrap_or_else(|| usage());
                         workloads.push((rw.to_string(), parse(flag, qd)));
                     }
-                    "--stord-policy" => opts.stord_policy = value(&args, &mut i, flag).to_string(),
-                    "--file-aio" => opts.file_aio = value(&args, &mut i, flag).to_string(),
-                    "--out" => out = Some(PathBuf::from(value(&args, &mut i, flag))),
+                    "--stord-policy" => opts.stord_policy = v.to_string(),
+                    "--file-aio" => opts.file_aio = v.to_string(),
+                    "--out" => out = Some(PathBuf::from(v)),
                     _ => usage(),
                 }
-                i += 1;
             }
-            if !backends.is_empty() {
-                opts.backends = backends;
-            }
-            if !daemons.is_empty() {
-                opts.daemons = daemons;
-            }
-            if !workloads.is_empty() {
-                opts.workloads = workloads;
-            }
+            set_if_given(&mut opts.backends, backends);
+            set_if_given(&mut opts.daemons, daemons);
+            set_if_given(&mut opts.workloads, workloads);
             let rows = nbd::run(&opts);
-            let extra = serde_json::json!({
+            let doc = serde_json::json!({
                 "runtime_s": opts.runtime_s,
                 "reps": opts.reps,
                 "stord_policy": opts.stord_policy,
                 "file_aio": opts.file_aio,
             });
-            write_rows(out, "nbd", "nbd-fio", &rows, extra);
+            write_rows(out, "nbd", "nbd-fio", &rows, doc);
         }
-        Some("fuse") => {
+        "fuse" => {
             let mut opts = fuse::FuseOptions::default();
-            let (mut backends, mut daemons, mut threads, mut out) =
-                (Vec::new(), Vec::new(), Vec::new(), None);
-            let mut i = 1;
-            while i < args.len() {
-                let flag = args[i].as_str();
+            let (mut backends, mut daemons, mut threads) = (Vec::new(), Vec::new(), Vec::new());
+            for (flag, v) in flag_pairs(&args[1..]) {
                 match flag {
-                    "--runtime" => opts.runtime_s = parse(flag, value(&args, &mut i, flag)),
-                    "--reps" => opts.reps = parse(flag, value(&args, &mut i, flag)),
-                    "--backend" => backends.push(value(&args, &mut i, flag).to_string()),
-                    "--daemon" => daemons.push(value(&args, &mut i, flag).to_string()),
-                    "--iothreads" => threads.push(parse(flag, value(&args, &mut i, flag))),
-                    "--out" => out = Some(PathBuf::from(value(&args, &mut i, flag))),
+                    "--runtime" => opts.runtime_s = parse(flag, v),
+                    "--reps" => opts.reps = parse(flag, v),
+                    "--backend" => backends.push(v.to_string()),
+                    "--daemon" => daemons.push(v.to_string()),
+                    "--iothreads" => threads.push(parse(flag, v)),
+                    "--out" => out = Some(PathBuf::from(v)),
                     _ => usage(),
                 }
-                i += 1;
             }
-            if !backends.is_empty() {
-                opts.backends = backends;
-            }
-            if !daemons.is_empty() {
-                opts.daemons = daemons;
-            }
-            if !threads.is_empty() {
-                opts.iothreads = threads;
-            }
+            set_if_given(&mut opts.backends, backends);
+            set_if_given(&mut opts.daemons, daemons);
+            set_if_given(&mut opts.iothreads, threads);
             let rows = fuse::run(&opts);
-            let extra = serde_json::json!({ "runtime_s": opts.runtime_s, "reps": opts.reps });
-            write_rows(out, "fuse", "fuse-fio", &rows, extra);
+            let doc = serde_json::json!({ "runtime_s": opts.runtime_s, "reps": opts.reps });
+            write_rows(out, "fuse", "fuse-fio", &rows, doc);
         }
-        Some("idle") => {
-            let secs = match args.get(1).map(String::as_str) {
-                Some("--seconds") => parse(
-                    "--seconds",
-                    args.get(2).map(String::as_str).unwrap_or_else(|| usage()),
-                ),
-                _ => 10,
-            };
+        "idle" => {
+            let mut secs = 10;
+            for (flag, v) in flag_pairs(&args[1..]) {
+                match flag {
+                    "--seconds" => secs = parse(flag, v),
+                    "--out" => out = Some(PathBuf::from(v)),
+                    _ => usage(),
+                }
+            }
             let rows = idle::run(secs);
-            let dir = results_dir(None).join("idle");
-            std::fs::create_dir_all(&dir).expect("create results dir");
-            let ts = SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .unwrap()
-                .as_secs();
-            let doc =
-                serde_json::json!({ "benchmark": "idle-cost", "unix_time": ts, "rows": rows });
-            std::fs::write(
-                dir.join(format!("{ts}.json")),
-                serde_json::to_string_pretty(&doc).unwrap(),
-            )
-            .expect("write results");
-            println!("results: {}", dir.join(format!("{ts}.json")).display());
+            write_results(
+                out,
+                "idle",
+                serde_json::json!({ "benchmark": "idle-cost", "rows": rows }),
+                None,
+            );
         }
         _ => usage(),
     }

@@ -30,17 +30,11 @@ use crate::export::nbd::{ExportTable, ListenAddr, NbdExport, NbdServer};
 use crate::qmp::{Events, MonitorServer};
 use crate::sys;
 
-/// An IoThread and the parameters it was created with.
-pub struct IoThreadObject {
-    /// The thread.
-    pub thread: IoThread,
-}
-
 /// Everything the daemon has created (main thread only).
 #[derive(Default)]
 pub struct State {
     /// `--object iothread` by id.
-    pub iothreads: BTreeMap<String, IoThreadObject>,
+    pub iothreads: BTreeMap<String, IoThread>,
     /// Block nodes by node-name.
     pub nodes: BTreeMap<String, Arc<BlockNode>>,
     /// NBD exports.
@@ -133,7 +127,7 @@ impl State {
             poll,
         })
         .map_err(|e| format!("cannot start iothread '{id}': {e}"))?;
-        self.iothreads.insert(id, IoThreadObject { thread });
+        self.iothreads.insert(id, thread);
         Ok(())
     }
 
@@ -142,7 +136,7 @@ impl State {
         let Some(obj) = self.iothreads.get(id) else {
             return Err(format!("object '{id}' not found"));
         };
-        let remote = obj.thread.remote().clone();
+        let remote = obj.remote().clone();
         let in_use = self.exports.all().iter().any(|e| {
             e.iothread
                 .as_ref()
@@ -152,7 +146,7 @@ impl State {
             return Err(format!("object '{id}' is in use and cannot be deleted"));
         }
         if let Some(mut obj) = self.iothreads.remove(id) {
-            obj.thread.stop();
+            obj.stop();
         }
         Ok(())
     }
@@ -275,7 +269,6 @@ impl State {
                 .iothreads
                 .get(t)
                 .ok_or_else(|| format!("{what}: iothread '{t}' not found"))?
-                .thread
                 .remote()
                 .clone();
             remotes.push(r);
@@ -317,7 +310,6 @@ impl State {
                 self.iothreads
                     .get(&t)
                     .ok_or_else(|| format!("{}: iothread '{t}' not found", kv.what))?
-                    .thread
                     .remote()
                     .clone(),
             ),
@@ -575,9 +567,9 @@ impl Daemon {
         let threads = std::mem::take(&mut self.state.borrow_mut().iothreads);
         for (id, mut t) in threads {
             if std::env::var_os("STORD_STATS").is_some() {
-                eprintln!("stord: iothread {id}: {:?}", t.thread.remote().stats());
+                eprintln!("stord: iothread {id}: {:?}", t.remote().stats());
             }
-            t.thread.stop();
+            t.stop();
         }
         if let Some(p) = self.pidfile.take() {
             let _ = std::fs::remove_file(p);

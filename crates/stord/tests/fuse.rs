@@ -110,25 +110,8 @@ fn file_node(img: &Path, aio: &str) -> String {
 }
 
 fn fio_verify_file(path: &Path, size: &str) {
-    let out = run_ok(
-        "fio",
-        &[
-            "--name=verify",
-            &format!("--filename={}", path.display()),
-            "--ioengine=libaio",
-            "--direct=1",
-            "--rw=randwrite",
-            "--bs=4k",
-            "--iodepth=16",
-            &format!("--size={size}"),
-            "--verify=crc32c",
-            "--do_verify=1",
-            "--output-format=json",
-        ],
-    );
-    let v: serde_json::Value = serde_json::from_str(&out[out.find('{').unwrap()..]).unwrap();
-    assert_eq!(v["jobs"][0]["error"], 0, "{}", v["jobs"][0]);
-    assert!(v["jobs"][0]["read"]["io_bytes"].as_u64().unwrap() > 0);
+    let file = format!("--filename={}", path.display());
+    common::fio_write_and_verify(&["--ioengine=libaio", "--direct=1", &file], size);
 }
 
 #[test]

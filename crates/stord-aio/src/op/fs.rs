@@ -16,7 +16,17 @@ pub fn read<B: IoBufMut>(fd: RawFd, buf: B, offset: u64) -> Op<Read<B>> {
 
 /// Writes `buf` at `offset`. Output: the count written and the buffer.
 pub fn write<B: IoBuf>(fd: RawFd, buf: B, offset: u64) -> Op<Write<B>> {
-    Op::new(Write { fd, buf, offset })
+    write_flags(fd, buf, offset, 0)
+}
+
+/// pwrite with `RWF_*` flags (e.g. `libc::RWF_DSYNC` for a FUA write).
+pub fn write_flags<B: IoBuf>(fd: RawFd, buf: B, offset: u64, rw_flags: i32) -> Op<Write<B>> {
+    Op::new(Write {
+        fd,
+        buf,
+        offset,
+        rw_flags,
+    })
 }
 
 /// Reads into several buffers at `offset` (preadv).
@@ -95,9 +105,8 @@ impl<B: IoBufMut> OpDesc for Read<B> {
     fn run_blocking(&mut self) -> Blocking {
         let len = self.buf.bytes_len();
         // SAFETY: the buffer is owned by this op and writable for `len` bytes.
-        Blocking::Done(unsafe {
-            blocking::pread(self.fd, self.buf.stable_mut_ptr(), len, self.offset)
-        })
+        let r = unsafe { blocking::pread(self.fd, self.buf.stable_mut_ptr(), len, self.offset) };
+        would_block(r, self.fd, libc::POLLIN)
     }
     fn finish(self, res: i32) -> Self::Output {
         (to_result(res), self.buf)
@@ -109,6 +118,7 @@ pub struct Write<B> {
     fd: RawFd,
     buf: B,
     offset: u64,
+    rw_flags: i32,
 }
 
 impl<B: IoBuf> OpDesc for Write<B> {
@@ -117,14 +127,17 @@ impl<B: IoBuf> OpDesc for Write<B> {
         let len = self.buf.bytes_len() as u32;
         opcode::Write::new(types::Fd(self.fd), self.buf.stable_ptr(), len)
             .offset(self.offset)
+            .rw_flags(self.rw_flags)
             .build()
     }
     fn run_blocking(&mut self) -> Blocking {
-        let len = self.buf.bytes_len();
-        // SAFETY: the buffer is owned by this op and readable for `len` bytes.
-        Blocking::Done(unsafe {
-            blocking::pwrite(self.fd, self.buf.stable_ptr(), len, self.offset)
-        })
+        let iov = [libc::iovec {
+            iov_base: self.buf.stable_ptr() as *mut _,
+            iov_len: self.buf.bytes_len(),
+        }];
+        // SAFETY: the iovec names the buffer owned by this op, readable for its length.
+        let r = unsafe { blocking::pwritev(self.fd, &iov, self.offset, self.rw_flags) };
+        would_block(r, self.fd, libc::POLLOUT)
     }
     fn finish(self, res: i32) -> Self::Output {
         (to_result(res), self.buf)
@@ -215,9 +228,8 @@ impl<B: IoBuf> OpDesc for Writev<B> {
     fn run_blocking(&mut self) -> Blocking {
         self.build_iovecs();
         // SAFETY: every iovec names a buffer owned by this op, readable for its length.
-        Blocking::Done(unsafe {
-            blocking::pwritev(self.fd, &self.iovecs, self.offset, self.rw_flags)
-        })
+        let r = unsafe { blocking::pwritev(self.fd, &self.iovecs, self.offset, self.rw_flags) };
+        would_block(r, self.fd, libc::POLLOUT)
     }
     fn finish(self, res: i32) -> Self::Output {
         (to_result(res), self.bufs)

@@ -12,7 +12,9 @@ mod fs;
 mod net;
 mod poll;
 
-pub use fs::{fallocate, fsync, read, readv, write, writev, writev_flags, CURRENT_POSITION};
+pub use fs::{
+    fallocate, fsync, read, readv, write, write_flags, writev, writev_flags, CURRENT_POSITION,
+};
 pub use net::{recv, send};
 pub use poll::{poll_add, timeout, Timeout};
 

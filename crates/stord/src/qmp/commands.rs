@@ -391,7 +391,7 @@ fn query_iothreads(st: &State) -> Value {
         st.iothreads
             .iter()
             .map(|(id, obj)| {
-                let r = obj.thread.remote();
+                let r = obj.remote();
                 let p = r.poll_params();
                 let s = r.stats();
                 let info = r.reactor_info();
@@ -434,7 +434,7 @@ fn qom_get(st: &State, path: &str, prop: &str) -> Result<Value, QmpError> {
         class: "DeviceNotFound",
         desc: format!("Device '{id}' not found"),
     })?;
-    let p = obj.thread.remote().poll_params();
+    let p = obj.remote().poll_params();
     Ok(match prop {
         "poll-max-ns" => json!(p.max_ns),
         "poll-grow" => json!(p.grow),
@@ -459,7 +459,7 @@ fn qom_set(st: &State, path: &str, prop: &str, value: Value) -> Result<(), QmpEr
         class: "DeviceNotFound",
         desc: format!("Device '{id}' not found"),
     })?;
-    let remote = obj.thread.remote();
+    let remote = obj.remote();
     let mut p = remote.poll_params();
     let int = |v: &Value| v.as_u64().ok_or_else(|| Args::type_error(prop, "integer"));
     match prop {

@@ -180,3 +180,30 @@ pub fn run_ok(cmd: &str, args: &[&str]) -> String {
     );
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
+
+/// Runs fio with `target` (e.g. `--ioengine=nbd` then `--uri=...`, or `--ioengine=libaio`,
+/// `--direct=1`, `--filename=...`): 4k random writes at QD16 over `size`, verified with
+/// crc32c, and asserts that the job succeeded and really read its data back.
+pub fn fio_write_and_verify(target: &[&str], size: &str) {
+    let size_arg = format!("--size={size}");
+    // Engine options (like the nbd engine's --uri) must follow --ioengine: target first.
+    let mut args = vec!["--name=verify"];
+    args.extend_from_slice(target);
+    args.extend_from_slice(&[
+        "--rw=randwrite",
+        "--bs=4k",
+        "--iodepth=16",
+        &size_arg,
+        "--verify=crc32c",
+        "--do_verify=1",
+        "--output-format=json",
+    ]);
+    let out = run_ok("fio", &args);
+    let v: serde_json::Value = serde_json::from_str(&out[out.find('{').unwrap()..]).unwrap();
+    let job = &v["jobs"][0];
+    assert_eq!(job["error"], 0, "{job}");
+    assert!(
+        job["read"]["io_bytes"].as_u64().unwrap() > 0,
+        "verify read nothing: {job}"
+    );
+}

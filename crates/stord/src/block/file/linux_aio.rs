@@ -110,6 +110,8 @@ struct LinuxAio {
     in_flight: Cell<u32>,
     max_batch: Cell<u32>,
     submit_bh: RefCell<Option<Bh>>,
+    /// Scratch array of iocb pointers for io_submit (kept to avoid an allocation per call).
+    submit_ptrs: RefCell<Vec<*mut Iocb>>,
 }
 
 thread_local! {
@@ -156,6 +158,7 @@ impl LinuxAio {
             in_flight: Cell::new(0),
             max_batch: Cell::new(DEFAULT_MAX_BATCH),
             submit_bh: RefCell::new(None),
+            submit_ptrs: RefCell::default(),
         });
         let weak = Rc::downgrade(&aio);
         stord_aio::with_current_context(|ctx| -> io::Result<()> {
@@ -225,11 +228,13 @@ impl LinuxAio {
         }
         let mut total = 0;
         loop {
-            // SAFETY: the ring (header + `nr` events) stays mapped while the context
-            // lives. The tail is written by the kernel: read it with Acquire so the events
-            // before it are visible (the read barrier the AIO ABI asks for). The head is
-            // ours; we publish it with Release after reading the events.
-            let batch: Vec<IoEvent> = unsafe {
+            // The ring (header + `nr` events) stays mapped while the context lives. The
+            // tail is written by the kernel: read it with Acquire so the events before it
+            // are visible (the read barrier the AIO ABI asks for). The head is ours; we
+            // publish it with Release after reading the events.
+            let mut batch = [IoEvent::default(); 64];
+            // SAFETY: as described above; at most 64 events are copied into `batch`.
+            let n = unsafe {
                 let h = self.ctx as *mut AioRingHeader;
                 let nr = (*h).nr;
                 let head = std::ptr::read_volatile(std::ptr::addr_of!((*h).head));
@@ -238,18 +243,18 @@ impl LinuxAio {
                 if head == tail || head >= nr {
                     break;
                 }
-                let n = if tail > head { tail - head } else { nr - head };
+                let n = if tail > head { tail - head } else { nr - head }.min(batch.len() as u32);
                 let events =
                     (h as *const u8).add(std::mem::size_of::<AioRingHeader>()) as *const IoEvent;
-                let batch = (0..n)
-                    .map(|i| std::ptr::read_volatile(events.add((head + i) as usize)))
-                    .collect();
+                for (i, slot) in batch.iter_mut().take(n as usize).enumerate() {
+                    *slot = std::ptr::read_volatile(events.add(head as usize + i));
+                }
                 (*(std::ptr::addr_of!((*h).head) as *const AtomicU32))
                     .store((head + n) % nr, Ordering::Release);
-                batch
+                n as usize
             };
-            total += batch.len();
-            for ev in batch {
+            total += n;
+            for ev in &batch[..n] {
                 self.complete(ev.data, ev.res);
             }
         }
@@ -297,7 +302,9 @@ impl LinuxAio {
                 .min(room)
                 .min(self.max_batch.get().max(1)) as usize;
             let iocbs = pending.make_contiguous();
-            let mut ptrs: Vec<*mut Iocb> = iocbs[..n].iter_mut().map(|i| i as *mut Iocb).collect();
+            let mut ptrs = self.submit_ptrs.borrow_mut();
+            ptrs.clear();
+            ptrs.extend(iocbs[..n].iter_mut().map(|i| i as *mut Iocb));
             // SAFETY: `ptrs` holds `n` pointers to live iocbs; the kernel copies them during
             // the call. The buffers they name are owned by `self.reqs` until completion.
             let r = unsafe {

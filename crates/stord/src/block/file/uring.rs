@@ -11,10 +11,7 @@ use stord_aio::{op, Slice};
 use crate::block::Buf;
 
 fn raw(r: io::Result<usize>) -> i32 {
-    match r {
-        Ok(n) => n as i32,
-        Err(e) => -e.raw_os_error().unwrap_or(libc::EIO),
-    }
+    r.map_or_else(|e| -super::errno(&e), |n| n as i32)
 }
 
 /// One read or write of `buf[start..]` at `offset`; the raw result.
@@ -28,11 +25,9 @@ pub(super) async fn transfer(
 ) -> (i32, Buf) {
     let end = buf.len();
     let slice = Slice::new(buf, start, end);
-    if write && fua {
-        let (r, mut v) = op::writev_flags(fd, vec![slice], offset, libc::RWF_DSYNC).await;
-        (raw(r), v.pop().expect("one buffer").into_inner())
-    } else if write {
-        let (r, s) = op::write(fd, slice, offset).await;
+    if write {
+        let flags = if fua { libc::RWF_DSYNC } else { 0 };
+        let (r, s) = op::write_flags(fd, slice, offset, flags).await;
         (raw(r), s.into_inner())
     } else {
         let (r, s) = op::read(fd, slice, offset).await;
@@ -42,8 +37,5 @@ pub(super) async fn transfer(
 
 /// fdatasync on the ring.
 pub(super) async fn fsync(fd: RawFd) -> i32 {
-    match op::fsync(fd, true).await {
-        Ok(()) => 0,
-        Err(e) => -e.raw_os_error().unwrap_or(libc::EIO),
-    }
+    raw(op::fsync(fd, true).await.map(|()| 0))
 }

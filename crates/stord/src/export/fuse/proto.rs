@@ -92,13 +92,13 @@ impl InHeader {
     }
 }
 
-/// Builds a reply: out header followed by the body.
-pub fn reply(unique: u64, error: i32, body_len: usize) -> Vec<u8> {
-    let mut v = Vec::with_capacity(OUT_HEADER + body_len);
-    v.extend_from_slice(&((OUT_HEADER + body_len) as u32).to_le_bytes());
-    v.extend_from_slice(&error.to_le_bytes());
-    v.extend_from_slice(&unique.to_le_bytes());
-    v
+/// The out header of a reply with a `body_len`-byte body.
+pub fn reply(unique: u64, error: i32, body_len: usize) -> [u8; OUT_HEADER] {
+    let mut h = [0u8; OUT_HEADER];
+    h[0..4].copy_from_slice(&((OUT_HEADER + body_len) as u32).to_le_bytes());
+    h[4..8].copy_from_slice(&error.to_le_bytes());
+    h[8..16].copy_from_slice(&unique.to_le_bytes());
+    h
 }
 
 /// The attributes of the one file (`fuse_attr`, 88 bytes).

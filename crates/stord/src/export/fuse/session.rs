@@ -80,11 +80,11 @@ impl Queue {
         }
     }
 
-    fn send(&self, parts: &[&[u8]]) {
-        let slices: Vec<IoSlice<'_>> = parts.iter().map(|p| IoSlice::new(p)).collect();
+    /// Writes one reply: header and body in a single writev.
+    fn send(&self, header: &[u8], body: &[u8]) {
         // A reply is written whole or not at all; ENOENT means the request was
         // interrupted, which is fine.
-        let _ = (&*self.dev).write_vectored(&slices);
+        let _ = (&*self.dev).write_vectored(&[IoSlice::new(header), IoSlice::new(body)]);
     }
 
     async fn handle(&self, msg: &[u8]) {
@@ -99,9 +99,9 @@ impl Queue {
         match result {
             Ok(body) => {
                 let h = reply(unique, 0, body.as_slice().len());
-                self.send(&[&h, body.as_slice()]);
+                self.send(&h, body.as_slice());
             }
-            Err(e) => self.send(&[&reply(unique, -e, 0)]),
+            Err(e) => self.send(&reply(unique, -e, 0), &[]),
         }
         if opcode == INIT {
             self.shared.after_init(&self.dev);

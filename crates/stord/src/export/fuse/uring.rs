@@ -187,7 +187,8 @@ impl FuseRing {
                 return false;
             }
             let payload_sz = f.u32(URING_HDR_ENT + 16).unwrap_or(0) as usize;
-            let op = e.header[URING_HDR_OP_IN..URING_HDR_OP_IN + 40].to_vec();
+            let mut op = [0u8; 40];
+            op.copy_from_slice(&e.header[URING_HDR_OP_IN..URING_HDR_OP_IN + 40]);
             let Some(payload) = e.payload.take() else {
                 return false;
             };

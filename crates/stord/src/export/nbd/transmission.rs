@@ -55,15 +55,25 @@ impl Conn {
         }
     }
 
-    fn queue(&self, header: Vec<u8>, data: Option<Buf>) {
+    /// Queues a reply: its header `parts` (appended to the pending header bytes, so
+    /// consecutive replies share one buffer and no allocation) and its data, if any.
+    fn queue(&self, parts: &[&[u8]], data: Option<Buf>) {
         if self.broken.get() {
             return;
         }
         let mut out = self.out.borrow_mut();
-        match out.last_mut() {
-            // Coalesce consecutive headers into one buffer.
-            Some(OutChunk::Bytes(b)) if b.len() < 4096 => b.extend_from_slice(&header),
-            _ => out.push(OutChunk::Bytes(header)),
+        let bytes = match out.last_mut() {
+            Some(OutChunk::Bytes(b)) if b.len() < 4096 => b,
+            _ => {
+                out.push(OutChunk::Bytes(Vec::with_capacity(512)));
+                match out.last_mut() {
+                    Some(OutChunk::Bytes(b)) => b,
+                    _ => unreachable!("just pushed"),
+                }
+            }
+        };
+        for p in parts {
+            bytes.extend_from_slice(p);
         }
         if let Some(d) = data {
             out.push(OutChunk::Data(d));
@@ -73,29 +83,27 @@ impl Conn {
     }
 
     fn simple_reply(&self, handle: u64, error: u32, data: Option<Buf>) {
-        let mut h = Vec::with_capacity(16);
-        h.extend_from_slice(&SIMPLE_REPLY_MAGIC.to_be_bytes());
-        h.extend_from_slice(&error.to_be_bytes());
-        h.extend_from_slice(&handle.to_be_bytes());
-        self.queue(h, data);
+        let mut h = [0u8; 16];
+        h[0..4].copy_from_slice(&SIMPLE_REPLY_MAGIC.to_be_bytes());
+        h[4..8].copy_from_slice(&error.to_be_bytes());
+        h[8..16].copy_from_slice(&handle.to_be_bytes());
+        self.queue(&[&h], data);
     }
 
-    fn chunk_header(handle: u64, flags: u16, kind: u16, len: u32) -> Vec<u8> {
-        let mut h = Vec::with_capacity(20 + 8);
-        h.extend_from_slice(&STRUCTURED_REPLY_MAGIC.to_be_bytes());
-        h.extend_from_slice(&flags.to_be_bytes());
-        h.extend_from_slice(&kind.to_be_bytes());
-        h.extend_from_slice(&handle.to_be_bytes());
-        h.extend_from_slice(&len.to_be_bytes());
+    fn chunk_header(handle: u64, flags: u16, kind: u16, len: u32) -> [u8; 20] {
+        let mut h = [0u8; 20];
+        h[0..4].copy_from_slice(&STRUCTURED_REPLY_MAGIC.to_be_bytes());
+        h[4..6].copy_from_slice(&flags.to_be_bytes());
+        h[6..8].copy_from_slice(&kind.to_be_bytes());
+        h[8..16].copy_from_slice(&handle.to_be_bytes());
+        h[16..20].copy_from_slice(&len.to_be_bytes());
         h
     }
 
     fn error_reply(&self, handle: u64, error: u32) {
         if self.structured {
-            let mut h = Self::chunk_header(handle, REPLY_FLAG_DONE, REPLY_TYPE_ERROR, 6);
-            h.extend_from_slice(&error.to_be_bytes());
-            h.extend_from_slice(&0u16.to_be_bytes());
-            self.queue(h, None);
+            let h = Self::chunk_header(handle, REPLY_FLAG_DONE, REPLY_TYPE_ERROR, 6);
+            self.queue(&[&h, &error.to_be_bytes(), &0u16.to_be_bytes()], None);
         } else {
             self.simple_reply(handle, error, None);
         }
@@ -305,14 +313,13 @@ async fn handle(conn: &Conn, req: Request, payload: Option<Buf>) {
                 .await;
             match r {
                 Ok(()) if conn.structured => {
-                    let mut h = Conn::chunk_header(
+                    let h = Conn::chunk_header(
                         req.handle,
                         REPLY_FLAG_DONE,
                         REPLY_TYPE_OFFSET_DATA,
                         8 + req.len,
                     );
-                    h.extend_from_slice(&req.offset.to_be_bytes());
-                    conn.queue(h, Some(buf));
+                    conn.queue(&[&h, &req.offset.to_be_bytes()], Some(buf));
                     return;
                 }
                 Ok(()) => return conn.simple_reply(req.handle, 0, Some(buf)),
@@ -382,12 +389,11 @@ async fn block_status(conn: &Conn, req: &Request) {
         payload.extend_from_slice(&len.to_be_bytes());
         payload.extend_from_slice(&flags.to_be_bytes());
     }
-    let mut h = Conn::chunk_header(
+    let h = Conn::chunk_header(
         req.handle,
         REPLY_FLAG_DONE,
         REPLY_TYPE_BLOCK_STATUS,
         payload.len() as u32,
     );
-    h.extend_from_slice(&payload);
-    conn.queue(h, None);
+    conn.queue(&[&h, &payload], None);
 }
