@@ -27,6 +27,7 @@ use crate::cli::keyval::KeyVal;
 use crate::cli::{CommandLine, Item};
 use crate::export::fuse::{FuseExport, FuseOptions};
 use crate::export::nbd::{ExportTable, ListenAddr, NbdExport, NbdServer};
+use crate::export::vhost_user_blk::{VhostUserBlkExport, VhostUserBlkOptions};
 use crate::qmp::{Events, MonitorServer};
 use crate::sys;
 
@@ -41,6 +42,8 @@ pub struct State {
     pub exports: ExportTable,
     /// FUSE exports by id.
     pub fuse_exports: BTreeMap<String, FuseExport>,
+    /// vhost-user-blk exports by id.
+    pub vhost_exports: BTreeMap<String, VhostUserBlkExport>,
     /// The NBD server, if started.
     pub nbd: Option<NbdServer>,
     /// `--chardev socket` paths by id, until a monitor takes them.
@@ -237,7 +240,9 @@ impl State {
     }
 
     fn export_id_taken(&self, id: &str) -> bool {
-        self.exports.by_id(id).is_some() || self.fuse_exports.contains_key(id)
+        self.exports.by_id(id).is_some()
+            || self.fuse_exports.contains_key(id)
+            || self.vhost_exports.contains_key(id)
     }
 
     /// `--export type=fuse`.
@@ -279,15 +284,47 @@ impl State {
         Ok(())
     }
 
+    /// `--export type=vhost-user-blk`.
+    fn add_vhost_user_blk_export(&mut self, mut kv: KeyVal) -> Result<(), String> {
+        let opts = VhostUserBlkOptions::from_opts(&mut kv)?;
+        let what = kv.what.clone();
+        kv.finish()?;
+        let node = self
+            .nodes
+            .get(&opts.node_name)
+            .cloned()
+            .ok_or_else(|| format!("{what}: cannot find node '{}'", opts.node_name))?;
+        if self.export_id_taken(&opts.id) {
+            return Err(format!("Block export id '{}' is already in use", opts.id));
+        }
+        let mut remotes = Vec::new();
+        for t in &opts.iothreads {
+            let r = self
+                .iothreads
+                .get(t)
+                .ok_or_else(|| format!("{what}: iothread '{t}' not found"))?
+                .remote()
+                .clone();
+            remotes.push(r);
+        }
+        let id = opts.id.clone();
+        let export = VhostUserBlkExport::start(opts, node, remotes)?;
+        self.vhost_exports.insert(id, export);
+        Ok(())
+    }
+
     /// `--export` / `block-export-add`.
     pub fn add_export(&mut self, mut kv: KeyVal) -> Result<(), String> {
         let kind = kv.take_required("type")?;
         if kind == "fuse" {
             return self.add_fuse_export(kv);
         }
+        if kind == "vhost-user-blk" {
+            return self.add_vhost_user_blk_export(kv);
+        }
         if kind != "nbd" {
             return Err(format!(
-                "{}: parameter 'type' expects nbd or fuse, got '{kind}'",
+                "{}: parameter 'type' expects nbd, fuse or vhost-user-blk, got '{kind}'",
                 kv.what
             ));
         }
@@ -345,6 +382,19 @@ impl State {
                 .emit("BLOCK_EXPORT_DELETED", serde_json::json!({ "id": id }));
             return Ok(());
         }
+        if let Some(v) = self.vhost_exports.get(id) {
+            if !hard && v.connected() {
+                return Err(format!(
+                    "export '{id}' still in use (use mode 'hard' to disconnect its clients)"
+                ));
+            }
+            let mut v = self.vhost_exports.remove(id).expect("present");
+            v.stop();
+            drop(v);
+            self.events
+                .emit("BLOCK_EXPORT_DELETED", serde_json::json!({ "id": id }));
+            return Ok(());
+        }
         let Some(e) = self.exports.by_id(id) else {
             return Err(format!("Export '{id}' is not found"));
         };
@@ -386,6 +436,17 @@ impl State {
                 );
             }
             f.stop(Duration::from_secs(5));
+            self.events
+                .emit("BLOCK_EXPORT_DELETED", serde_json::json!({ "id": id }));
+        }
+        for (id, mut v) in std::mem::take(&mut self.vhost_exports) {
+            if std::env::var_os("STORD_STATS").is_some() {
+                eprintln!(
+                    "stord: vhost-user-blk export {id}: requests per queue {:?}",
+                    v.queue_requests()
+                );
+            }
+            v.stop();
             self.events
                 .emit("BLOCK_EXPORT_DELETED", serde_json::json!({ "id": id }));
         }
@@ -452,13 +513,15 @@ impl Daemon {
                 Item::Chardev(s) => {
                     add_chardev(&mut st, KeyVal::parse("--chardev", &s, Some("backend"))?)?
                 }
-                Item::Blockdev(s) => st.add_blockdev(KeyVal::parse("--blockdev", &s, None)?)?,
+                Item::Blockdev(s) => {
+                    st.add_blockdev(KeyVal::parse("--blockdev", &s, Some("driver"))?)?
+                }
                 Item::NbdServer(s) => {
                     let (addr, max) = nbd_server_opts(KeyVal::parse("--nbd-server", &s, None)?)?;
                     st.start_nbd_server(&self.ctx, addr, max)
                         .map_err(|e| format!("--nbd-server: {e}"))?
                 }
-                Item::Export(s) => st.add_export(KeyVal::parse("--export", &s, None)?)?,
+                Item::Export(s) => st.add_export(KeyVal::parse("--export", &s, Some("type"))?)?,
                 Item::Monitor(s) => {
                     let mut kv = KeyVal::parse("--monitor", &s, Some("chardev"))?;
                     let id = kv.take_required("chardev")?;

@@ -34,6 +34,19 @@ pub fn ftruncate(fd: RawFd, size: u64) -> io::Result<()> {
     check(unsafe { libc::ftruncate(fd, size as i64) })
 }
 
+/// memfd_create(2) with MFD_CLOEXEC: anonymous shared memory to hand to another process.
+pub fn memfd_create(name: &str) -> io::Result<std::fs::File> {
+    use std::os::fd::FromRawFd;
+    let name = std::ffi::CString::new(name).map_err(io::Error::other)?;
+    // SAFETY: `name` is a valid NUL-terminated string that outlives the call.
+    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: memfd_create returned a new fd that nothing else owns.
+    Ok(unsafe { std::fs::File::from_raw_fd(fd) })
+}
+
 /// shutdown(2) both directions; errors are ignored (the peer may be gone).
 pub fn shutdown(fd: RawFd) {
     // SAFETY: plain syscall; no pointers.

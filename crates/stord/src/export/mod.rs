@@ -2,3 +2,4 @@
 
 pub mod fuse;
 pub mod nbd;
+pub mod vhost_user_blk;

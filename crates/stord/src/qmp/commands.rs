@@ -326,6 +326,14 @@ pub async fn execute(
                     "x-transport": e.transport(),
                 })
             }));
+            v.extend(st.vhost_exports.values().map(|e| {
+                json!({
+                    "type": "vhost-user-blk",
+                    "id": e.id,
+                    "node-name": e.node.name,
+                    "shutting-down": false,
+                })
+            }));
             Ok(Value::Array(v))
         }
         "quit" => {

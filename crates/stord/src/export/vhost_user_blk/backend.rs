@@ -1,0 +1,417 @@
+//! The control plane of one vhost-user connection: the rust-vmm `vhost` crate parses the
+//! messages and calls [`BlkBackend`] (its request-handler trait); we keep the negotiated
+//! features, guest memory and each vring's configuration, and start a vring on its IoThread
+//! once it has a kick fd ([`VringHandle`]). GET_VRING_BASE stops it again after its requests
+//! in flight have completed.
+
+use std::fs::File;
+use std::sync::Arc;
+use std::time::Duration;
+
+use stord_aio::Remote;
+use vhost::vhost_user::message::*;
+use vhost::vhost_user::{Backend, GpuBackend, VhostUserBackendReqHandlerMut};
+use vhost::vhost_user::{Error as VuError, Result as VuResult};
+use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
+use virtio_queue::{Queue, QueueT};
+use vm_memory::{FileOffset, GuestAddress, GuestMemoryMmap, GuestRegionMmap, MmapRegion};
+
+use super::device::{BlkDevice, MAX_QUEUE_SIZE, VHOST_USER_F_PROTOCOL_FEATURES};
+use super::inflight::InflightRegion;
+use super::vring::{VringHandle, VringStart};
+
+/// How long GET_VRING_BASE waits for a queue's requests in flight.
+const DRAIN_LIMIT: Duration = Duration::from_secs(30);
+
+fn fail(msg: impl Into<String>) -> VuError {
+    VuError::ReqHandlerError(std::io::Error::other(msg.into()))
+}
+
+/// Guest memory and how frontend addresses map onto it.
+struct MemTable {
+    guest: Arc<GuestMemoryMmap>,
+    /// (frontend virtual address, guest physical address, size).
+    regions: Vec<(u64, u64, u64)>,
+}
+
+impl MemTable {
+    fn va_to_gpa(&self, va: u64) -> Option<u64> {
+        self.regions
+            .iter()
+            .find(|(u, _, s)| va >= *u && va - *u < *s)
+            .map(|(u, g, _)| g + (va - u))
+    }
+}
+
+#[derive(Default)]
+struct VringConfig {
+    num: u16,
+    /// Frontend virtual addresses of the descriptor table, avail and used rings.
+    addr: Option<(u64, u64, u64)>,
+    base: u16,
+    kick: Option<File>,
+    call: Option<Arc<File>>,
+    enabled: bool,
+    running: Option<VringHandle>,
+}
+
+/// One connection's device state.
+pub struct BlkBackend {
+    dev: Arc<BlkDevice>,
+    /// The IoThread serving each queue.
+    remotes: Vec<Remote>,
+    acked_features: u64,
+    protocol_features: u64,
+    mem: Option<MemTable>,
+    vrings: Vec<VringConfig>,
+    inflight: Option<Arc<InflightRegion>>,
+}
+
+impl BlkBackend {
+    pub fn new(dev: Arc<BlkDevice>, remotes: Vec<Remote>) -> Self {
+        let n = dev.num_queues as usize;
+        Self {
+            dev,
+            remotes,
+            acked_features: 0,
+            protocol_features: 0,
+            mem: None,
+            vrings: (0..n).map(|_| VringConfig::default()).collect(),
+            inflight: None,
+        }
+    }
+
+    fn vring(&mut self, index: u32) -> VuResult<&mut VringConfig> {
+        self.vrings
+            .get_mut(index as usize)
+            .ok_or_else(|| fail(format!("vring {index} does not exist")))
+    }
+
+    /// Stops every running vring (the connection ends, or the owner is reset).
+    pub fn stop_all(&mut self) {
+        for v in &mut self.vrings {
+            if let Some(h) = v.running.take() {
+                v.base = h.stop(DRAIN_LIMIT);
+            }
+        }
+    }
+
+    /// Starts vring `index` if it has everything it needs.
+    fn maybe_start(&mut self, index: usize) -> VuResult<()> {
+        let protocol = self.acked_features & (1 << VHOST_USER_F_PROTOCOL_FEATURES) != 0;
+        let event_idx = self.acked_features & (1 << VIRTIO_RING_F_EVENT_IDX) != 0;
+        let remote = self.remotes[index % self.remotes.len()].clone();
+        let v = &mut self.vrings[index];
+        if v.running.is_some() || v.kick.is_none() {
+            return Ok(());
+        }
+        let mem = self
+            .mem
+            .as_ref()
+            .ok_or_else(|| fail("vring started before SET_MEM_TABLE"))?;
+        let (d, a, u) = v
+            .addr
+            .ok_or_else(|| fail(format!("vring {index} started before SET_VRING_ADDR")))?;
+        let gpa = |va: u64, what: &str| {
+            mem.va_to_gpa(va).ok_or_else(|| {
+                fail(format!(
+                    "vring {index}: {what} at {va:#x} is outside guest memory"
+                ))
+            })
+        };
+        let mut q = Queue::new(MAX_QUEUE_SIZE).map_err(|e| fail(e.to_string()))?;
+        q.set_size(v.num);
+        let (d, a, u) = (
+            gpa(d, "descriptor table")?,
+            gpa(a, "avail ring")?,
+            gpa(u, "used ring")?,
+        );
+        q.set_desc_table_address(Some(d as u32), Some((d >> 32) as u32));
+        q.set_avail_ring_address(Some(a as u32), Some((a >> 32) as u32));
+        q.set_used_ring_address(Some(u as u32), Some((u >> 32) as u32));
+        q.set_event_idx(event_idx);
+        q.set_next_avail(v.base);
+        let used = q
+            .used_idx(&*mem.guest, std::sync::atomic::Ordering::Acquire)
+            .map_err(|e| fail(e.to_string()))?;
+        q.set_next_used(used.0);
+        q.set_ready(true);
+        if !q.is_valid(&*mem.guest) {
+            return Err(fail(format!(
+                "vring {index}: size {} or ring addresses invalid",
+                v.num
+            )));
+        }
+        let kick = v
+            .kick
+            .as_ref()
+            .unwrap()
+            .try_clone()
+            .map_err(VuError::ReqHandlerError)?;
+        let start = VringStart {
+            index: index as u16,
+            queue: q,
+            mem: mem.guest.clone(),
+            kick,
+            call: v.call.clone(),
+            dev: self.dev.clone(),
+            inflight: self.inflight.clone(),
+            // Without protocol features a ring is enabled when started; with them it waits
+            // for SET_VRING_ENABLE. QEMU enables before it kicks, so both work.
+            enabled: v.enabled || !protocol,
+        };
+        v.running = Some(VringHandle::start(remote, start).map_err(fail)?);
+        Ok(())
+    }
+}
+
+impl VhostUserBackendReqHandlerMut for BlkBackend {
+    fn set_owner(&mut self) -> VuResult<()> {
+        Ok(())
+    }
+
+    fn reset_owner(&mut self) -> VuResult<()> {
+        self.stop_all();
+        self.acked_features = 0;
+        Ok(())
+    }
+
+    fn reset_device(&mut self) -> VuResult<()> {
+        self.reset_owner()
+    }
+
+    fn get_features(&mut self) -> VuResult<u64> {
+        Ok(self.dev.features())
+    }
+
+    fn set_features(&mut self, features: u64) -> VuResult<()> {
+        if features & !self.dev.features() != 0 {
+            return Err(fail(format!(
+                "frontend acked features {:#x} we did not offer",
+                features & !self.dev.features()
+            )));
+        }
+        self.acked_features = features;
+        Ok(())
+    }
+
+    fn set_mem_table(
+        &mut self,
+        ctx: &[VhostUserMemoryRegion],
+        files: Vec<File>,
+        _postcopy_listening: Option<bool>,
+    ) -> VuResult<Option<Vec<u64>>> {
+        let mut regions = Vec::new();
+        let mut table = Vec::new();
+        for (r, f) in ctx.iter().zip(files) {
+            let map =
+                MmapRegion::from_file(FileOffset::new(f, r.mmap_offset), r.memory_size as usize)
+                    .map_err(|e| fail(format!("cannot map guest memory: {e}")))?;
+            let region = GuestRegionMmap::new(map, GuestAddress(r.guest_phys_addr))
+                .ok_or_else(|| fail("guest memory region overflows"))?;
+            regions.push(region);
+            table.push((r.user_addr, r.guest_phys_addr, r.memory_size));
+        }
+        let guest = Arc::new(
+            GuestMemoryMmap::from_regions(regions)
+                .map_err(|e| fail(format!("bad memory table: {e}")))?,
+        );
+        for v in &self.vrings {
+            if let Some(h) = &v.running {
+                h.set_mem(guest.clone());
+            }
+        }
+        self.mem = Some(MemTable {
+            guest,
+            regions: table,
+        });
+        Ok(None)
+    }
+
+    fn set_vring_num(&mut self, index: u32, num: u32) -> VuResult<()> {
+        if num == 0 || num > u32::from(MAX_QUEUE_SIZE) || !num.is_power_of_two() {
+            return Err(fail(format!("vring size {num} not supported")));
+        }
+        self.vring(index)?.num = num as u16;
+        Ok(())
+    }
+
+    fn set_vring_addr(
+        &mut self,
+        index: u32,
+        _flags: VhostUserVringAddrFlags,
+        descriptor: u64,
+        used: u64,
+        available: u64,
+        _log: u64,
+    ) -> VuResult<()> {
+        self.vring(index)?.addr = Some((descriptor, available, used));
+        Ok(())
+    }
+
+    fn set_vring_base(&mut self, index: u32, base: u32) -> VuResult<()> {
+        self.vring(index)?.base = base as u16;
+        Ok(())
+    }
+
+    fn get_vring_base(&mut self, index: u32) -> VuResult<VhostUserVringState> {
+        let v = self.vring(index)?;
+        if let Some(h) = v.running.take() {
+            v.base = h.stop(DRAIN_LIMIT);
+        }
+        v.kick = None;
+        Ok(VhostUserVringState::new(index, u32::from(v.base)))
+    }
+
+    fn set_vring_kick(&mut self, index: u8, fd: Option<File>) -> VuResult<()> {
+        let v = self.vring(u32::from(index))?;
+        if let Some(h) = v.running.take() {
+            v.base = h.stop(DRAIN_LIMIT);
+        }
+        v.kick = fd;
+        self.maybe_start(index as usize)
+    }
+
+    fn set_vring_call(&mut self, index: u8, fd: Option<File>) -> VuResult<()> {
+        let v = self.vring(u32::from(index))?;
+        v.call = fd.map(Arc::new);
+        if let Some(h) = &v.running {
+            h.set_call(v.call.clone());
+        }
+        Ok(())
+    }
+
+    fn set_vring_err(&mut self, index: u8, _fd: Option<File>) -> VuResult<()> {
+        self.vring(u32::from(index))?;
+        Ok(())
+    }
+
+    fn get_protocol_features(&mut self) -> VuResult<VhostUserProtocolFeatures> {
+        Ok(VhostUserProtocolFeatures::MQ
+            | VhostUserProtocolFeatures::CONFIG
+            | VhostUserProtocolFeatures::REPLY_ACK
+            | VhostUserProtocolFeatures::INFLIGHT_SHMFD)
+    }
+
+    fn set_protocol_features(&mut self, features: u64) -> VuResult<()> {
+        self.protocol_features = features;
+        Ok(())
+    }
+
+    fn get_queue_num(&mut self) -> VuResult<u64> {
+        Ok(u64::from(self.dev.num_queues))
+    }
+
+    fn set_vring_enable(&mut self, index: u32, enable: bool) -> VuResult<()> {
+        let v = self.vring(index)?;
+        v.enabled = enable;
+        if let Some(h) = &v.running {
+            h.set_enabled(enable);
+        }
+        Ok(())
+    }
+
+    fn get_config(
+        &mut self,
+        offset: u32,
+        size: u32,
+        _flags: VhostUserConfigFlags,
+    ) -> VuResult<Vec<u8>> {
+        let qs = self
+            .vrings
+            .first()
+            .map_or(128, |v| if v.num == 0 { 128 } else { v.num });
+        Ok(self.dev.config(offset, size, qs))
+    }
+
+    fn set_config(
+        &mut self,
+        offset: u32,
+        buf: &[u8],
+        _flags: VhostUserConfigFlags,
+    ) -> VuResult<()> {
+        self.dev.set_config(offset, buf).map_err(fail)
+    }
+
+    fn set_backend_req_fd(&mut self, _backend: Backend) {}
+
+    fn set_gpu_socket(&mut self, _gpu_backend: GpuBackend) -> VuResult<()> {
+        Err(fail("not a GPU"))
+    }
+
+    fn get_shared_object(&mut self, _uuid: VhostUserSharedMsg) -> VuResult<File> {
+        Err(fail("no shared objects"))
+    }
+
+    fn get_inflight_fd(
+        &mut self,
+        inflight: &VhostUserInflight,
+    ) -> VuResult<(VhostUserInflight, File)> {
+        if inflight.num_queues == 0
+            || inflight.queue_size == 0
+            || inflight.queue_size > MAX_QUEUE_SIZE
+        {
+            return Err(fail(format!(
+                "in-flight region for {} queues of {} not supported",
+                inflight.num_queues, inflight.queue_size
+            )));
+        }
+        let r = InflightRegion::create(inflight.num_queues, inflight.queue_size)
+            .map_err(VuError::ReqHandlerError)?;
+        let file = r.file().try_clone().map_err(VuError::ReqHandlerError)?;
+        let reply = VhostUserInflight::new(r.size(), 0, inflight.num_queues, inflight.queue_size);
+        self.inflight = Some(Arc::new(r));
+        Ok((reply, file))
+    }
+
+    fn set_inflight_fd(&mut self, inflight: &VhostUserInflight, file: File) -> VuResult<()> {
+        let r = InflightRegion::map(
+            file,
+            inflight.mmap_offset,
+            inflight.mmap_size,
+            inflight.num_queues,
+            inflight.queue_size,
+        )
+        .map_err(VuError::ReqHandlerError)?;
+        self.inflight = Some(Arc::new(r));
+        Ok(())
+    }
+
+    fn get_max_mem_slots(&mut self) -> VuResult<u64> {
+        Err(fail("CONFIGURE_MEM_SLOTS not offered"))
+    }
+
+    fn add_mem_region(
+        &mut self,
+        _region: &VhostUserSingleMemoryRegion,
+        _fd: File,
+        _postcopy_listening: Option<bool>,
+    ) -> VuResult<Option<u64>> {
+        Err(fail("CONFIGURE_MEM_SLOTS not offered"))
+    }
+
+    fn remove_mem_region(&mut self, _region: &VhostUserSingleMemoryRegion) -> VuResult<()> {
+        Err(fail("CONFIGURE_MEM_SLOTS not offered"))
+    }
+
+    fn set_device_state_fd(
+        &mut self,
+        _direction: VhostTransferStateDirection,
+        _phase: VhostTransferStatePhase,
+        _fd: File,
+    ) -> VuResult<Option<File>> {
+        Err(fail("device state transfer not offered"))
+    }
+
+    fn check_device_state(&mut self) -> VuResult<()> {
+        Err(fail("device state transfer not offered"))
+    }
+
+    fn get_shmem_config(&mut self) -> VuResult<VhostUserShMemConfig> {
+        Err(fail("no shared memory regions"))
+    }
+
+    fn set_log_base(&mut self, _log: &VhostUserLog, _file: File) -> VuResult<()> {
+        Err(fail("dirty logging not offered"))
+    }
+}

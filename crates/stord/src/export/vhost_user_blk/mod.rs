@@ -1,0 +1,286 @@
+//! The vhost-user-blk export: a QEMU/KVM guest's virtio-blk disk, served from shared guest
+//! memory.
+//!
+//! The listening socket is watched by the main loop; each connection gets a control thread
+//! that reads vhost-user messages (blocking, they are rare) through the rust-vmm `vhost`
+//! crate's request handler ([`backend`]). The data path never touches that thread: each
+//! virtqueue runs on an IoThread of the export's list ([`vring`]): a kick fd handler plus a
+//! poll handler peeking at the avail index, requests as tasks ([`request`]), completions
+//! batched per loop iteration. Like qsd, one frontend at a time.
+
+mod backend;
+mod device;
+mod inflight;
+mod request;
+mod vring;
+
+use std::os::fd::AsRawFd;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use stord_aio::{FdHandlerId, Interest, Remote};
+use vhost::vhost_user::{BackendReqHandler, Error as VuError};
+
+use crate::block::BlockNode;
+use crate::cli::keyval::KeyVal;
+
+pub use device::BlkDevice;
+
+/// Options of `--export type=vhost-user-blk`.
+pub struct VhostUserBlkOptions {
+    pub id: String,
+    pub node_name: String,
+    pub path: PathBuf,
+    pub writable: bool,
+    pub num_queues: u16,
+    pub logical_block_size: u32,
+    pub iothreads: Vec<String>,
+}
+
+impl VhostUserBlkOptions {
+    /// Parses the options after `type=vhost-user-blk` (the caller took `type`).
+    pub fn from_opts(kv: &mut KeyVal) -> Result<Self, String> {
+        let id = kv.take_required("id")?;
+        let node_name = kv.take_required("node-name")?;
+        let what = kv.what.clone();
+        match kv.take("addr.type").as_deref() {
+            Some("unix") => {}
+            Some(t) => return Err(format!("{what}: addr.type '{t}' not supported (use unix)")),
+            None => return Err(format!("{what}: parameter 'addr.type' is missing")),
+        }
+        let path = PathBuf::from(kv.take_required("addr.path")?);
+        let writable = kv.take_bool("writable", false)?;
+        let _ = kv.take_bool("writethrough", false)?;
+        let _ = kv.take_bool("fixed-iothread", false)?;
+        let num_queues = match kv.take_u64("num-queues", false)? {
+            None => 1,
+            Some(n @ 1..=64) => n as u16,
+            Some(n) => {
+                return Err(format!(
+                    "{what}: num-queues must be between 1 and 64, got {n}"
+                ))
+            }
+        };
+        let logical_block_size = match kv.take_u64("logical-block-size", true)? {
+            None => 512,
+            Some(n @ (512 | 1024 | 2048 | 4096)) => n as u32,
+            Some(n) => {
+                return Err(format!(
+                    "{what}: logical-block-size must be 512, 1024, 2048 or 4096, got {n}"
+                ))
+            }
+        };
+        let mut iothreads = Vec::new();
+        if let Some(t) = kv.take("iothread") {
+            iothreads.push(t);
+        }
+        let mut i = 0;
+        while let Some(t) = kv.take(&format!("iothread.{i}")) {
+            iothreads.push(t);
+            i += 1;
+        }
+        Ok(Self {
+            id,
+            node_name,
+            path,
+            writable,
+            num_queues,
+            logical_block_size,
+            iothreads,
+        })
+    }
+}
+
+/// The connection being served, if any.
+struct Connection {
+    stream: UnixStream,
+    thread: JoinHandle<()>,
+}
+
+/// A listening vhost-user-blk export.
+pub struct VhostUserBlkExport {
+    pub id: String,
+    pub node: Arc<BlockNode>,
+    pub path: PathBuf,
+    dev: Arc<BlkDevice>,
+    handler: Option<FdHandlerId>,
+    conn: Arc<Mutex<Option<Connection>>>,
+}
+
+impl VhostUserBlkExport {
+    /// Binds the socket and starts accepting on the current (main) loop. `remotes` are the
+    /// IoThreads that serve the queues (queue i on remotes[i % len]); empty: the main loop.
+    pub fn start(
+        opts: VhostUserBlkOptions,
+        node: Arc<BlockNode>,
+        mut remotes: Vec<Remote>,
+    ) -> Result<Self, String> {
+        let what = format!("vhost-user-blk export '{}'", opts.id);
+        if opts.writable && node.read_only {
+            return Err(format!("{what}: node '{}' is read-only", node.name));
+        }
+        if !node
+            .size()
+            .is_multiple_of(u64::from(opts.logical_block_size))
+        {
+            return Err(format!(
+                "{what}: size {} is not a multiple of the logical block size {}",
+                node.size(),
+                opts.logical_block_size
+            ));
+        }
+        if remotes.is_empty() {
+            remotes
+                .push(stord_aio::current_remote().ok_or_else(|| format!("{what}: no event loop"))?);
+        }
+        if opts.path.exists() {
+            let _ = std::fs::remove_file(&opts.path);
+        }
+        let listener = UnixListener::bind(&opts.path)
+            .map_err(|e| format!("{what}: cannot listen on {}: {e}", opts.path.display()))?;
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| format!("{what}: {e}"))?;
+        let dev = Arc::new(BlkDevice::new(
+            opts.id.clone(),
+            node.clone(),
+            opts.writable,
+            opts.logical_block_size,
+            opts.num_queues,
+        ));
+        let conn: Arc<Mutex<Option<Connection>>> = Arc::default();
+        let (dev2, conn2) = (dev.clone(), conn.clone());
+        let fd = listener.as_raw_fd();
+        let handler = stord_aio::with_current_context(|ctx| {
+            ctx.set_fd_handler(fd, Interest::READABLE, move |_| loop {
+                match listener.accept() {
+                    Ok((stream, _)) => accept(stream, &dev2, &remotes, &conn2),
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                    Err(e) => {
+                        eprintln!("stord: vhost-user-blk {}: accept failed: {e}", dev2.id);
+                        break;
+                    }
+                }
+            })
+        })
+        .ok_or_else(|| format!("{what}: no event loop"))?
+        .map_err(|e| format!("{what}: {e}"))?;
+        Ok(Self {
+            id: opts.id,
+            node,
+            path: opts.path,
+            dev,
+            handler: Some(handler),
+            conn,
+        })
+    }
+
+    /// Requests served per queue.
+    pub fn queue_requests(&self) -> Vec<u64> {
+        self.dev
+            .requests
+            .iter()
+            .map(|r| r.load(std::sync::atomic::Ordering::Relaxed))
+            .collect()
+    }
+
+    /// Whether a frontend is connected.
+    pub fn connected(&self) -> bool {
+        self.conn
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .is_some_and(|c| !c.thread.is_finished())
+    }
+
+    /// Stops listening, disconnects the frontend and waits for its queues to drain. Called
+    /// on the main loop, which it keeps running meanwhile (a queue may live there).
+    pub fn stop(&mut self) {
+        if let Some(h) = self.handler.take() {
+            stord_aio::with_current_context(|ctx| ctx.remove_fd_handler(h));
+        }
+        let _ = std::fs::remove_file(&self.path);
+        let conn = self.conn.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(c) = conn {
+            let _ = c.stream.shutdown(std::net::Shutdown::Both);
+            while !c.thread.is_finished() {
+                let pumped = stord_aio::with_current_context(|ctx| {
+                    ctx.block_on(stord_aio::sleep(Duration::from_millis(2)))
+                });
+                if pumped.is_none() {
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+            }
+            let _ = c.thread.join();
+        }
+    }
+}
+
+impl Drop for VhostUserBlkExport {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// A frontend connected: serve it on a control thread, unless one is already served.
+fn accept(
+    stream: UnixStream,
+    dev: &Arc<BlkDevice>,
+    remotes: &[Remote],
+    conn: &Arc<Mutex<Option<Connection>>>,
+) {
+    let mut slot = conn.lock().unwrap_or_else(|e| e.into_inner());
+    if slot.as_ref().is_some_and(|c| !c.thread.is_finished()) {
+        eprintln!(
+            "stord: vhost-user-blk {}: a frontend is already connected; refusing another",
+            dev.id
+        );
+        return;
+    }
+    let (Ok(ctl), Ok(())) = (stream.try_clone(), stream.set_nonblocking(false)) else {
+        eprintln!(
+            "stord: vhost-user-blk {}: cannot set up the connection",
+            dev.id
+        );
+        return;
+    };
+    let (dev, remotes) = (dev.clone(), remotes.to_vec());
+    let thread = std::thread::Builder::new()
+        .name(format!("vhost-user-{}", dev.id))
+        .spawn(move || serve(ctl, dev, remotes));
+    match thread {
+        Ok(thread) => *slot = Some(Connection { stream, thread }),
+        Err(e) => eprintln!("stord: vhost-user-blk: cannot start a control thread: {e}"),
+    }
+}
+
+/// The control thread: one vhost-user message at a time until the frontend goes away or
+/// breaks the protocol. Rejected requests (the backend said no) keep the connection.
+fn serve(stream: UnixStream, dev: Arc<BlkDevice>, remotes: Vec<Remote>) {
+    let backend = Arc::new(Mutex::new(backend::BlkBackend::new(dev.clone(), remotes)));
+    let mut handler = BackendReqHandler::from_stream(stream, backend.clone());
+    loop {
+        match handler.handle_request() {
+            Ok(()) => {}
+            Err(VuError::ReqHandlerError(e)) => {
+                eprintln!("stord: vhost-user-blk {}: request refused: {e}", dev.id);
+            }
+            Err(VuError::Disconnected) | Err(VuError::PartialMessage) => break,
+            Err(VuError::SocketBroken(e)) if e.kind() == std::io::ErrorKind::ConnectionReset => {
+                break
+            }
+            Err(e) => {
+                eprintln!(
+                    "stord: vhost-user-blk {}: closing the connection: {e}",
+                    dev.id
+                );
+                break;
+            }
+        }
+    }
+    backend.lock().unwrap_or_else(|e| e.into_inner()).stop_all();
+}

@@ -1,0 +1,346 @@
+//! One virtio-blk request: a descriptor chain whose device-readable part starts with a
+//! 16-byte header (type, ioprio, sector) and whose device-writable part ends with the status
+//! byte. Data moves between guest memory and an aligned request buffer.
+
+use std::io;
+
+use virtio_bindings::virtio_blk::*;
+use virtio_queue::desc::split::Descriptor;
+use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+
+use super::device::{BlkDevice, MAX_DISCARD_SECTORS, MAX_REQUEST_BYTES};
+use crate::block::new_buf;
+
+/// One guest buffer: address and length.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Segment {
+    pub addr: u64,
+    pub len: u32,
+}
+
+/// A request's buffers, split by direction.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Chain {
+    /// Device-readable (header, then write data or discard segments).
+    pub out: Vec<Segment>,
+    /// Device-writable (read data, then the status byte).
+    pub inn: Vec<Segment>,
+}
+
+impl Chain {
+    /// Splits descriptors; a readable descriptor after a writable one is malformed.
+    pub fn from_descriptors(descs: impl IntoIterator<Item = Descriptor>) -> Result<Self, String> {
+        let mut c = Chain::default();
+        for d in descs {
+            let s = Segment {
+                addr: d.addr().0,
+                len: d.len(),
+            };
+            if d.is_write_only() {
+                c.inn.push(s);
+            } else if !c.inn.is_empty() {
+                return Err("device-readable descriptor after a device-writable one".into());
+            } else {
+                c.out.push(s);
+            }
+        }
+        Ok(c)
+    }
+
+    fn out_len(&self) -> u64 {
+        self.out.iter().map(|s| u64::from(s.len)).sum()
+    }
+
+    fn in_len(&self) -> u64 {
+        self.inn.iter().map(|s| u64::from(s.len)).sum()
+    }
+}
+
+/// Copies `dst.len()` bytes starting `skip` bytes into `segs` out of guest memory.
+fn gather(mem: &GuestMemoryMmap, segs: &[Segment], mut skip: u64, dst: &mut [u8]) -> bool {
+    let mut done = 0;
+    for s in segs {
+        if done == dst.len() {
+            break;
+        }
+        let len = u64::from(s.len);
+        if skip >= len {
+            skip -= len;
+            continue;
+        }
+        let n = ((len - skip) as usize).min(dst.len() - done);
+        if mem
+            .read_slice(&mut dst[done..done + n], GuestAddress(s.addr + skip))
+            .is_err()
+        {
+            return false;
+        }
+        done += n;
+        skip = 0;
+    }
+    done == dst.len()
+}
+
+/// Copies `src` into guest memory across `segs`.
+fn scatter(mem: &GuestMemoryMmap, segs: &[Segment], src: &[u8]) -> bool {
+    let mut done = 0;
+    for s in segs {
+        if done == src.len() {
+            break;
+        }
+        let n = (s.len as usize).min(src.len() - done);
+        if mem
+            .write_slice(&src[done..done + n], GuestAddress(s.addr))
+            .is_err()
+        {
+            return false;
+        }
+        done += n;
+    }
+    done == src.len()
+}
+
+/// The writable segments minus the final status byte.
+fn data_in(c: &Chain) -> Vec<Segment> {
+    let mut segs = c.inn.clone();
+    if let Some(last) = segs.last_mut() {
+        last.len -= 1;
+        if last.len == 0 {
+            segs.pop();
+        }
+    }
+    segs
+}
+
+/// Runs one request and returns the number of bytes written to the device-writable part
+/// (the used length). Failures are reported in the status byte; a chain too broken to carry
+/// a status is logged and completed with length 0.
+pub async fn execute(dev: &BlkDevice, mem: &GuestMemoryMmap, chain: &Chain) -> u32 {
+    let in_len = chain.in_len();
+    let Some(last) = chain.inn.last().copied().filter(|s| s.len > 0) else {
+        eprintln!(
+            "stord: vhost-user-blk {}: request without a status byte",
+            dev.id
+        );
+        return 0;
+    };
+    let status_addr = GuestAddress(last.addr + u64::from(last.len) - 1);
+    let (status, written) = match run(dev, mem, chain).await {
+        Ok(n) => (VIRTIO_BLK_S_OK, n),
+        Err(Failure::Unsupported) => (VIRTIO_BLK_S_UNSUPP, 0),
+        Err(Failure::Io(why)) => {
+            if let Some(why) = why {
+                eprintln!("stord: vhost-user-blk {}: {why}", dev.id);
+            }
+            (VIRTIO_BLK_S_IOERR, 0)
+        }
+    };
+    if mem.write_obj(status as u8, status_addr).is_err() {
+        eprintln!(
+            "stord: vhost-user-blk {}: status byte outside guest memory",
+            dev.id
+        );
+        return 0;
+    }
+    (written + 1).min(in_len) as u32
+}
+
+enum Failure {
+    Unsupported,
+    /// An I/O error; Some(reason) when it is worth a log line (a malformed request).
+    Io(Option<String>),
+}
+
+impl From<io::Error> for Failure {
+    fn from(_: io::Error) -> Self {
+        Failure::Io(None)
+    }
+}
+
+fn malformed(why: impl Into<String>) -> Failure {
+    Failure::Io(Some(why.into()))
+}
+
+/// Checks a request range; returns the byte offset.
+fn check_range(dev: &BlkDevice, sector: u64, bytes: u64) -> Result<u64, Failure> {
+    let lbs = u64::from(dev.logical_block_size);
+    let offset = sector
+        .checked_mul(512)
+        .ok_or_else(|| malformed("sector number overflows"))?;
+    let end = offset
+        .checked_add(bytes)
+        .ok_or_else(|| malformed("request range overflows"))?;
+    if end > dev.node.size() {
+        return Err(malformed(format!(
+            "request [{offset}, {end}) beyond the disk's {} bytes",
+            dev.node.size()
+        )));
+    }
+    if !offset.is_multiple_of(lbs) || !bytes.is_multiple_of(lbs) {
+        return Err(malformed(format!(
+            "request [{offset}, +{bytes}) not aligned to the {lbs}-byte logical block"
+        )));
+    }
+    Ok(offset)
+}
+
+/// Bytes of data written to the guest (excluding the status byte), or why it failed.
+async fn run(dev: &BlkDevice, mem: &GuestMemoryMmap, chain: &Chain) -> Result<u64, Failure> {
+    let mut hdr = [0u8; 16];
+    if !gather(mem, &chain.out, 0, &mut hdr) {
+        return Err(malformed("request header missing or outside guest memory"));
+    }
+    let kind = u32::from_le_bytes(hdr[0..4].try_into().unwrap());
+    let sector = u64::from_le_bytes(hdr[8..16].try_into().unwrap());
+    match kind {
+        VIRTIO_BLK_T_IN => {
+            let segs = data_in(chain);
+            let len: u64 = segs.iter().map(|s| u64::from(s.len)).sum();
+            if len > MAX_REQUEST_BYTES {
+                return Err(malformed(format!("read of {len} bytes is too large")));
+            }
+            let offset = check_range(dev, sector, len)?;
+            let (r, buf) = dev.node.read(offset, new_buf(len as usize)).await;
+            r?;
+            if !scatter(mem, &segs, &buf) {
+                return Err(malformed("read buffer outside guest memory"));
+            }
+            Ok(len)
+        }
+        VIRTIO_BLK_T_OUT => {
+            if !dev.writable {
+                return Err(Failure::Io(None));
+            }
+            let len = chain.out_len() - 16;
+            if len > MAX_REQUEST_BYTES {
+                return Err(malformed(format!("write of {len} bytes is too large")));
+            }
+            let offset = check_range(dev, sector, len)?;
+            let mut buf = new_buf(len as usize);
+            if !gather(mem, &chain.out, 16, &mut buf) {
+                return Err(malformed("write buffer outside guest memory"));
+            }
+            let fua = !dev.writeback.load(std::sync::atomic::Ordering::Relaxed);
+            let (r, _) = dev.node.write(offset, buf, fua).await;
+            r?;
+            Ok(0)
+        }
+        VIRTIO_BLK_T_FLUSH => {
+            dev.node.flush().await?;
+            Ok(0)
+        }
+        VIRTIO_BLK_T_GET_ID => {
+            let mut id = [0u8; VIRTIO_BLK_ID_BYTES as usize];
+            let n = dev.id.len().min(id.len());
+            id[..n].copy_from_slice(&dev.id.as_bytes()[..n]);
+            let segs = data_in(chain);
+            let room: u64 = segs.iter().map(|s| u64::from(s.len)).sum();
+            let n = (room as usize).min(id.len());
+            if !scatter(mem, &segs, &id[..n]) {
+                return Err(malformed("id buffer outside guest memory"));
+            }
+            Ok(n as u64)
+        }
+        VIRTIO_BLK_T_DISCARD | VIRTIO_BLK_T_WRITE_ZEROES => {
+            if !dev.writable {
+                return Err(Failure::Io(None));
+            }
+            let bytes = chain.out_len() - 16;
+            if bytes != 16 {
+                return Err(malformed(format!(
+                    "discard/write-zeroes payload of {bytes} bytes (one 16-byte segment expected)"
+                )));
+            }
+            let mut seg = [0u8; 16];
+            if !gather(mem, &chain.out, 16, &mut seg) {
+                return Err(malformed("discard segment outside guest memory"));
+            }
+            let sector = u64::from_le_bytes(seg[0..8].try_into().unwrap());
+            let count = u32::from_le_bytes(seg[8..12].try_into().unwrap());
+            let flags = u32::from_le_bytes(seg[12..16].try_into().unwrap());
+            if count > MAX_DISCARD_SECTORS {
+                return Err(malformed(format!(
+                    "discard of {count} sectors is too large"
+                )));
+            }
+            let len = u64::from(count) * 512;
+            let offset = check_range(dev, sector, len)?;
+            if kind == VIRTIO_BLK_T_DISCARD {
+                if flags != 0 {
+                    return Err(Failure::Unsupported);
+                }
+                dev.node.discard(offset, len).await?;
+            } else {
+                let unmap = flags & VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP != 0;
+                dev.node.write_zeroes(offset, len, unmap).await?;
+            }
+            Ok(0)
+        }
+        _ => Err(Failure::Unsupported),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn desc(addr: u64, len: u32, write: bool) -> Descriptor {
+        let flags = if write {
+            virtio_bindings::virtio_ring::VRING_DESC_F_WRITE as u16
+        } else {
+            0
+        };
+        Descriptor::new(addr, len, flags, 0)
+    }
+
+    #[test]
+    fn chain_splits_by_direction() {
+        let c = Chain::from_descriptors([
+            desc(0, 16, false),
+            desc(4096, 512, true),
+            desc(8192, 1, true),
+        ])
+        .unwrap();
+        assert_eq!(c.out.len(), 1);
+        assert_eq!(c.inn.len(), 2);
+        assert_eq!(
+            data_in(&c),
+            vec![Segment {
+                addr: 4096,
+                len: 512
+            }]
+        );
+    }
+
+    #[test]
+    fn readable_after_writable_is_malformed() {
+        assert!(Chain::from_descriptors([
+            desc(0, 16, false),
+            desc(16, 1, true),
+            desc(32, 8, false)
+        ])
+        .is_err());
+    }
+
+    #[test]
+    fn gather_and_scatter_cross_segments() {
+        let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 1 << 16)]).unwrap();
+        let segs = [
+            Segment { addr: 100, len: 3 },
+            Segment { addr: 1000, len: 5 },
+        ];
+        assert!(scatter(&mem, &segs, b"abcdefgh"));
+        let mut out = [0u8; 6];
+        assert!(gather(&mem, &segs, 2, &mut out));
+        assert_eq!(&out, b"cdefgh");
+        // Past the end of guest memory.
+        assert!(!scatter(
+            &mem,
+            &[Segment {
+                addr: (1 << 16) - 2,
+                len: 8
+            }],
+            b"12345678"
+        ));
+    }
+}
