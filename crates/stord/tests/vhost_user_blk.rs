@@ -1,0 +1,339 @@
+//! The vhost-user-blk export with a real guest: QEMU (TCG) boots Debian's kernel with a
+//! busybox initramfs (scripts/build-guest.sh) and a vhost-user-blk-pci disk on our socket.
+//! The guest runs a script from tests/guest/ and prints `GUEST-*` lines on its serial
+//! console; the host checks them and the image. The same tests run against
+//! qemu-storage-daemon, to show they are fair.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::os::unix::fs::MetadataExt;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Mutex, Once};
+use std::time::{Duration, Instant};
+
+use common::{run_ok, tmpdir, Stord};
+
+/// One guest at a time: TCG keeps a core busy, and the machine has two.
+static SERIAL: Mutex<()> = Mutex::new(());
+static BUILD: Once = Once::new();
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// Builds the guest kernel + initramfs (once per test binary).
+fn guest_dir() -> PathBuf {
+    BUILD.call_once(|| {
+        let st = Command::new(repo().join("scripts/build-guest.sh"))
+            .status()
+            .expect("run scripts/build-guest.sh");
+        assert!(st.success(), "scripts/build-guest.sh failed");
+    });
+    repo().join("target/guest")
+}
+
+/// Boots the guest against `sock` with `queues` queues, runs tests/guest/`script`.sh, and
+/// returns its console output.
+fn boot(sock: &Path, queues: u16, script: &str) -> String {
+    let g = guest_dir();
+    let mut child = Command::new("qemu-system-x86_64")
+        .args([
+            "-machine",
+            "q35,memory-backend=mem",
+            "-smp",
+            "2",
+            "-m",
+            "256",
+        ])
+        .args(["-object", "memory-backend-memfd,id=mem,size=256M,share=on"])
+        .args(["-chardev", &format!("socket,id=c,path={}", sock.display())])
+        .args([
+            "-device",
+            &format!("vhost-user-blk-pci,chardev=c,num-queues={queues}"),
+        ])
+        .args([
+            "-nographic",
+            "-no-reboot",
+            "-nodefaults",
+            "-serial",
+            "stdio",
+        ])
+        .args(["-kernel", &g.join("vmlinuz").display().to_string()])
+        .args(["-initrd", &g.join("initrd").display().to_string()])
+        .args([
+            "-append",
+            &format!("console=ttyS0 quiet panic=-1 stord.script={script}"),
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn qemu-system-x86_64");
+    let deadline = Instant::now() + Duration::from_secs(240);
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = child.wait();
+    let mut out = String::new();
+    let _ = child.stdout.take().unwrap().read_to_string(&mut out);
+    let mut err = String::new();
+    let _ = child.stderr.take().unwrap().read_to_string(&mut err);
+    format!("{out}\n{err}")
+}
+
+/// The value of the guest's `GUEST-<key> value` line.
+fn field<'a>(out: &'a str, key: &str) -> Option<&'a str> {
+    let tag = format!("GUEST-{key} ");
+    out.lines()
+        .filter_map(|l| l.find(&tag).map(|i| l[i + tag.len()..].trim()))
+        .next()
+}
+
+fn passed(out: &str) -> bool {
+    out.contains("GUEST-PASS")
+}
+
+/// A 64 MiB image full of data (so a discard shows as freed blocks).
+fn filled_image(dir: &Path) -> PathBuf {
+    let img = dir.join("disk.img");
+    let mut f = std::fs::File::create(&img).unwrap();
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut chunk = vec![0u8; 1 << 20];
+    for _ in 0..64 {
+        for b in chunk.chunks_mut(8) {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            b.copy_from_slice(&x.to_le_bytes());
+        }
+        f.write_all(&chunk).unwrap();
+    }
+    f.sync_all().unwrap();
+    img
+}
+
+fn sha256_of_range(img: &Path, skip_64k: u64, count_64k: u64) -> String {
+    let out = run_ok(
+        "sh",
+        &[
+            "-c",
+            &format!(
+                "dd if={} bs=64k skip={skip_64k} count={count_64k} 2>/dev/null | sha256sum",
+                img.display()
+            ),
+        ],
+    );
+    out.split_whitespace().next().unwrap().to_string()
+}
+
+fn allocated(img: &Path) -> u64 {
+    std::fs::metadata(img).unwrap().blocks() * 512
+}
+
+enum Peer {
+    Stord(Stord),
+    Qsd(Child),
+}
+
+/// Starts stord or qsd exporting `img` at `sock`. `export_extra` goes on the --export.
+fn start_peer(
+    qsd: bool,
+    dir: &Path,
+    img: &Path,
+    sock: &Path,
+    export_extra: &str,
+    iothreads: usize,
+) -> Peer {
+    let mut args = Vec::new();
+    for i in 0..iothreads {
+        args.push("--object".to_string());
+        args.push(format!("iothread,id=io{i}"));
+    }
+    args.push("--blockdev".into());
+    args.push(format!(
+        "file,node-name=disk,filename={},cache.direct=on,aio=io_uring,discard=unmap",
+        img.display()
+    ));
+    args.push("--export".into());
+    args.push(format!(
+        "vhost-user-blk,id=vu0,node-name=disk,addr.type=unix,addr.path={}{export_extra}",
+        sock.display()
+    ));
+    if qsd {
+        let child = Command::new("qemu-storage-daemon")
+            .args(&args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn qemu-storage-daemon");
+        let start = Instant::now();
+        while !sock.exists() {
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "qsd did not listen"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        Peer::Qsd(child)
+    } else {
+        Peer::Stord(Stord::start(dir, &args))
+    }
+}
+
+impl Peer {
+    /// Stops the daemon; returns stord's stderr (empty for qsd).
+    fn stop(self) -> String {
+        match self {
+            Peer::Stord(mut s) => s.stop_and_stderr(),
+            Peer::Qsd(mut c) => {
+                // SAFETY: kill(2) on our own child's pid.
+                unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+                let _ = c.wait();
+                String::new()
+            }
+        }
+    }
+}
+
+/// The read-write scenario: pattern written with O_DIRECT and read back in the guest, the
+/// same bytes in the host image, every queue used, discard frees blocks in the image.
+fn read_write(qsd: bool, queues: u16, iothreads: usize, extra: &str) -> (String, String) {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let who = if qsd { "qsd" } else { "stord" };
+    let dir = tmpdir(&format!("vub-rw-{who}-{queues}"));
+    let img = filled_image(&dir);
+    let sock = dir.join("vhost.sock");
+    let mut export = format!(",writable=on,num-queues={queues}{extra}");
+    if qsd && iothreads > 0 {
+        // qsd 10.0 takes one iothread per export (lists arrived in 10.1).
+        export.push_str(",iothread=io0");
+    } else {
+        for i in 0..iothreads {
+            export.push_str(&format!(",iothread.{i}=io{i}"));
+        }
+    }
+    let peer = start_peer(qsd, &dir, &img, &sock, &export, iothreads);
+    let before = allocated(&img);
+    let out = boot(&sock, queues, "rw");
+    let stderr = peer.stop();
+    assert!(passed(&out), "{who}: guest failed:\n{out}\n{stderr}");
+    let wrote = field(&out, "WROTE").expect("WROTE");
+    assert_eq!(field(&out, "READ"), Some(wrote), "{who}: read back differs");
+    assert_eq!(
+        sha256_of_range(&img, 16, 64),
+        wrote,
+        "{who}: the host image does not hold what the guest wrote"
+    );
+    assert_eq!(field(&out, "QUEUES"), Some(queues.to_string().as_str()));
+    assert_eq!(field(&out, "SECTORS"), Some("131072"));
+    let freed = before.saturating_sub(allocated(&img));
+    assert!(
+        freed >= 8 << 20,
+        "{who}: discard freed only {freed} bytes of the image"
+    );
+    (out, stderr)
+}
+
+/// Requests per queue from stord's exit statistics.
+fn queue_requests(stderr: &str) -> Vec<u64> {
+    let line = stderr
+        .lines()
+        .find(|l| l.contains("requests per queue"))
+        .unwrap_or_else(|| panic!("no per-queue statistics in:\n{stderr}"));
+    let list = &line[line.find('[').unwrap() + 1..line.find(']').unwrap()];
+    list.split(',').map(|n| n.trim().parse().unwrap()).collect()
+}
+
+#[test]
+fn guest_reads_and_writes_through_one_queue_on_the_main_loop() {
+    let (out, stderr) = read_write(false, 1, 0, ",logical-block-size=4096");
+    assert_eq!(field(&out, "LBS"), Some("4096"));
+    let per_queue = queue_requests(&stderr);
+    assert_eq!(per_queue.len(), 1);
+    assert!(per_queue[0] > 100, "{per_queue:?}");
+}
+
+#[test]
+fn guest_uses_both_queues_on_two_iothreads() {
+    let (_, stderr) = read_write(false, 2, 2, "");
+    let per_queue = queue_requests(&stderr);
+    assert_eq!(per_queue.len(), 2);
+    assert!(
+        per_queue.iter().all(|&n| n > 100),
+        "a queue was idle: {per_queue:?}"
+    );
+}
+
+#[test]
+fn qsd_passes_the_same_read_write_test() {
+    read_write(true, 2, 2, "");
+}
+
+fn read_only(qsd: bool) {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let who = if qsd { "qsd" } else { "stord" };
+    let dir = tmpdir(&format!("vub-ro-{who}"));
+    let img = filled_image(&dir);
+    let sock = dir.join("vhost.sock");
+    let want = sha256_of_range(&img, 16, 64);
+    let peer = start_peer(qsd, &dir, &img, &sock, ",writable=off", 1);
+    let out = boot(&sock, 1, "ro");
+    let stderr = peer.stop();
+    assert!(passed(&out), "{who}: guest failed:\n{out}\n{stderr}");
+    assert_eq!(field(&out, "RO"), Some("1"));
+    assert_eq!(field(&out, "WRITE"), Some("refused"));
+    assert_eq!(field(&out, "READ"), Some(want.as_str()));
+    assert_eq!(sha256_of_range(&img, 16, 64), want, "{who}: image changed");
+}
+
+#[test]
+fn read_only_export_is_read_only_in_the_guest() {
+    read_only(false);
+}
+
+#[test]
+fn qsd_passes_the_same_read_only_test() {
+    read_only(true);
+}
+
+#[test]
+fn a_bad_vhost_user_message_closes_only_that_connection() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tmpdir("vub-bad");
+    let img = filled_image(&dir);
+    let sock = dir.join("vhost.sock");
+    let peer = start_peer(false, &dir, &img, &sock, ",writable=on", 1);
+    // A header with an unknown request code and a body size beyond the protocol's limit.
+    let mut c = UnixStream::connect(&sock).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut msg = Vec::new();
+    msg.extend_from_slice(&0xdead_u32.to_le_bytes());
+    msg.extend_from_slice(&1u32.to_le_bytes());
+    msg.extend_from_slice(&0x7fff_ffff_u32.to_le_bytes());
+    c.write_all(&msg).unwrap();
+    let mut b = [0u8; 16];
+    let n = c.read(&mut b).unwrap_or(0);
+    assert_eq!(
+        n, 0,
+        "the daemon should close a connection that breaks the protocol"
+    );
+    drop(c);
+    // The export still serves a real guest afterwards.
+    let out = boot(&sock, 1, "ro");
+    let stderr = peer.stop();
+    assert!(
+        out.contains("GUEST-RO 0"),
+        "guest did not see the disk:\n{out}\n{stderr}"
+    );
+    assert!(
+        stderr.contains("vhost-user-blk vu0: closing the connection"),
+        "no log line for the bad message:\n{stderr}"
+    );
+}
