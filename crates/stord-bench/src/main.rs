@@ -7,6 +7,9 @@
 //!   [--workload randread:16]... [--stord-policy P] [--file-aio MODE]`: fio's nbd engine
 //!   against stord, qemu-storage-daemon and nbdkit, with fio on the raw file as the floor.
 //! - `idle [--seconds N]`: CPU used by each daemon with two IoThreads and an export, idle.
+//! - `vhost [--runtime S] [--reps N] [--backend null|file]... [--daemon stord-POLICY|qsd]...
+//!   [--workload randread:16]...`: our own vhost-user frontend against the vhost-user-blk
+//!   exports of stord (one row per polling policy) and qemu-storage-daemon.
 //! - `fuse [--runtime S] [--reps N] [--backend null|file]... [--iothreads N]...
 //!   [--daemon stord|qsd]...`: fio through the FUSE-mounted image, stord vs qsd.
 
@@ -15,6 +18,7 @@ mod fuse;
 mod idle;
 mod nbd;
 mod peers;
+mod vhost;
 
 use std::path::PathBuf;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -27,6 +31,8 @@ fn usage() -> ! {
          [--daemon stord|qsd|nbdkit]... [--workload RW:QD]... [--stord-policy P] [--file-aio MODE] [--out DIR]\n\
          \x20      stord-bench fuse [--runtime S] [--reps N] [--backend null|file]... \
          [--iothreads N]... [--daemon stord|stord-uring|qsd]... [--out DIR]\n\
+         \x20      stord-bench vhost [--runtime S] [--reps N] [--backend null|file]... \
+         [--daemon stord-off|stord-classic|stord-weighted|stord-haltpoll|qsd]... [--workload RW:QD]... [--out DIR]\n\
          \x20      stord-bench idle [--seconds N] [--out DIR]"
     );
     std::process::exit(2);
@@ -179,6 +185,30 @@ fn main() {
             let rows = fuse::run(&opts);
             let doc = serde_json::json!({ "runtime_s": opts.runtime_s, "reps": opts.reps });
             write_rows(out, "fuse", "fuse-fio", &rows, doc);
+        }
+        "vhost" => {
+            let mut opts = vhost::VhostOptions::default();
+            let (mut backends, mut daemons, mut workloads) = (Vec::new(), Vec::new(), Vec::new());
+            for (flag, v) in flag_pairs(&args[1..]) {
+                match flag {
+                    "--runtime" => opts.runtime_s = parse(flag, v),
+                    "--reps" => opts.reps = parse(flag, v),
+                    "--backend" => backends.push(v.to_string()),
+                    "--daemon" => daemons.push(v.to_string()),
+                    "--workload" => {
+                        let (rw, qd) = v.split_once(':').unwrap_or_else(|| usage());
+                        workloads.push((rw.to_string(), parse(flag, qd)));
+                    }
+                    "--out" => out = Some(PathBuf::from(v)),
+                    _ => usage(),
+                }
+            }
+            set_if_given(&mut opts.backends, backends);
+            set_if_given(&mut opts.daemons, daemons);
+            set_if_given(&mut opts.workloads, workloads);
+            let rows = vhost::run(&opts);
+            let doc = serde_json::json!({ "runtime_s": opts.runtime_s, "reps": opts.reps });
+            write_rows(out, "vhost", "vhost-user-blk-frontend", &rows, doc);
         }
         "idle" => {
             let mut secs = 10;

@@ -6,7 +6,8 @@
 //! crate's request handler ([`backend`]). The data path never touches that thread: each
 //! virtqueue runs on an IoThread of the export's list ([`vring`]): a kick fd handler plus a
 //! poll handler peeking at the avail index, requests as tasks ([`request`]), completions
-//! batched per loop iteration. Like qsd, one frontend at a time.
+//! batched per loop iteration. Like qsd, one frontend at a time: a second connection waits
+//! until the first has gone.
 
 mod backend;
 mod device;
@@ -94,7 +95,7 @@ impl VhostUserBlkOptions {
     }
 }
 
-/// The connection being served, if any.
+/// A connection being served or waiting its turn.
 struct Connection {
     stream: UnixStream,
     thread: JoinHandle<()>,
@@ -107,7 +108,7 @@ pub struct VhostUserBlkExport {
     pub path: PathBuf,
     dev: Arc<BlkDevice>,
     handler: Option<FdHandlerId>,
-    conn: Arc<Mutex<Option<Connection>>>,
+    conns: Arc<Mutex<Vec<Connection>>>,
 }
 
 impl VhostUserBlkExport {
@@ -151,13 +152,14 @@ impl VhostUserBlkExport {
             opts.logical_block_size,
             opts.num_queues,
         ));
-        let conn: Arc<Mutex<Option<Connection>>> = Arc::default();
-        let (dev2, conn2) = (dev.clone(), conn.clone());
+        let conns: Arc<Mutex<Vec<Connection>>> = Arc::default();
+        let turn = Arc::new(Mutex::new(()));
+        let (dev2, conns2) = (dev.clone(), conns.clone());
         let fd = listener.as_raw_fd();
         let handler = stord_aio::with_current_context(|ctx| {
             ctx.set_fd_handler(fd, Interest::READABLE, move |_| loop {
                 match listener.accept() {
-                    Ok((stream, _)) => accept(stream, &dev2, &remotes, &conn2),
+                    Ok((stream, _)) => accept(stream, &dev2, &remotes, &conns2, &turn),
                     Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
                     Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                     Err(e) => {
@@ -175,7 +177,7 @@ impl VhostUserBlkExport {
             path: opts.path,
             dev,
             handler: Some(handler),
-            conn,
+            conns,
         })
     }
 
@@ -190,11 +192,11 @@ impl VhostUserBlkExport {
 
     /// Whether a frontend is connected.
     pub fn connected(&self) -> bool {
-        self.conn
+        self.conns
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .as_ref()
-            .is_some_and(|c| !c.thread.is_finished())
+            .iter()
+            .any(|c| !c.thread.is_finished())
     }
 
     /// Stops listening, disconnects the frontend and waits for its queues to drain. Called
@@ -204,9 +206,11 @@ impl VhostUserBlkExport {
             stord_aio::with_current_context(|ctx| ctx.remove_fd_handler(h));
         }
         let _ = std::fs::remove_file(&self.path);
-        let conn = self.conn.lock().unwrap_or_else(|e| e.into_inner()).take();
-        if let Some(c) = conn {
+        let conns = std::mem::take(&mut *self.conns.lock().unwrap_or_else(|e| e.into_inner()));
+        for c in &conns {
             let _ = c.stream.shutdown(std::net::Shutdown::Both);
+        }
+        for c in conns {
             while !c.thread.is_finished() {
                 let pumped = stord_aio::with_current_context(|ctx| {
                     ctx.block_on(stord_aio::sleep(Duration::from_millis(2)))
@@ -226,21 +230,17 @@ impl Drop for VhostUserBlkExport {
     }
 }
 
-/// A frontend connected: serve it on a control thread, unless one is already served.
+/// A frontend connected: serve it on a control thread, which first waits for its `turn`
+/// (the frontend before it to go).
 fn accept(
     stream: UnixStream,
     dev: &Arc<BlkDevice>,
     remotes: &[Remote],
-    conn: &Arc<Mutex<Option<Connection>>>,
+    conns: &Arc<Mutex<Vec<Connection>>>,
+    turn: &Arc<Mutex<()>>,
 ) {
-    let mut slot = conn.lock().unwrap_or_else(|e| e.into_inner());
-    if slot.as_ref().is_some_and(|c| !c.thread.is_finished()) {
-        eprintln!(
-            "stord: vhost-user-blk {}: a frontend is already connected; refusing another",
-            dev.id
-        );
-        return;
-    }
+    let mut list = conns.lock().unwrap_or_else(|e| e.into_inner());
+    list.retain(|c| !c.thread.is_finished());
     let (Ok(ctl), Ok(())) = (stream.try_clone(), stream.set_nonblocking(false)) else {
         eprintln!(
             "stord: vhost-user-blk {}: cannot set up the connection",
@@ -248,12 +248,15 @@ fn accept(
         );
         return;
     };
-    let (dev, remotes) = (dev.clone(), remotes.to_vec());
+    let (dev, remotes, turn) = (dev.clone(), remotes.to_vec(), turn.clone());
     let thread = std::thread::Builder::new()
         .name(format!("vhost-user-{}", dev.id))
-        .spawn(move || serve(ctl, dev, remotes));
+        .spawn(move || {
+            let _turn = turn.lock().unwrap_or_else(|e| e.into_inner());
+            serve(ctl, dev, remotes)
+        });
     match thread {
-        Ok(thread) => *slot = Some(Connection { stream, thread }),
+        Ok(thread) => list.push(Connection { stream, thread }),
         Err(e) => eprintln!("stord: vhost-user-blk: cannot start a control thread: {e}"),
     }
 }

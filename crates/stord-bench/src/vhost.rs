@@ -1,0 +1,438 @@
+//! `stord-bench vhost`: a vhost-user frontend of our own drives 4k random reads and writes
+//! against stord's and qemu-storage-daemon's vhost-user-blk exports, the way a guest's
+//! virtio-blk driver would: shared memfd memory, a split virtqueue we lay out ourselves,
+//! EVENT_IDX for kicks and interrupts, and a blocking wait on the call eventfd when nothing
+//! has completed (so the daemon's side of notification suppression is exercised).
+//!
+//! Every stord polling policy is a separate "daemon" in the table; qsd runs with its
+//! defaults. The file backend adds fio on the raw file (io_uring, O_DIRECT) as the floor.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{fence, Ordering};
+use std::time::{Duration, Instant};
+
+use vhost::vhost_user::message::VhostUserProtocolFeatures;
+use vhost::vhost_user::{Frontend, VhostUserFrontend};
+use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
+use vm_memory::{Bytes, FileOffset, GuestAddress, GuestMemoryMmap, GuestRegionMmap, MmapRegion};
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::nbd::{bench_dir, prepare_image, which, Row, IMAGE_SIZE};
+use crate::peers::{run_fio, stord_binary, Daemon, FioResult};
+
+/// Options of the vhost-user-blk benchmark.
+pub struct VhostOptions {
+    pub runtime_s: u64,
+    pub reps: usize,
+    pub backends: Vec<String>,
+    pub workloads: Vec<(String, u32)>,
+    pub daemons: Vec<String>,
+}
+
+impl Default for VhostOptions {
+    fn default() -> Self {
+        Self {
+            runtime_s: 4,
+            reps: 2,
+            backends: vec!["null".into(), "file".into()],
+            workloads: vec![
+                ("randread".into(), 1),
+                ("randwrite".into(), 1),
+                ("randread".into(), 16),
+                ("randwrite".into(), 16),
+            ],
+            daemons: vec![
+                "stord-off".into(),
+                "stord-classic".into(),
+                "stord-weighted".into(),
+                "stord-haltpoll".into(),
+                "qsd".into(),
+            ],
+        }
+    }
+}
+
+const QUEUE_SIZE: u16 = 256;
+const MEM_SIZE: usize = 16 << 20;
+const DESC: u64 = 0;
+const AVAIL: u64 = 0x1000;
+const USED: u64 = 0x2000;
+const HEADERS: u64 = 0x4000;
+const STATUS: u64 = 0x5000;
+const DATA: u64 = 1 << 20;
+const BS: u32 = 4096;
+
+const F_VERSION_1: u64 = 1 << 32;
+const F_EVENT_IDX: u64 = 1 << 29;
+const F_PROTOCOL_FEATURES: u64 = 1 << 30;
+
+/// A connected frontend with one queue, driven from this thread.
+struct Driver {
+    fe: Frontend,
+    mem: GuestMemoryMmap,
+    kick: EventFd,
+    call: EventFd,
+    avail_idx: u16,
+    last_used: u16,
+    event_idx: bool,
+    sectors: u64,
+    rng: u64,
+}
+
+impl Driver {
+    fn connect(sock: &Path) -> Driver {
+        let file = memfd(MEM_SIZE);
+        let map = MmapRegion::from_file(FileOffset::new(file, 0), MEM_SIZE).expect("map memfd");
+        let region = GuestRegionMmap::new(map, GuestAddress(0)).expect("region");
+        let info = VhostUserMemoryRegionInfo::from_guest_region(&region).expect("region info");
+        let mem = GuestMemoryMmap::from_regions(vec![region]).expect("guest memory");
+        let mut fe = Frontend::connect(sock, 1).expect("connect to the vhost-user socket");
+        fe.set_owner().expect("SET_OWNER");
+        let offered = fe.get_features().expect("GET_FEATURES");
+        let features = offered & (F_VERSION_1 | F_EVENT_IDX | F_PROTOCOL_FEATURES);
+        if features & F_PROTOCOL_FEATURES != 0 {
+            let p = fe.get_protocol_features().expect("GET_PROTOCOL_FEATURES");
+            fe.set_protocol_features(
+                p & (VhostUserProtocolFeatures::MQ | VhostUserProtocolFeatures::CONFIG),
+            )
+            .expect("SET_PROTOCOL_FEATURES");
+        }
+        fe.set_features(features).expect("SET_FEATURES");
+        fe.set_mem_table(&[info]).expect("SET_MEM_TABLE");
+        let host = |gpa: u64| info.userspace_addr + gpa;
+        fe.set_vring_num(0, QUEUE_SIZE).expect("SET_VRING_NUM");
+        fe.set_vring_addr(
+            0,
+            &VringConfigData {
+                queue_max_size: QUEUE_SIZE,
+                queue_size: QUEUE_SIZE,
+                flags: 0,
+                desc_table_addr: host(DESC),
+                used_ring_addr: host(USED),
+                avail_ring_addr: host(AVAIL),
+                log_addr: None,
+            },
+        )
+        .expect("SET_VRING_ADDR");
+        fe.set_vring_base(0, 0).expect("SET_VRING_BASE");
+        let call = EventFd::new(0).expect("eventfd");
+        let kick = EventFd::new(0).expect("eventfd");
+        fe.set_vring_call(0, &call).expect("SET_VRING_CALL");
+        fe.set_vring_kick(0, &kick).expect("SET_VRING_KICK");
+        if features & F_PROTOCOL_FEATURES != 0 {
+            fe.set_vring_enable(0, true).expect("SET_VRING_ENABLE");
+        }
+        Driver {
+            fe,
+            mem,
+            kick,
+            call,
+            avail_idx: 0,
+            last_used: 0,
+            event_idx: features & F_EVENT_IDX != 0,
+            sectors: IMAGE_SIZE / 512,
+            rng: 0x2545_f491_4f6c_dd1d,
+        }
+    }
+
+    fn random_sector(&mut self) -> u64 {
+        self.rng ^= self.rng << 13;
+        self.rng ^= self.rng >> 7;
+        self.rng ^= self.rng << 17;
+        (self.rng % (self.sectors / 8)) * 8
+    }
+
+    /// Puts the request of `slot` (descriptors 3*slot..3*slot+2) in the avail ring.
+    fn queue(&mut self, slot: u16, write: bool) {
+        let sector = self.random_sector();
+        let m = &self.mem;
+        let hdr = HEADERS + 16 * u64::from(slot);
+        m.write_obj(u32::from(write).to_le(), GuestAddress(hdr))
+            .unwrap();
+        m.write_obj(0u32, GuestAddress(hdr + 4)).unwrap();
+        m.write_obj(sector.to_le(), GuestAddress(hdr + 8)).unwrap();
+        let d = 3 * slot;
+        let (next, wr) = (1u16, 2u16);
+        let data_flags = if write { next } else { next | wr };
+        self.desc(d, hdr, 16, next, d + 1);
+        self.desc(
+            d + 1,
+            DATA + u64::from(slot) * 0x10000,
+            BS,
+            data_flags,
+            d + 2,
+        );
+        self.desc(d + 2, STATUS + u64::from(slot), 1, wr, 0);
+        let pos = AVAIL + 4 + 2 * u64::from(self.avail_idx % QUEUE_SIZE);
+        m.write_obj(d.to_le(), GuestAddress(pos)).unwrap();
+        self.avail_idx = self.avail_idx.wrapping_add(1);
+    }
+
+    fn desc(&self, i: u16, addr: u64, len: u32, flags: u16, next: u16) {
+        let at = GuestAddress(DESC + 16 * u64::from(i));
+        self.mem.write_obj(addr.to_le(), at).unwrap();
+        self.mem
+            .write_obj(len.to_le(), GuestAddress(at.0 + 8))
+            .unwrap();
+        self.mem
+            .write_obj(flags.to_le(), GuestAddress(at.0 + 12))
+            .unwrap();
+        self.mem
+            .write_obj(next.to_le(), GuestAddress(at.0 + 14))
+            .unwrap();
+    }
+
+    /// Publishes the avail index and kicks if the device asked for it.
+    fn publish(&mut self, old: u16) {
+        fence(Ordering::Release);
+        self.mem
+            .store(self.avail_idx, GuestAddress(AVAIL + 2), Ordering::Release)
+            .unwrap();
+        fence(Ordering::SeqCst);
+        let kick = if self.event_idx {
+            let event: u16 = self
+                .mem
+                .load(
+                    GuestAddress(USED + 4 + 8 * u64::from(QUEUE_SIZE)),
+                    Ordering::Acquire,
+                )
+                .unwrap();
+            self.avail_idx.wrapping_sub(event).wrapping_sub(1) < self.avail_idx.wrapping_sub(old)
+        } else {
+            let flags: u16 = self
+                .mem
+                .load(GuestAddress(USED), Ordering::Acquire)
+                .unwrap();
+            flags & 1 == 0
+        };
+        if kick {
+            self.kick.write(1).unwrap();
+        }
+    }
+
+    fn used_idx(&self) -> u16 {
+        self.mem
+            .load(GuestAddress(USED + 2), Ordering::Acquire)
+            .unwrap()
+    }
+
+    /// Waits for completions; returns the slots that completed.
+    fn reap(&mut self, out: &mut Vec<u16>) {
+        loop {
+            let mut idx = self.used_idx();
+            if idx == self.last_used {
+                // Ask for an interrupt at the next completion, re-check, then sleep.
+                self.mem
+                    .store(
+                        self.last_used,
+                        GuestAddress(AVAIL + 4 + 2 * u64::from(QUEUE_SIZE)),
+                        Ordering::Release,
+                    )
+                    .unwrap();
+                fence(Ordering::SeqCst);
+                idx = self.used_idx();
+                if idx == self.last_used {
+                    let _ = self.call.read();
+                    continue;
+                }
+            }
+            while self.last_used != idx {
+                let pos = USED + 4 + 8 * u64::from(self.last_used % QUEUE_SIZE);
+                let id: u32 = self.mem.read_obj(GuestAddress(pos)).unwrap();
+                let slot = (u32::from_le(id) / 3) as u16;
+                let status: u8 = self
+                    .mem
+                    .read_obj(GuestAddress(STATUS + u64::from(slot)))
+                    .unwrap();
+                assert_eq!(status, 0, "request failed with virtio-blk status {status}");
+                out.push(slot);
+                self.last_used = self.last_used.wrapping_add(1);
+            }
+            return;
+        }
+    }
+}
+
+/// Anonymous shared memory (memfd) of `size` bytes, for the daemon to map.
+fn memfd(size: usize) -> std::fs::File {
+    use std::os::fd::FromRawFd;
+    // SAFETY: the name is a NUL-terminated literal; no other pointers.
+    let fd = unsafe { libc::memfd_create(c"stord-bench-guest".as_ptr(), libc::MFD_CLOEXEC) };
+    assert!(fd >= 0, "memfd_create: {}", std::io::Error::last_os_error());
+    // SAFETY: memfd_create returned a new fd that nothing else owns.
+    let f = unsafe { std::fs::File::from_raw_fd(fd) };
+    f.set_len(size as u64).expect("size the memfd");
+    f
+}
+
+/// Runs `rw` at `qd` for `runtime` after a one-second ramp; returns fio-like figures.
+fn drive(sock: &Path, write: bool, qd: u16, runtime: Duration) -> FioResult {
+    let mut d = Driver::connect(sock);
+    let mut started = vec![Instant::now(); qd as usize];
+    let old = d.avail_idx;
+    for s in 0..qd {
+        d.queue(s, write);
+    }
+    d.publish(old);
+    let ramp_end = Instant::now() + Duration::from_secs(1);
+    let mut measuring = false;
+    let mut end = ramp_end + runtime;
+    let mut lat_ns: Vec<u64> = Vec::with_capacity(1 << 20);
+    let mut done = Vec::with_capacity(qd as usize);
+    loop {
+        done.clear();
+        d.reap(&mut done);
+        let now = Instant::now();
+        if !measuring && now >= ramp_end {
+            measuring = true;
+            lat_ns.clear();
+            end = now + runtime;
+        }
+        if measuring && now >= end {
+            break;
+        }
+        let old = d.avail_idx;
+        for &s in &done {
+            if measuring {
+                lat_ns.push((now - started[s as usize]).as_nanos() as u64);
+            }
+            started[s as usize] = Instant::now();
+            d.queue(s, write);
+        }
+        d.publish(old);
+    }
+    // Let the daemon finish what is queued before we disconnect.
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while d.used_idx() != d.avail_idx && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    drop(d.fe);
+    let n = lat_ns.len();
+    lat_ns.sort_unstable();
+    let pct = |p: f64| {
+        if n == 0 {
+            0.0
+        } else {
+            lat_ns[((n as f64 * p) as usize).min(n - 1)] as f64 / 1000.0
+        }
+    };
+    FioResult {
+        iops: n as f64 / runtime.as_secs_f64(),
+        mean_us: if n == 0 {
+            0.0
+        } else {
+            lat_ns.iter().sum::<u64>() as f64 / n as f64 / 1000.0
+        },
+        p50_us: pct(0.50),
+        p99_us: pct(0.99),
+        total_ios: n as u64,
+    }
+}
+
+fn daemon_args(daemon: &str, backend: &str, img: &Path, sock: &Path) -> (PathBuf, Vec<String>) {
+    let node = match backend {
+        "null" => format!("driver=null-co,node-name=disk,size={IMAGE_SIZE}"),
+        _ => format!(
+            "driver=file,node-name=disk,filename={},aio=io_uring,cache.direct=on",
+            img.display()
+        ),
+    };
+    let (bin, iothread) = match daemon.strip_prefix("stord-") {
+        Some(policy) => (
+            stord_binary(),
+            format!("iothread,id=io0,poll-policy={policy}"),
+        ),
+        None => (
+            PathBuf::from("qemu-storage-daemon"),
+            "iothread,id=io0".into(),
+        ),
+    };
+    (
+        bin,
+        vec![
+            "--object".into(),
+            iothread,
+            "--blockdev".into(),
+            node,
+            "--export".into(),
+            format!(
+                "type=vhost-user-blk,id=vu0,node-name=disk,addr.type=unix,addr.path={},writable=on,iothread=io0",
+                sock.display()
+            ),
+        ],
+    )
+}
+
+/// Runs the matrix; prints progress and returns the rows.
+pub fn run(opts: &VhostOptions) -> Vec<Row> {
+    let dir = bench_dir();
+    let img = dir.join("nbd-bench.img");
+    let sock = dir.join("vhost-bench.sock");
+    if opts.backends.iter().any(|b| b == "file") {
+        prepare_image(&img);
+    }
+    if opts.daemons.iter().any(|d| d == "qsd") {
+        which("qemu-storage-daemon");
+    }
+    let runtime = Duration::from_secs(opts.runtime_s);
+    let has_file = opts.backends.iter().any(|b| b == "file");
+    let total = opts.backends.len() * opts.workloads.len() * opts.reps * opts.daemons.len()
+        + usize::from(has_file) * opts.workloads.len() * opts.reps;
+    let mut n = 0;
+    let mut rows = Vec::new();
+    for backend in &opts.backends {
+        for (rw, qd) in &opts.workloads {
+            let write = rw.contains("write");
+            let mut names = opts.daemons.clone();
+            if backend == "file" {
+                names.push("fio-raw".into());
+            }
+            let mut per: Vec<Vec<(FioResult, Option<f64>)>> = vec![Vec::new(); names.len()];
+            for rep in 0..opts.reps {
+                for (i, d) in names.iter().enumerate() {
+                    n += 1;
+                    eprintln!(
+                        "[{n}/{total}] vhost-user-blk {backend} {rw} QD{qd} {d} (rep {})",
+                        rep + 1
+                    );
+                    if d == "fio-raw" {
+                        let fio = vec![
+                            "--name=bench".to_string(),
+                            format!("--rw={rw}"),
+                            "--bs=4k".into(),
+                            format!("--iodepth={qd}"),
+                            "--time_based".into(),
+                            format!("--runtime={}", opts.runtime_s),
+                            "--ramp_time=1".into(),
+                            format!("--size={IMAGE_SIZE}"),
+                            "--norandommap".into(),
+                            "--randrepeat=0".into(),
+                            "--ioengine=io_uring".into(),
+                            "--direct=1".into(),
+                            format!("--filename={}", img.display()),
+                        ];
+                        per[i].push((run_fio(&fio), None));
+                        continue;
+                    }
+                    let (bin, args) = daemon_args(d, backend, &img, &sock);
+                    let daemon = Daemon::start(d, &bin, &args, &sock);
+                    let cpu0 = daemon.cpu_ns();
+                    let t0 = Instant::now();
+                    let r = drive(&sock, write, *qd as u16, runtime);
+                    let wall = t0.elapsed().as_secs_f64();
+                    let cpu1 = daemon.cpu_ns();
+                    // CPU over the whole connection (ramp included) per I/O at the
+                    // measured rate over the same wall time.
+                    let ios = r.iops * wall;
+                    per[i].push((r, Some((cpu1 - cpu0) as f64 / 1000.0 / ios.max(1.0))));
+                    drop(daemon);
+                }
+            }
+            for (i, d) in names.iter().enumerate() {
+                rows.push(Row::summarize(backend, rw, *qd, d, &per[i]));
+            }
+        }
+    }
+    let _ = std::fs::remove_file(&sock);
+    rows
+}
