@@ -104,6 +104,58 @@ fn write_rows(
     write_results(out, kind, doc, Some(&table));
 }
 
+/// The flags the matrix benchmarks (nbd, fuse, vhost) share.
+#[derive(Default)]
+struct MatrixFlags {
+    runtime_s: Option<u64>,
+    reps: Option<usize>,
+    backends: Vec<String>,
+    daemons: Vec<String>,
+    workloads: Vec<(String, u32)>,
+    out: Option<PathBuf>,
+}
+
+impl MatrixFlags {
+    /// Takes `flag` if it is a shared one.
+    fn take(&mut self, flag: &str, v: &str) -> bool {
+        match flag {
+            "--runtime" => self.runtime_s = Some(parse(flag, v)),
+            "--reps" => self.reps = Some(parse(flag, v)),
+            "--backend" => self.backends.push(v.to_string()),
+            "--daemon" => self.daemons.push(v.to_string()),
+            "--workload" => {
+                let (rw, qd) = v.split_once(':').unwrap_or_else(|| usage());
+                self.workloads.push((rw.to_string(), parse(flag, qd)));
+            }
+            "--out" => self.out = Some(PathBuf::from(v)),
+            _ => return false,
+        }
+        true
+    }
+
+    /// Puts what was given over the defaults (`workloads`: None when the benchmark has
+    /// none to choose); returns `--out`.
+    fn apply(
+        self,
+        runtime_s: &mut u64,
+        reps: &mut usize,
+        backends: &mut Vec<String>,
+        daemons: &mut Vec<String>,
+        workloads: Option<&mut Vec<(String, u32)>>,
+    ) -> Option<PathBuf> {
+        *runtime_s = self.runtime_s.unwrap_or(*runtime_s);
+        *reps = self.reps.unwrap_or(*reps);
+        set_if_given(backends, self.backends);
+        set_if_given(daemons, self.daemons);
+        match workloads {
+            Some(w) => set_if_given(w, self.workloads),
+            None if !self.workloads.is_empty() => usage(),
+            None => {}
+        }
+        self.out
+    }
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let Some(cmd) = args.first().map(String::as_str) else {
@@ -136,26 +188,22 @@ fn main() {
         }
         "nbd" => {
             let mut opts = nbd::NbdOptions::default();
-            let (mut backends, mut daemons, mut workloads) = (Vec::new(), Vec::new(), Vec::new());
+            let mut m = MatrixFlags::default();
             for (flag, v) in flag_pairs(&args[1..]) {
                 match flag {
-                    "--runtime" => opts.runtime_s = parse(flag, v),
-                    "--reps" => opts.reps = parse(flag, v),
-                    "--backend" => backends.push(v.to_string()),
-                    "--daemon" => daemons.push(v.to_string()),
-                    "--workload" => {
-                        let (rw, qd) = v.split_once(':').unwrap_or_else(|| usage());
-                        workloads.push((rw.to_string(), parse(flag, qd)));
-                    }
+                    _ if m.take(flag, v) => {}
                     "--stord-policy" => opts.stord_policy = v.to_string(),
                     "--file-aio" => opts.file_aio = v.to_string(),
-                    "--out" => out = Some(PathBuf::from(v)),
                     _ => usage(),
                 }
             }
-            set_if_given(&mut opts.backends, backends);
-            set_if_given(&mut opts.daemons, daemons);
-            set_if_given(&mut opts.workloads, workloads);
+            let out = m.apply(
+                &mut opts.runtime_s,
+                &mut opts.reps,
+                &mut opts.backends,
+                &mut opts.daemons,
+                Some(&mut opts.workloads),
+            );
             let rows = nbd::run(&opts);
             let doc = serde_json::json!({
                 "runtime_s": opts.runtime_s,
@@ -167,45 +215,42 @@ fn main() {
         }
         "fuse" => {
             let mut opts = fuse::FuseOptions::default();
-            let (mut backends, mut daemons, mut threads) = (Vec::new(), Vec::new(), Vec::new());
+            let mut m = MatrixFlags::default();
+            let mut threads = Vec::new();
             for (flag, v) in flag_pairs(&args[1..]) {
                 match flag {
-                    "--runtime" => opts.runtime_s = parse(flag, v),
-                    "--reps" => opts.reps = parse(flag, v),
-                    "--backend" => backends.push(v.to_string()),
-                    "--daemon" => daemons.push(v.to_string()),
+                    _ if m.take(flag, v) => {}
                     "--iothreads" => threads.push(parse(flag, v)),
-                    "--out" => out = Some(PathBuf::from(v)),
                     _ => usage(),
                 }
             }
-            set_if_given(&mut opts.backends, backends);
-            set_if_given(&mut opts.daemons, daemons);
             set_if_given(&mut opts.iothreads, threads);
+            let out = m.apply(
+                &mut opts.runtime_s,
+                &mut opts.reps,
+                &mut opts.backends,
+                &mut opts.daemons,
+                None,
+            );
             let rows = fuse::run(&opts);
             let doc = serde_json::json!({ "runtime_s": opts.runtime_s, "reps": opts.reps });
             write_rows(out, "fuse", "fuse-fio", &rows, doc);
         }
         "vhost" => {
             let mut opts = vhost::VhostOptions::default();
-            let (mut backends, mut daemons, mut workloads) = (Vec::new(), Vec::new(), Vec::new());
+            let mut m = MatrixFlags::default();
             for (flag, v) in flag_pairs(&args[1..]) {
-                match flag {
-                    "--runtime" => opts.runtime_s = parse(flag, v),
-                    "--reps" => opts.reps = parse(flag, v),
-                    "--backend" => backends.push(v.to_string()),
-                    "--daemon" => daemons.push(v.to_string()),
-                    "--workload" => {
-                        let (rw, qd) = v.split_once(':').unwrap_or_else(|| usage());
-                        workloads.push((rw.to_string(), parse(flag, qd)));
-                    }
-                    "--out" => out = Some(PathBuf::from(v)),
-                    _ => usage(),
+                if !m.take(flag, v) {
+                    usage();
                 }
             }
-            set_if_given(&mut opts.backends, backends);
-            set_if_given(&mut opts.daemons, daemons);
-            set_if_given(&mut opts.workloads, workloads);
+            let out = m.apply(
+                &mut opts.runtime_s,
+                &mut opts.reps,
+                &mut opts.backends,
+                &mut opts.daemons,
+                Some(&mut opts.workloads),
+            );
             let rows = vhost::run(&opts);
             let doc = serde_json::json!({ "runtime_s": opts.runtime_s, "reps": opts.reps });
             write_rows(out, "vhost", "vhost-user-blk-frontend", &rows, doc);

@@ -31,17 +31,22 @@ impl Default for NbdOptions {
             runtime_s: 5,
             reps: 2,
             backends: vec!["null".into(), "file".into()],
-            workloads: vec![
-                ("randread".into(), 1),
-                ("randwrite".into(), 1),
-                ("randread".into(), 16),
-                ("randwrite".into(), 16),
-            ],
+            workloads: default_workloads(),
             daemons: vec!["stord".into(), "qsd".into(), "nbdkit".into()],
             stord_policy: "classic".into(),
             file_aio: "io_uring".into(),
         }
     }
+}
+
+/// 4k random reads and writes at QD1 and QD16.
+pub(crate) fn default_workloads() -> Vec<(String, u32)> {
+    vec![
+        ("randread".into(), 1),
+        ("randwrite".into(), 1),
+        ("randread".into(), 16),
+        ("randwrite".into(), 16),
+    ]
 }
 
 /// One daemon's figures for one case (medians over the repetitions).
@@ -181,6 +186,17 @@ fn fio_common(rw: &str, qd: u32, runtime: u64) -> Vec<String> {
     ]
 }
 
+/// fio itself on the raw file (io_uring, O_DIRECT): the floor every export is compared to.
+pub(crate) fn fio_raw(rw: &str, qd: u32, runtime: u64, img: &Path) -> FioResult {
+    let mut fio = fio_common(rw, qd, runtime);
+    fio.extend([
+        "--ioengine=io_uring".into(),
+        "--direct=1".into(),
+        format!("--filename={}", img.display()),
+    ]);
+    run_fio(&fio)
+}
+
 pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     let n = v.len();
@@ -226,16 +242,11 @@ pub fn run(opts: &NbdOptions) -> Vec<Row> {
                         "[{done_runs}/{total_runs}] {backend} {rw} QD{qd} {d} (rep {})",
                         rep + 1
                     );
-                    let mut fio = fio_common(rw, *qd, opts.runtime_s);
                     if d == "fio-raw" {
-                        fio.extend([
-                            "--ioengine=io_uring".into(),
-                            "--direct=1".into(),
-                            format!("--filename={}", img.display()),
-                        ]);
-                        per[i].push((run_fio(&fio), None));
+                        per[i].push((fio_raw(rw, *qd, opts.runtime_s, &img), None));
                         continue;
                     }
+                    let mut fio = fio_common(rw, *qd, opts.runtime_s);
                     let (bin, args, uri) = daemon_args(d, backend, &img, &sock, opts);
                     let daemon = Daemon::start(d, &bin, &args, &sock);
                     fio.extend(["--ioengine=nbd".into(), format!("--uri={uri}")]);

@@ -17,8 +17,8 @@ use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
 use vm_memory::{Bytes, FileOffset, GuestAddress, GuestMemoryMmap, GuestRegionMmap, MmapRegion};
 use vmm_sys_util::eventfd::EventFd;
 
-use crate::nbd::{bench_dir, prepare_image, which, Row, IMAGE_SIZE};
-use crate::peers::{run_fio, stord_binary, Daemon, FioResult};
+use crate::nbd::{bench_dir, default_workloads, fio_raw, prepare_image, which, Row, IMAGE_SIZE};
+use crate::peers::{stord_binary, Daemon, FioResult};
 
 /// Options of the vhost-user-blk benchmark.
 pub struct VhostOptions {
@@ -35,12 +35,7 @@ impl Default for VhostOptions {
             runtime_s: 4,
             reps: 2,
             backends: vec!["null".into(), "file".into()],
-            workloads: vec![
-                ("randread".into(), 1),
-                ("randwrite".into(), 1),
-                ("randread".into(), 16),
-                ("randwrite".into(), 16),
-            ],
+            workloads: default_workloads(),
             daemons: vec![
                 "stord-off".into(),
                 "stord-classic".into(),
@@ -396,22 +391,7 @@ pub fn run(opts: &VhostOptions) -> Vec<Row> {
                         rep + 1
                     );
                     if d == "fio-raw" {
-                        let fio = vec![
-                            "--name=bench".to_string(),
-                            format!("--rw={rw}"),
-                            "--bs=4k".into(),
-                            format!("--iodepth={qd}"),
-                            "--time_based".into(),
-                            format!("--runtime={}", opts.runtime_s),
-                            "--ramp_time=1".into(),
-                            format!("--size={IMAGE_SIZE}"),
-                            "--norandommap".into(),
-                            "--randrepeat=0".into(),
-                            "--ioengine=io_uring".into(),
-                            "--direct=1".into(),
-                            format!("--filename={}", img.display()),
-                        ];
-                        per[i].push((run_fio(&fio), None));
+                        per[i].push((fio_raw(rw, *qd, opts.runtime_s, &img), None));
                         continue;
                     }
                     let (bin, args) = daemon_args(d, backend, &img, &sock);

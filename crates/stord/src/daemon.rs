@@ -18,7 +18,9 @@ use std::rc::Rc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use stord_aio::{AioContext, AioContextOptions, IoThread, PolicyKind, PollParams, ReactorKind};
+use stord_aio::{
+    AioContext, AioContextOptions, IoThread, PolicyKind, PollParams, ReactorKind, Remote,
+};
 
 use crate::block::file::{FileDriver, FileOptions};
 use crate::block::null::NullDriver;
@@ -245,6 +247,19 @@ impl State {
             || self.vhost_exports.contains_key(id)
     }
 
+    /// The Remotes of the named IoThreads.
+    fn iothread_remotes(&self, what: &str, names: &[String]) -> Result<Vec<Remote>, String> {
+        names
+            .iter()
+            .map(|t| {
+                self.iothreads
+                    .get(t)
+                    .map(|i| i.remote().clone())
+                    .ok_or_else(|| format!("{what}: iothread '{t}' not found"))
+            })
+            .collect()
+    }
+
     /// `--export type=fuse`.
     fn add_fuse_export(&mut self, mut kv: KeyVal) -> Result<(), String> {
         let opts = FuseOptions::from_opts(&mut kv)?;
@@ -268,16 +283,7 @@ impl State {
                 opts.mountpoint.display()
             ));
         }
-        let mut remotes = Vec::new();
-        for t in &opts.iothreads {
-            let r = self
-                .iothreads
-                .get(t)
-                .ok_or_else(|| format!("{what}: iothread '{t}' not found"))?
-                .remote()
-                .clone();
-            remotes.push(r);
-        }
+        let remotes = self.iothread_remotes(&what, &opts.iothreads)?;
         let id = opts.id.clone();
         let export = FuseExport::start(opts, node, remotes)?;
         self.fuse_exports.insert(id, export);
@@ -297,16 +303,7 @@ impl State {
         if self.export_id_taken(&opts.id) {
             return Err(format!("Block export id '{}' is already in use", opts.id));
         }
-        let mut remotes = Vec::new();
-        for t in &opts.iothreads {
-            let r = self
-                .iothreads
-                .get(t)
-                .ok_or_else(|| format!("{what}: iothread '{t}' not found"))?
-                .remote()
-                .clone();
-            remotes.push(r);
-        }
+        let remotes = self.iothread_remotes(&what, &opts.iothreads)?;
         let id = opts.id.clone();
         let export = VhostUserBlkExport::start(opts, node, remotes)?;
         self.vhost_exports.insert(id, export);

@@ -126,6 +126,15 @@ impl KeyVal {
         }
     }
 
+    /// A list option: `key=a`, or `key.0=a,key.1=b` (JSON: `"key": ["a", "b"]`).
+    pub fn take_list(&mut self, key: &str) -> Vec<String> {
+        let mut list: Vec<String> = self.take(key).into_iter().collect();
+        while let Some(v) = self.take(&format!("{key}.{}", list.len())) {
+            list.push(v);
+        }
+        list
+    }
+
     /// Fails naming the first option nobody consumed.
     pub fn finish(self) -> Result<(), String> {
         match self.map.keys().next() {
@@ -187,6 +196,17 @@ pub fn parse_u64(v: &str, size: bool) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn list_options_take_one_value_or_an_indexed_list() {
+        let mut kv = KeyVal::parse("--export", "iothread=a", None).unwrap();
+        assert_eq!(kv.take_list("iothread"), vec!["a"]);
+        let mut kv =
+            KeyVal::parse("--export", "iothread.0=a,iothread.1=b,iothread.3=d", None).unwrap();
+        assert_eq!(kv.take_list("iothread"), vec!["a", "b"]);
+        // A gap ends the list; what follows is left for finish() to report.
+        assert!(kv.finish().is_err());
+    }
 
     #[test]
     fn parses_qemu_keyval() {

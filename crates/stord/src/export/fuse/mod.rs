@@ -175,16 +175,7 @@ impl FuseOptions {
         };
         let _ = kv.take_bool("writethrough", false)?;
         let _ = kv.take_bool("fixed-iothread", false)?;
-        // iothread=ID, or a list: iothread.0=a,iothread.1=b (JSON: "iothread": ["a", "b"]).
-        let mut iothreads = Vec::new();
-        if let Some(t) = kv.take("iothread") {
-            iothreads.push(t);
-        }
-        let mut i = 0;
-        while let Some(t) = kv.take(&format!("iothread.{i}")) {
-            iothreads.push(t);
-            i += 1;
-        }
+        let iothreads = kv.take_list("iothread");
         let io_uring = match kv
             .take_choice("io-uring", &["on", "off", "auto"])?
             .as_deref()

@@ -74,15 +74,7 @@ impl VhostUserBlkOptions {
                 ))
             }
         };
-        let mut iothreads = Vec::new();
-        if let Some(t) = kv.take("iothread") {
-            iothreads.push(t);
-        }
-        let mut i = 0;
-        while let Some(t) = kv.take(&format!("iothread.{i}")) {
-            iothreads.push(t);
-            i += 1;
-        }
+        let iothreads = kv.take_list("iothread");
         Ok(Self {
             id,
             node_name,

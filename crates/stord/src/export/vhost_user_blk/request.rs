@@ -29,22 +29,29 @@ pub struct Chain {
 
 impl Chain {
     /// Splits descriptors; a readable descriptor after a writable one is malformed.
+    #[cfg(test)]
     pub fn from_descriptors(descs: impl IntoIterator<Item = Descriptor>) -> Result<Self, String> {
         let mut c = Chain::default();
         for d in descs {
-            let s = Segment {
-                addr: d.addr().0,
-                len: d.len(),
-            };
-            if d.is_write_only() {
-                c.inn.push(s);
-            } else if !c.inn.is_empty() {
-                return Err("device-readable descriptor after a device-writable one".into());
-            } else {
-                c.out.push(s);
-            }
+            c.push(d)?;
         }
         Ok(c)
+    }
+
+    /// Appends the next descriptor of the chain.
+    pub fn push(&mut self, d: Descriptor) -> Result<(), String> {
+        let s = Segment {
+            addr: d.addr().0,
+            len: d.len(),
+        };
+        if d.is_write_only() {
+            self.inn.push(s);
+        } else if !self.inn.is_empty() {
+            return Err("device-readable descriptor after a device-writable one".into());
+        } else {
+            self.out.push(s);
+        }
+        Ok(())
     }
 
     fn out_len(&self) -> u64 {
@@ -53,6 +60,11 @@ impl Chain {
 
     fn in_len(&self) -> u64 {
         self.inn.iter().map(|s| u64::from(s.len)).sum()
+    }
+
+    /// Bytes of the device-writable part before the status byte.
+    fn data_in_len(&self) -> u64 {
+        self.in_len().saturating_sub(1)
     }
 }
 
@@ -81,7 +93,8 @@ fn gather(mem: &GuestMemoryMmap, segs: &[Segment], mut skip: u64, dst: &mut [u8]
     done == dst.len()
 }
 
-/// Copies `src` into guest memory across `segs`.
+/// Copies `src` into guest memory across `segs` (from their start; whatever of `segs` is
+/// left over, such as the status byte, is not touched).
 fn scatter(mem: &GuestMemoryMmap, segs: &[Segment], src: &[u8]) -> bool {
     let mut done = 0;
     for s in segs {
@@ -98,18 +111,6 @@ fn scatter(mem: &GuestMemoryMmap, segs: &[Segment], src: &[u8]) -> bool {
         done += n;
     }
     done == src.len()
-}
-
-/// The writable segments minus the final status byte.
-fn data_in(c: &Chain) -> Vec<Segment> {
-    let mut segs = c.inn.clone();
-    if let Some(last) = segs.last_mut() {
-        last.len -= 1;
-        if last.len == 0 {
-            segs.pop();
-        }
-    }
-    segs
 }
 
 /// Runs one request and returns the number of bytes written to the device-writable part
@@ -194,15 +195,14 @@ async fn run(dev: &BlkDevice, mem: &GuestMemoryMmap, chain: &Chain) -> Result<u6
     let sector = u64::from_le_bytes(hdr[8..16].try_into().unwrap());
     match kind {
         VIRTIO_BLK_T_IN => {
-            let segs = data_in(chain);
-            let len: u64 = segs.iter().map(|s| u64::from(s.len)).sum();
+            let len = chain.data_in_len();
             if len > MAX_REQUEST_BYTES {
                 return Err(malformed(format!("read of {len} bytes is too large")));
             }
             let offset = check_range(dev, sector, len)?;
             let (r, buf) = dev.node.read(offset, new_buf(len as usize)).await;
             r?;
-            if !scatter(mem, &segs, &buf) {
+            if !scatter(mem, &chain.inn, &buf) {
                 return Err(malformed("read buffer outside guest memory"));
             }
             Ok(len)
@@ -233,10 +233,8 @@ async fn run(dev: &BlkDevice, mem: &GuestMemoryMmap, chain: &Chain) -> Result<u6
             let mut id = [0u8; VIRTIO_BLK_ID_BYTES as usize];
             let n = dev.id.len().min(id.len());
             id[..n].copy_from_slice(&dev.id.as_bytes()[..n]);
-            let segs = data_in(chain);
-            let room: u64 = segs.iter().map(|s| u64::from(s.len)).sum();
-            let n = (room as usize).min(id.len());
-            if !scatter(mem, &segs, &id[..n]) {
+            let n = (chain.data_in_len() as usize).min(id.len());
+            if !scatter(mem, &chain.inn, &id[..n]) {
                 return Err(malformed("id buffer outside guest memory"));
             }
             Ok(n as u64)
@@ -303,12 +301,14 @@ mod tests {
         .unwrap();
         assert_eq!(c.out.len(), 1);
         assert_eq!(c.inn.len(), 2);
+        // The data is the first 512 writable bytes; the last byte is the status.
+        assert_eq!(c.data_in_len(), 512);
         assert_eq!(
-            data_in(&c),
-            vec![Segment {
+            c.inn[0],
+            Segment {
                 addr: 4096,
                 len: 512
-            }]
+            }
         );
     }
 

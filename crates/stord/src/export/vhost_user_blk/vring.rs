@@ -411,7 +411,7 @@ pub fn walk_chain(
     size: u16,
     head: u16,
 ) -> Result<Chain, String> {
-    let mut descs = Vec::new();
+    let mut chain = Chain::default();
     let (mut table, mut size) = (table, size);
     let mut next = head;
     let mut budget = size as usize;
@@ -429,7 +429,7 @@ pub fn walk_chain(
             .read_obj(GuestAddress(table.0 + 16 * u64::from(next)))
             .map_err(|e| format!("descriptor {next} unreadable: {e}"))?;
         if d.flags() & VRING_DESC_F_INDIRECT as u16 != 0 {
-            if indirect || !descs.is_empty() {
+            if indirect || chain.out.len() + chain.inn.len() > 0 {
                 return Err("indirect table not at the head of the chain".into());
             }
             if !d.len().is_multiple_of(16) || d.len() == 0 || d.len() / 16 > u32::from(u16::MAX) {
@@ -448,12 +448,11 @@ pub fn walk_chain(
         }
         let has_next = d.flags() & VRING_DESC_F_NEXT as u16 != 0;
         next = d.next();
-        descs.push(d);
+        chain.push(d)?;
         if !has_next {
-            break;
+            return Ok(chain);
         }
     }
-    Chain::from_descriptors(descs)
 }
 
 #[cfg(test)]
