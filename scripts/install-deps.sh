@@ -19,6 +19,26 @@ if ((${#missing[@]})); then
     apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
+# The peer we compare with is qemu-storage-daemon 10.0 (qemu-utils) and the guest tests run
+# QEMU 10.0 (qemu-system-x86), both from bookworm-backports: bookworm's 7.2 qsd aborts when
+# an NBD client leaves an export on an IoThread, and mixing 7.2's qemu-system with 10.0's
+# qemu-utils is impossible (both ship qemu-storage-daemon). Debian 13 has 10.0 already.
+mapfile -t bpo < <(sed -e 's/#.*//' -e '/^\s*$/d' .ci/apt-backports.txt)
+qsd_major=$(qemu-storage-daemon --version 2>/dev/null | sed -n 's/.*version \([0-9]*\)\..*/\1/p' | head -1)
+if [ "${qsd_major:-0}" -lt 10 ] || ! command -v qemu-system-x86_64 >/dev/null; then
+    . /etc/os-release
+    if [ "${VERSION_CODENAME:-}" = bookworm ]; then
+        echo "install-deps: installing ${bpo[*]} from bookworm-backports"
+        echo "deb http://deb.debian.org/debian bookworm-backports main" \
+            > /etc/apt/sources.list.d/stord-bookworm-backports.list
+        export DEBIAN_FRONTEND=noninteractive
+        apt-get update -qq
+        apt-get install -y -qq --no-install-recommends -t bookworm-backports "${bpo[@]}"
+    else
+        apt-get install -y -qq --no-install-recommends "${bpo[@]}"
+    fi
+fi
+
 # Python packages for the QMP tests (the qemu.qmp client library).
 if ! python3 -c "import qemu.qmp" 2>/dev/null; then
     echo "install-deps: installing crates/stord/tests/qmp/requirements.txt"

@@ -44,8 +44,9 @@ fn is_mounted(p: &Path) -> bool {
         .unwrap_or(false)
 }
 
-struct Mounted {
-    child: std::process::Child,
+/// A daemon with its FUSE export mounted; unmounted and stopped when dropped.
+pub(crate) struct Mounted {
+    pub child: std::process::Child,
     mnt: std::path::PathBuf,
 }
 
@@ -62,7 +63,6 @@ impl Drop for Mounted {
 }
 
 fn start(daemon: &str, backend: &str, img: &Path, mnt: &Path, threads: usize) -> Mounted {
-    std::fs::write(mnt, b"").expect("mountpoint");
     let node = match backend {
         "null" => format!("driver=null-co,node-name=disk,size={IMAGE_SIZE},read-zeroes=on"),
         _ => format!(
@@ -70,10 +70,31 @@ fn start(daemon: &str, backend: &str, img: &Path, mnt: &Path, threads: usize) ->
             img.display()
         ),
     };
+    let bin = if daemon.starts_with("stord") {
+        stord_binary()
+    } else {
+        which("qemu-storage-daemon")
+    };
+    let objects = (0..threads).map(|i| format!("iothread,id=io{i}")).collect();
+    start_with(&bin, objects, node, mnt, daemon == "stord-uring")
+}
+
+/// Starts `bin` with `--object` for each of `iothreads` (ids io0, io1, ...), the block
+/// node `node` (named "disk") and a FUSE export on `mnt` with one queue per IoThread;
+/// returns once the file is mounted.
+pub(crate) fn start_with(
+    bin: &Path,
+    iothreads: Vec<String>,
+    node: String,
+    mnt: &Path,
+    io_uring: bool,
+) -> Mounted {
+    std::fs::write(mnt, b"").expect("mountpoint");
+    let threads = iothreads.len();
     let mut args: Vec<String> = Vec::new();
-    for i in 0..threads {
+    for obj in iothreads {
         args.push("--object".into());
-        args.push(format!("iothread,id=io{i}"));
+        args.push(obj);
     }
     args.push("--blockdev".into());
     args.push(node);
@@ -88,16 +109,11 @@ fn start(daemon: &str, backend: &str, img: &Path, mnt: &Path, threads: usize) ->
             export.push_str(&format!(",iothread.{i}=io{i}"));
         }
     }
-    if daemon == "stord-uring" {
+    if io_uring {
         export.push_str(",io-uring=on");
     }
     args.push("--export".into());
     args.push(export);
-    let bin = if daemon.starts_with("stord") {
-        stord_binary()
-    } else {
-        which("qemu-storage-daemon")
-    };
     let child = std::process::Command::new(bin)
         .args(&args)
         .stdout(std::process::Stdio::null())
@@ -105,7 +121,11 @@ fn start(daemon: &str, backend: &str, img: &Path, mnt: &Path, threads: usize) ->
         .expect("start daemon");
     let start = std::time::Instant::now();
     while !is_mounted(mnt) {
-        assert!(start.elapsed().as_secs() < 15, "{daemon} did not mount");
+        assert!(
+            start.elapsed().as_secs() < 15,
+            "{} did not mount",
+            bin.display()
+        );
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
     Mounted {

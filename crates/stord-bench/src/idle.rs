@@ -1,5 +1,7 @@
 //! `stord-bench idle`: what each daemon costs when nobody uses it. Two IoThreads and an NBD
-//! export each (nbdkit: its defaults), no I/O for a while; CPU seconds used.
+//! export each (nbdkit: its defaults), no I/O for a while; CPU seconds used. The daemons
+//! idle side by side (nobody does anything, so they do not disturb each other), which
+//! makes the measurement take `seconds` instead of three times that.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -20,8 +22,8 @@ pub struct IdleRow {
 /// Runs each daemon idle for `seconds`.
 pub fn run(seconds: u64) -> Vec<IdleRow> {
     let dir = bench_dir();
-    let sock = dir.join("idle.sock");
-    let qsd_style = |bin: PathBuf| {
+    let sock = |name: &str| dir.join(format!("idle-{name}.sock"));
+    let qsd_style = |bin: PathBuf, sock: PathBuf| {
         (
             bin,
             vec![
@@ -38,46 +40,50 @@ pub fn run(seconds: u64) -> Vec<IdleRow> {
             ],
         )
     };
-    let peers: Vec<(&str, PathBuf, Vec<String>)> = vec![
-        (
-            "stord",
-            qsd_style(stord_binary()).0,
-            qsd_style(stord_binary()).1,
-        ),
-        (
-            "qsd",
-            which("qemu-storage-daemon"),
-            qsd_style(which("qemu-storage-daemon")).1,
-        ),
-        (
-            "nbdkit",
-            which("nbdkit"),
-            vec![
-                "-f".into(),
-                "-U".into(),
-                sock.display().to_string(),
-                "null".into(),
-                "1G".into(),
-            ],
-        ),
+    let nbdkit_args = vec![
+        "-f".into(),
+        "-U".into(),
+        sock("nbdkit").display().to_string(),
+        "null".into(),
+        "1G".into(),
     ];
+    let peers: Vec<(&str, PathBuf, Vec<String>)> = vec![
+        {
+            let (b, a) = qsd_style(stord_binary(), sock("stord"));
+            ("stord", b, a)
+        },
+        {
+            let (b, a) = qsd_style(which("qemu-storage-daemon"), sock("qsd"));
+            ("qsd", b, a)
+        },
+        ("nbdkit", which("nbdkit"), nbdkit_args),
+    ];
+    let running: Vec<(&str, Daemon)> = peers
+        .into_iter()
+        .map(|(name, bin, args)| (name, Daemon::start(name, &bin, &args, &sock(name))))
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    let c0: Vec<u64> = running
+        .iter()
+        .map(|(_, d)| process_cpu_ns(d.pid()))
+        .collect();
+    std::thread::sleep(Duration::from_secs(seconds));
     let mut rows = Vec::new();
-    for (name, bin, args) in peers {
-        let d = Daemon::start(name, &bin, &args, &sock);
-        std::thread::sleep(Duration::from_millis(500));
-        let c0 = process_cpu_ns(d.pid());
-        std::thread::sleep(Duration::from_secs(seconds));
-        let c1 = process_cpu_ns(d.pid());
+    for ((name, d), c0) in running.iter().zip(c0) {
         let row = IdleRow {
             daemon: name.to_string(),
             seconds,
-            cpu_ms: (c1 - c0) as f64 / 1e6,
+            cpu_ms: (process_cpu_ns(d.pid()) - c0) as f64 / 1e6,
         };
         println!(
             "{:<8} idle {:>3} s: {:>8.1} ms CPU",
             row.daemon, seconds, row.cpu_ms
         );
         rows.push(row);
+    }
+    drop(running);
+    for name in ["stord", "qsd", "nbdkit"] {
+        let _ = std::fs::remove_file(sock(name));
     }
     rows
 }

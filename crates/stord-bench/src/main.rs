@@ -12,12 +12,17 @@
 //!   exports of stord (one row per polling policy) and qemu-storage-daemon.
 //! - `fuse [--runtime S] [--reps N] [--backend null|file]... [--iothreads N]...
 //!   [--daemon stord|qsd]...`: fio through the FUSE-mounted image, stord vs qsd.
+//! - `report [--runtime-ms N] [--ramp-ms N] [--reps N] [--export nbd|fuse|vhost-user-blk]...
+//!   [--extras on|off] [--docs on|off] [--out DIR]`: everything above side by side in one
+//!   run, then docs/benchmarks.md, its plots and the README headline regenerated.
+//! - `report-docs FILE.json`: regenerates the docs from an earlier report's JSON.
 
 mod aio;
 mod fuse;
 mod idle;
 mod nbd;
 mod peers;
+mod report;
 mod vhost;
 
 use std::path::PathBuf;
@@ -272,6 +277,43 @@ fn main() {
                 None,
             );
         }
+        "report" => {
+            let mut opts = report::ReportOptions::default();
+            let mut exports = Vec::new();
+            let on_off = |flag: &str, v: &str| match v {
+                "on" => true,
+                "off" => false,
+                _ => {
+                    eprintln!("stord-bench: {flag} takes on or off");
+                    usage()
+                }
+            };
+            for (flag, v) in flag_pairs(&args[1..]) {
+                match flag {
+                    "--runtime-ms" => {
+                        opts.timing.runtime = Duration::from_millis(parse(flag, v));
+                    }
+                    "--ramp-ms" => opts.timing.ramp = Duration::from_millis(parse(flag, v)),
+                    "--reps" => opts.reps = parse(flag, v),
+                    "--export" => exports.push(match v {
+                        "nbd" => report::Export::Nbd,
+                        "fuse" => report::Export::Fuse,
+                        "vhost-user-blk" | "vhost" => report::Export::Vhost,
+                        _ => usage(),
+                    }),
+                    "--extras" => opts.extras = on_off(flag, v),
+                    "--docs" => opts.docs = on_off(flag, v),
+                    "--out" => opts.out = Some(PathBuf::from(v)),
+                    _ => usage(),
+                }
+            }
+            set_if_given(&mut opts.exports, exports);
+            report::run(&opts);
+        }
+        "report-docs" => match &args[1..] {
+            [file] => report::generate_docs(std::path::Path::new(file)),
+            _ => usage(),
+        },
         _ => usage(),
     }
 }

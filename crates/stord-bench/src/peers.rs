@@ -13,16 +13,21 @@ pub fn repo_root() -> PathBuf {
     p.canonicalize().unwrap_or(p)
 }
 
-/// The release stord binary, built if missing or stale.
+/// The release stord binary, built (once per process) if missing or stale.
 pub fn stord_binary() -> PathBuf {
-    let root = repo_root();
-    let status = Command::new("cargo")
-        .args(["build", "--release", "-p", "stord", "--quiet"])
-        .current_dir(&root)
-        .status()
-        .expect("run cargo build");
-    assert!(status.success(), "building stord failed");
-    root.join("target/release/stord")
+    static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let root = repo_root();
+            let status = Command::new("cargo")
+                .args(["build", "--release", "-p", "stord", "--quiet"])
+                .current_dir(&root)
+                .status()
+                .expect("run cargo build");
+            assert!(status.success(), "building stord failed");
+            root.join("target/release/stord")
+        })
+        .clone()
 }
 
 /// A daemon process that is killed when dropped.
@@ -33,13 +38,17 @@ pub struct Daemon {
 impl Daemon {
     /// Starts `cmd args` and waits until `sock` accepts connections.
     pub fn start(name: &str, cmd: &Path, args: &[String], sock: &Path) -> Daemon {
+        let mut c = Command::new(cmd);
+        c.args(args).stdout(Stdio::null()).stderr(Stdio::inherit());
+        Self::start_cmd(name, c, sock)
+    }
+
+    /// Spawns a prepared command and waits until `sock` accepts connections.
+    pub fn start_cmd(name: &str, mut cmd: Command, sock: &Path) -> Daemon {
         let _ = std::fs::remove_file(sock);
-        let child = Command::new(cmd)
-            .args(args)
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
+        let child = cmd
             .spawn()
-            .unwrap_or_else(|e| panic!("cannot start {}: {e}", cmd.display()));
+            .unwrap_or_else(|e| panic!("cannot start {name}: {e}"));
         let mut d = Daemon { child };
         let start = Instant::now();
         loop {
@@ -112,20 +121,33 @@ pub struct FioResult {
 
 /// Runs fio with `args` (plus json output) and parses the first job's read or write side.
 pub fn run_fio(args: &[String]) -> FioResult {
+    try_run_fio(args).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// [`run_fio`], but a failed fio is an error rather than a panic.
+pub fn try_run_fio(args: &[String]) -> Result<FioResult, String> {
     let out = Command::new("fio")
         .args(args)
         .arg("--output-format=json")
         .output()
         .expect("run fio (scripts/install-deps.sh installs it)");
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "fio {args:?} failed: {}{}",
-        text,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let start = text.find('{').expect("fio json");
-    let v: serde_json::Value = serde_json::from_str(&text[start..]).expect("parse fio json");
+    let failed = || {
+        format!(
+            "fio {args:?} failed: {}{}",
+            text,
+            String::from_utf8_lossy(&out.stderr)
+        )
+    };
+    let v: serde_json::Value = text
+        .find('{')
+        .and_then(|start| serde_json::from_str(&text[start..]).ok())
+        .ok_or_else(failed)?;
+    // A server that drops the connection as fio leaves makes fio exit non-zero after a
+    // complete run: keep the figures if the job itself had no error.
+    if !out.status.success() && v["jobs"][0]["error"].as_i64() != Some(0) {
+        return Err(failed());
+    }
     let job = &v["jobs"][0];
     let side = if job["write"]["total_ios"].as_u64().unwrap_or(0)
         > job["read"]["total_ios"].as_u64().unwrap_or(0)
@@ -135,11 +157,11 @@ pub fn run_fio(args: &[String]) -> FioResult {
         &job["read"]
     };
     let pct = |p: &str| side["clat_ns"]["percentile"][p].as_f64().unwrap_or(0.0) / 1000.0;
-    FioResult {
+    Ok(FioResult {
         iops: side["iops"].as_f64().unwrap_or(0.0),
         mean_us: side["lat_ns"]["mean"].as_f64().unwrap_or(0.0) / 1000.0,
         p50_us: pct("50.000000"),
         p99_us: pct("99.000000"),
         total_ios: side["total_ios"].as_u64().unwrap_or(0),
-    }
+    })
 }

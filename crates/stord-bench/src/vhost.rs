@@ -55,7 +55,8 @@ const USED: u64 = 0x2000;
 const HEADERS: u64 = 0x4000;
 const STATUS: u64 = 0x5000;
 const DATA: u64 = 1 << 20;
-const BS: u32 = 4096;
+/// Data buffer per request slot: the largest request size.
+const SLOT_BYTES: u64 = 64 << 10;
 
 const F_VERSION_1: u64 = 1 << 32;
 const F_EVENT_IDX: u64 = 1 << 29;
@@ -72,6 +73,8 @@ struct Driver {
     event_idx: bool,
     sectors: u64,
     rng: u64,
+    /// Next sector of a sequential stream.
+    seq_next: u64,
 }
 
 impl Driver {
@@ -127,19 +130,28 @@ impl Driver {
             event_idx: features & F_EVENT_IDX != 0,
             sectors: IMAGE_SIZE / 512,
             rng: 0x2545_f491_4f6c_dd1d,
+            seq_next: 0,
         }
     }
 
-    fn random_sector(&mut self) -> u64 {
+    /// The next request's sector: random (aligned to `bs`) or the next in sequence.
+    fn next_sector(&mut self, spec: &DriveSpec) -> u64 {
+        let step = u64::from(spec.bs) / 512;
+        if spec.sequential {
+            let s = self.seq_next;
+            self.seq_next = (s + step) % (self.sectors - self.sectors % step);
+            return s;
+        }
         self.rng ^= self.rng << 13;
         self.rng ^= self.rng >> 7;
         self.rng ^= self.rng << 17;
-        (self.rng % (self.sectors / 8)) * 8
+        (self.rng % (self.sectors / step)) * step
     }
 
     /// Puts the request of `slot` (descriptors 3*slot..3*slot+2) in the avail ring.
-    fn queue(&mut self, slot: u16, write: bool) {
-        let sector = self.random_sector();
+    fn queue(&mut self, slot: u16, spec: &DriveSpec) {
+        let write = spec.write;
+        let sector = self.next_sector(spec);
         let m = &self.mem;
         let hdr = HEADERS + 16 * u64::from(slot);
         m.write_obj(u32::from(write).to_le(), GuestAddress(hdr))
@@ -152,8 +164,8 @@ impl Driver {
         self.desc(d, hdr, 16, next, d + 1);
         self.desc(
             d + 1,
-            DATA + u64::from(slot) * 0x10000,
-            BS,
+            DATA + u64::from(slot) * SLOT_BYTES,
+            spec.bs,
             data_flags,
             d + 2,
         );
@@ -260,16 +272,32 @@ fn memfd(size: usize) -> std::fs::File {
     f
 }
 
-/// Runs `rw` at `qd` for `runtime` after a one-second ramp; returns fio-like figures.
-fn drive(sock: &Path, write: bool, qd: u16, runtime: Duration) -> FioResult {
+/// What the frontend drives: like one fio job.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct DriveSpec {
+    pub write: bool,
+    pub sequential: bool,
+    /// Request size in bytes (a multiple of 512, at most 64 KiB).
+    pub bs: u32,
+    pub qd: u16,
+    pub ramp: Duration,
+    pub runtime: Duration,
+}
+
+/// Runs `spec` against the vhost-user socket `sock`; returns fio-like figures (measured
+/// after the ramp).
+pub(crate) fn drive(sock: &Path, spec: &DriveSpec) -> FioResult {
+    assert!(u64::from(spec.bs) <= SLOT_BYTES && spec.bs.is_multiple_of(512));
+    assert!(DATA + u64::from(spec.qd) * SLOT_BYTES <= MEM_SIZE as u64);
+    let (qd, runtime) = (spec.qd, spec.runtime);
     let mut d = Driver::connect(sock);
     let mut started = vec![Instant::now(); qd as usize];
     let old = d.avail_idx;
     for s in 0..qd {
-        d.queue(s, write);
+        d.queue(s, spec);
     }
     d.publish(old);
-    let ramp_end = Instant::now() + Duration::from_secs(1);
+    let ramp_end = Instant::now() + spec.ramp;
     let mut measuring = false;
     let mut end = ramp_end + runtime;
     let mut lat_ns: Vec<u64> = Vec::with_capacity(1 << 20);
@@ -292,7 +320,7 @@ fn drive(sock: &Path, write: bool, qd: u16, runtime: Duration) -> FioResult {
                 lat_ns.push((now - started[s as usize]).as_nanos() as u64);
             }
             started[s as usize] = Instant::now();
-            d.queue(s, write);
+            d.queue(s, spec);
         }
         d.publish(old);
     }
@@ -342,20 +370,23 @@ fn daemon_args(daemon: &str, backend: &str, img: &Path, sock: &Path) -> (PathBuf
             "iothread,id=io0".into(),
         ),
     };
-    (
-        bin,
-        vec![
-            "--object".into(),
-            iothread,
-            "--blockdev".into(),
-            node,
-            "--export".into(),
-            format!(
-                "type=vhost-user-blk,id=vu0,node-name=disk,addr.type=unix,addr.path={},writable=on,iothread=io0",
-                sock.display()
-            ),
-        ],
-    )
+    (bin, export_args(iothread, node, sock))
+}
+
+/// qsd-style arguments: IoThread `io0` from `iothread`, the node "disk" from `node`, and a
+/// writable one-queue vhost-user-blk export on `sock` served by io0.
+pub(crate) fn export_args(iothread: String, node: String, sock: &Path) -> Vec<String> {
+    vec![
+        "--object".into(),
+        iothread,
+        "--blockdev".into(),
+        node,
+        "--export".into(),
+        format!(
+            "type=vhost-user-blk,id=vu0,node-name=disk,addr.type=unix,addr.path={},writable=on,iothread=io0",
+            sock.display()
+        ),
+    ]
 }
 
 /// Runs the matrix; prints progress and returns the rows.
@@ -398,7 +429,15 @@ pub fn run(opts: &VhostOptions) -> Vec<Row> {
                     let daemon = Daemon::start(d, &bin, &args, &sock);
                     let cpu0 = daemon.cpu_ns();
                     let t0 = Instant::now();
-                    let r = drive(&sock, write, *qd as u16, runtime);
+                    let spec = DriveSpec {
+                        write,
+                        sequential: false,
+                        bs: 4096,
+                        qd: *qd as u16,
+                        ramp: Duration::from_secs(1),
+                        runtime,
+                    };
+                    let r = drive(&sock, &spec);
                     let wall = t0.elapsed().as_secs_f64();
                     let cpu1 = daemon.cpu_ns();
                     // CPU over the whole connection (ramp included) per I/O at the

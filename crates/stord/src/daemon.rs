@@ -618,10 +618,14 @@ impl Daemon {
         }
         if std::env::var_os("STORD_STATS").is_some() {
             let h = crate::block::file::harvest_histograms();
+            // One JSON line, so stord-bench can read it back.
             eprintln!(
-                "stord: linux-aio completions per harvest (power-of-two buckets): on event {:?}, after io_submit {:?}",
-                h.on_event.snapshot(),
-                h.after_submit.snapshot()
+                "stord: stats {}",
+                serde_json::json!({ "linux_aio_harvest": {
+                    "buckets": "power of two: 0, 1, 2-3, 4-7, ...",
+                    "on_event": h.on_event.snapshot(),
+                    "after_submit": h.after_submit.snapshot(),
+                }})
             );
         }
         let threads = std::mem::take(&mut self.state.borrow_mut().iothreads);

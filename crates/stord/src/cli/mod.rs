@@ -61,7 +61,7 @@ With no options, serves data/default.img (created sparse, 1 GiB) over NBD on a u
                             an IoThread (an event loop on its own thread)
   --blockdev driver=null-co|null,node-name=<name>[,size=<size>][,read-zeroes=on|off]
   --blockdev driver=file,node-name=<name>,filename=<path>[,aio=io_uring|native|threads]
-             [,cache.direct=on|off][,aio-max-batch=<n>][,discard=unmap|ignore][,read-only=on|off]
+             [,cache.direct=on|off][,aio-max-batch=<n>][,x-reap-after-submit=on|off][,discard=unmap|ignore][,read-only=on|off]
                             a block node
   --nbd-server addr.type=unix,addr.path=<path> | addr.type=inet,addr.host=<host>,addr.port=<port>
                [,max-connections=<n>]

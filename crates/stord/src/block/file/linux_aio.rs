@@ -109,6 +109,9 @@ struct LinuxAio {
     pending: RefCell<VecDeque<Iocb>>,
     in_flight: Cell<u32>,
     max_batch: Cell<u32>,
+    /// Harvest the ring right after each io_submit (on unless `x-reap-after-submit=off`;
+    /// the switch exists so the benchmark can show what it buys).
+    reap_after_submit: Cell<bool>,
     submit_bh: RefCell<Option<Bh>>,
     /// Scratch array of iocb pointers for io_submit (kept to avoid an allocation per call).
     submit_ptrs: RefCell<Vec<*mut Iocb>>,
@@ -157,6 +160,7 @@ impl LinuxAio {
             pending: RefCell::default(),
             in_flight: Cell::new(0),
             max_batch: Cell::new(DEFAULT_MAX_BATCH),
+            reap_after_submit: Cell::new(true),
             submit_bh: RefCell::new(None),
             submit_ptrs: RefCell::default(),
         });
@@ -332,7 +336,7 @@ impl LinuxAio {
             pending.drain(..r as usize);
             self.in_flight.set(self.in_flight.get() + r as u32);
         }
-        if self.in_flight.get() > 0 {
+        if self.in_flight.get() > 0 && self.reap_after_submit.get() {
             let n = self.harvest();
             HISTOGRAMS.after_submit.record(n as u64);
         }
@@ -459,6 +463,15 @@ impl Drop for AioFuture {
     }
 }
 
+/// Per-node knobs of the thread's AIO context (the last node to submit sets them).
+#[derive(Debug, Clone, Copy)]
+pub struct NativeTuning {
+    /// io_submit batch limit (0 = default 32).
+    pub max_batch: u32,
+    /// Harvest right after io_submit.
+    pub reap_after_submit: bool,
+}
+
 /// One read or write of `buf[start..]` at `offset`; the raw result.
 pub(super) async fn transfer(
     fd: RawFd,
@@ -467,15 +480,16 @@ pub(super) async fn transfer(
     buf: Buf,
     start: usize,
     offset: u64,
-    max_batch: u32,
+    tuning: NativeTuning,
 ) -> (i32, Buf) {
     let aio = match LinuxAio::current() {
         Ok(a) => a,
         Err(e) => return (-e.raw_os_error().unwrap_or(libc::EIO), buf),
     };
-    if max_batch != 0 {
-        aio.max_batch.set(max_batch);
+    if tuning.max_batch != 0 {
+        aio.max_batch.set(tuning.max_batch);
     }
+    aio.reap_after_submit.set(tuning.reap_after_submit);
     let idx = aio.enqueue(fd, write, fua, buf, start, offset);
     if aio.pending.borrow().len() as u32 >= aio.max_batch.get() {
         aio.submit();

@@ -15,7 +15,7 @@ mod range_lock;
 mod threads;
 mod uring;
 
-pub use linux_aio::harvest_histograms;
+pub use linux_aio::{harvest_histograms, NativeTuning};
 
 use std::fs::OpenOptions;
 use std::io;
@@ -68,8 +68,9 @@ pub struct FileOptions {
     pub aio: AioMode,
     /// O_DIRECT.
     pub direct: bool,
-    /// io_submit batch limit for `native` (0 = default 32).
-    pub aio_max_batch: u32,
+    /// `native` only: io_submit batch limit (`aio-max-batch`, 0 = default 32) and
+    /// whether to harvest right after io_submit (`x-reap-after-submit`, default on).
+    pub native: NativeTuning,
     /// Discard behaviour.
     pub discard: DiscardMode,
     /// Open read-only.
@@ -94,7 +95,10 @@ impl FileOptions {
         if opts.take_bool("cache.no-flush", false)? {
             return Err(format!("{}: cache.no-flush=on is not supported", opts.what));
         }
-        let aio_max_batch = opts.take_u64("aio-max-batch", false)?.unwrap_or(0) as u32;
+        let native = NativeTuning {
+            max_batch: opts.take_u64("aio-max-batch", false)?.unwrap_or(0) as u32,
+            reap_after_submit: opts.take_bool("x-reap-after-submit", true)?,
+        };
         let discard = match opts
             .take_choice("discard", &["unmap", "ignore", "on", "off"])?
             .as_deref()
@@ -115,7 +119,7 @@ impl FileOptions {
             filename,
             aio,
             direct,
-            aio_max_batch,
+            native,
             discard,
             read_only,
         })
@@ -213,16 +217,8 @@ impl FileDriver {
         match self.opts.aio {
             AioMode::IoUring => uring::transfer(self.raw(), write, fua, buf, start, offset).await,
             AioMode::Native => {
-                linux_aio::transfer(
-                    self.raw(),
-                    write,
-                    fua,
-                    buf,
-                    start,
-                    offset,
-                    self.opts.aio_max_batch,
-                )
-                .await
+                linux_aio::transfer(self.raw(), write, fua, buf, start, offset, self.opts.native)
+                    .await
             }
             AioMode::Threads => {
                 threads::transfer(self.fd.clone(), write, fua, buf, start, offset).await

@@ -1,6 +1,6 @@
 //! One virtqueue served by an IoThread: a kick fd handler, a poll handler that peeks at the
-//! avail index, requests as tasks, and used-ring updates plus the call eventfd batched once
-//! per loop iteration (a bottom half).
+//! avail index, requests as tasks, each completion published in the used ring as it
+//! happens, and the call eventfd written once per loop iteration (a bottom half).
 //!
 //! While the loop busy-polls, guest notifications for the queue stay suppressed (with
 //! EVENT_IDX we simply do not advance avail_event; without it, VRING_USED_F_NO_NOTIFY is
@@ -98,7 +98,7 @@ impl VringHandle {
         }
         run_on(&self.remote, move || {
             RUNNING.with(|r| r.borrow_mut().remove(&id)).map(|v| {
-                v.flush_used();
+                v.notify();
                 v.queue.borrow().next_avail()
             })
         })
@@ -145,8 +145,8 @@ pub struct Vring {
     call: RefCell<Option<Arc<File>>>,
     dev: Arc<BlkDevice>,
     inflight: Option<InflightQueue>,
-    /// Completed (head, used length), published by `flush_bh`.
-    done: RefCell<Vec<(u16, u32)>>,
+    /// Completions were published since the guest was last signalled (`flush_bh` signals).
+    notify_pending: Cell<bool>,
     flush_bh: RefCell<Option<Bh>>,
     in_flight: Cell<usize>,
     /// The loop is busy-polling us (notifications suppressed).
@@ -205,7 +205,7 @@ impl Vring {
             call: RefCell::new(s.call),
             dev: s.dev,
             inflight,
-            done: RefCell::new(Vec::new()),
+            notify_pending: Cell::new(false),
             flush_bh: RefCell::new(None),
             in_flight: Cell::new(0),
             polling: Cell::new(false),
@@ -218,7 +218,12 @@ impl Vring {
         let bh = stord_aio::with_current_context(|ctx| {
             ctx.new_bh(move || {
                 if let Some(v) = weak.upgrade() {
-                    v.flush_used();
+                    v.notify();
+                    // What the driver queued while we completed (QEMU's do/while around
+                    // its handler): take it now instead of waiting for a kick or a poll.
+                    if v.has_work() {
+                        v.process();
+                    }
                 }
             })
         })
@@ -360,42 +365,50 @@ impl Vring {
         });
     }
 
+    /// Publishes one completion in the used ring right away (plain memory writes: a driver
+    /// that is awake sees it at once and can queue more while we keep popping, which is
+    /// what keeps both sides out of lockstep), and leaves the call eventfd to a bottom half
+    /// so a pass that completes many requests signals once.
     fn complete(&self, head: u16, len: u32) {
         self.in_flight.set(self.in_flight.get() - 1);
-        let mut done = self.done.borrow_mut();
-        done.push((head, len));
-        if done.len() == 1 {
+        {
+            let mem = self.mem.borrow().clone();
+            let mut q = self.queue.borrow_mut();
+            if let Some(i) = &self.inflight {
+                i.completing(head);
+            }
+            match q.add_used(&*mem, head, len) {
+                Ok(()) => {
+                    if let Some(i) = &self.inflight {
+                        i.completed(head, q.next_used());
+                    }
+                }
+                Err(e) => eprintln!(
+                    "stord: vhost-user-blk {}: queue {}: cannot complete head {head}: {e}",
+                    self.dev.id, self.index
+                ),
+            }
+        }
+        if !self.notify_pending.replace(true) {
             if let Some(bh) = &*self.flush_bh.borrow() {
                 bh.schedule();
             }
         }
     }
 
-    /// Publishes completed requests in the used ring and signals the guest once, if it
+    /// Signals the guest once for the completions published since the last call, if it
     /// asked to be (EVENT_IDX).
-    fn flush_used(&self) {
-        let done = std::mem::take(&mut *self.done.borrow_mut());
-        if done.is_empty() {
+    fn notify(&self) {
+        if !self.notify_pending.replace(false) {
             return;
         }
         let mem = self.mem.borrow().clone();
-        let mut q = self.queue.borrow_mut();
-        for (head, len) in done {
-            if let Some(i) = &self.inflight {
-                i.completing(head);
-            }
-            if let Err(e) = q.add_used(&*mem, head, len) {
-                eprintln!(
-                    "stord: vhost-user-blk {}: queue {}: cannot complete head {head}: {e}",
-                    self.dev.id, self.index
-                );
-                continue;
-            }
-            if let Some(i) = &self.inflight {
-                i.completed(head, q.next_used());
-            }
-        }
-        if q.needs_notification(&*mem).unwrap_or(true) {
+        if self
+            .queue
+            .borrow_mut()
+            .needs_notification(&*mem)
+            .unwrap_or(true)
+        {
             if let Some(call) = &*self.call.borrow() {
                 let _ = (&**call).write(&1u64.to_ne_bytes());
             }

@@ -1,0 +1,476 @@
+//! `stord-bench report`: the whole comparison in one command, in about 20 minutes on a
+//! 2-vCPU machine, written to `results/report/<time>.json` and turned into
+//! docs/benchmarks.md, its plots and the README's headline by scripts/bench_report.py.
+//!
+//! The matrix: exports (NBD, FUSE, vhost-user-blk) x backends (null, O_DIRECT file with
+//! io_uring / native / threads) x daemons (stord with each polling policy, qsd with its
+//! default polling and with poll-max-ns=0, nbdkit for NBD on null and file) x workloads
+//! (4k randread/randwrite at QD1 and QD16, 64k sequential read at QD16), plus fio on the
+//! raw file as the floor (one more turn in every file-backend block). Every daemon is started fresh for its run of the five
+//! workloads; for each (export, backend) the daemons take turns (A B C, A B C, ...) once
+//! per repetition so drift hits all alike; medians and spread over the repetitions.
+//! Then the extras: policies against offered load, the poll window over time, linux-aio
+//! harvests, the wake-up scenario and the idle cost.
+
+mod extras;
+mod session;
+mod wakeup;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use serde_json::json;
+use stord_aio::{PolicyKind, ReactorKind};
+
+pub use session::Export;
+use session::{Paths, Running, Session, Timing, Workload};
+
+use crate::nbd::{bench_dir, median, prepare_image};
+use crate::peers::{repo_root, stord_binary, FioResult};
+
+/// Options of the report.
+pub struct ReportOptions {
+    pub timing: Timing,
+    pub reps: usize,
+    pub exports: Vec<Export>,
+    /// Also run the extras (curves, window, harvest, wake-up, idle).
+    pub extras: bool,
+    /// Regenerate docs/benchmarks.md, the plots and the README headline.
+    pub docs: bool,
+    pub out: Option<PathBuf>,
+}
+
+impl Default for ReportOptions {
+    fn default() -> Self {
+        Self {
+            timing: Timing {
+                ramp: Duration::from_millis(250),
+                runtime: Duration::from_secs(1),
+            },
+            reps: 2,
+            exports: vec![Export::Nbd, Export::Fuse, Export::Vhost],
+            extras: true,
+            docs: true,
+            out: None,
+        }
+    }
+}
+
+pub const WORKLOADS: [Workload; 5] = [
+    Workload {
+        rw: "randread",
+        bs: 4096,
+        qd: 1,
+    },
+    Workload {
+        rw: "randwrite",
+        bs: 4096,
+        qd: 1,
+    },
+    Workload {
+        rw: "randread",
+        bs: 4096,
+        qd: 16,
+    },
+    Workload {
+        rw: "randwrite",
+        bs: 4096,
+        qd: 16,
+    },
+    Workload {
+        rw: "read",
+        bs: 65536,
+        qd: 16,
+    },
+];
+
+const BACKENDS: [&str; 4] = ["null", "file-io_uring", "file-native", "file-threads"];
+const STORD: [&str; 4] = [
+    "stord-off",
+    "stord-classic",
+    "stord-weighted",
+    "stord-haltpoll",
+];
+
+/// The daemons compared on `export` with `backend`.
+fn daemons(export: Export, backend: &str) -> Vec<&'static str> {
+    if export == Export::Raw {
+        return vec!["fio-raw"];
+    }
+    let mut d: Vec<&str> = STORD.to_vec();
+    d.extend(["qsd", "qsd-poll0"]);
+    // nbdkit has no aio modes: its file plugin does pread/pwrite from a thread pool.
+    if export == Export::Nbd && matches!(backend, "null" | "file-threads") {
+        d.push("nbdkit");
+    }
+    // The floor takes its turn between the daemons: the virtual disk's speed drifts by
+    // 2-5x over a run, so a floor measured once at the start compares nothing.
+    if backend.starts_with("file-") {
+        d.push("fio-raw");
+    }
+    d
+}
+
+fn backends(export: Export) -> Vec<&'static str> {
+    if export == Export::Raw {
+        vec!["file"]
+    } else {
+        BACKENDS.to_vec()
+    }
+}
+
+/// A progress bar with an ETA from estimated step lengths, corrected by how long the
+/// steps so far really took.
+struct Progress {
+    start: Instant,
+    total_est: f64,
+    done_est: f64,
+    steps: usize,
+    done: usize,
+}
+
+impl Progress {
+    fn new(total_est: f64, steps: usize) -> Self {
+        Self {
+            start: Instant::now(),
+            total_est,
+            done_est: 0.0,
+            steps,
+            done: 0,
+        }
+    }
+
+    /// Announces a step of about `est` seconds.
+    fn step(&mut self, est: f64, what: &str) {
+        let elapsed = self.start.elapsed().as_secs_f64();
+        let speed = if self.done_est > 0.0 {
+            elapsed / self.done_est
+        } else {
+            1.0
+        };
+        let left = (self.total_est - self.done_est).max(0.0) * speed;
+        let frac = (self.done_est / self.total_est).min(1.0);
+        let filled = (frac * 30.0) as usize;
+        eprintln!(
+            "[{}{}] {:>3.0}% {:>3}/{} {} elapsed, ETA {} | {what}",
+            "#".repeat(filled),
+            ".".repeat(30 - filled),
+            frac * 100.0,
+            self.done + 1,
+            self.steps,
+            mmss(elapsed),
+            mmss(left),
+        );
+        self.done_est += est;
+        self.done += 1;
+    }
+}
+
+fn mmss(s: f64) -> String {
+    let s = s as u64;
+    format!("{}:{:02}", s / 60, s % 60)
+}
+
+/// One (export, backend, workload, daemon) case: medians over the repetitions.
+#[derive(Debug, Serialize)]
+pub struct ReportRow {
+    pub export: String,
+    pub backend: String,
+    pub workload: String,
+    pub bs: String,
+    pub iodepth: u32,
+    pub daemon: String,
+    pub iops: f64,
+    pub mbps: f64,
+    pub mean_us: f64,
+    pub p50_us: f64,
+    pub p99_us: f64,
+    pub cpu_us_per_io: Option<f64>,
+    pub iops_spread: f64,
+    pub runs: Vec<RunResult>,
+}
+
+/// One repetition of a case.
+#[derive(Debug, Clone, Serialize)]
+pub struct RunResult {
+    #[serde(flatten)]
+    pub fio: FioResult,
+    pub cpu_us_per_io: Option<f64>,
+}
+
+fn summarize(key: &CaseKey, runs: Vec<RunResult>) -> ReportRow {
+    let iops: Vec<f64> = runs.iter().map(|r| r.fio.iops).collect();
+    let med = median(iops.clone());
+    let hi = iops.iter().cloned().fold(f64::MIN, f64::max);
+    let lo = iops.iter().cloned().fold(f64::MAX, f64::min);
+    let cpu: Vec<f64> = runs.iter().filter_map(|r| r.cpu_us_per_io).collect();
+    let w = &WORKLOADS[key.workload];
+    ReportRow {
+        export: key.export.name().to_string(),
+        backend: key.backend.to_string(),
+        workload: w.rw.to_string(),
+        bs: w.bs_label(),
+        iodepth: w.qd,
+        daemon: key.daemon.to_string(),
+        iops: med,
+        mbps: med * f64::from(w.bs) / 1e6,
+        mean_us: median(runs.iter().map(|r| r.fio.mean_us).collect()),
+        p50_us: median(runs.iter().map(|r| r.fio.p50_us).collect()),
+        p99_us: median(runs.iter().map(|r| r.fio.p99_us).collect()),
+        cpu_us_per_io: (!cpu.is_empty()).then(|| median(cpu)),
+        iops_spread: if med > 0.0 { (hi - lo) / med } else { 0.0 },
+        runs,
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct CaseKey {
+    export: Export,
+    backend: &'static str,
+    workload: usize,
+    daemon: &'static str,
+}
+
+/// The wake-up scenario's targets: (label, export, daemon).
+const WAKEUP: [(&str, Export, &str); 5] = [
+    ("raw file", Export::Raw, "fio-raw"),
+    ("stord NBD", Export::Nbd, "stord-classic"),
+    ("qsd NBD", Export::Nbd, "qsd"),
+    ("stord FUSE", Export::Fuse, "stord-classic"),
+    ("qsd FUSE", Export::Fuse, "qsd"),
+];
+
+const CURVE_DAEMONS: [&str; 6] = [
+    "stord-off",
+    "stord-classic",
+    "stord-weighted",
+    "stord-haltpoll",
+    "qsd",
+    "qsd-poll0",
+];
+
+fn first_line(cmd: &str, args: &[&str]) -> String {
+    Command::new(cmd)
+        .args(args)
+        .output()
+        .ok()
+        .and_then(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .next()
+                .map(str::to_string)
+        })
+        .unwrap_or_else(|| "?".into())
+}
+
+/// Installs what is missing (qsd, nbdkit, fio, matplotlib: scripts/install-deps.sh).
+fn install_deps() {
+    let st = Command::new("bash")
+        .arg(repo_root().join("scripts/install-deps.sh"))
+        .status()
+        .expect("run scripts/install-deps.sh");
+    assert!(st.success(), "scripts/install-deps.sh failed");
+}
+
+/// Runs the report; returns the path of the JSON it wrote.
+pub fn run(opts: &ReportOptions) -> PathBuf {
+    install_deps();
+    let stord = stord_binary();
+    eprintln!("report: stord at {}", stord.display());
+    let dir = bench_dir();
+    let paths = Paths {
+        img: dir.join("nbd-bench.img"),
+        sock: dir.join("report.sock"),
+        mnt: dir.join("report-fuse-mnt"),
+    };
+    prepare_image(&paths.img);
+    let t = opts.timing;
+    let run_s = (t.ramp + t.runtime).as_secs_f64() + 0.35;
+
+    // The plan, for the progress bar.
+    let exports = opts.exports.clone();
+    let matrix_runs: usize = exports
+        .iter()
+        .flat_map(|&e| backends(e).into_iter().map(move |b| daemons(e, b).len()))
+        .sum::<usize>()
+        * WORKLOADS.len()
+        * opts.reps;
+    let (mut est, mut steps) = (matrix_runs as f64 * run_s, matrix_runs);
+    if opts.extras {
+        est += 3.0 * 1.9 + 2.0 * run_s + 30.0 * run_s + 10.0 * 2.0 + 11.0;
+        steps += 3 + 2 + CURVE_DAEMONS.len() * extras::THINKTIMES_US.len() + 10 + 1;
+    }
+    let mut prog = Progress::new(est, steps);
+    let started = Instant::now();
+
+    let mut results: HashMap<CaseKey, Vec<RunResult>> = HashMap::new();
+    let mut restarts: HashMap<String, usize> = HashMap::new();
+    let mut order: Vec<CaseKey> = Vec::new();
+    for &export in &exports {
+        for backend in backends(export) {
+            let names = daemons(export, backend);
+            for rep in 0..opts.reps {
+                for &daemon in &names {
+                    let mut s = Session::start(export, backend, daemon, &paths);
+                    for (wi, w) in WORKLOADS.iter().enumerate() {
+                        prog.step(
+                            run_s,
+                            &format!(
+                                "{} {backend} {} {daemon} (rep {}/{})",
+                                export.name(),
+                                w.label(),
+                                rep + 1,
+                                opts.reps
+                            ),
+                        );
+                        let (r, cpu_us, _) = s.run(w, &t, &paths, &[]);
+                        let ios = r.iops * (t.ramp + t.runtime).as_secs_f64();
+                        let key = CaseKey {
+                            export,
+                            backend,
+                            workload: wi,
+                            daemon,
+                        };
+                        if !results.contains_key(&key) {
+                            order.push(key.clone());
+                        }
+                        results.entry(key).or_default().push(RunResult {
+                            fio: r,
+                            cpu_us_per_io: cpu_us.map(|c| c / ios.max(1.0)),
+                        });
+                    }
+                    if s.restarts > 0 {
+                        *restarts
+                            .entry(format!("{daemon} {} {backend}", export.name()))
+                            .or_insert(0) += s.restarts;
+                    }
+                }
+            }
+        }
+    }
+    let matrix: Vec<ReportRow> = order
+        .iter()
+        .map(|k| summarize(k, results.remove(k).unwrap_or_default()))
+        .collect();
+
+    let mut doc = json!({
+        "benchmark": "report",
+        "command": "cargo run --release -p stord-bench -- report",
+        "machine": {
+            "cpus": std::thread::available_parallelism().map_or(0, |n| n.get()),
+            "kernel": first_line("uname", &["-r"]),
+            "qsd": first_line("qemu-storage-daemon", &["--version"]),
+            "nbdkit": first_line("nbdkit", &["--version"]),
+            "fio": first_line("fio", &["--version"]),
+            "reactor": std::env::var("STORD_AIO_REACTOR").unwrap_or_else(|_| "io_uring".into()),
+        },
+        "params": {
+            "runtime_s": t.runtime.as_secs_f64(),
+            "ramp_ms": t.ramp.as_millis() as u64,
+            "reps": opts.reps,
+            "image_bytes": crate::nbd::IMAGE_SIZE,
+        },
+        "matrix": matrix,
+        "daemon_restarts": restarts,
+    });
+
+    if opts.extras {
+        let policies = [
+            PolicyKind::Classic,
+            PolicyKind::Weighted,
+            PolicyKind::Haltpoll,
+        ];
+        for p in policies {
+            prog.step(1.9, &format!("poll window trace, {p}"));
+        }
+        doc["window_trace"] = extras::window_trace(&policies, ReactorKind::IoUring);
+
+        doc["harvest"] = extras::harvest(&t, &paths, || {
+            prog.step(run_s, "linux-aio completions per harvest")
+        });
+
+        let mut curves = Vec::new();
+        for d in CURVE_DAEMONS {
+            curves.extend(extras::curve(d, &t, &paths, || {
+                prog.step(run_s, &format!("offered load curve, {d}"))
+            }));
+        }
+        doc["curves"] = serde_json::to_value(curves).unwrap();
+
+        let mut secs: Vec<Vec<f64>> = vec![Vec::new(); WAKEUP.len()];
+        for rep in 0..2 {
+            for (i, (label, export, daemon)) in WAKEUP.iter().enumerate() {
+                prog.step(2.0, &format!("wake-up scenario, {label} (rep {})", rep + 1));
+                let s = Session::start(*export, "file-io_uring", daemon, &paths);
+                secs[i].push(match s.running {
+                    Running::Raw => wakeup::file(&paths.img),
+                    Running::Fuse(_) => wakeup::file(&paths.mnt),
+                    Running::Nbd(..) => wakeup::nbd(&paths.sock, "disk"),
+                    Running::Vhost(_) => unreachable!(),
+                });
+            }
+        }
+        doc["wakeup"] = WAKEUP
+            .iter()
+            .zip(secs)
+            .map(|((label, export, daemon), s)| {
+                json!({
+                    "target": label,
+                    "export": export.name(),
+                    "daemon": daemon,
+                    "median_s": median(s.clone()),
+                    "seconds": s,
+                })
+            })
+            .collect();
+
+        prog.step(11.0, "idle cost (10 s, all daemons side by side)");
+        doc["idle"] = serde_json::to_value(crate::idle::run(10)).unwrap();
+    }
+    let _ = std::fs::remove_file(&paths.sock);
+    let _ = std::fs::remove_file(&paths.mnt);
+
+    doc["duration_s"] = started.elapsed().as_secs_f64().into();
+    let out_dir = opts
+        .out
+        .clone()
+        .unwrap_or_else(|| repo_root().join("results"))
+        .join("report");
+    std::fs::create_dir_all(&out_dir).expect("create results/report");
+    let ts = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let path = out_dir.join(format!("{ts}.json"));
+    doc["unix_time"] = ts.into();
+    doc["results_path"] = path
+        .strip_prefix(repo_root())
+        .unwrap_or(&path)
+        .display()
+        .to_string()
+        .into();
+    std::fs::write(&path, serde_json::to_string_pretty(&doc).unwrap()).expect("write results");
+    eprintln!(
+        "report: {} in {}, results in {}",
+        steps,
+        mmss(started.elapsed().as_secs_f64()),
+        path.display()
+    );
+    if opts.docs {
+        generate_docs(&path);
+    }
+    path
+}
+
+/// Regenerates docs/benchmarks.md, docs/plots/ and the README headline from `json`.
+pub fn generate_docs(json: &std::path::Path) {
+    let st = Command::new("/usr/bin/python3")
+        .arg(repo_root().join("scripts/bench_report.py"))
+        .arg(json)
+        .status()
+        .expect("run scripts/bench_report.py");
+    assert!(st.success(), "scripts/bench_report.py failed");
+}

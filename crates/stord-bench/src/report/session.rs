@@ -1,0 +1,310 @@
+//! One daemon serving one export of one backend, started fresh, and the workloads run
+//! against it: fio's nbd engine for NBD, fio's io_uring engine on the mounted file for
+//! FUSE and on the image itself for the raw floor, our own frontend for vhost-user-blk.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use crate::fuse::{start_with as mount_fuse, Mounted};
+use crate::nbd::{which, IMAGE_SIZE};
+use crate::peers::{stord_binary, try_run_fio, Daemon, FioResult};
+use crate::vhost::{drive, export_args as vhost_args, DriveSpec};
+
+/// The exports a session can serve.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Export {
+    Nbd,
+    Fuse,
+    Vhost,
+    /// No daemon: fio on the image file (the floor).
+    Raw,
+}
+
+impl Export {
+    pub fn name(self) -> &'static str {
+        match self {
+            Export::Nbd => "nbd",
+            Export::Fuse => "fuse",
+            Export::Vhost => "vhost-user-blk",
+            Export::Raw => "raw",
+        }
+    }
+}
+
+/// One fio-like job.
+#[derive(Debug, Clone, Copy)]
+pub struct Workload {
+    /// fio's rw: randread, randwrite or read (sequential).
+    pub rw: &'static str,
+    pub bs: u32,
+    pub qd: u32,
+}
+
+impl Workload {
+    pub fn bs_label(&self) -> String {
+        format!("{}k", self.bs / 1024)
+    }
+
+    pub fn label(&self) -> String {
+        format!("{} {} QD{}", self.bs_label(), self.rw, self.qd)
+    }
+}
+
+/// Timing of every run.
+#[derive(Debug, Clone, Copy)]
+pub struct Timing {
+    pub ramp: Duration,
+    pub runtime: Duration,
+}
+
+/// Paths the sessions share.
+pub struct Paths {
+    pub img: PathBuf,
+    pub sock: PathBuf,
+    pub mnt: PathBuf,
+}
+
+/// `--blockdev` for `backend`: null, or file-<aio mode> with O_DIRECT.
+pub fn blockdev(backend: &str, img: &Path) -> String {
+    match backend.strip_prefix("file-") {
+        None => format!("driver=null-co,node-name=disk,size={IMAGE_SIZE},read-zeroes=on"),
+        Some(aio) => format!(
+            "driver=file,node-name=disk,filename={},aio={aio},cache.direct=on",
+            img.display()
+        ),
+    }
+}
+
+/// The binary and the `--object iothread` of a stord-POLICY, qsd or qsd-poll0 daemon.
+pub fn qsd_style(daemon: &str) -> (PathBuf, String) {
+    match daemon.strip_prefix("stord-") {
+        Some(policy) => (
+            stord_binary(),
+            format!("iothread,id=io0,poll-policy={policy}"),
+        ),
+        None => {
+            let bin = which("qemu-storage-daemon");
+            match daemon {
+                "qsd" => (bin, "iothread,id=io0".into()),
+                "qsd-poll0" => (bin, "iothread,id=io0,poll-max-ns=0".into()),
+                other => panic!("unknown daemon {other}"),
+            }
+        }
+    }
+}
+
+/// Arguments that serve `backend` over NBD on `sock` (export name "disk"), and the URI.
+pub fn nbd_args(daemon: &str, backend: &str, p: &Paths) -> (PathBuf, Vec<String>, String) {
+    if daemon == "nbdkit" {
+        let mut args = vec!["-f".to_string(), "-U".into(), p.sock.display().to_string()];
+        match backend {
+            "null" => args.extend(["null".into(), "1G".into()]),
+            _ => args.extend([
+                "file".into(),
+                p.img.display().to_string(),
+                "cache=none".into(),
+            ]),
+        }
+        let uri = format!("nbd+unix:///?socket={}", p.sock.display());
+        return (which("nbdkit"), args, uri);
+    }
+    let (bin, iothread) = qsd_style(daemon);
+    let args = vec![
+        "--object".into(),
+        iothread,
+        "--blockdev".into(),
+        blockdev(backend, &p.img),
+        "--nbd-server".into(),
+        format!("addr.type=unix,addr.path={}", p.sock.display()),
+        "--export".into(),
+        "type=nbd,id=exp0,node-name=disk,name=disk,writable=on,iothread=io0".into(),
+    ];
+    let uri = format!("nbd+unix:///disk?socket={}", p.sock.display());
+    (bin, args, uri)
+}
+
+/// A running daemon (or none, for the raw floor).
+pub enum Running {
+    Nbd(Daemon, String),
+    Fuse(Mounted),
+    Vhost(Daemon),
+    Raw,
+}
+
+/// A daemon serving one export of one backend, restarted if it died between runs.
+pub struct Session {
+    pub running: Running,
+    export: Export,
+    backend: String,
+    daemon: String,
+    /// How often the daemon had exited by itself and was started again.
+    pub restarts: usize,
+    /// Started by `start` (so `revive` knows how to start it again).
+    revivable: bool,
+}
+
+impl Session {
+    pub fn start(export: Export, backend: &str, daemon: &str, p: &Paths) -> Session {
+        Session {
+            running: Self::spawn(export, backend, daemon, p),
+            export,
+            backend: backend.to_string(),
+            daemon: daemon.to_string(),
+            restarts: 0,
+            revivable: true,
+        }
+    }
+
+    /// Wraps a daemon the caller started itself (it is not restarted if it dies).
+    pub fn from_running(running: Running) -> Session {
+        Session {
+            running,
+            export: Export::Nbd,
+            backend: String::new(),
+            daemon: "daemon".into(),
+            restarts: 0,
+            revivable: false,
+        }
+    }
+
+    fn spawn(export: Export, backend: &str, daemon: &str, p: &Paths) -> Running {
+        if daemon == "fio-raw" {
+            return Running::Raw;
+        }
+        match export {
+            Export::Nbd => {
+                let (bin, args, uri) = nbd_args(daemon, backend, p);
+                Running::Nbd(Daemon::start(daemon, &bin, &args, &p.sock), uri)
+            }
+            Export::Fuse => {
+                let (bin, iothread) = qsd_style(daemon);
+                Running::Fuse(mount_fuse(
+                    &bin,
+                    vec![iothread],
+                    blockdev(backend, &p.img),
+                    &p.mnt,
+                    false,
+                ))
+            }
+            Export::Vhost => {
+                let (bin, iothread) = qsd_style(daemon);
+                let args = vhost_args(iothread, blockdev(backend, &p.img), &p.sock);
+                Running::Vhost(Daemon::start(daemon, &bin, &args, &p.sock))
+            }
+            Export::Raw => Running::Raw,
+        }
+    }
+
+    /// Starts the daemon again if it exited (qsd 10.0 can abort when an NBD client
+    /// disconnects: an assertion in nbd_blockdev_client_closed).
+    fn revive(&mut self, p: &Paths) {
+        let dead = match &mut self.running {
+            Running::Nbd(d, _) | Running::Vhost(d) => matches!(d.child.try_wait(), Ok(Some(_))),
+            Running::Fuse(m) => matches!(m.child.try_wait(), Ok(Some(_))),
+            Running::Raw => false,
+        };
+        if dead {
+            assert!(self.revivable, "{} exited during the run", self.daemon);
+            eprintln!(
+                "report: {} ({} {}) exited by itself; starting it again",
+                self.daemon,
+                self.export.name(),
+                self.backend
+            );
+            self.restarts += 1;
+            // Drop the dead one first (unmount, remove the socket) before the new one.
+            self.running = Running::Raw;
+            self.running = Self::spawn(self.export, &self.backend, &self.daemon, p);
+        }
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        match &self.running {
+            Running::Nbd(d, _) | Running::Vhost(d) => Some(d.pid()),
+            Running::Fuse(m) => Some(m.child.id()),
+            Running::Raw => None,
+        }
+    }
+
+    /// fio's arguments for `w` (plus `extra`) against this session (not for vhost).
+    fn fio_args(&self, w: &Workload, t: &Timing, p: &Paths, extra: &[String]) -> Vec<String> {
+        let mut a = vec![
+            "--name=bench".to_string(),
+            format!("--rw={}", w.rw),
+            format!("--bs={}", w.bs),
+            format!("--iodepth={}", w.qd),
+            "--time_based".into(),
+            format!("--runtime={}ms", t.runtime.as_millis()),
+            format!("--ramp_time={}ms", t.ramp.as_millis()),
+            format!("--size={IMAGE_SIZE}"),
+            "--norandommap".into(),
+            "--randrepeat=0".into(),
+        ];
+        match &self.running {
+            Running::Nbd(_, uri) => {
+                a.extend(["--ioengine=nbd".into(), format!("--uri={uri}")]);
+            }
+            Running::Fuse(_) => a.extend([
+                "--ioengine=io_uring".into(),
+                "--direct=1".into(),
+                format!("--filename={}", p.mnt.display()),
+            ]),
+            Running::Raw => a.extend([
+                "--ioengine=io_uring".into(),
+                "--direct=1".into(),
+                format!("--filename={}", p.img.display()),
+            ]),
+            Running::Vhost(_) => unreachable!("vhost-user-blk is driven by our frontend"),
+        }
+        a.extend_from_slice(extra);
+        a
+    }
+
+    /// Runs `w`; returns what the client measured, the daemon's CPU time over the whole
+    /// run (ramp included) in µs, and the wall time of the run.
+    pub fn run(
+        &mut self,
+        w: &Workload,
+        t: &Timing,
+        p: &Paths,
+        extra: &[String],
+    ) -> (FioResult, Option<f64>, Duration) {
+        self.revive(p);
+        let pid = self.pid();
+        let cpu = || pid.map(crate::peers::process_cpu_ns);
+        let c0 = cpu();
+        let t0 = Instant::now();
+        let r = match &self.running {
+            Running::Vhost(_) => drive(
+                &p.sock,
+                &DriveSpec {
+                    write: w.rw.contains("write"),
+                    sequential: !w.rw.starts_with("rand"),
+                    bs: w.bs,
+                    qd: w.qd as u16,
+                    ramp: t.ramp,
+                    runtime: t.runtime,
+                },
+            ),
+            _ => match try_run_fio(&self.fio_args(w, t, p, extra)) {
+                Ok(r) => r,
+                Err(e) => {
+                    // The daemon may have died after the previous client left and not
+                    // yet have been reaped when we looked: give it a moment, revive it
+                    // and try once more.
+                    std::thread::sleep(Duration::from_millis(200));
+                    let before = self.restarts;
+                    self.revive(p);
+                    if self.restarts == before || self.restarts > 20 {
+                        panic!("{e}");
+                    }
+                    return self.run(w, t, p, extra);
+                }
+            },
+        };
+        let wall = t0.elapsed();
+        let c1 = cpu();
+        let cpu_us = c0.zip(c1).map(|(a, b)| (b - a) as f64 / 1000.0);
+        (r, cpu_us, wall)
+    }
+}

@@ -1,0 +1,109 @@
+//! The report's document generator (scripts/bench_report.py) on a fixture run: it must
+//! write the page with every section, one PNG per plot, and replace only the README's
+//! headline block. The figures in the fixture are made up; what is checked is that the
+//! numbers in the page are the ones computed from it.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn is_png(p: &Path) -> bool {
+    std::fs::read(p)
+        .map(|b| b.starts_with(b"\x89PNG\r\n\x1a\n") && b.len() > 5_000)
+        .unwrap_or(false)
+}
+
+#[test]
+fn generator_writes_page_plots_and_readme_headline() {
+    let tmp = std::env::temp_dir().join(format!("stord-report-docs-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp).unwrap();
+    let readme = tmp.join("README.md");
+    std::fs::write(
+        &readme,
+        "# title\n\nbefore\n<!-- bench:headline -->\nold headline\n<!-- /bench:headline -->\nafter\n",
+    )
+    .unwrap();
+    let fixture = repo().join("crates/stord-bench/tests/fixtures/report-sample.json");
+    let out = Command::new("/usr/bin/python3")
+        .arg(repo().join("scripts/bench_report.py"))
+        .arg(&fixture)
+        .arg("--docs")
+        .arg(tmp.join("docs"))
+        .arg("--readme")
+        .arg(&readme)
+        .output()
+        .expect("run /usr/bin/python3 (scripts/install-deps.sh installs python3-matplotlib)");
+    assert!(
+        out.status.success(),
+        "bench_report.py failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    let page = std::fs::read_to_string(tmp.join("docs/benchmarks.md")).unwrap();
+    for section in [
+        "NBD",
+        "FUSE",
+        "vhost-user-blk",
+        "thinktime",
+        "Poll window",
+        "harvest",
+        "Wake-up",
+        "Idle",
+    ] {
+        assert!(
+            page.to_lowercase().contains(&section.to_lowercase()),
+            "page lacks a {section} section"
+        );
+    }
+
+    // One ratio recomputed here: NBD, null, 4k randread QD16, stord-classic over qsd.
+    let data: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&fixture).unwrap()).unwrap();
+    let iops = |daemon: &str| {
+        data["matrix"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| {
+                r["export"] == "nbd"
+                    && r["backend"] == "null"
+                    && r["workload"] == "randread"
+                    && r["bs"] == "4k"
+                    && r["iodepth"] == 16
+                    && r["daemon"] == daemon
+            })
+            .and_then(|r| r["iops"].as_f64())
+            .unwrap()
+    };
+    let ratio = format!("{:.2}", iops("stord-classic") / iops("qsd"));
+    assert!(page.contains(&ratio), "page lacks the ratio {ratio}");
+
+    let plots = tmp.join("docs/plots");
+    for name in [
+        "iops-nbd.png",
+        "cpu-nbd.png",
+        "iops-fuse.png",
+        "iops-vhost-user-blk.png",
+        "curves.png",
+        "poll-window.png",
+        "harvest.png",
+        "wakeup.png",
+    ] {
+        assert!(is_png(&plots.join(name)), "{name} missing or not a PNG");
+        assert!(
+            page.contains(&format!("plots/{name}")),
+            "page does not show {name}"
+        );
+    }
+
+    let r = std::fs::read_to_string(&readme).unwrap();
+    assert!(r.starts_with("# title\n\nbefore\n<!-- bench:headline -->\n"));
+    assert!(r.ends_with("<!-- /bench:headline -->\nafter\n"));
+    assert!(!r.contains("old headline"), "headline block not replaced");
+    assert!(r.contains("docs/benchmarks.md"));
+    let _ = std::fs::remove_dir_all(&tmp);
+}
