@@ -422,6 +422,15 @@ def export_section(m, export, plots_dir, written, reps):
            "same case; \"× raw fio\" compares with fio on the image file for the same workload "
            "(file backends only). CPU µs/IO is the daemon's user+sys CPU time divided by the "
            "I/Os completed; spread is (max-min)/median of IOPS over the repetitions.", ""]
+    raw_spreads = [num(r.get("iops_spread")) for r in m.raw_rows
+                   if r.get("export") == export and num(r.get("iops_spread")) is not None]
+    if raw_spreads:
+        out += [f"Caution with the file backends: fio on the raw file itself, measured between "
+                f"these daemons, varies by {min(raw_spreads) * 100:.0f}-"
+                f"{max(raw_spreads) * 100:.0f} % between its repetitions in this run (the "
+                "virtual disk's speed swings within seconds), so file-backend ratios from short "
+                "runs are indicative only; the null backend measures the daemons themselves.",
+                ""]
     headers = ["case", "daemon", "IOPS", "× qsd", "× raw fio", "MB/s", "p50 µs", "p99 µs",
                "CPU µs/IO", "CPU × qsd", "spread %"]
     for backend in m.backends(export):
