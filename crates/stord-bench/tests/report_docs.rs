@@ -48,7 +48,7 @@ fn generator_writes_page_plots_and_readme_headline() {
         "NBD",
         "FUSE",
         "vhost-user-blk",
-        "thinktime",
+        "offered load",
         "Poll window",
         "harvest",
         "Wake-up",
