@@ -12,7 +12,8 @@ use std::process::Command;
 
 use serde::Serialize;
 
-use crate::peers::{repo_root, run_fio, stord_binary, Daemon, FioResult};
+use crate::peers::{repo_root, run_fio, Daemon, FioResult};
+use crate::report::session::{nbd_args, Paths};
 
 /// Options of the NBD benchmark.
 pub struct NbdOptions {
@@ -97,66 +98,6 @@ pub(crate) fn prepare_image(path: &Path) {
         .status()
         .expect("fio");
     assert!(st.success());
-}
-
-fn daemon_args(
-    daemon: &str,
-    backend: &str,
-    img: &Path,
-    sock: &Path,
-    opts: &NbdOptions,
-) -> (PathBuf, Vec<String>, String) {
-    let node = match backend {
-        "null" => format!("driver=null-co,node-name=disk,size={IMAGE_SIZE}"),
-        _ => format!(
-            "driver=file,node-name=disk,filename={},aio={},cache.direct=on",
-            img.display(),
-            opts.file_aio
-        ),
-    };
-    let qsd_style = |bin: PathBuf, iothread: String| {
-        (
-            bin,
-            vec![
-                "--object".into(),
-                iothread,
-                "--blockdev".into(),
-                node.clone(),
-                "--nbd-server".into(),
-                format!("addr.type=unix,addr.path={}", sock.display()),
-                "--export".into(),
-                "type=nbd,id=exp0,node-name=disk,name=disk,writable=on,iothread=io0".into(),
-            ],
-            format!("nbd+unix:///disk?socket={}", sock.display()),
-        )
-    };
-    match daemon {
-        "stord" => qsd_style(
-            stord_binary(),
-            format!("iothread,id=io0,poll-policy={}", opts.stord_policy),
-        ),
-        "qsd" => qsd_style(
-            PathBuf::from("qemu-storage-daemon"),
-            "iothread,id=io0".into(),
-        ),
-        "nbdkit" => {
-            let mut args = vec!["-f".to_string(), "-U".into(), sock.display().to_string()];
-            match backend {
-                "null" => args.extend(["null".into(), "1G".into()]),
-                _ => args.extend([
-                    "file".into(),
-                    img.display().to_string(),
-                    "cache=none".into(),
-                ]),
-            }
-            (
-                PathBuf::from("nbdkit"),
-                args,
-                format!("nbd+unix:///?socket={}", sock.display()),
-            )
-        }
-        other => panic!("unknown daemon {other}"),
-    }
 }
 
 pub(crate) fn which(cmd: &str) -> PathBuf {
@@ -247,7 +188,21 @@ pub fn run(opts: &NbdOptions) -> Vec<Row> {
                         continue;
                     }
                     let mut fio = fio_common(rw, *qd, opts.runtime_s);
-                    let (bin, args, uri) = daemon_args(d, backend, &img, &sock, opts);
+                    // This benchmark's names, in the report's terms.
+                    let daemon = match d.as_str() {
+                        "stord" => format!("stord-{}", opts.stord_policy),
+                        other => other.to_string(),
+                    };
+                    let backend = match backend.as_str() {
+                        "file" => format!("file-{}", opts.file_aio),
+                        other => other.to_string(),
+                    };
+                    let paths = Paths {
+                        img: img.clone(),
+                        sock: sock.clone(),
+                        mnt: PathBuf::new(),
+                    };
+                    let (bin, args, uri) = nbd_args(&daemon, &backend, &paths);
                     let daemon = Daemon::start(d, &bin, &args, &sock);
                     fio.extend(["--ioengine=nbd".into(), format!("--uri={uri}")]);
                     let cpu0 = daemon.cpu_ns();

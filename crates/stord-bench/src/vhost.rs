@@ -7,7 +7,7 @@
 //! Every stord polling policy is a separate "daemon" in the table; qsd runs with its
 //! defaults. The file backend adds fio on the raw file (io_uring, O_DIRECT) as the floor.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{fence, Ordering};
 use std::time::{Duration, Instant};
 
@@ -18,7 +18,8 @@ use vm_memory::{Bytes, FileOffset, GuestAddress, GuestMemoryMmap, GuestRegionMma
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::nbd::{bench_dir, default_workloads, fio_raw, prepare_image, which, Row, IMAGE_SIZE};
-use crate::peers::{stord_binary, Daemon, FioResult};
+use crate::peers::{Daemon, FioResult};
+use crate::report::session::{blockdev, qsd_style};
 
 /// Options of the vhost-user-blk benchmark.
 pub struct VhostOptions {
@@ -352,27 +353,6 @@ pub(crate) fn drive(sock: &Path, spec: &DriveSpec) -> FioResult {
     }
 }
 
-fn daemon_args(daemon: &str, backend: &str, img: &Path, sock: &Path) -> (PathBuf, Vec<String>) {
-    let node = match backend {
-        "null" => format!("driver=null-co,node-name=disk,size={IMAGE_SIZE}"),
-        _ => format!(
-            "driver=file,node-name=disk,filename={},aio=io_uring,cache.direct=on",
-            img.display()
-        ),
-    };
-    let (bin, iothread) = match daemon.strip_prefix("stord-") {
-        Some(policy) => (
-            stord_binary(),
-            format!("iothread,id=io0,poll-policy={policy}"),
-        ),
-        None => (
-            PathBuf::from("qemu-storage-daemon"),
-            "iothread,id=io0".into(),
-        ),
-    };
-    (bin, export_args(iothread, node, sock))
-}
-
 /// qsd-style arguments: IoThread `io0` from `iothread`, the node "disk" from `node`, and a
 /// writable one-queue vhost-user-blk export on `sock` served by io0.
 pub(crate) fn export_args(iothread: String, node: String, sock: &Path) -> Vec<String> {
@@ -425,7 +405,14 @@ pub fn run(opts: &VhostOptions) -> Vec<Row> {
                         per[i].push((fio_raw(rw, *qd, opts.runtime_s, &img), None));
                         continue;
                     }
-                    let (bin, args) = daemon_args(d, backend, &img, &sock);
+                    // This benchmark's "file" backend is the report's file-io_uring.
+                    let backend = if backend == "file" {
+                        "file-io_uring"
+                    } else {
+                        backend
+                    };
+                    let (bin, iothread) = qsd_style(d);
+                    let args = export_args(iothread, blockdev(backend, &img), &sock);
                     let daemon = Daemon::start(d, &bin, &args, &sock);
                     let cpu0 = daemon.cpu_ns();
                     let t0 = Instant::now();

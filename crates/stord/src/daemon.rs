@@ -247,6 +247,19 @@ impl State {
             || self.vhost_exports.contains_key(id)
     }
 
+    /// The node a new export `id` serves, after checking that the id is free.
+    fn export_node(&self, what: &str, id: &str, node_name: &str) -> Result<Arc<BlockNode>, String> {
+        let node = self
+            .nodes
+            .get(node_name)
+            .cloned()
+            .ok_or_else(|| format!("{what}: cannot find node '{node_name}'"))?;
+        if self.export_id_taken(id) {
+            return Err(format!("Block export id '{id}' is already in use"));
+        }
+        Ok(node)
+    }
+
     /// The Remotes of the named IoThreads.
     fn iothread_remotes(&self, what: &str, names: &[String]) -> Result<Vec<Remote>, String> {
         names
@@ -265,14 +278,7 @@ impl State {
         let opts = FuseOptions::from_opts(&mut kv)?;
         let what = kv.what.clone();
         kv.finish()?;
-        let node = self
-            .nodes
-            .get(&opts.node_name)
-            .cloned()
-            .ok_or_else(|| format!("{what}: cannot find node '{}'", opts.node_name))?;
-        if self.export_id_taken(&opts.id) {
-            return Err(format!("Block export id '{}' is already in use", opts.id));
-        }
+        let node = self.export_node(&what, &opts.id, &opts.node_name)?;
         if self
             .fuse_exports
             .values()
@@ -295,14 +301,7 @@ impl State {
         let opts = VhostUserBlkOptions::from_opts(&mut kv)?;
         let what = kv.what.clone();
         kv.finish()?;
-        let node = self
-            .nodes
-            .get(&opts.node_name)
-            .cloned()
-            .ok_or_else(|| format!("{what}: cannot find node '{}'", opts.node_name))?;
-        if self.export_id_taken(&opts.id) {
-            return Err(format!("Block export id '{}' is already in use", opts.id));
-        }
+        let node = self.export_node(&what, &opts.id, &opts.node_name)?;
         let remotes = self.iothread_remotes(&what, &opts.iothreads)?;
         let id = opts.id.clone();
         let export = VhostUserBlkExport::start(opts, node, remotes)?;
@@ -327,11 +326,7 @@ impl State {
         }
         let id = kv.take_required("id")?;
         let node_name = kv.take_required("node-name")?;
-        let node = self
-            .nodes
-            .get(&node_name)
-            .cloned()
-            .ok_or_else(|| format!("{}: cannot find node '{node_name}'", kv.what))?;
+        let node = self.export_node(&kv.what, &id, &node_name)?;
         let name = kv.take("name").unwrap_or_else(|| node_name.clone());
         let description = kv.take("description").unwrap_or_default();
         let writable = kv.take_bool("writable", false)?;
@@ -357,9 +352,6 @@ impl State {
         }
         if self.nbd.is_none() {
             return Err("NBD server not running".into());
-        }
-        if self.export_id_taken(&id) {
-            return Err(format!("Block export id '{id}' is already in use"));
         }
         let export = NbdExport::new(id, name, description, node, writable, iothread);
         self.exports

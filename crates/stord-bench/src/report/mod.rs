@@ -13,7 +13,7 @@
 //! harvests, the wake-up scenario and the idle cost.
 
 mod extras;
-mod session;
+pub(crate) mod session;
 mod wakeup;
 
 use std::collections::HashMap;

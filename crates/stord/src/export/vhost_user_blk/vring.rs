@@ -372,12 +372,12 @@ impl Vring {
     fn complete(&self, head: u16, len: u32) {
         self.in_flight.set(self.in_flight.get() - 1);
         {
-            let mem = self.mem.borrow().clone();
+            let mem = self.mem.borrow();
             let mut q = self.queue.borrow_mut();
             if let Some(i) = &self.inflight {
                 i.completing(head);
             }
-            match q.add_used(&*mem, head, len) {
+            match q.add_used(&**mem, head, len) {
                 Ok(()) => {
                     if let Some(i) = &self.inflight {
                         i.completed(head, q.next_used());
@@ -402,11 +402,11 @@ impl Vring {
         if !self.notify_pending.replace(false) {
             return;
         }
-        let mem = self.mem.borrow().clone();
+        let mem = self.mem.borrow();
         if self
             .queue
             .borrow_mut()
-            .needs_notification(&*mem)
+            .needs_notification(&**mem)
             .unwrap_or(true)
         {
             if let Some(call) = &*self.call.borrow() {
