@@ -129,6 +129,7 @@ pub fn try_run_fio(args: &[String]) -> Result<FioResult, String> {
     let out = Command::new("fio")
         .args(args)
         .arg("--output-format=json")
+        .arg("--verify_state_save=0")
         .output()
         .expect("run fio (scripts/install-deps.sh installs it)");
     let text = String::from_utf8_lossy(&out.stdout);

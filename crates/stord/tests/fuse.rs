@@ -172,6 +172,7 @@ fn null_node_reads_zeroes_through_the_mount() {
                 "--verify=pattern",
                 "--verify_pattern=0x00",
                 "--verify_only=1",
+                "--verify_state_save=0",
             ],
         );
         assert!(!out.contains("verify: bad"), "{out}");
@@ -414,6 +415,7 @@ fn sigterm_unmounts_and_several_iothreads_serve() {
                 "--offset_increment=8M",
                 "--verify=crc32c",
                 "--do_verify=1",
+                "--verify_state_save=0",
                 "--group_reporting",
             ],
         );

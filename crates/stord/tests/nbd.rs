@@ -398,6 +398,7 @@ fn flushed_data_survives_kill_9() {
             "--size=8M".to_string(),
             "--randseed=1234".to_string(),
             "--verify=crc32c".to_string(),
+            "--verify_state_save=0".to_string(),
         ];
         if verify_only {
             a.push("--verify_only".to_string());

@@ -196,6 +196,7 @@ pub fn fio_write_and_verify(target: &[&str], size: &str) {
         &size_arg,
         "--verify=crc32c",
         "--do_verify=1",
+        "--verify_state_save=0",
         "--output-format=json",
     ]);
     let out = run_ok("fio", &args);
