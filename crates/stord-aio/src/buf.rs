@@ -75,12 +75,72 @@ unsafe impl IoBuf for &'static [u8] {
     }
 }
 
-/// A zero-initialised heap buffer with a chosen alignment, for O_DIRECT I/O.
+/// A heap buffer with a chosen alignment, for O_DIRECT I/O.
+///
+/// Two ways to get one: [`AlignedBuf::zeroed`] (fresh, all zero bytes) and
+/// [`AlignedBuf::from_pool`] (recycled through the calling thread's [pool](crate::pool):
+/// initialised, but holding whatever an earlier request left there). Capacities of
+/// [`MAP_MIN`] bytes and more are mapped straight from the kernel, so their memory goes
+/// back to it the moment the buffer is freed rather than lingering in the allocator's heap.
 pub struct AlignedBuf {
     ptr: NonNull<u8>,
     len: usize,
     cap: usize,
     align: usize,
+    /// Returned to the owning thread's pool on drop (if it has room).
+    pooled: bool,
+}
+
+/// Capacity from which buffers are mmap'ed rather than taken from the allocator.
+pub const MAP_MIN: usize = 1 << 20;
+const PAGE: usize = 4096;
+
+fn mapped(cap: usize, align: usize) -> bool {
+    cap >= MAP_MIN && align <= PAGE
+}
+
+/// Allocates `cap` (> 0) zero bytes aligned to `align`.
+fn raw_alloc(cap: usize, align: usize) -> NonNull<u8> {
+    if mapped(cap, align) {
+        // SAFETY: an anonymous private mapping takes no pointer from us; the result is
+        // checked for MAP_FAILED before use. Mappings are page-aligned and zero-filled.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                cap,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if p != libc::MAP_FAILED {
+            if let Some(p) = NonNull::new(p.cast::<u8>()) {
+                return p;
+            }
+        }
+        let layout = Layout::from_size_align(cap, align).expect("bad AlignedBuf layout");
+        alloc::handle_alloc_error(layout);
+    }
+    let layout = Layout::from_size_align(cap, align).expect("bad AlignedBuf layout");
+    // SAFETY: the layout has a non-zero size.
+    let p = unsafe { alloc::alloc_zeroed(layout) };
+    NonNull::new(p).unwrap_or_else(|| alloc::handle_alloc_error(layout))
+}
+
+/// Frees what [`raw_alloc`] returned for the same `cap` and `align`.
+///
+/// # Safety
+/// `ptr` must come from `raw_alloc(cap, align)` and not be used afterwards.
+pub(crate) unsafe fn raw_free(ptr: NonNull<u8>, cap: usize, align: usize) {
+    if mapped(cap, align) {
+        // SAFETY: the caller passes a mapping of exactly `cap` bytes made by raw_alloc.
+        unsafe { libc::munmap(ptr.as_ptr().cast(), cap) };
+        return;
+    }
+    let layout = Layout::from_size_align(cap, align).expect("layout");
+    // SAFETY: allocated by raw_alloc with this same layout (the caller's contract).
+    unsafe { alloc::dealloc(ptr.as_ptr(), layout) }
 }
 
 // SAFETY: AlignedBuf owns its allocation exclusively, like a Vec<u8>.
@@ -94,15 +154,30 @@ impl AlignedBuf {
     /// # Panics
     /// If `align` is not a power of two or the layout overflows.
     pub fn zeroed(len: usize, align: usize) -> Self {
-        let layout = Layout::from_size_align(len.max(1), align).expect("bad AlignedBuf layout");
-        // SAFETY: the layout has a non-zero size.
-        let p = unsafe { alloc::alloc_zeroed(layout) };
-        let ptr = NonNull::new(p).unwrap_or_else(|| alloc::handle_alloc_error(layout));
+        let cap = len.max(1);
+        Self {
+            ptr: raw_alloc(cap, align),
+            len,
+            cap,
+            align,
+            pooled: false,
+        }
+    }
+
+    /// A buffer of `len` bytes, page-aligned, from the calling thread's pool of recycled
+    /// buffers (a fresh one when the pool has none of that size). Its bytes are initialised
+    /// but unspecified: use it where the whole buffer is written before it is read (a
+    /// request's data from a device or a socket). Dropped on a thread with a pool, it goes
+    /// back there while the pool is under its limit; see [`crate::pool`].
+    pub fn from_pool(len: usize) -> Self {
+        let cap = crate::pool::capacity_for(len);
+        let ptr = crate::pool::take(cap).unwrap_or_else(|| raw_alloc(cap, PAGE));
         Self {
             ptr,
             len,
-            cap: len,
-            align,
+            cap,
+            align: PAGE,
+            pooled: true,
         }
     }
 
@@ -144,9 +219,12 @@ impl DerefMut for AlignedBuf {
 
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
-        let layout = Layout::from_size_align(self.cap.max(1), self.align).expect("layout");
-        // SAFETY: allocated in `zeroed` with this same layout.
-        unsafe { alloc::dealloc(self.ptr.as_ptr(), layout) }
+        if self.pooled && crate::pool::give(self.ptr, self.cap) {
+            return;
+        }
+        // SAFETY: `ptr` came from raw_alloc(cap, align) (directly or through the pool,
+        // which allocates with the same arguments) and is not used after this.
+        unsafe { raw_free(self.ptr, self.cap, self.align) }
     }
 }
 
@@ -240,5 +318,15 @@ mod tests {
         assert_eq!(moved.len(), 200);
         moved.set_len(8192);
         assert_eq!(moved[100], 7);
+    }
+
+    #[test]
+    fn large_buffers_are_mapped_zeroed_and_writable() {
+        let mut b = AlignedBuf::zeroed(3 << 20, 4096);
+        assert_eq!(b.stable_ptr() as usize % 4096, 0);
+        assert!(b.iter().all(|&x| x == 0));
+        let n = b.len();
+        b[n - 1] = 9;
+        assert_eq!(b[n - 1], 9);
     }
 }

@@ -632,8 +632,12 @@ impl Inner {
             if let Some(mut cb) = cb {
                 cb(Readiness(revents));
                 progress = true;
+                // The callback may have removed its own handler (and a new one may have
+                // taken the key since): put it back only into its own, still empty slot.
                 if let Some(e) = self.fd_handlers.borrow_mut().get_mut(key) {
-                    e.cb = Some(cb);
+                    if e.cb.is_none() {
+                        e.cb = Some(cb);
+                    }
                 }
             }
         }

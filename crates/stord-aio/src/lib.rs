@@ -39,6 +39,7 @@ mod iothread;
 mod notify;
 pub mod op;
 pub mod poll;
+pub mod pool;
 mod reactor;
 mod remote;
 mod slab;
