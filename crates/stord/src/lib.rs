@@ -5,11 +5,15 @@
 //! - [`export`]: one folder per export protocol.
 //! - [`cli`]: qsd's option syntax.
 //! - [`qmp`]: the QMP monitor.
+//! - [`accept`]: listening sockets that survive descriptor exhaustion.
+//! - [`log`]: the tracing subscriber and rate-limited events.
 //! - [`daemon`]: wiring: iothreads, nodes, exports, the main loop and the default job.
 
+pub mod accept;
 pub mod block;
 pub mod cli;
 pub mod daemon;
 pub mod export;
+pub mod log;
 pub mod qmp;
 pub mod sys;

@@ -6,6 +6,7 @@ use stord::cli::{self, USAGE};
 use stord::daemon::{default_job, repo_root, Daemon};
 
 fn main() -> ExitCode {
+    stord::log::init();
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut cl = match cli::parse(&args) {
         Ok(cl) => cl,

@@ -47,6 +47,25 @@ pub fn memfd_create(name: &str) -> io::Result<std::fs::File> {
     Ok(unsafe { std::fs::File::from_raw_fd(fd) })
 }
 
+/// accept4(2) of one pending connection, non-blocking and close-on-exec.
+pub fn accept(listener: RawFd) -> io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: null address pointers are allowed (we do not want the peer's address).
+    let fd = unsafe {
+        libc::accept4(
+            listener,
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: accept4 returned a new descriptor that nothing else owns.
+    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
+}
+
 /// shutdown(2) both directions; errors are ignored (the peer may be gone).
 pub fn shutdown(fd: RawFd) {
     // SAFETY: plain syscall; no pointers.
