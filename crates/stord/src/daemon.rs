@@ -28,7 +28,9 @@ use crate::block::{BlockDriver, BlockNode};
 use crate::cli::keyval::KeyVal;
 use crate::cli::{CommandLine, Item};
 use crate::export::fuse::{FuseExport, FuseOptions};
-use crate::export::nbd::{ExportTable, ListenAddr, NbdExport, NbdServer};
+use crate::export::nbd::{
+    ExportTable, ListenAddr, NbdExport, NbdServer, NbdServerOpts, DEFAULT_HANDSHAKE_MAX_SECS,
+};
 use crate::export::vhost_user_blk::{VhostUserBlkExport, VhostUserBlkOptions};
 use crate::qmp::{Events, MonitorServer};
 use crate::sys;
@@ -216,13 +218,13 @@ impl State {
     pub fn start_nbd_server(
         &mut self,
         ctx: &AioContext,
-        addr: ListenAddr,
-        max_connections: u32,
+        opts: NbdServerOpts,
     ) -> Result<(), String> {
         if self.nbd.is_some() {
             return Err("NBD server already running".into());
         }
-        let server = NbdServer::start(ctx, addr.clone(), self.exports.clone(), max_connections)
+        let addr = opts.addr.clone();
+        let server = NbdServer::start(ctx, opts, self.exports.clone())
             .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
         self.nbd = Some(server);
         Ok(())
@@ -230,11 +232,11 @@ impl State {
 
     /// `nbd-server-stop`: stops listening; exports stay until deleted (as in QEMU, NBD
     /// exports are removed with the server).
-    pub fn stop_nbd_server(&mut self, ctx: &AioContext) -> Result<(), String> {
+    pub fn stop_nbd_server(&mut self) -> Result<(), String> {
         let Some(mut s) = self.nbd.take() else {
             return Err("NBD server not running".into());
         };
-        s.stop(ctx);
+        s.stop();
         for e in self.exports.all() {
             self.begin_export_removal(&e.id);
         }
@@ -464,7 +466,7 @@ impl Daemon {
         let sigfd = signals.as_raw_fd();
         ctx.set_fd_handler(sigfd, stord_aio::Interest::READABLE, move |_| {
             while let Some(sig) = sys::read_signal(sigfd) {
-                eprintln!("stord: signal {sig} received, shutting down");
+                tracing::info!("signal {sig} received, shutting down");
                 q.set(true);
             }
         })?;
@@ -506,8 +508,8 @@ impl Daemon {
                     st.add_blockdev(KeyVal::parse("--blockdev", &s, Some("driver"))?)?
                 }
                 Item::NbdServer(s) => {
-                    let (addr, max) = nbd_server_opts(KeyVal::parse("--nbd-server", &s, None)?)?;
-                    st.start_nbd_server(&self.ctx, addr, max)
+                    let opts = nbd_server_opts(KeyVal::parse("--nbd-server", &s, None)?)?;
+                    st.start_nbd_server(&self.ctx, opts)
                         .map_err(|e| format!("--nbd-server: {e}"))?
                 }
                 Item::Export(s) => st.add_export(KeyVal::parse("--export", &s, Some("type"))?)?,
@@ -577,10 +579,10 @@ impl Daemon {
         {
             let mut st = self.state.borrow_mut();
             if let Some(mut s) = st.nbd.take() {
-                s.stop(&self.ctx);
+                s.stop();
             }
             for m in std::mem::take(&mut st.monitors) {
-                m.stop(&self.ctx);
+                m.stop();
             }
             st.drain_exports();
         }
@@ -604,7 +606,7 @@ impl Daemon {
             if !node.read_only {
                 let n = node.clone();
                 if let Err(e) = self.ctx.block_on(async move { n.flush().await }) {
-                    eprintln!("stord: flushing node '{}' failed: {e}", node.name);
+                    tracing::error!("flushing node '{}' failed: {e}", node.name);
                 }
             }
         }
@@ -658,7 +660,7 @@ fn add_chardev(st: &mut State, mut kv: KeyVal) -> Result<(), String> {
 }
 
 /// The `--nbd-server` options (flat SocketAddress).
-pub fn nbd_server_opts(mut kv: KeyVal) -> Result<(ListenAddr, u32), String> {
+pub fn nbd_server_opts(mut kv: KeyVal) -> Result<NbdServerOpts, String> {
     let addr = match kv.take_choice("addr.type", &["unix", "inet"])?.as_deref() {
         Some("unix") => ListenAddr::Unix(PathBuf::from(kv.take_required("addr.path")?)),
         Some("inet") => {
@@ -680,11 +682,20 @@ pub fn nbd_server_opts(mut kv: KeyVal) -> Result<(ListenAddr, u32), String> {
         }
     };
     let max_connections = kv.take_u64("max-connections", false)?.unwrap_or(0) as u32;
+    let handshake_max_secs = kv
+        .take_u64("handshake-max-seconds", false)?
+        .map_or(DEFAULT_HANDSHAKE_MAX_SECS, |s| {
+            s.min(u64::from(u32::MAX)) as u32
+        });
     if kv.take("tls-creds").is_some() {
         return Err(format!("{}: tls-creds is not supported", kv.what));
     }
     kv.finish()?;
-    Ok((addr, max_connections))
+    Ok(NbdServerOpts {
+        addr,
+        max_connections,
+        handshake_max_secs,
+    })
 }
 
 /// The repository's root (for the built-in default's data folder).

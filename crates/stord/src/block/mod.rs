@@ -25,9 +25,17 @@ pub type Buf = AlignedBuf;
 /// Memory alignment of request buffers.
 pub const BUF_ALIGN: usize = 4096;
 
-/// A fresh request buffer of `len` bytes.
+/// A fresh request buffer of `len` zero bytes.
 pub fn new_buf(len: usize) -> Buf {
     AlignedBuf::zeroed(len, BUF_ALIGN)
+}
+
+/// A request's data buffer of `len` bytes from the IoThread's pool (no allocation, no
+/// zero-fill in steady state). Its initial bytes are unspecified: use it only where the
+/// whole buffer is written before anyone reads it (data read from a node, whose drivers
+/// fill every byte or fail, or received from a client).
+pub fn request_buf(len: usize) -> Buf {
+    AlignedBuf::from_pool(len)
 }
 
 /// The allocation status of a range's first extent.

@@ -64,7 +64,7 @@ With no options, serves data/default.img (created sparse, 1 GiB) over NBD on a u
              [,cache.direct=on|off][,aio-max-batch=<n>][,x-reap-after-submit=on|off][,discard=unmap|ignore][,read-only=on|off]
                             a block node
   --nbd-server addr.type=unix,addr.path=<path> | addr.type=inet,addr.host=<host>,addr.port=<port>
-               [,max-connections=<n>]
+               [,max-connections=<n>][,handshake-max-seconds=<s>]
                             the NBD server
   --export type=nbd,id=<id>,node-name=<name>[,name=<export name>][,description=<text>]
            [,writable=on|off][,iothread=<id>]

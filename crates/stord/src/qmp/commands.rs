@@ -7,7 +7,7 @@ use serde_json::{json, Map, Value};
 use super::QmpError;
 use crate::cli::keyval::KeyVal;
 use crate::daemon::{SharedState, State};
-use crate::export::nbd::ListenAddr;
+use crate::export::nbd::{ListenAddr, NbdServerOpts, DEFAULT_HANDSHAKE_MAX_SECS};
 
 /// Every command, for `query-commands`.
 pub const COMMANDS: &[&str] = &[
@@ -222,14 +222,26 @@ pub async fn execute(
                 Some(_) => return Err(Args::type_error("addr", "object")),
                 None => return Err(QmpError::generic("Parameter 'addr' is missing")),
             };
-            let max = a.u64_opt("max-connections")?.unwrap_or(0) as u32;
+            let max_connections = a.u64_opt("max-connections")?.unwrap_or(0) as u32;
+            let handshake_max_secs = a
+                .u64_opt("handshake-max-seconds")?
+                .map_or(DEFAULT_HANDSHAKE_MAX_SECS, |s| {
+                    s.min(u64::from(u32::MAX)) as u32
+                });
             if a.str_opt("tls-creds")?.is_some() {
                 return Err(QmpError::generic("tls-creds is not supported"));
             }
             let _ = a.str_opt("tls-authz")?;
             a.finish()?;
             stord_aio::with_current_context(|ctx| {
-                state.borrow_mut().start_nbd_server(ctx, addr, max)
+                state.borrow_mut().start_nbd_server(
+                    ctx,
+                    NbdServerOpts {
+                        addr,
+                        max_connections,
+                        handshake_max_secs,
+                    },
+                )
             })
             .expect("main loop")
             .map(|()| json!({}))
@@ -237,8 +249,9 @@ pub async fn execute(
         }
         "nbd-server-stop" => {
             a.finish()?;
-            stord_aio::with_current_context(|ctx| state.borrow_mut().stop_nbd_server(ctx))
-                .expect("main loop")
+            state
+                .borrow_mut()
+                .stop_nbd_server()
                 .map(|()| json!({}))
                 .map_err(Into::into)
         }

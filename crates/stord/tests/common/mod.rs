@@ -35,12 +35,29 @@ pub struct Stord {
 impl Stord {
     /// Starts stord with `args` plus `--pidfile`, and waits until the pidfile appears.
     pub fn start(dir: &Path, args: &[String]) -> Stord {
+        Self::start_wrapped(dir, &[], args)
+    }
+
+    /// As [`start`](Self::start), run through `wrapper` (a program that execs the rest of
+    /// its command line, such as `prlimit --nofile=64:64`), so the pid stays stord's.
+    pub fn start_wrapped(dir: &Path, wrapper: &[&str], args: &[String]) -> Stord {
         let pidfile = dir.join("stord.pid");
         let _ = std::fs::remove_file(&pidfile);
-        let mut full: Vec<String> = args.to_vec();
+        let mut full: Vec<String> = wrapper[1.min(wrapper.len())..]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        let program = match wrapper.first() {
+            Some(w) => {
+                full.push(env!("CARGO_BIN_EXE_stord").to_string());
+                w.to_string()
+            }
+            None => env!("CARGO_BIN_EXE_stord").to_string(),
+        };
+        full.extend(args.iter().cloned());
         full.push("--pidfile".into());
         full.push(pidfile.display().to_string());
-        let child = Command::new(env!("CARGO_BIN_EXE_stord"))
+        let child = Command::new(program)
             .args(&full)
             .env("STORD_STATS", "1")
             .stdout(Stdio::null())
@@ -103,6 +120,28 @@ impl Stord {
 
     pub fn pid(&self) -> i32 {
         self.child.id() as i32
+    }
+
+    /// A field of /proc/PID/status in KiB (`VmRSS`, `VmHWM`: the peak RSS).
+    pub fn status_kib(&self, field: &str) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid())).unwrap();
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+            .and_then(|v| v.split_whitespace().next()?.parse().ok())
+            .unwrap_or_else(|| panic!("no {field} in /proc/PID/status"))
+    }
+
+    /// CPU time the daemon has used (user + system), in clock ticks' worth of nanoseconds.
+    pub fn cpu_ns(&self) -> u64 {
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.pid())).unwrap();
+        // Fields after the parenthesised command name; utime and stime are 14 and 15.
+        let rest = &stat[stat.rfind(')').unwrap() + 2..];
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        let ticks: u64 = f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap();
+        // SAFETY: sysconf only reads a configuration value.
+        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as u64;
+        ticks * 1_000_000_000 / hz
     }
 
     /// Open file descriptors of the daemon.

@@ -16,6 +16,72 @@ pub struct RawNbd {
     pub flags: u16,
 }
 
+/// Opens a connection, checks the server's greeting and sends the client flags.
+pub fn hello(sock: &Path, client_flags: u32) -> UnixStream {
+    let mut s = UnixStream::connect(sock).unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(10)))
+        .unwrap();
+    let mut hello = [0u8; 18];
+    s.read_exact(&mut hello).unwrap();
+    assert_eq!(&hello[..8], b"NBDMAGIC");
+    assert_eq!(&hello[8..16], b"IHAVEOPT");
+    s.write_all(&client_flags.to_be_bytes()).unwrap();
+    s
+}
+
+/// Sends option `opt` with `data`.
+pub fn send_option(s: &mut UnixStream, opt: u32, data: &[u8]) {
+    send_option_header(s, opt, data.len() as u32);
+    s.write_all(data).unwrap();
+}
+
+/// Sends only an option's header (a length with no data behind it yet).
+pub fn send_option_header(s: &mut UnixStream, opt: u32, len: u32) {
+    let mut h = Vec::with_capacity(16);
+    h.extend_from_slice(b"IHAVEOPT");
+    h.extend_from_slice(&opt.to_be_bytes());
+    h.extend_from_slice(&len.to_be_bytes());
+    s.write_all(&h).unwrap();
+}
+
+/// Reads one option reply: (option, reply type, data).
+pub fn read_option_reply(s: &mut UnixStream) -> (u32, u32, Vec<u8>) {
+    let mut h = [0u8; 20];
+    s.read_exact(&mut h).unwrap();
+    assert_eq!(
+        u64::from_be_bytes(h[..8].try_into().unwrap()),
+        0x0003_e889_0455_65a9,
+        "option reply magic"
+    );
+    let opt = u32::from_be_bytes(h[8..12].try_into().unwrap());
+    let kind = u32::from_be_bytes(h[12..16].try_into().unwrap());
+    let len = u32::from_be_bytes(h[16..20].try_into().unwrap()) as usize;
+    let mut d = vec![0u8; len];
+    s.read_exact(&mut d).unwrap();
+    (opt, kind, d)
+}
+
+/// True if the server closes `s` without sending anything more (within 5 s).
+pub fn closed_silently(s: &mut UnixStream) -> bool {
+    s.set_read_timeout(Some(std::time::Duration::from_secs(5)))
+        .unwrap();
+    let mut b = [0u8; 64];
+    match s.read(&mut b) {
+        Ok(0) => true,
+        Err(e) => e.kind() == std::io::ErrorKind::ConnectionReset,
+        Ok(_) => false,
+    }
+}
+
+/// The payload of an INFO/GO option asking for export `name` with no info requests.
+pub fn go_data(name: &[u8]) -> Vec<u8> {
+    let mut data = Vec::new();
+    data.extend_from_slice(&(name.len() as u32).to_be_bytes());
+    data.extend_from_slice(name);
+    data.extend_from_slice(&0u16.to_be_bytes());
+    data
+}
+
 impl RawNbd {
     /// Connects and negotiates export `name` with OPT_GO (simple replies only).
     pub fn connect(sock: &Path, name: &str) -> RawNbd {

@@ -3,6 +3,14 @@
 //! It ends with the export chosen (OPT_GO or OPT_EXPORT_NAME) and the options that matter
 //! to the transmission phase (structured replies, the base:allocation context), or with the
 //! connection closed (OPT_ABORT, a malformed message, end of stream).
+//!
+//! What gets a reply and what closes follows the protocol (and qemu's server where the
+//! protocol leaves a choice): every option but EXPORT_NAME gets a reply, an error reply when
+//! it cannot be honoured; EXPORT_NAME has no error reply, so a name that is unknown, too
+//! long or not a string closes the connection, as does anything that breaks the framing
+//! (bad magic, unknown client flags, an option too large to skip, any option but
+//! EXPORT_NAME from a client that did not ask for fixed newstyle). Names echoed in error
+//! messages are cut short and stripped of control characters.
 
 use std::io;
 use std::os::fd::RawFd;
@@ -63,14 +71,40 @@ impl<'a> Cursor<'a> {
         self.take(4)
             .map(|b| u32::from_be_bytes([b[0], b[1], b[2], b[3]]))
     }
+    /// A length-prefixed protocol string: at most 4096 bytes of UTF-8 without NUL.
     fn string(&mut self) -> Option<String> {
         let n = self.u32()? as usize;
-        if n > 4096 {
+        if n > MAX_STRING {
             return None;
         }
-        self.take(n)
-            .map(|b| String::from_utf8_lossy(b).into_owned())
+        protocol_string(self.take(n)?)
     }
+}
+
+/// The protocol's limit on names and other strings.
+const MAX_STRING: usize = 4096;
+/// Option payloads up to this size are read and skipped when too large to honour; beyond
+/// it the client is cut off (qemu's limit, NBD_MAX_BUFFER_SIZE).
+const MAX_SKIP: u32 = 32 << 20;
+
+/// `b` as a protocol string: valid UTF-8 with no NUL byte.
+fn protocol_string(b: &[u8]) -> Option<String> {
+    let s = std::str::from_utf8(b).ok()?;
+    (!s.contains('\0')).then(|| s.to_string())
+}
+
+/// A client-supplied name fit for an error message: at most 80 characters, control
+/// characters replaced.
+fn sanitize(name: &str) -> String {
+    let mut out: String = name
+        .chars()
+        .take(80)
+        .map(|c| if c.is_control() { '?' } else { c })
+        .collect();
+    if name.chars().count() > 80 {
+        out.push_str("...");
+    }
+    out
 }
 
 fn export_info(e: &NbdExport, structured: bool) -> Vec<u8> {
@@ -117,6 +151,9 @@ pub async fn negotiate(fd: RawFd, exports: &ExportTable) -> io::Result<Option<Ne
         return Err(invalid("unknown client flags"));
     }
     let no_zeroes = cflags & FLAG_C_NO_ZEROES != 0;
+    // A client that did not ask for fixed newstyle cannot parse option replies: it may
+    // only send EXPORT_NAME.
+    let fixed = cflags & FLAG_C_FIXED_NEWSTYLE != 0;
     let mut structured = false;
     // (export name, selected) of the last SET_META_CONTEXT.
     let mut meta: Option<(String, bool)> = None;
@@ -130,27 +167,50 @@ pub async fn negotiate(fd: RawFd, exports: &ExportTable) -> io::Result<Option<Ne
         if magic != IHAVEOPT {
             return Err(invalid("bad option magic"));
         }
+        if !fixed && opt != OPT_EXPORT_NAME {
+            return Err(invalid(
+                "option other than EXPORT_NAME from a client without fixed newstyle",
+            ));
+        }
+        if opt == OPT_EXPORT_NAME && len as usize > MAX_STRING {
+            // No error reply exists for EXPORT_NAME: close.
+            return Err(invalid("EXPORT_NAME longer than 4096 bytes"));
+        }
         if len > MAX_OPTION_LEN {
-            // Too big to be honest: answer, skip it, carry on.
+            if len > MAX_SKIP {
+                return Err(invalid("option payload too large"));
+            }
+            // Too big to be honest, small enough to skip: answer and carry on.
             rd.discard(len as usize).await?;
-            send_all(
-                fd,
-                vec![OutChunk::Bytes(opt_error(
-                    opt,
-                    REP_ERR_TOO_BIG,
-                    "option too long",
-                ))],
-            )
-            .await?;
+            let reply = match opt {
+                OPT_ABORT => {
+                    let _ = send_all(fd, vec![OutChunk::Bytes(opt_reply(opt, REP_ACK, &[]))]).await;
+                    return Ok(None);
+                }
+                OPT_LIST
+                | OPT_STARTTLS
+                | OPT_INFO
+                | OPT_GO
+                | OPT_STRUCTURED_REPLY
+                | OPT_LIST_META_CONTEXT
+                | OPT_SET_META_CONTEXT => opt_error(opt, REP_ERR_TOO_BIG, "option too long"),
+                _ => opt_error(opt, REP_ERR_UNSUP, "unsupported option"),
+            };
+            if opt == OPT_SET_META_CONTEXT {
+                meta = None;
+            }
+            send_all(fd, vec![OutChunk::Bytes(reply)]).await?;
             continue;
         }
         let data = rd.read_vec(len as usize).await?;
         let mut replies: Vec<u8> = Vec::new();
         match opt {
             OPT_EXPORT_NAME => {
-                let name = String::from_utf8_lossy(&data).into_owned();
+                // No way to report an error here: the protocol says close.
+                let Some(name) = protocol_string(&data) else {
+                    return Err(invalid("EXPORT_NAME is not a valid string"));
+                };
                 let Some(export) = exports.find(&name) else {
-                    // No way to report an error here: the protocol says close.
                     return Err(invalid("unknown export"));
                 };
                 let mut v = Vec::with_capacity(10 + 124);
@@ -180,10 +240,19 @@ pub async fn negotiate(fd: RawFd, exports: &ExportTable) -> io::Result<Option<Ne
                     replies.extend(opt_reply(opt, REP_ACK, &[]));
                 }
             }
+            OPT_STARTTLS if !data.is_empty() => {
+                replies = opt_error(opt, REP_ERR_INVALID, "STARTTLS takes no data")
+            }
             OPT_STARTTLS => replies = opt_error(opt, REP_ERR_POLICY, "TLS is not configured"),
             OPT_STRUCTURED_REPLY => {
                 if !data.is_empty() {
                     replies = opt_error(opt, REP_ERR_INVALID, "STRUCTURED_REPLY takes no data");
+                } else if structured {
+                    replies = opt_error(
+                        opt,
+                        REP_ERR_INVALID,
+                        "structured replies already negotiated",
+                    );
                 } else {
                     structured = true;
                     replies = opt_reply(opt, REP_ACK, &[]);
@@ -204,7 +273,7 @@ pub async fn negotiate(fd: RawFd, exports: &ExportTable) -> io::Result<Option<Ne
                             replies = opt_error(
                                 opt,
                                 REP_ERR_UNKNOWN,
-                                &format!("export '{name}' not found"),
+                                &format!("export '{}' not found", sanitize(&name)),
                             )
                         }
                         Some(export) => {
@@ -243,10 +312,8 @@ pub async fn negotiate(fd: RawFd, exports: &ExportTable) -> io::Result<Option<Ne
                 let mut c = Cursor { data: &data };
                 let parsed = (|| {
                     let name = c.string()?;
+                    // Each query takes at least 4 bytes, so the option's size bounds this.
                     let n = c.u32()? as usize;
-                    if n > 256 {
-                        return None;
-                    }
                     let qs: Vec<String> = (0..n).map(|_| c.string()).collect::<Option<_>>()?;
                     c.data.is_empty().then_some((name, qs))
                 })();
@@ -265,7 +332,7 @@ pub async fn negotiate(fd: RawFd, exports: &ExportTable) -> io::Result<Option<Ne
                             replies = opt_error(
                                 opt,
                                 REP_ERR_UNKNOWN,
-                                &format!("export '{name}' not found"),
+                                &format!("export '{}' not found", sanitize(&name)),
                             );
                             let _ = qs;
                         }

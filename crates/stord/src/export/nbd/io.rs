@@ -5,7 +5,7 @@ use std::os::fd::RawFd;
 
 use stord_aio::{op, Interest, IoBuf, Slice};
 
-use crate::block::{new_buf, Buf};
+use crate::block::{request_buf, Buf};
 
 const READ_BUF: usize = 256 << 10;
 
@@ -103,7 +103,7 @@ impl SockReader {
     /// Reads exactly `n` bytes into an aligned request buffer: what is buffered is copied,
     /// the rest is received straight into the buffer.
     pub async fn read_payload(&mut self, n: usize) -> io::Result<Buf> {
-        let mut buf = new_buf(n);
+        let mut buf = request_buf(n);
         let have = (self.end - self.start).min(n);
         buf[..have].copy_from_slice(self.consume(have));
         let mut got = have;

@@ -9,7 +9,8 @@ mod io;
 pub mod proto;
 mod transmission;
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
+
 use std::net::TcpListener;
 use std::os::fd::RawFd;
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -19,8 +20,9 @@ use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use stord_aio::{AioContext, FdHandlerId, Interest, Remote};
+use stord_aio::{AioContext, Remote};
 
+use crate::accept::Acceptor;
 use crate::block::BlockNode;
 use proto::*;
 
@@ -171,118 +173,121 @@ impl std::fmt::Display for ListenAddr {
     }
 }
 
+/// How the server listens and treats new connections (`--nbd-server`, `nbd-server-start`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NbdServerOpts {
+    /// Where.
+    pub addr: ListenAddr,
+    /// Connections at once (0: no limit), as qsd's `max-connections`.
+    pub max_connections: u32,
+    /// Time a client has to finish the handshake (0: no limit), as qsd's
+    /// `handshake-max-seconds` (default 10).
+    pub handshake_max_secs: u32,
+}
+
+/// qsd's default for `handshake-max-seconds`.
+pub const DEFAULT_HANDSHAKE_MAX_SECS: u32 = 10;
+
 /// A listening NBD server on the main loop.
 pub struct NbdServer {
     /// The address.
     pub addr: ListenAddr,
-    listener: OwnedFd,
-    handler: Option<FdHandlerId>,
-}
-
-enum Listener {
-    Unix(UnixListener),
-    Tcp(TcpListener),
-}
-
-impl Listener {
-    fn accept(&self) -> std::io::Result<OwnedFd> {
-        match self {
-            Listener::Unix(l) => {
-                let (s, _) = l.accept()?;
-                s.set_nonblocking(true)?;
-                Ok(s.into())
-            }
-            Listener::Tcp(l) => {
-                let (s, _) = l.accept()?;
-                s.set_nonblocking(true)?;
-                s.set_nodelay(true)?;
-                Ok(s.into())
-            }
-        }
-    }
+    acceptor: Option<Acceptor>,
 }
 
 impl NbdServer {
-    /// Binds `addr` and starts accepting on `ctx` (the main loop).
+    /// Binds the address and starts accepting on `ctx` (the main loop).
     pub fn start(
         ctx: &AioContext,
-        addr: ListenAddr,
+        opts: NbdServerOpts,
         exports: ExportTable,
-        max_connections: u32,
     ) -> std::io::Result<Self> {
-        let listener = match &addr {
+        let (fd, tcp): (OwnedFd, bool) = match &opts.addr {
             ListenAddr::Unix(p) => {
                 if p.exists() {
                     // A stale socket from an earlier run would make bind fail.
                     let _ = std::fs::remove_file(p);
                 }
-                Listener::Unix(UnixListener::bind(p)?)
-            }
-            ListenAddr::Inet(h, port) => Listener::Tcp(TcpListener::bind((h.as_str(), *port))?),
-        };
-        let fd: OwnedFd = match &listener {
-            Listener::Unix(l) => {
+                let l = UnixListener::bind(p)?;
                 l.set_nonblocking(true)?;
-                l.try_clone()?.into()
+                (l.into(), false)
             }
-            Listener::Tcp(l) => {
+            ListenAddr::Inet(h, port) => {
+                let l = TcpListener::bind((h.as_str(), *port))?;
                 l.set_nonblocking(true)?;
-                l.try_clone()?.into()
+                (l.into(), true)
             }
         };
-        let live = Rc::new(std::cell::Cell::new(0u32));
-        let handler = ctx.set_fd_handler(fd.as_raw_fd(), Interest::READABLE, move |_| loop {
-            match listener.accept() {
-                Ok(conn) => {
-                    if max_connections != 0 && live.get() >= max_connections {
-                        drop(conn);
-                        continue;
-                    }
-                    live.set(live.get() + 1);
-                    let live2 = live.clone();
-                    let exports = exports.clone();
-                    stord_aio::spawn(async move {
-                        handle_connection(conn, exports).await;
-                        live2.set(live2.get() - 1);
-                    });
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                Err(e) => {
-                    eprintln!("stord: nbd server: accept failed: {e}");
-                    break;
-                }
+        let live = Rc::new(Cell::new(0u32));
+        let max = opts.max_connections;
+        let handshake_ns = u64::from(opts.handshake_max_secs) * 1_000_000_000;
+        let acceptor = Acceptor::start(ctx, "nbd server", fd, move |conn| {
+            if max != 0 && live.get() >= max {
+                return;
             }
+            if tcp {
+                let s = std::net::TcpStream::from(conn);
+                let _ = s.set_nodelay(true);
+                return start_connection(s.into(), &live, &exports, handshake_ns);
+            }
+            start_connection(conn, &live, &exports, handshake_ns)
         })?;
         Ok(Self {
-            addr,
-            listener: fd,
-            handler: Some(handler),
+            addr: opts.addr,
+            acceptor: Some(acceptor),
         })
     }
 
     /// Stops listening (existing connections go on) and removes a unix socket file.
-    pub fn stop(&mut self, ctx: &AioContext) {
-        if let Some(h) = self.handler.take() {
-            ctx.remove_fd_handler(h);
-        }
+    pub fn stop(&mut self) {
+        self.acceptor.take();
         if let ListenAddr::Unix(p) = &self.addr {
             let _ = std::fs::remove_file(p);
         }
-        let _ = self.listener.as_raw_fd();
     }
 }
 
-async fn handle_connection(conn: OwnedFd, exports: ExportTable) {
+fn start_connection(conn: OwnedFd, live: &Rc<Cell<u32>>, exports: &ExportTable, handshake_ns: u64) {
+    live.set(live.get() + 1);
+    let live = live.clone();
+    let exports = exports.clone();
+    stord_aio::spawn(async move {
+        handle_connection(conn, exports, handshake_ns).await;
+        live.set(live.get() - 1);
+    });
+}
+
+async fn handle_connection(conn: OwnedFd, exports: ExportTable, handshake_ns: u64) {
     let fd = conn.as_raw_fd();
-    let n = match handshake::negotiate(fd, &exports).await {
-        Ok(Some(n)) => n,
-        Ok(None) => return,
+    // A client that does not finish the handshake in time is cut off: shutting the socket
+    // down makes the negotiation's next read or write fail.
+    let expired = Rc::new(Cell::new(false));
+    let timer = (handshake_ns != 0).then(|| {
+        let expired = expired.clone();
+        stord_aio::with_current_context(|ctx| {
+            ctx.add_timer(stord_aio::sys::now_ns() + handshake_ns, move || {
+                expired.set(true);
+                crate::sys::shutdown(fd);
+            })
+        })
+        .expect("main loop")
+    });
+    let result = handshake::negotiate(fd, &exports).await;
+    if let Some(t) = timer {
+        stord_aio::with_current_context(|ctx| ctx.cancel_timer(t));
+    }
+    let n = match result {
+        Ok(Some(n)) if !expired.get() => n,
+        Ok(_) => return,
+        Err(_) if expired.get() => {
+            tracing::info!("nbd: a client did not finish the handshake in time; disconnected");
+            return;
+        }
         Err(e) => {
             use std::io::ErrorKind::*;
             // A client that just probes and hangs up is not worth a log line.
             if !matches!(e.kind(), UnexpectedEof | BrokenPipe | ConnectionReset) {
-                eprintln!("stord: nbd: negotiation failed: {e}");
+                tracing::info!("nbd: negotiation failed: {e}");
             }
             return;
         }

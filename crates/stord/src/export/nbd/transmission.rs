@@ -8,8 +8,16 @@
 //! - the *writer* sends everything queued with one writev per round, so a busy connection
 //!   costs a few syscalls for many requests.
 //!
+//! Work per connection is bounded: a request counts against its connection's budget
+//! ([`MAX_REQUESTS`] requests, [`MAX_BYTES`] bytes of data) from the moment its header is
+//! read until its reply has left through the socket, and the reader stops reading while the
+//! budget is spent. A client that pipelines huge reads and never reads the replies
+//! therefore fills its own socket and then waits, holding at most that budget; it cannot
+//! grow the daemon's memory or slow other clients beyond that. Data buffers come from the
+//! IoThread's buffer pool.
+//!
 //! A malformed request closes this connection only. When the client goes away, in-flight
-//! requests finish, their replies are dropped, and everything is freed with the last task.
+//! requests finish, their replies are dropped, and every buffer is freed with the last task.
 
 use std::cell::{Cell, RefCell};
 use std::future::poll_fn;
@@ -24,8 +32,11 @@ use super::proto::*;
 use super::NbdExport;
 use crate::block::Buf;
 
-/// Requests a connection may have in flight before the reader waits.
-const MAX_IN_FLIGHT: usize = 256;
+/// Requests a connection may have between its header being read and its reply sent.
+pub const MAX_REQUESTS: usize = 128;
+/// Bytes of data (read replies and write payloads) those requests may hold. A single
+/// request larger than what is left still runs when it is the connection's only one.
+pub const MAX_BYTES: usize = 64 << 20;
 /// Extents per BLOCK_STATUS reply.
 const MAX_EXTENTS: usize = 128;
 
@@ -35,9 +46,12 @@ struct Conn {
     structured: bool,
     base_allocation: bool,
     out: RefCell<Vec<OutChunk>>,
+    /// Requests and bytes whose replies are in `out`.
+    out_held: Cell<(usize, usize)>,
     writer_waker: RefCell<Option<Waker>>,
     reader_waker: RefCell<Option<Waker>>,
-    in_flight: Cell<usize>,
+    /// Requests admitted whose reply has not left yet, and the bytes they hold.
+    held: Cell<(usize, usize)>,
     /// The reader has stopped: no more requests will come.
     reader_done: Cell<bool>,
     /// Sending failed: replies are dropped.
@@ -55,10 +69,46 @@ impl Conn {
         }
     }
 
-    /// Queues a reply: its header `parts` (appended to the pending header bytes, so
-    /// consecutive replies share one buffer and no allocation) and its data, if any.
-    fn queue(&self, parts: &[&[u8]], data: Option<Buf>) {
+    /// Whether a request of `cost` bytes may start now.
+    fn admits(&self, cost: usize) -> bool {
+        let (n, bytes) = self.held.get();
+        n < MAX_REQUESTS && (n == 0 || bytes + cost <= MAX_BYTES)
+    }
+
+    fn admit(&self, cost: usize) {
+        let (n, bytes) = self.held.get();
+        self.held.set((n + 1, bytes + cost));
+    }
+
+    /// Gives back the budget of `n` requests holding `bytes` (their replies left or were
+    /// dropped) and lets the reader go on.
+    fn release(&self, n: usize, bytes: usize) {
+        let (hn, hb) = self.held.get();
+        self.held.set((hn - n, hb - bytes));
+        if let Some(w) = self.reader_waker.borrow_mut().take() {
+            w.wake();
+        }
+        if self.reader_done.get() && hn == n {
+            self.wake_writer();
+        }
+    }
+
+    /// Sending failed: drop every queued reply and stop reading.
+    fn break_off(&self) {
+        self.broken.set(true);
+        self.out.borrow_mut().clear();
+        let (n, bytes) = self.out_held.replace((0, 0));
+        self.release(n, bytes);
+        // Make the reader see the end too.
+        crate::sys::shutdown(self.raw());
+    }
+
+    /// Queues the reply to `req`: its header `parts` (appended to the pending header
+    /// bytes, so consecutive replies share one buffer and no allocation) and its data, if
+    /// any. This is the request's one reply: its budget goes back once the reply is sent.
+    fn queue(&self, req: &Request, parts: &[&[u8]], data: Option<Buf>) {
         if self.broken.get() {
+            self.release(1, req.cost);
             return;
         }
         let mut out = self.out.borrow_mut();
@@ -79,15 +129,17 @@ impl Conn {
             out.push(OutChunk::Data(d));
         }
         drop(out);
+        let (n, b) = self.out_held.get();
+        self.out_held.set((n + 1, b + req.cost));
         self.wake_writer();
     }
 
-    fn simple_reply(&self, handle: u64, error: u32, data: Option<Buf>) {
+    fn simple_reply(&self, req: &Request, error: u32, data: Option<Buf>) {
         let mut h = [0u8; 16];
         h[0..4].copy_from_slice(&SIMPLE_REPLY_MAGIC.to_be_bytes());
         h[4..8].copy_from_slice(&error.to_be_bytes());
-        h[8..16].copy_from_slice(&handle.to_be_bytes());
-        self.queue(&[&h], data);
+        h[8..16].copy_from_slice(&req.handle.to_be_bytes());
+        self.queue(req, &[&h], data);
     }
 
     fn chunk_header(handle: u64, flags: u16, kind: u16, len: u32) -> [u8; 20] {
@@ -100,22 +152,12 @@ impl Conn {
         h
     }
 
-    fn error_reply(&self, handle: u64, error: u32) {
+    fn error_reply(&self, req: &Request, error: u32) {
         if self.structured {
-            let h = Self::chunk_header(handle, REPLY_FLAG_DONE, REPLY_TYPE_ERROR, 6);
-            self.queue(&[&h, &error.to_be_bytes(), &0u16.to_be_bytes()], None);
+            let h = Self::chunk_header(req.handle, REPLY_FLAG_DONE, REPLY_TYPE_ERROR, 6);
+            self.queue(req, &[&h, &error.to_be_bytes(), &0u16.to_be_bytes()], None);
         } else {
-            self.simple_reply(handle, error, None);
-        }
-    }
-
-    fn request_done(&self) {
-        self.in_flight.set(self.in_flight.get() - 1);
-        if let Some(w) = self.reader_waker.borrow_mut().take() {
-            w.wake();
-        }
-        if self.reader_done.get() && self.in_flight.get() == 0 {
-            self.wake_writer();
+            self.simple_reply(req, error, None);
         }
     }
 }
@@ -126,6 +168,29 @@ struct Request {
     handle: u64,
     offset: u64,
     len: u32,
+    /// Bytes of data it holds against the connection's budget.
+    cost: usize,
+}
+
+impl Request {
+    /// Parses a 28-byte request header; None if the magic is wrong.
+    fn parse(h: &[u8]) -> Option<Request> {
+        let magic = u32::from_be_bytes(h[0..4].try_into().expect("4"));
+        let mut req = Request {
+            flags: u16::from_be_bytes(h[4..6].try_into().expect("2")),
+            kind: u16::from_be_bytes(h[6..8].try_into().expect("2")),
+            handle: u64::from_be_bytes(h[8..16].try_into().expect("8")),
+            offset: u64::from_be_bytes(h[16..24].try_into().expect("8")),
+            len: u32::from_be_bytes(h[24..28].try_into().expect("4")),
+            cost: 0,
+        };
+        // Only data that will really be allocated counts: an oversized READ is refused
+        // without a buffer; an oversized WRITE closes the connection.
+        if matches!(req.kind, CMD_READ | CMD_WRITE) && req.len <= MAX_PAYLOAD {
+            req.cost = req.len as usize;
+        }
+        (magic == REQUEST_MAGIC).then_some(req)
+    }
 }
 
 /// Serves one negotiated connection until it ends. Runs on the export's IoThread.
@@ -142,9 +207,10 @@ pub async fn serve(
         structured,
         base_allocation,
         out: RefCell::default(),
+        out_held: Cell::new((0, 0)),
         writer_waker: RefCell::default(),
         reader_waker: RefCell::default(),
-        in_flight: Cell::new(0),
+        held: Cell::new((0, 0)),
         reader_done: Cell::new(false),
         broken: Cell::new(false),
     });
@@ -166,7 +232,7 @@ pub async fn serve(
     if let Err(e) = read_loop(&conn, pending).await {
         use io::ErrorKind::*;
         if !matches!(e.kind(), UnexpectedEof | BrokenPipe | ConnectionReset) {
-            tracing_log(&conn, &e);
+            log_close(&conn, &e);
         }
     }
     conn.reader_done.set(true);
@@ -181,11 +247,8 @@ pub async fn serve(
         .retain(|&f| f != fd_raw);
 }
 
-fn tracing_log(conn: &Conn, e: &io::Error) {
-    eprintln!(
-        "stord: nbd export '{}': closing connection: {e}",
-        conn.export.name
-    );
+fn log_close(conn: &Conn, e: &io::Error) {
+    tracing::info!("nbd export '{}': closing connection: {e}", conn.export.name);
 }
 
 async fn write_loop(conn: Rc<Conn>) {
@@ -193,24 +256,23 @@ async fn write_loop(conn: Rc<Conn>) {
         let batch = poll_fn(|cx| {
             let mut out = conn.out.borrow_mut();
             if !out.is_empty() {
-                return Poll::Ready(Some(std::mem::take(&mut *out)));
+                let held = conn.out_held.replace((0, 0));
+                return Poll::Ready(Some((std::mem::take(&mut *out), held)));
             }
-            if conn.reader_done.get() && conn.in_flight.get() == 0 {
+            if conn.reader_done.get() && conn.held.get().0 == 0 {
                 return Poll::Ready(None);
             }
             *conn.writer_waker.borrow_mut() = Some(cx.waker().clone());
             Poll::Pending
         })
         .await;
-        let Some(batch) = batch else { break };
-        if conn.broken.get() {
-            continue;
-        }
-        if send_all(conn.raw(), batch).await.is_err() {
-            conn.broken.set(true);
-            conn.out.borrow_mut().clear();
-            // Make the reader see the end too.
-            crate::sys::shutdown(conn.raw());
+        let Some((batch, (n, bytes))) = batch else {
+            break;
+        };
+        let sent = !conn.broken.get() && send_all(conn.raw(), batch).await.is_ok();
+        conn.release(n, bytes);
+        if !sent && !conn.broken.get() {
+            conn.break_off();
         }
     }
 }
@@ -218,9 +280,27 @@ async fn write_loop(conn: Rc<Conn>) {
 async fn read_loop(conn: &Rc<Conn>, pending: Vec<u8>) -> io::Result<()> {
     let mut rd = SockReader::new(conn.raw(), pending);
     loop {
-        // Back-pressure: at most MAX_IN_FLIGHT requests per connection.
+        rd.ensure(28).await?;
+        let Some(req) = Request::parse(rd.consume(28)) else {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "bad request magic",
+            ));
+        };
+        if req.kind == CMD_WRITE && req.len > MAX_PAYLOAD {
+            // We cannot skip gigabytes safely: close, as the protocol allows.
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "write payload over the maximum",
+            ));
+        }
+        if req.kind == CMD_DISC {
+            return Ok(());
+        }
+        // Back-pressure: wait for budget before reading a payload or starting the I/O, so
+        // a client that does not read its replies stops being read.
         poll_fn(|cx| {
-            if conn.in_flight.get() < MAX_IN_FLIGHT {
+            if conn.broken.get() || conn.admits(req.cost) {
                 Poll::Ready(())
             } else {
                 *conn.reader_waker.borrow_mut() = Some(cx.waker().clone());
@@ -231,42 +311,21 @@ async fn read_loop(conn: &Rc<Conn>, pending: Vec<u8>) -> io::Result<()> {
         if conn.broken.get() {
             return Ok(());
         }
-        rd.ensure(28).await?;
-        let h = rd.consume(28);
-        let magic = u32::from_be_bytes(h[0..4].try_into().expect("4"));
-        let req = Request {
-            flags: u16::from_be_bytes(h[4..6].try_into().expect("2")),
-            kind: u16::from_be_bytes(h[6..8].try_into().expect("2")),
-            handle: u64::from_be_bytes(h[8..16].try_into().expect("8")),
-            offset: u64::from_be_bytes(h[16..24].try_into().expect("8")),
-            len: u32::from_be_bytes(h[24..28].try_into().expect("4")),
-        };
-        if magic != REQUEST_MAGIC {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                "bad request magic",
-            ));
-        }
+        conn.admit(req.cost);
         let payload = if req.kind == CMD_WRITE {
-            if req.len > MAX_PAYLOAD {
-                // We cannot skip gigabytes safely: close, as the protocol allows.
-                return Err(io::Error::new(
-                    io::ErrorKind::InvalidData,
-                    "write payload over the maximum",
-                ));
+            match rd.read_payload(req.len as usize).await {
+                Ok(p) => Some(p),
+                Err(e) => {
+                    conn.release(1, req.cost);
+                    return Err(e);
+                }
             }
-            Some(rd.read_payload(req.len as usize).await?)
         } else {
             None
         };
-        if req.kind == CMD_DISC {
-            return Ok(());
-        }
-        conn.in_flight.set(conn.in_flight.get() + 1);
         let c = conn.clone();
         stord_aio::spawn(async move {
             handle(&c, req, payload).await;
-            c.request_done();
         });
     }
 }
@@ -302,14 +361,14 @@ fn check(conn: &Conn, req: &Request) -> Result<(), u32> {
 
 async fn handle(conn: &Conn, req: Request, payload: Option<Buf>) {
     if let Err(e) = check(conn, &req) {
-        return conn.error_reply(req.handle, e);
+        return conn.error_reply(&req, e);
     }
     let node = &conn.export.node;
     let fua = req.flags & CMD_FLAG_FUA != 0;
     let result = match req.kind {
         CMD_READ => {
             let (r, buf) = node
-                .read(req.offset, crate::block::new_buf(req.len as usize))
+                .read(req.offset, crate::block::request_buf(req.len as usize))
                 .await;
             match r {
                 Ok(()) if conn.structured => {
@@ -319,10 +378,10 @@ async fn handle(conn: &Conn, req: Request, payload: Option<Buf>) {
                         REPLY_TYPE_OFFSET_DATA,
                         8 + req.len,
                     );
-                    conn.queue(&[&h, &req.offset.to_be_bytes()], Some(buf));
+                    conn.queue(&req, &[&h, &req.offset.to_be_bytes()], Some(buf));
                     return;
                 }
-                Ok(()) => return conn.simple_reply(req.handle, 0, Some(buf)),
+                Ok(()) => return conn.simple_reply(&req, 0, Some(buf)),
                 Err(e) => Err(e),
             }
         }
@@ -352,8 +411,8 @@ async fn handle(conn: &Conn, req: Request, payload: Option<Buf>) {
         _ => unreachable!("checked above"),
     };
     match result {
-        Ok(()) => conn.simple_reply(req.handle, 0, None),
-        Err(e) => conn.error_reply(req.handle, wire_errno(&e)),
+        Ok(()) => conn.simple_reply(&req, 0, None),
+        Err(e) => conn.error_reply(&req, wire_errno(&e)),
     }
 }
 
@@ -374,7 +433,7 @@ async fn block_status(conn: &Conn, req: &Request) {
                 }
                 off += st.len;
             }
-            Err(e) if extents.is_empty() => return conn.error_reply(req.handle, wire_errno(&e)),
+            Err(e) if extents.is_empty() => return conn.error_reply(req, wire_errno(&e)),
             Err(_) => break,
         }
         if one {
@@ -395,5 +454,5 @@ async fn block_status(conn: &Conn, req: &Request) {
         REPLY_TYPE_BLOCK_STATUS,
         payload.len() as u32,
     );
-    conn.queue(&[&h, &payload], None);
+    conn.queue(req, &[&h, &payload], None);
 }
