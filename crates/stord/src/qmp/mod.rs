@@ -4,8 +4,11 @@
 //! `{"execute": ..., "arguments": ..., "id": ...}` and gets `{"return": ...}` or
 //! `{"error": {"class", "desc"}}` with the id echoed. Events go to every negotiated
 //! connection with a timestamp. Malformed JSON or a bad command gets an error object and
-//! the connection stays usable; a message over [`MAX_MESSAGE`] closes that connection only.
-//! Connections run as tasks on the main loop.
+//! the connection stays usable. What one client can make the daemon hold is bounded: a
+//! message over [`MAX_MESSAGE`] or nested deeper than [`stream::MAX_NESTING`] closes that
+//! connection; once [`MAX_QUEUED`] bytes of replies wait for a client that does not read
+//! them, its next command is not read until they drain, and a client that lets events pile
+//! up beyond [`MAX_BACKLOG`] is disconnected. Connections run as tasks on the main loop.
 
 mod commands;
 pub mod stream;
@@ -20,13 +23,19 @@ use std::rc::{Rc, Weak};
 use std::task::{Poll, Waker};
 
 use serde_json::{json, Value};
-use stord_aio::{op, AioContext, FdHandlerId, Interest, Slice};
+use stord_aio::{op, AioContext, Interest, Slice};
 
+use crate::accept::Acceptor;
 use crate::daemon::SharedState;
 use stream::{JsonStream, Piece};
 
 /// Largest message a client may send (a bigger one closes its connection).
 pub const MAX_MESSAGE: usize = 1 << 20;
+/// Reply bytes waiting for a client beyond which its commands are not read.
+pub const MAX_QUEUED: usize = 1 << 20;
+/// Bytes waiting for a client (events, which do not wait for commands) beyond which it is
+/// disconnected.
+pub const MAX_BACKLOG: usize = 16 << 20;
 
 /// An error reply.
 #[derive(Debug, Clone)]
@@ -54,17 +63,39 @@ impl From<String> for QmpError {
 }
 
 /// Outgoing bytes of one connection, sent by its writer task.
-#[derive(Default)]
 struct Outbox {
+    fd: RawFd,
     buf: RefCell<Vec<u8>>,
     waker: RefCell<Option<Waker>>,
+    /// The reader waiting for queued replies to drain.
+    reader_waker: RefCell<Option<Waker>>,
     closed: Cell<bool>,
     negotiated: Cell<bool>,
     /// The writer holds bytes it has not finished sending.
     sending: Cell<bool>,
+    /// Bytes the writer holds and has not sent yet.
+    in_writer: Cell<usize>,
 }
 
 impl Outbox {
+    fn new(fd: RawFd) -> Self {
+        Self {
+            fd,
+            buf: RefCell::default(),
+            waker: RefCell::default(),
+            reader_waker: RefCell::default(),
+            closed: Cell::new(false),
+            negotiated: Cell::new(false),
+            sending: Cell::new(false),
+            in_writer: Cell::new(0),
+        }
+    }
+
+    /// Bytes queued for the client and not sent yet.
+    fn queued(&self) -> usize {
+        self.buf.borrow().len() + self.in_writer.get()
+    }
+
     fn send(&self, v: &Value) {
         if self.closed.get() {
             return;
@@ -73,7 +104,32 @@ impl Outbox {
         b.extend_from_slice(v.to_string().as_bytes());
         b.extend_from_slice(b"\r\n");
         drop(b);
+        if self.queued() > MAX_BACKLOG {
+            tracing::warn!(
+                "qmp: a client left over {} MiB unread; disconnecting it",
+                MAX_BACKLOG >> 20
+            );
+            self.close();
+            return;
+        }
         if let Some(w) = self.waker.borrow_mut().take() {
+            w.wake();
+        }
+    }
+
+    /// Ends the connection: nothing more is sent, both tasks see the end.
+    fn close(&self) {
+        self.closed.set(true);
+        self.buf.borrow_mut().clear();
+        crate::sys::shutdown(self.fd);
+        self.wake_all();
+    }
+
+    fn wake_all(&self) {
+        if let Some(w) = self.waker.borrow_mut().take() {
+            w.wake();
+        }
+        if let Some(w) = self.reader_waker.borrow_mut().take() {
             w.wake();
         }
     }
@@ -123,8 +179,7 @@ impl Events {
 /// A listening monitor socket.
 pub struct MonitorServer {
     path: PathBuf,
-    handler: FdHandlerId,
-    _listener: OwnedFd,
+    _acceptor: Acceptor,
 }
 
 impl MonitorServer {
@@ -136,30 +191,18 @@ impl MonitorServer {
         let listener = UnixListener::bind(path)?;
         std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
         listener.set_nonblocking(true)?;
-        let fd: OwnedFd = listener.try_clone()?.into();
-        let handler = ctx.set_fd_handler(fd.as_raw_fd(), Interest::READABLE, move |_| loop {
-            match listener.accept() {
-                Ok((s, _)) => {
-                    if s.set_nonblocking(true).is_err() {
-                        continue;
-                    }
-                    let st = state.clone();
-                    stord_aio::spawn(serve(OwnedFd::from(s), st));
-                }
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(_) => break,
-            }
+        let acceptor = Acceptor::start(ctx, "qmp monitor", listener.into(), move |conn| {
+            stord_aio::spawn(serve(conn, state.clone()));
         })?;
         Ok(Self {
             path: path.to_path_buf(),
-            handler,
-            _listener: fd,
+            _acceptor: acceptor,
         })
     }
 
     /// Stops listening and removes the socket.
-    pub fn stop(self, ctx: &AioContext) {
-        ctx.remove_fd_handler(self.handler);
+    pub fn stop(self) {
+        drop(self._acceptor);
         let _ = std::fs::remove_file(&self.path);
     }
 }
@@ -192,21 +235,30 @@ async fn write_loop(fd: RawFd, out: Rc<Outbox>) {
         .await;
         let Some(mut data) = data else { break };
         out.sending.set(true);
+        out.in_writer.set(data.len());
         let mut off = 0;
         while off < data.len() {
             let n = data.len();
             let (r, s) = op::send(fd, Slice::new(data, off, n), 0).await;
             data = s.into_inner();
             match r {
-                Ok(k) if k > 0 => off += k,
+                Ok(k) if k > 0 => {
+                    off += k;
+                    out.in_writer.set(n - off);
+                    if let Some(w) = out.reader_waker.borrow_mut().take() {
+                        w.wake();
+                    }
+                }
                 Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => {
                     if op::poll_add(fd, Interest::WRITABLE).await.is_err() {
-                        out.closed.set(true);
+                        out.in_writer.set(0);
+                        out.close();
                         return;
                     }
                 }
                 _ => {
-                    out.closed.set(true);
+                    out.in_writer.set(0);
+                    out.close();
                     return;
                 }
             }
@@ -217,7 +269,7 @@ async fn write_loop(fd: RawFd, out: Rc<Outbox>) {
 
 async fn serve(conn: OwnedFd, state: SharedState) {
     let fd = conn.as_raw_fd();
-    let out = Rc::new(Outbox::default());
+    let out = Rc::new(Outbox::new(fd));
     state.borrow().events.add(&out);
     let writer = stord_aio::spawn(write_loop(fd, out.clone()));
     out.send(&greeting());
@@ -239,12 +291,37 @@ async fn serve(conn: OwnedFd, state: SharedState) {
             Err(_) => break,
         };
         for piece in stream.push(&buf[..k]) {
+            // Replies the client has not read hold up its next commands.
+            std::future::poll_fn(|cx| {
+                if out.closed.get() || out.queued() < MAX_QUEUED {
+                    Poll::Ready(())
+                } else {
+                    *out.reader_waker.borrow_mut() = Some(cx.waker().clone());
+                    Poll::Pending
+                }
+            })
+            .await;
+            if out.closed.get() {
+                break 'conn;
+            }
             let reply = match piece {
                 Piece::Garbage(_) => Some(error_reply(
                     None,
                     &QmpError::generic("JSON parse error, invalid token"),
                 )),
-                Piece::Json(text) if text.len() > MAX_MESSAGE => break 'conn,
+                Piece::TooDeep => {
+                    tracing::warn!(
+                        "qmp: a message nested deeper than {} levels; closing that connection",
+                        stream::MAX_NESTING
+                    );
+                    break 'conn;
+                }
+                Piece::Json(text) if text.len() > MAX_MESSAGE => {
+                    tracing::warn!(
+                        "qmp: a message over {MAX_MESSAGE} bytes; closing that connection"
+                    );
+                    break 'conn;
+                }
                 Piece::Json(text) => match serde_json::from_slice::<Value>(&text) {
                     Err(e) => Some(error_reply(
                         None,
@@ -258,7 +335,7 @@ async fn serve(conn: OwnedFd, state: SharedState) {
             }
         }
         if stream.pending() > MAX_MESSAGE {
-            // An oversized message: close this connection only.
+            tracing::warn!("qmp: a message over {MAX_MESSAGE} bytes; closing that connection");
             break;
         }
     }

@@ -13,7 +13,12 @@ pub enum Piece {
     Json(Vec<u8>),
     /// Bytes that are not JSON.
     Garbage(Vec<u8>),
+    /// A value nested deeper than [`MAX_NESTING`]: the stream cannot recover from it.
+    TooDeep,
 }
+
+/// Deepest nesting of objects and arrays accepted (qemu's JSON parser has the same limit).
+pub const MAX_NESTING: usize = 1024;
 
 /// The splitter's state across reads.
 #[derive(Debug, Default)]
@@ -76,7 +81,16 @@ impl JsonStream {
             } else {
                 match b {
                     b'"' => self.in_string = true,
-                    b'{' | b'[' => self.depth += 1,
+                    b'{' | b'[' => {
+                        self.depth += 1;
+                        if self.depth > MAX_NESTING {
+                            out.push(Piece::TooDeep);
+                            self.buf.clear();
+                            self.pos = 0;
+                            self.depth = 0;
+                            return out;
+                        }
+                    }
                     b'}' | b']' => {
                         self.depth -= 1;
                         if self.depth == 0 {
@@ -128,5 +142,15 @@ mod tests {
         // Unbalanced closing at top level is garbage too.
         let p = s.push(b"}}\n");
         assert_eq!(p, vec![Piece::Garbage(b"}}".to_vec())]);
+    }
+
+    #[test]
+    fn nesting_beyond_the_limit_is_reported_once() {
+        let mut s = JsonStream::default();
+        let ok = format!("{}{}", "[".repeat(MAX_NESTING), "]".repeat(MAX_NESTING));
+        assert!(matches!(&s.push(ok.as_bytes())[..], [Piece::Json(_)]));
+        let deep = "[".repeat(MAX_NESTING + 1);
+        assert_eq!(s.push(deep.as_bytes()), vec![Piece::TooDeep]);
+        assert_eq!(s.pending(), 0);
     }
 }

@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 
 use super::proto::*;
 use super::FuseShared;
-use crate::block::{new_buf, Buf};
+use crate::block::{request_buf, Buf};
 
 /// A reply body.
 pub enum Body {
@@ -187,7 +187,7 @@ impl FuseShared {
 
     async fn read(&self, f: &Fields<'_>) -> Result<Body, i32> {
         let size = f.u32(16).ok_or(libc::EINVAL)?.min(super::MAX_READ) as usize;
-        let (r, buf) = self.read_into(f, new_buf(size)).await;
+        let (r, buf) = self.read_into(f, request_buf(size)).await;
         r.map(|_| Body::Data(buf))
     }
 
@@ -217,7 +217,7 @@ impl FuseShared {
         if body.len() < WRITE_IN + size {
             return Err(libc::EINVAL);
         }
-        let mut buf = new_buf(size);
+        let mut buf = request_buf(size);
         buf.copy_from_slice(&body[WRITE_IN..WRITE_IN + size]);
         let n = self.write_from(f, buf).await.0?;
         Ok(write_out(n))

@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use stord_aio::{FdHandlerId, Interest, Remote};
+use stord_aio::Remote;
 
 use crate::block::BlockNode;
 use crate::cli::keyval::KeyVal;
@@ -81,14 +81,14 @@ impl FuseShared {
             let (s, d, r2) = (self.clone(), dev.clone(), remote.clone());
             let start = move || match uring::start(s.clone(), d, &qids) {
                 Ok(id) => {
-                    eprintln!("stord: fuse: serving queues {qids:?} over io_uring");
+                    tracing::info!("fuse: serving queues {qids:?} over io_uring");
                     s.rings
                         .lock()
                         .unwrap_or_else(|e| e.into_inner())
                         .push((r2, id));
                 }
-                Err(e) => eprintln!(
-                    "stord: fuse: io_uring queues {qids:?} failed, staying on /dev/fuse: {e}"
+                Err(e) => tracing::warn!(
+                    "fuse: io_uring queues {qids:?} failed, staying on /dev/fuse: {e}"
                 ),
             };
             match remote {
@@ -115,7 +115,7 @@ impl FuseShared {
 /// Where one queue runs.
 struct QueueHandle {
     remote: Option<Remote>,
-    handler: Option<FdHandlerId>,
+    handler: Option<session::HandlerSlot>,
     _dev: Arc<File>,
 }
 
@@ -275,7 +275,9 @@ impl FuseExport {
             Some(b) => b,
             None => {
                 if !kernel_uring {
-                    eprintln!("stord: fuse: FUSE over io_uring is not enabled in the kernel; using /dev/fuse");
+                    tracing::info!(
+                        "fuse: FUSE over io_uring is not enabled in the kernel; using /dev/fuse"
+                    );
                 }
                 kernel_uring
             }
@@ -338,15 +340,7 @@ impl FuseExport {
         }
         for (dev, remote) in devs.into_iter().zip(places) {
             let (d, s) = (dev.clone(), shared.clone());
-            let register = move || {
-                stord_aio::with_current_context(|ctx| {
-                    let q = session::Queue::new(d.clone(), s);
-                    let fd = d.as_raw_fd();
-                    ctx.set_fd_handler(fd, Interest::READABLE, move |_| q.on_readable())
-                        .map_err(|e| e.to_string())
-                })
-                .unwrap_or_else(|| Err("no event loop".into()))
-            };
+            let register = move || session::Queue::start(d.clone(), s).map_err(|e| e.to_string());
             let handler = match &remote {
                 Some(r) if !r.is_current() => r.run(register).ok_or("iothread is gone")?,
                 _ => register(),
@@ -393,9 +387,12 @@ impl FuseExport {
         }
         self.shared.halted.store(true, Ordering::SeqCst);
         for q in &mut self.queues {
-            if let Some(h) = q.handler.take() {
+            if let Some(slot) = q.handler.take() {
                 let remove = move || {
-                    stord_aio::with_current_context(|ctx| ctx.remove_fd_handler(h));
+                    let h = slot.lock().unwrap_or_else(|e| e.into_inner()).take();
+                    if let Some(h) = h {
+                        stord_aio::with_current_context(|ctx| ctx.remove_fd_handler(h));
+                    }
                 };
                 match &q.remote {
                     Some(r) if !r.is_current() => {

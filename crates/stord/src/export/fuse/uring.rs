@@ -149,8 +149,8 @@ impl FuseRing {
                     e.armed = false;
                 }
                 if res != -libc::ENOTCONN && res != -libc::ECONNABORTED && res != -libc::ECANCELED {
-                    eprintln!(
-                        "stord: fuse io_uring entry {idx} failed: {}",
+                    tracing::warn!(
+                        "fuse io_uring entry {idx} failed: {}",
                         std::io::Error::from_raw_os_error(-res)
                     );
                 }

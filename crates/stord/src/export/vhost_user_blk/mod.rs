@@ -1,13 +1,15 @@
 //! The vhost-user-blk export: a QEMU/KVM guest's virtio-blk disk, served from shared guest
 //! memory.
 //!
-//! The listening socket is watched by the main loop; each connection gets a control thread
-//! that reads vhost-user messages (blocking, they are rare) through the rust-vmm `vhost`
-//! crate's request handler ([`backend`]). The data path never touches that thread: each
+//! The listening socket is watched by the main loop (through an
+//! [`Acceptor`](crate::accept::Acceptor)); the connection gets a control thread that reads
+//! vhost-user messages (blocking, they are rare) through the rust-vmm `vhost` crate's
+//! request handler ([`backend`]). The data path never touches that thread: each
 //! virtqueue runs on an IoThread of the export's list ([`vring`]): a kick fd handler plus a
 //! poll handler peeking at the avail index, requests as tasks ([`request`]), completions
-//! batched per loop iteration. Like qsd, one frontend at a time: a second connection waits
-//! until the first has gone.
+//! batched per loop iteration. Like qsd, one frontend at a time: while one is connected the
+//! export stops accepting, so a second waits in the listen backlog (costing the daemon
+//! nothing) until the first has gone.
 
 mod backend;
 mod device;
@@ -15,16 +17,17 @@ mod inflight;
 mod request;
 mod vring;
 
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use stord_aio::{FdHandlerId, Interest, Remote};
+use stord_aio::{Interest, Remote};
 use vhost::vhost_user::{BackendReqHandler, Error as VuError};
 
+use crate::accept::{Acceptor, AcceptorHandle};
 use crate::block::BlockNode;
 use crate::cli::keyval::KeyVal;
 
@@ -87,7 +90,7 @@ impl VhostUserBlkOptions {
     }
 }
 
-/// A connection being served or waiting its turn.
+/// The connection being served.
 struct Connection {
     stream: UnixStream,
     thread: JoinHandle<()>,
@@ -99,7 +102,7 @@ pub struct VhostUserBlkExport {
     pub node: Arc<BlockNode>,
     pub path: PathBuf,
     dev: Arc<BlkDevice>,
-    handler: Option<FdHandlerId>,
+    acceptor: Option<Acceptor>,
     conns: Arc<Mutex<Vec<Connection>>>,
 }
 
@@ -145,21 +148,17 @@ impl VhostUserBlkExport {
             opts.num_queues,
         ));
         let conns: Arc<Mutex<Vec<Connection>>> = Arc::default();
-        let turn = Arc::new(Mutex::new(()));
         let (dev2, conns2) = (dev.clone(), conns.clone());
-        let fd = listener.as_raw_fd();
-        let handler = stord_aio::with_current_context(|ctx| {
-            ctx.set_fd_handler(fd, Interest::READABLE, move |_| loop {
-                match listener.accept() {
-                    Ok((stream, _)) => accept(stream, &dev2, &remotes, &conns2, &turn),
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
-                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                    Err(e) => {
-                        eprintln!("stord: vhost-user-blk {}: accept failed: {e}", dev2.id);
-                        break;
-                    }
+        let acceptor = stord_aio::with_current_context(|ctx| {
+            let me: std::rc::Rc<std::cell::OnceCell<AcceptorHandle>> = Default::default();
+            let me2 = me.clone();
+            let a = Acceptor::start(ctx, what.clone(), listener.into(), move |conn| {
+                if let Some(me) = me2.get() {
+                    accept(conn, &dev2, &remotes, &conns2, me);
                 }
-            })
+            })?;
+            let _ = me.set(a.handle());
+            Ok::<_, std::io::Error>(a)
         })
         .ok_or_else(|| format!("{what}: no event loop"))?
         .map_err(|e| format!("{what}: {e}"))?;
@@ -168,7 +167,7 @@ impl VhostUserBlkExport {
             node,
             path: opts.path,
             dev,
-            handler: Some(handler),
+            acceptor: Some(acceptor),
             conns,
         })
     }
@@ -194,9 +193,7 @@ impl VhostUserBlkExport {
     /// Stops listening, disconnects the frontend and waits for its queues to drain. Called
     /// on the main loop, which it keeps running meanwhile (a queue may live there).
     pub fn stop(&mut self) {
-        if let Some(h) = self.handler.take() {
-            stord_aio::with_current_context(|ctx| ctx.remove_fd_handler(h));
-        }
+        self.acceptor.take();
         let _ = std::fs::remove_file(&self.path);
         let conns = std::mem::take(&mut *self.conns.lock().unwrap_or_else(|e| e.into_inner()));
         for c in &conns {
@@ -222,34 +219,55 @@ impl Drop for VhostUserBlkExport {
     }
 }
 
-/// A frontend connected: serve it on a control thread, which first waits for its `turn`
-/// (the frontend before it to go).
+/// A frontend connected: stop accepting, serve it on a control thread, and accept again
+/// once that thread has finished (its end of a socket pair closes; the main loop waits for
+/// that as for any other readiness, no polling).
 fn accept(
-    stream: UnixStream,
+    conn: OwnedFd,
     dev: &Arc<BlkDevice>,
     remotes: &[Remote],
     conns: &Arc<Mutex<Vec<Connection>>>,
-    turn: &Arc<Mutex<()>>,
+    acceptor: &AcceptorHandle,
 ) {
+    let stream = UnixStream::from(conn);
     let mut list = conns.lock().unwrap_or_else(|e| e.into_inner());
     list.retain(|c| !c.thread.is_finished());
-    let (Ok(ctl), Ok(())) = (stream.try_clone(), stream.set_nonblocking(false)) else {
-        eprintln!(
-            "stord: vhost-user-blk {}: cannot set up the connection",
-            dev.id
-        );
-        return;
+    let setup = (|| {
+        let ctl = stream.try_clone()?;
+        stream.set_nonblocking(false)?;
+        let (done_rx, done_tx) = UnixStream::pair()?;
+        done_rx.set_nonblocking(true)?;
+        Ok::<_, std::io::Error>((ctl, done_rx, done_tx))
+    })();
+    let (ctl, done_rx, done_tx) = match setup {
+        Ok(v) => v,
+        Err(e) => {
+            tracing::warn!(
+                "vhost-user-blk {}: cannot set up the connection: {e}",
+                dev.id
+            );
+            return;
+        }
     };
-    let (dev, remotes, turn) = (dev.clone(), remotes.to_vec(), turn.clone());
+    let (dev, remotes) = (dev.clone(), remotes.to_vec());
     let thread = std::thread::Builder::new()
         .name(format!("vhost-user-{}", dev.id))
         .spawn(move || {
-            let _turn = turn.lock().unwrap_or_else(|e| e.into_inner());
-            serve(ctl, dev, remotes)
+            serve(ctl, dev, remotes);
+            drop(done_tx);
         });
     match thread {
-        Ok(thread) => list.push(Connection { stream, thread }),
-        Err(e) => eprintln!("stord: vhost-user-blk: cannot start a control thread: {e}"),
+        Ok(thread) => {
+            list.push(Connection { stream, thread });
+            acceptor.pause();
+            let acceptor = acceptor.clone();
+            stord_aio::spawn(async move {
+                let _ = stord_aio::op::poll_add(done_rx.as_raw_fd(), Interest::READABLE).await;
+                drop(done_rx);
+                acceptor.resume();
+            });
+        }
+        Err(e) => tracing::error!("vhost-user-blk: cannot start a control thread: {e}"),
     }
 }
 
@@ -258,21 +276,25 @@ fn accept(
 fn serve(stream: UnixStream, dev: Arc<BlkDevice>, remotes: Vec<Remote>) {
     let backend = Arc::new(Mutex::new(backend::BlkBackend::new(dev.clone(), remotes)));
     let mut handler = BackendReqHandler::from_stream(stream, backend.clone());
+    // A frontend that sends refused requests in a loop gets one log line a second.
+    let refused_log = crate::log::RateLimit::new(Duration::from_secs(1));
     loop {
         match handler.handle_request() {
             Ok(()) => {}
             Err(VuError::ReqHandlerError(e)) => {
-                eprintln!("stord: vhost-user-blk {}: request refused: {e}", dev.id);
+                if let Some(n) = refused_log.allow() {
+                    tracing::warn!(
+                        "vhost-user-blk {}: request refused: {e} ({n} more refused since the last report)",
+                        dev.id
+                    );
+                }
             }
             Err(VuError::Disconnected) | Err(VuError::PartialMessage) => break,
             Err(VuError::SocketBroken(e)) if e.kind() == std::io::ErrorKind::ConnectionReset => {
                 break
             }
             Err(e) => {
-                eprintln!(
-                    "stord: vhost-user-blk {}: closing the connection: {e}",
-                    dev.id
-                );
+                tracing::warn!("vhost-user-blk {}: closing the connection: {e}", dev.id);
                 break;
             }
         }

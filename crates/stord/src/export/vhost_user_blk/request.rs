@@ -9,7 +9,7 @@ use virtio_queue::desc::split::Descriptor;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
 use super::device::{BlkDevice, MAX_DISCARD_SECTORS, MAX_REQUEST_BYTES};
-use crate::block::new_buf;
+use crate::block::request_buf;
 
 /// One guest buffer: address and length.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -66,6 +66,18 @@ impl Chain {
     fn data_in_len(&self) -> u64 {
         self.in_len().saturating_sub(1)
     }
+
+    /// The most data the request can make us buffer: its read or write length (requests
+    /// over the limit are refused without a buffer).
+    pub fn data_cost(&self) -> usize {
+        let write = self.out_len().saturating_sub(16);
+        let cost = write.max(self.data_in_len());
+        if cost > MAX_REQUEST_BYTES {
+            0
+        } else {
+            cost as usize
+        }
+    }
 }
 
 /// Copies `dst.len()` bytes starting `skip` bytes into `segs` out of guest memory.
@@ -119,10 +131,7 @@ fn scatter(mem: &GuestMemoryMmap, segs: &[Segment], src: &[u8]) -> bool {
 pub async fn execute(dev: &BlkDevice, mem: &GuestMemoryMmap, chain: &Chain) -> u32 {
     let in_len = chain.in_len();
     let Some(last) = chain.inn.last().copied().filter(|s| s.len > 0) else {
-        eprintln!(
-            "stord: vhost-user-blk {}: request without a status byte",
-            dev.id
-        );
+        tracing::warn!("vhost-user-blk {}: request without a status byte", dev.id);
         return 0;
     };
     let status_addr = GuestAddress(last.addr + u64::from(last.len) - 1);
@@ -131,14 +140,14 @@ pub async fn execute(dev: &BlkDevice, mem: &GuestMemoryMmap, chain: &Chain) -> u
         Err(Failure::Unsupported) => (VIRTIO_BLK_S_UNSUPP, 0),
         Err(Failure::Io(why)) => {
             if let Some(why) = why {
-                eprintln!("stord: vhost-user-blk {}: {why}", dev.id);
+                tracing::warn!("vhost-user-blk {}: {why}", dev.id);
             }
             (VIRTIO_BLK_S_IOERR, 0)
         }
     };
     if mem.write_obj(status as u8, status_addr).is_err() {
-        eprintln!(
-            "stord: vhost-user-blk {}: status byte outside guest memory",
+        tracing::warn!(
+            "vhost-user-blk {}: status byte outside guest memory",
             dev.id
         );
         return 0;
@@ -200,7 +209,7 @@ async fn run(dev: &BlkDevice, mem: &GuestMemoryMmap, chain: &Chain) -> Result<u6
                 return Err(malformed(format!("read of {len} bytes is too large")));
             }
             let offset = check_range(dev, sector, len)?;
-            let (r, buf) = dev.node.read(offset, new_buf(len as usize)).await;
+            let (r, buf) = dev.node.read(offset, request_buf(len as usize)).await;
             r?;
             if !scatter(mem, &chain.inn, &buf) {
                 return Err(malformed("read buffer outside guest memory"));
@@ -216,7 +225,7 @@ async fn run(dev: &BlkDevice, mem: &GuestMemoryMmap, chain: &Chain) -> Result<u6
                 return Err(malformed(format!("write of {len} bytes is too large")));
             }
             let offset = check_range(dev, sector, len)?;
-            let mut buf = new_buf(len as usize);
+            let mut buf = request_buf(len as usize);
             if !gather(mem, &chain.out, 16, &mut buf) {
                 return Err(malformed("write buffer outside guest memory"));
             }

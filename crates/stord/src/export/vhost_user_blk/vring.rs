@@ -7,11 +7,16 @@
 //! set). When polling ends they are re-enabled, and the loop's final peek catches requests
 //! that raced with the switch.
 //!
+//! The data a queue's requests buffer is bounded: once [`MAX_QUEUE_BYTES`] are held by
+//! running requests, further requests wait (their chains parked, no buffer allocated)
+//! until earlier ones complete, so a guest that fills a large ring with 32 MiB requests
+//! costs at most that, not ring size times 32 MiB.
+//!
 //! A [`Vring`] lives on its IoThread only; the control thread reaches it through
 //! [`VringHandle`] (a Remote plus an id into this thread's registry).
 
 use std::cell::{Cell, RefCell};
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::fs::File;
 use std::io::{Read, Write};
 use std::os::fd::AsRawFd;
@@ -29,6 +34,10 @@ use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 use super::device::BlkDevice;
 use super::inflight::InflightQueue;
 use super::request::{self, Chain};
+
+/// Data bytes one queue's running requests may hold (a request larger than what is left
+/// still runs when it is the only one).
+pub const MAX_QUEUE_BYTES: usize = 64 << 20;
 
 /// Everything needed to start a queue on its IoThread (all Send).
 pub struct VringStart {
@@ -91,7 +100,7 @@ impl VringHandle {
                 break;
             }
             if Instant::now() > deadline {
-                eprintln!("stord: vhost-user-blk: queue stopped with {n} requests still in flight");
+                tracing::warn!("vhost-user-blk: queue stopped with {n} requests still in flight");
                 break;
             }
             std::thread::sleep(Duration::from_millis(1));
@@ -148,7 +157,12 @@ pub struct Vring {
     /// Completions were published since the guest was last signalled (`flush_bh` signals).
     notify_pending: Cell<bool>,
     flush_bh: RefCell<Option<Bh>>,
+    /// Requests taken from the ring and not completed (running or waiting for budget).
     in_flight: Cell<usize>,
+    /// Requests running, and the data bytes they hold.
+    running: Cell<(usize, usize)>,
+    /// Requests taken from the ring that wait for budget, in ring order.
+    waiting: RefCell<VecDeque<(u16, Result<Chain, String>)>>,
     /// The loop is busy-polling us (notifications suppressed).
     polling: Cell<bool>,
     enabled: Cell<bool>,
@@ -208,6 +222,8 @@ impl Vring {
             notify_pending: Cell::new(false),
             flush_bh: RefCell::new(None),
             in_flight: Cell::new(0),
+            running: Cell::new((0, 0)),
+            waiting: RefCell::default(),
             polling: Cell::new(false),
             enabled: Cell::new(s.enabled),
             halted: Cell::new(false),
@@ -245,8 +261,8 @@ impl Vring {
             None => Vec::new(),
         };
         if !resubmit.is_empty() {
-            eprintln!(
-                "stord: vhost-user-blk {}: queue {} resubmits {} requests left in flight",
+            tracing::warn!(
+                "vhost-user-blk {}: queue {} resubmits {} requests left in flight",
                 v.dev.id,
                 v.index,
                 resubmit.len()
@@ -314,8 +330,8 @@ impl Vring {
                 let heads: Vec<u16> = match q.iter(&*mem) {
                     Ok(it) => it.map(|c| c.head_index()).collect(),
                     Err(e) => {
-                        eprintln!(
-                            "stord: vhost-user-blk {}: queue {} is broken ({e}); it stops until the device is reset",
+                        tracing::warn!(
+                            "vhost-user-blk {}: queue {} is broken ({e}); it stops until the device is reset",
                             self.dev.id, self.index
                         );
                         self.broken.set(true);
@@ -349,20 +365,64 @@ impl Vring {
             walk_chain(&mem, GuestAddress(q.desc_table()), q.size(), head)
         };
         self.in_flight.set(self.in_flight.get() + 1);
+        let mut waiting = self.waiting.borrow_mut();
+        if waiting.is_empty() && self.admits(&chain) {
+            drop(waiting);
+            self.run(head, chain);
+        } else {
+            waiting.push_back((head, chain));
+        }
+    }
+
+    fn cost(chain: &Result<Chain, String>) -> usize {
+        chain.as_ref().map_or(0, Chain::data_cost)
+    }
+
+    /// Whether a request may start now without exceeding the queue's data budget.
+    fn admits(&self, chain: &Result<Chain, String>) -> bool {
+        let (n, bytes) = self.running.get();
+        n == 0 || bytes + Self::cost(chain) <= MAX_QUEUE_BYTES
+    }
+
+    /// Starts a request as a task; when it completes, its budget goes to waiting ones.
+    fn run(self: &Rc<Self>, head: u16, chain: Result<Chain, String>) {
+        let cost = Self::cost(&chain);
+        let (n, bytes) = self.running.get();
+        self.running.set((n + 1, bytes + cost));
+        let mem = self.mem.borrow().clone();
         let v = self.clone();
         stord_aio::spawn(async move {
             let len = match chain {
                 Ok(chain) => request::execute(&v.dev, &mem, &chain).await,
                 Err(e) => {
-                    eprintln!(
-                        "stord: vhost-user-blk {}: queue {}: bad descriptor chain at head {head}: {e}",
-                        v.dev.id, v.index
+                    tracing::warn!(
+                        "vhost-user-blk {}: queue {}: bad descriptor chain at head {head}: {e}",
+                        v.dev.id,
+                        v.index
                     );
                     0
                 }
             };
+            let (n, bytes) = v.running.get();
+            v.running.set((n - 1, bytes - cost));
             v.complete(head, len);
+            v.run_waiting();
         });
+    }
+
+    /// Starts waiting requests, in order, while the budget allows.
+    fn run_waiting(self: &Rc<Self>) {
+        loop {
+            let next = {
+                let mut w = self.waiting.borrow_mut();
+                match w.front() {
+                    Some((_, chain)) if self.admits(chain) => w.pop_front(),
+                    _ => None,
+                }
+            };
+            let Some((head, chain)) = next else { return };
+            self.run(head, chain);
+        }
     }
 
     /// Publishes one completion in the used ring right away (plain memory writes: a driver
@@ -383,9 +443,10 @@ impl Vring {
                         i.completed(head, q.next_used());
                     }
                 }
-                Err(e) => eprintln!(
-                    "stord: vhost-user-blk {}: queue {}: cannot complete head {head}: {e}",
-                    self.dev.id, self.index
+                Err(e) => tracing::warn!(
+                    "vhost-user-blk {}: queue {}: cannot complete head {head}: {e}",
+                    self.dev.id,
+                    self.index
                 ),
             }
         }

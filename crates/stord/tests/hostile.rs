@@ -1,0 +1,327 @@
+//! Hostile clients: each test reproduces a way one client could exhaust the daemon
+//! (memory, descriptors, CPU, log volume) and checks both the bound and that other
+//! clients are served meanwhile.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::rawnbd::RawNbd;
+use common::*;
+
+const MIB: u64 = 1 << 20;
+
+fn file_export(name: &str, iothread: bool, extra_server: &str) -> (Stord, std::path::PathBuf) {
+    let dir = tmpdir(name);
+    let img = dir.join("disk.img");
+    sparse_image(&img, 1 << 30);
+    let sock = dir.join("nbd.sock");
+    let mut args = vec![
+        "--object".to_string(),
+        "iothread,id=io0".to_string(),
+        "--blockdev".into(),
+        format!("driver=file,node-name=disk,filename={}", img.display()),
+        "--nbd-server".into(),
+        format!("addr.type=unix,addr.path={}{extra_server}", sock.display()),
+        "--export".into(),
+        format!(
+            "type=nbd,id=exp0,node-name=disk,name=disk,writable=on{}",
+            if iothread { ",iothread=io0" } else { "" }
+        ),
+    ];
+    if !iothread {
+        args.drain(..2);
+    }
+    (Stord::start(&dir, &args), dir)
+}
+
+/// The probe that found the problem: 256 pipelined 32 MiB READs, replies never read.
+fn pipelined_huge_reads(iothread: bool) {
+    let (s, _dir) = file_export(
+        if iothread {
+            "pipelined-io"
+        } else {
+            "pipelined-main"
+        },
+        iothread,
+        "",
+    );
+    let mut bad = RawNbd::connect(&s.sock, "disk");
+    let mut reqs = Vec::new();
+    for i in 0..256u64 {
+        reqs.extend_from_slice(&0x2560_9513u32.to_be_bytes());
+        reqs.extend_from_slice(&0u16.to_be_bytes()); // flags
+        reqs.extend_from_slice(&0u16.to_be_bytes()); // READ
+        reqs.extend_from_slice(&i.to_be_bytes());
+        reqs.extend_from_slice(&((i % 30) * 32 * MIB).to_be_bytes());
+        reqs.extend_from_slice(&(32u32 << 20).to_be_bytes());
+    }
+    bad.s.write_all(&reqs).unwrap();
+
+    // Meanwhile a well-behaved client is served, promptly.
+    std::thread::sleep(Duration::from_secs(1));
+    let mut good = RawNbd::connect(&s.sock, "disk");
+    good.s
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    let t = Instant::now();
+    assert_eq!(good.write(1, 4096, &[0x5a; 4096]), 0);
+    let (e, d) = good.read(2, 4096, 4096);
+    assert_eq!((e, d), (0, vec![0x5a; 4096]));
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+
+    // The misbehaving client holds its connection's budget and no more.
+    std::thread::sleep(Duration::from_secs(3));
+    let peak = s.status_kib("VmHWM") * 1024;
+    assert!(
+        peak < 1 << 30,
+        "peak RSS {} MiB (the issue's bound)",
+        peak >> 20
+    );
+    assert!(
+        peak < 256 * MIB,
+        "peak RSS {} MiB: one connection's budget is 64 MiB",
+        peak >> 20
+    );
+
+    // Gone: everything it held is freed within 3 s.
+    drop(bad);
+    let t = Instant::now();
+    loop {
+        let rss = s.status_kib("VmRSS") * 1024;
+        if rss < 128 * MIB {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(3),
+            "RSS still {} MiB 3 s after the client left",
+            rss >> 20
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let (e, d) = good.read(3, 4096, 4096);
+    assert_eq!((e, d), (0, vec![0x5a; 4096]));
+}
+
+#[test]
+fn pipelined_reads_never_read_stay_bounded_on_the_main_loop() {
+    pipelined_huge_reads(false);
+}
+
+#[test]
+fn pipelined_reads_never_read_stay_bounded_on_an_iothread() {
+    pipelined_huge_reads(true);
+}
+
+/// Collects stord's stderr lines as they come (so the pipe never fills).
+fn collect_stderr(s: &mut Stord) -> Arc<Mutex<Vec<String>>> {
+    let lines = Arc::new(Mutex::new(Vec::new()));
+    let err = s.child.stderr.take().unwrap();
+    let l2 = lines.clone();
+    std::thread::spawn(move || {
+        for line in BufReader::new(err).lines() {
+            let Ok(line) = line else { break };
+            l2.lock().unwrap().push(line);
+        }
+    });
+    lines
+}
+
+#[test]
+fn descriptor_exhaustion_backs_off_quietly_and_recovers() {
+    let dir = tmpdir("emfile");
+    let img = dir.join("disk.img");
+    sparse_image(&img, 64 << 20);
+    let sock = dir.join("nbd.sock");
+    let args = vec![
+        "--blockdev".to_string(),
+        format!("driver=file,node-name=disk,filename={}", img.display()),
+        "--nbd-server".into(),
+        // Idle clients may sit in the handshake for ever.
+        format!(
+            "addr.type=unix,addr.path={},handshake-max-seconds=0",
+            sock.display()
+        ),
+        "--export".into(),
+        "type=nbd,id=exp0,node-name=disk,name=disk".into(),
+    ];
+    let mut s = Stord::start_wrapped(&dir, &["prlimit", "--nofile=64:64"], &args);
+    let lines = collect_stderr(&mut s);
+    // More idle clients than the daemon has descriptors: the rest wait in the backlog.
+    let idle: Vec<UnixStream> = (0..100)
+        .map(|_| UnixStream::connect(&sock).unwrap())
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    let failures = |l: &Arc<Mutex<Vec<String>>>| {
+        l.lock()
+            .unwrap()
+            .iter()
+            .filter(|l| l.contains("accept failed"))
+            .count()
+    };
+    let (cpu0, logged0, t0) = (s.cpu_ns(), failures(&lines), Instant::now());
+    std::thread::sleep(Duration::from_secs(3));
+    let (cpu1, logged1, secs) = (s.cpu_ns(), failures(&lines), t0.elapsed().as_secs_f64());
+    let cpu_share = (cpu1 - cpu0) as f64 / 1e9 / secs;
+    assert!(
+        cpu_share < 0.05,
+        "daemon CPU {:.1} % while out of descriptors",
+        cpu_share * 100.0
+    );
+    let rate = (logged1 - logged0) as f64 / secs;
+    assert!(rate < 10.0, "{rate:.1} log lines per second");
+    assert!(
+        logged1 >= 1,
+        "the exhaustion was never reported: {:?}",
+        lines.lock().unwrap()
+    );
+    assert!(
+        lines.lock().unwrap().len() < 100,
+        "{} lines of log",
+        lines.lock().unwrap().len()
+    );
+    // Descriptors free up: new clients are served.
+    drop(idle);
+    let t = Instant::now();
+    let mut c = loop {
+        let mut c = UnixStream::connect(&sock).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+        let mut greeting = [0u8; 18];
+        if c.read_exact(&mut greeting).is_ok() {
+            drop(c);
+            break RawNbd::connect(&sock, "disk");
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "no client served again"
+        );
+    };
+    let (e, d) = c.read(1, 0, 4096);
+    assert_eq!((e, d.len()), (0, 4096));
+    assert!(s.is_running());
+}
+
+fn qmp_server(name: &str) -> (Stord, std::path::PathBuf) {
+    let dir = tmpdir(name);
+    let qmp = dir.join("qmp.sock");
+    let s = Stord::start(
+        &dir,
+        &[
+            "--chardev".into(),
+            format!("socket,id=mon,path={},server=on,wait=off", qmp.display()),
+            "--monitor".into(),
+            "chardev=mon".into(),
+        ],
+    );
+    (s, qmp)
+}
+
+/// A raw QMP connection after negotiation.
+fn qmp_connect(path: &std::path::Path) -> BufReader<UnixStream> {
+    let s = UnixStream::connect(path).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut r = BufReader::new(s);
+    let mut line = String::new();
+    r.read_line(&mut line).unwrap();
+    assert!(line.contains("\"QMP\""), "{line}");
+    r.get_mut()
+        .write_all(b"{\"execute\":\"qmp_capabilities\"}\n")
+        .unwrap();
+    line.clear();
+    r.read_line(&mut line).unwrap();
+    assert!(line.contains("\"return\""), "{line}");
+    r
+}
+
+fn qmp_cmd(c: &mut BufReader<UnixStream>, text: &str) -> serde_json::Value {
+    c.get_mut().write_all(text.as_bytes()).unwrap();
+    c.get_mut().write_all(b"\n").unwrap();
+    let mut line = String::new();
+    c.read_line(&mut line).unwrap();
+    serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line:?}"))
+}
+
+/// Whether the daemon closed the connection (end of stream or reset), ignoring any reply
+/// it sent first.
+fn is_closed(c: &mut BufReader<UnixStream>) -> bool {
+    let mut line = String::new();
+    for _ in 0..3 {
+        line.clear();
+        match c.read_line(&mut line) {
+            Ok(0) => return true,
+            Ok(_) => continue,
+            Err(e) => return e.kind() == std::io::ErrorKind::ConnectionReset,
+        }
+    }
+    false
+}
+
+#[test]
+fn qmp_limits_close_only_the_offending_connection() {
+    let (s, qmp) = qmp_server("qmp-limits");
+    let mut bystander = qmp_connect(&qmp);
+
+    // Nested deeper than the JSON parser takes: an error object, the connection stays.
+    let mut c = qmp_connect(&qmp);
+    let deep = format!(
+        "{{\"execute\":\"query-version\",\"arguments\":{{\"x\":{}{}}}}}",
+        "[".repeat(200),
+        "]".repeat(200)
+    );
+    let r = qmp_cmd(&mut c, &deep);
+    assert!(r.get("error").is_some(), "{r}");
+    let r = qmp_cmd(&mut c, "{\"execute\":\"query-version\"}");
+    assert!(r.get("return").is_some(), "{r}");
+
+    // Beyond the nesting limit: that connection is closed.
+    c.get_mut().write_all("[".repeat(5000).as_bytes()).unwrap();
+    assert!(is_closed(&mut c), "nesting over the limit must close");
+
+    // A message over 1 MiB: closed too.
+    let mut c = qmp_connect(&qmp);
+    let big = format!(
+        "{{\"execute\":\"query-version\",\"arguments\":{{\"x\":\"{}\"}}}}",
+        "y".repeat(2 << 20)
+    );
+    let _ = c.get_mut().write_all(big.as_bytes());
+    assert!(is_closed(&mut c), "an oversized message must close");
+
+    let r = qmp_cmd(&mut bystander, "{\"execute\":\"query-version\"}");
+    assert!(r.get("return").is_some(), "{r}");
+    drop(s);
+}
+
+#[test]
+fn qmp_client_that_never_reads_cannot_grow_the_daemon() {
+    let (s, qmp) = qmp_server("qmp-flood");
+    let rss0 = s.status_kib("VmRSS") * 1024;
+    let flood = qmp_connect(&qmp);
+    let mut writer = flood.get_ref().try_clone().unwrap();
+    writer
+        .set_write_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    // 100k commands whose replies (a few KiB each) are never read: hundreds of MiB if
+    // the daemon kept them all.
+    let t = std::thread::spawn(move || {
+        let cmd = b"{\"execute\":\"query-commands\"}\n".repeat(1000);
+        for _ in 0..100 {
+            if writer.write_all(&cmd).is_err() {
+                return;
+            }
+        }
+    });
+    std::thread::sleep(Duration::from_secs(3));
+    let grown = (s.status_kib("VmRSS") * 1024).saturating_sub(rss0);
+    assert!(grown < 32 * MIB, "RSS grew by {} MiB", grown >> 20);
+    let mut other = qmp_connect(&qmp);
+    let r = qmp_cmd(&mut other, "{\"execute\":\"query-version\"}");
+    assert!(r.get("return").is_some(), "{r}");
+    flood.get_ref().shutdown(std::net::Shutdown::Both).unwrap();
+    drop(flood);
+    t.join().unwrap();
+    let r = qmp_cmd(&mut other, "{\"execute\":\"query-version\"}");
+    assert!(r.get("return").is_some(), "{r}");
+}
