@@ -112,11 +112,14 @@ pub(crate) fn which(cmd: &str) -> PathBuf {
     PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
 }
 
+/// fio options of a workload: `rw` is fio's `--rw`, optionally with a block size after a
+/// slash (`read/64k`; 4k when absent).
 fn fio_common(rw: &str, qd: u32, runtime: u64) -> Vec<String> {
+    let (rw, bs) = rw.split_once('/').unwrap_or((rw, "4k"));
     vec![
         "--name=bench".into(),
         format!("--rw={rw}"),
-        "--bs=4k".into(),
+        format!("--bs={bs}"),
         format!("--iodepth={qd}"),
         "--time_based".into(),
         format!("--runtime={runtime}"),
@@ -159,7 +162,7 @@ pub fn run(opts: &NbdOptions) -> Vec<Row> {
         prepare_image(&img);
     }
     for d in &opts.daemons {
-        if d != "stord" {
+        if !d.starts_with("stord") {
             which(if d == "qsd" { "qemu-storage-daemon" } else { d });
         }
     }
@@ -191,6 +194,7 @@ pub fn run(opts: &NbdOptions) -> Vec<Row> {
                     // This benchmark's names, in the report's terms.
                     let daemon = match d.as_str() {
                         "stord" => format!("stord-{}", opts.stord_policy),
+                        "stord-base" => format!("base-{}", opts.stord_policy),
                         other => other.to_string(),
                     };
                     let backend = match backend.as_str() {

@@ -75,8 +75,16 @@ pub fn blockdev(backend: &str, img: &Path) -> String {
     }
 }
 
-/// The binary and the `--object iothread` of a stord-POLICY, qsd or qsd-poll0 daemon.
+/// The binary and the `--object iothread` of a stord-POLICY, base-POLICY, qsd or qsd-poll0
+/// daemon. `base-POLICY` is an earlier stord build, named by `STORD_BENCH_BASELINE`, so a
+/// change can be measured before and after in one run.
 pub fn qsd_style(daemon: &str) -> (PathBuf, String) {
+    if let Some(policy) = daemon.strip_prefix("base-") {
+        let bin = std::env::var_os("STORD_BENCH_BASELINE")
+            .map(PathBuf::from)
+            .expect("base-POLICY needs STORD_BENCH_BASELINE=<an earlier stord binary>");
+        return (bin, format!("iothread,id=io0,poll-policy={policy}"));
+    }
     match daemon.strip_prefix("stord-") {
         Some(policy) => (
             stord_binary(),
