@@ -27,19 +27,67 @@ fn fail(msg: impl Into<String>) -> VuError {
     VuError::ReqHandlerError(std::io::Error::other(msg.into()))
 }
 
-/// Guest memory and how frontend addresses map onto it.
+/// Memory regions one frontend may map (GET_MAX_MEM_SLOTS; libvhost-user's figure).
+pub const MAX_MEM_SLOTS: usize = 509;
+
+/// One mapped region of guest memory.
+struct MemSlot {
+    /// Frontend virtual address, guest physical address, size.
+    user_addr: u64,
+    gpa: u64,
+    size: u64,
+    region: Arc<GuestRegionMmap>,
+}
+
+/// Guest memory and how frontend addresses map onto it. SET_MEM_TABLE replaces the whole
+/// table; ADD_MEM_REG / REM_MEM_REG (CONFIGURE_MEM_SLOTS) change one region. Each change
+/// builds a new `GuestMemoryMmap` for the running queues; requests in flight keep the one
+/// they started with (an `Arc`), so a removed region stays mapped until they finish.
+#[derive(Default)]
 struct MemTable {
-    guest: Arc<GuestMemoryMmap>,
-    /// (frontend virtual address, guest physical address, size).
-    regions: Vec<(u64, u64, u64)>,
+    slots: Vec<MemSlot>,
+    guest: Option<Arc<GuestMemoryMmap>>,
 }
 
 impl MemTable {
     fn va_to_gpa(&self, va: u64) -> Option<u64> {
-        self.regions
+        self.slots
             .iter()
-            .find(|(u, _, s)| va >= *u && va - *u < *s)
-            .map(|(u, g, _)| g + (va - u))
+            .find(|s| va >= s.user_addr && va - s.user_addr < s.size)
+            .map(|s| s.gpa + (va - s.user_addr))
+    }
+
+    /// Maps one region from the frontend's fd.
+    fn map(r: &VhostUserMemoryRegion, f: File) -> VuResult<MemSlot> {
+        let bytes = r.memory_size;
+        let size = usize::try_from(bytes)
+            .ok()
+            .filter(|&s| s > 0)
+            .ok_or_else(|| fail(format!("memory region of {bytes} bytes")))?;
+        let map = MmapRegion::from_file(FileOffset::new(f, r.mmap_offset), size)
+            .map_err(|e| fail(format!("cannot map guest memory: {e}")))?;
+        let region = GuestRegionMmap::new(map, GuestAddress(r.guest_phys_addr))
+            .ok_or_else(|| fail("guest memory region overflows"))?;
+        Ok(MemSlot {
+            user_addr: r.user_addr,
+            gpa: r.guest_phys_addr,
+            size: r.memory_size,
+            region: Arc::new(region),
+        })
+    }
+
+    /// Rebuilds the guest memory from the slots (refusing overlaps).
+    fn rebuild(&mut self) -> VuResult<Arc<GuestMemoryMmap>> {
+        // vm-memory wants the regions in address order.
+        self.slots.sort_by_key(|s| s.gpa);
+        let guest = Arc::new(
+            GuestMemoryMmap::from_arc_regions(
+                self.slots.iter().map(|s| s.region.clone()).collect(),
+            )
+            .map_err(|e| fail(format!("bad memory table: {e}")))?,
+        );
+        self.guest = Some(guest.clone());
+        Ok(guest)
     }
 }
 
@@ -62,7 +110,7 @@ pub struct BlkBackend {
     remotes: Vec<Remote>,
     acked_features: u64,
     protocol_features: u64,
-    mem: Option<MemTable>,
+    mem: MemTable,
     vrings: Vec<VringConfig>,
     inflight: Option<Arc<InflightRegion>>,
 }
@@ -75,7 +123,7 @@ impl BlkBackend {
             remotes,
             acked_features: 0,
             protocol_features: 0,
-            mem: None,
+            mem: MemTable::default(),
             vrings: (0..n).map(|_| VringConfig::default()).collect(),
             inflight: None,
         }
@@ -85,6 +133,15 @@ impl BlkBackend {
         self.vrings
             .get_mut(index as usize)
             .ok_or_else(|| fail(format!("vring {index} does not exist")))
+    }
+
+    /// Hands new guest memory to the running queues.
+    fn publish_mem(&self, guest: Arc<GuestMemoryMmap>) {
+        for v in &self.vrings {
+            if let Some(h) = &v.running {
+                h.set_mem(guest.clone());
+            }
+        }
     }
 
     /// Stops every running vring (the connection ends, or the owner is reset).
@@ -105,10 +162,12 @@ impl BlkBackend {
         if v.running.is_some() || v.kick.is_none() {
             return Ok(());
         }
-        let mem = self
-            .mem
-            .as_ref()
-            .ok_or_else(|| fail("vring started before SET_MEM_TABLE"))?;
+        let mem = &self.mem;
+        let guest = mem
+            .guest
+            .clone()
+            .filter(|_| !mem.slots.is_empty())
+            .ok_or_else(|| fail("vring started before guest memory was set"))?;
         let (d, a, u) = v
             .addr
             .ok_or_else(|| fail(format!("vring {index} started before SET_VRING_ADDR")))?;
@@ -132,11 +191,11 @@ impl BlkBackend {
         q.set_event_idx(event_idx);
         q.set_next_avail(v.base);
         let used = q
-            .used_idx(&*mem.guest, std::sync::atomic::Ordering::Acquire)
+            .used_idx(&*guest, std::sync::atomic::Ordering::Acquire)
             .map_err(|e| fail(e.to_string()))?;
         q.set_next_used(used.0);
         q.set_ready(true);
-        if !q.is_valid(&*mem.guest) {
+        if !q.is_valid(&*guest) {
             return Err(fail(format!(
                 "vring {index}: size {} or ring addresses invalid",
                 v.num
@@ -151,7 +210,7 @@ impl BlkBackend {
         let start = VringStart {
             index: index as u16,
             queue: q,
-            mem: mem.guest.clone(),
+            mem: guest,
             kick,
             call: v.call.clone(),
             dev: self.dev.clone(),
@@ -201,30 +260,19 @@ impl VhostUserBackendReqHandlerMut for BlkBackend {
         files: Vec<File>,
         _postcopy_listening: Option<bool>,
     ) -> VuResult<Option<Vec<u64>>> {
-        let mut regions = Vec::new();
-        let mut table = Vec::new();
+        if ctx.len() > MAX_MEM_SLOTS {
+            return Err(fail(format!(
+                "{} memory regions (at most {MAX_MEM_SLOTS})",
+                ctx.len()
+            )));
+        }
+        let mut table = MemTable::default();
         for (r, f) in ctx.iter().zip(files) {
-            let map =
-                MmapRegion::from_file(FileOffset::new(f, r.mmap_offset), r.memory_size as usize)
-                    .map_err(|e| fail(format!("cannot map guest memory: {e}")))?;
-            let region = GuestRegionMmap::new(map, GuestAddress(r.guest_phys_addr))
-                .ok_or_else(|| fail("guest memory region overflows"))?;
-            regions.push(region);
-            table.push((r.user_addr, r.guest_phys_addr, r.memory_size));
+            table.slots.push(MemTable::map(r, f)?);
         }
-        let guest = Arc::new(
-            GuestMemoryMmap::from_regions(regions)
-                .map_err(|e| fail(format!("bad memory table: {e}")))?,
-        );
-        for v in &self.vrings {
-            if let Some(h) = &v.running {
-                h.set_mem(guest.clone());
-            }
-        }
-        self.mem = Some(MemTable {
-            guest,
-            regions: table,
-        });
+        let guest = table.rebuild()?;
+        self.mem = table;
+        self.publish_mem(guest);
         Ok(None)
     }
 
@@ -290,7 +338,8 @@ impl VhostUserBackendReqHandlerMut for BlkBackend {
         Ok(VhostUserProtocolFeatures::MQ
             | VhostUserProtocolFeatures::CONFIG
             | VhostUserProtocolFeatures::REPLY_ACK
-            | VhostUserProtocolFeatures::INFLIGHT_SHMFD)
+            | VhostUserProtocolFeatures::INFLIGHT_SHMFD
+            | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS)
     }
 
     fn set_protocol_features(&mut self, features: u64) -> VuResult<()> {
@@ -378,20 +427,50 @@ impl VhostUserBackendReqHandlerMut for BlkBackend {
     }
 
     fn get_max_mem_slots(&mut self) -> VuResult<u64> {
-        Err(fail("CONFIGURE_MEM_SLOTS not offered"))
+        Ok(MAX_MEM_SLOTS as u64)
     }
 
     fn add_mem_region(
         &mut self,
-        _region: &VhostUserSingleMemoryRegion,
-        _fd: File,
+        region: &VhostUserSingleMemoryRegion,
+        fd: File,
         _postcopy_listening: Option<bool>,
     ) -> VuResult<Option<u64>> {
-        Err(fail("CONFIGURE_MEM_SLOTS not offered"))
+        if self.mem.slots.len() >= MAX_MEM_SLOTS {
+            return Err(fail(format!(
+                "ADD_MEM_REG: all {MAX_MEM_SLOTS} memory slots are in use"
+            )));
+        }
+        let slot = MemTable::map(region, fd)?;
+        let added = slot.region.clone();
+        self.mem.slots.push(slot);
+        match self.mem.rebuild() {
+            Ok(guest) => self.publish_mem(guest),
+            Err(e) => {
+                self.mem.slots.retain(|s| !Arc::ptr_eq(&s.region, &added));
+                self.mem.rebuild()?;
+                return Err(e);
+            }
+        }
+        Ok(None)
     }
 
-    fn remove_mem_region(&mut self, _region: &VhostUserSingleMemoryRegion) -> VuResult<()> {
-        Err(fail("CONFIGURE_MEM_SLOTS not offered"))
+    fn remove_mem_region(&mut self, region: &VhostUserSingleMemoryRegion) -> VuResult<()> {
+        let (gpa, size) = (region.guest_phys_addr, region.memory_size);
+        let i = self
+            .mem
+            .slots
+            .iter()
+            .position(|s| s.gpa == gpa && s.size == size)
+            .ok_or_else(|| {
+                fail(format!(
+                    "REM_MEM_REG: no region at {gpa:#x} of {size} bytes"
+                ))
+            })?;
+        self.mem.slots.remove(i);
+        let guest = self.mem.rebuild()?;
+        self.publish_mem(guest);
+        Ok(())
     }
 
     fn set_device_state_fd(
@@ -413,5 +492,42 @@ impl VhostUserBackendReqHandlerMut for BlkBackend {
 
     fn set_log_base(&mut self, _log: &VhostUserLog, _file: File) -> VuResult<()> {
         Err(fail("dirty logging not offered"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use vm_memory::GuestMemoryBackend;
+
+    fn region(gpa: u64, size: u64, user: u64) -> (VhostUserMemoryRegion, File) {
+        let f = crate::sys::memfd_create("stord-test-mem").unwrap();
+        f.set_len(size).unwrap();
+        (VhostUserMemoryRegion::new(gpa, size, user, 0), f)
+    }
+
+    #[test]
+    fn regions_come_and_go_and_overlaps_are_refused() {
+        let mut t = MemTable::default();
+        let (r, f) = region(0x10_0000, 0x1_0000, 0x7f00_0000);
+        t.slots.push(MemTable::map(&r, f).unwrap());
+        // Added out of address order: still a valid table.
+        let (r, f) = region(0, 0x1_0000, 0x7e00_0000);
+        t.slots.push(MemTable::map(&r, f).unwrap());
+        let g = t.rebuild().unwrap();
+        assert_eq!(g.num_regions(), 2);
+        assert_eq!(t.va_to_gpa(0x7f00_0010), Some(0x10_0010));
+        assert_eq!(t.va_to_gpa(0x7e00_ffff), Some(0xffff));
+        assert_eq!(t.va_to_gpa(0x7e01_0000), None);
+        // Overlapping the first region.
+        let (r, f) = region(0x8000, 0x1_0000, 0x7d00_0000);
+        t.slots.push(MemTable::map(&r, f).unwrap());
+        assert!(t.rebuild().is_err());
+        t.slots.retain(|s| s.gpa != 0x8000);
+        let g = t.rebuild().unwrap();
+        assert_eq!(g.num_regions(), 2);
+        // An empty region is refused when mapped.
+        let (r, f) = region(0x20_0000, 0, 0x7c00_0000);
+        assert!(MemTable::map(&r, f).is_err());
     }
 }

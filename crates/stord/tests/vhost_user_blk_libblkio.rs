@@ -1,0 +1,285 @@
+//! The vhost-user-blk export driven by libblkio (the `blkio` crate, driver
+//! `virtio-blk-vhost-user`): the client behind QEMU's `virtio-blk-vhost-user` blockdev,
+//! fio's libblkio engine and nbdkit's blkio plugin. It needs the CONFIGURE_MEM_SLOTS
+//! protocol feature (its buffers are added as memory regions at run time). Each test runs
+//! against stord and, to show it is fair, against qemu-storage-daemon.
+
+mod common;
+
+use std::mem::MaybeUninit;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use blkio::{Blkio, Blkioq, Completion, MemoryRegion, ReqFlags};
+use common::{tmpdir, Stord};
+
+const IMAGE: u64 = 64 << 20;
+/// Bytes each queue writes and reads back.
+const SPAN: usize = 1 << 20;
+const BS: usize = 64 << 10;
+
+enum Peer {
+    Stord(Stord),
+    Qsd(Child),
+}
+
+impl Peer {
+    /// Starts a daemon exporting `img` on `sock` (`export` appended to the export options).
+    fn start(
+        qsd: bool,
+        dir: &Path,
+        img: &Path,
+        sock: &Path,
+        export: &str,
+        iothreads: usize,
+    ) -> Peer {
+        let mut args: Vec<String> = Vec::new();
+        for i in 0..iothreads {
+            args.extend(["--object".into(), format!("iothread,id=io{i}")]);
+        }
+        args.extend([
+            "--blockdev".into(),
+            format!(
+                "driver=file,node-name=disk,filename={},cache.direct=on,aio=io_uring",
+                img.display()
+            ),
+            "--export".into(),
+            format!(
+                "type=vhost-user-blk,id=vu0,node-name=disk,addr.type=unix,addr.path={}{export}",
+                sock.display()
+            ),
+        ]);
+        if !qsd {
+            return Peer::Stord(Stord::start(dir, &args));
+        }
+        let child = Command::new("qemu-storage-daemon")
+            .args(&args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn qemu-storage-daemon");
+        let t = Instant::now();
+        while !sock.exists() {
+            assert!(t.elapsed() < Duration::from_secs(10), "qsd did not listen");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        Peer::Qsd(child)
+    }
+
+    /// Stops it; stord's stderr (its exit statistics), empty for qsd.
+    fn stop(self) -> String {
+        match self {
+            Peer::Stord(mut s) => s.stop_and_stderr(),
+            Peer::Qsd(mut c) => {
+                // SAFETY: kill(2) on our own child's pid.
+                unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+                let _ = c.wait();
+                String::new()
+            }
+        }
+    }
+}
+
+/// A started libblkio instance with one memory region of `queues * SPAN` bytes.
+struct Client {
+    blkio: Blkio,
+    queues: Vec<Blkioq>,
+    region: MemoryRegion,
+}
+
+fn connect(sock: &Path, queues: i32, poll: bool) -> Client {
+    let msg = |what: &str, e: blkio::Error| format!("libblkio {what}: {}", e.message());
+    let mut b = Blkio::new("virtio-blk-vhost-user").unwrap();
+    b.set_str("path", &sock.display().to_string()).unwrap();
+    b.connect()
+        .unwrap_or_else(|e| panic!("{}", msg("connect", e)));
+    let key = if poll {
+        "num-poll-queues"
+    } else {
+        "num-queues"
+    };
+    b.set_i32(key, queues).unwrap();
+    if poll {
+        b.set_i32("num-queues", 0).unwrap();
+    }
+    let started = b.start().unwrap_or_else(|e| panic!("{}", msg("start", e)));
+    let qs = if poll {
+        started.poll_queues
+    } else {
+        started.queues
+    };
+    assert_eq!(qs.len(), queues as usize);
+    let region = b.alloc_mem_region(queues as usize * SPAN).unwrap();
+    b.map_mem_region(&region)
+        .unwrap_or_else(|e| panic!("{}", msg("map_mem_region", e)));
+    Client {
+        blkio: b,
+        queues: qs,
+        region,
+    }
+}
+
+/// Runs one request on `q` and waits for it; the completion's return value.
+fn one(q: &mut Blkioq, write: bool, offset: u64, buf: usize, len: usize) -> i32 {
+    if write {
+        q.write(offset, buf as *const u8, len, 7, ReqFlags::empty());
+    } else {
+        q.read(offset, buf as *mut u8, len, 7, ReqFlags::empty());
+    }
+    let mut c: [MaybeUninit<Completion>; 1] = [MaybeUninit::uninit()];
+    let n = q.do_io(&mut c, 1, None, None).expect("do_io");
+    assert_eq!(n, 1);
+    // SAFETY: do_io initialised the first `n` (= 1) completions.
+    let c = unsafe { c[0].assume_init_read() };
+    assert_eq!(c.user_data, 7);
+    c.ret
+}
+
+/// The pattern queue `i` writes at byte `j` of its span.
+fn pattern(i: usize, j: usize) -> u8 {
+    (j.wrapping_mul(31) ^ (i * 0x5b) ^ (j >> 9)) as u8
+}
+
+/// Each queue (on its own thread) writes SPAN bytes of its pattern at its own offset in
+/// 64 KiB requests, clears its buffer, reads them back and compares. Returns per-queue
+/// (offset, bytes) for checking the image.
+fn write_and_verify(c: &mut Client) -> Vec<(u64, Vec<u8>)> {
+    let base = c.region.addr;
+    std::thread::scope(|s| {
+        let handles: Vec<_> = c
+            .queues
+            .iter_mut()
+            .enumerate()
+            .map(|(i, q)| {
+                s.spawn(move || {
+                    let buf = base + i * SPAN;
+                    // SAFETY: the region is mapped for queues * SPAN bytes and stays mapped
+                    // while the Blkio lives (past this scope); each thread touches only its
+                    // own SPAN, and only while no request of its queue uses it.
+                    let mem = unsafe { std::slice::from_raw_parts_mut(buf as *mut u8, SPAN) };
+                    for (j, b) in mem.iter_mut().enumerate() {
+                        *b = pattern(i, j);
+                    }
+                    let offset = (i as u64 + 1) * 8 * SPAN as u64;
+                    for k in (0..SPAN).step_by(BS) {
+                        assert_eq!(one(q, true, offset + k as u64, buf + k, BS), 0);
+                    }
+                    // SAFETY: as above; no request is in flight now.
+                    let mem = unsafe { std::slice::from_raw_parts_mut(buf as *mut u8, SPAN) };
+                    mem.fill(0);
+                    for k in (0..SPAN).step_by(BS) {
+                        assert_eq!(one(q, false, offset + k as u64, buf + k, BS), 0);
+                    }
+                    // SAFETY: as above.
+                    let mem = unsafe { std::slice::from_raw_parts(buf as *const u8, SPAN) };
+                    let bad = (0..SPAN).find(|&j| mem[j] != pattern(i, j));
+                    assert_eq!(bad, None, "queue {i}: read back differs");
+                    (offset, mem.to_vec())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+fn requests_per_queue(stderr: &str) -> Vec<u64> {
+    let line = stderr
+        .lines()
+        .find(|l| l.contains("requests per queue"))
+        .unwrap_or_else(|| panic!("no per-queue statistics in:\n{stderr}"));
+    let list = &line[line.find('[').unwrap() + 1..line.find(']').unwrap()];
+    list.split(',').map(|n| n.trim().parse().unwrap()).collect()
+}
+
+fn round_trip(qsd: bool, queues: i32, poll: bool) {
+    let who = if qsd { "qsd" } else { "stord" };
+    let dir = tmpdir(&format!("blkio-{who}-{queues}-{poll}"));
+    let img = dir.join("disk.img");
+    std::fs::File::create(&img).unwrap().set_len(IMAGE).unwrap();
+    let sock = dir.join("vhost.sock");
+    // qsd 10.0 takes one iothread per export (lists arrived in 10.1).
+    let (export, iothreads) = match (qsd, queues) {
+        (true, n) => (format!(",writable=on,num-queues={n},iothread=io0"), 1),
+        (false, 1) => (",writable=on,iothread=io0".to_string(), 1),
+        (false, n) => (
+            format!(",writable=on,num-queues={n},iothread.0=io0,iothread.1=io1"),
+            2,
+        ),
+    };
+    let peer = Peer::start(qsd, &dir, &img, &sock, &export, iothreads);
+    let mut c = connect(&sock, queues, poll);
+    assert_eq!(c.blkio.get_u64("capacity").unwrap(), IMAGE, "{who}");
+    let written = write_and_verify(&mut c);
+    drop(c);
+    let stderr = peer.stop();
+    let image = std::fs::read(&img).unwrap();
+    for (offset, data) in written {
+        let at = offset as usize;
+        assert!(
+            image[at..at + SPAN] == data[..],
+            "{who}: the image does not hold what queue at {offset} wrote"
+        );
+    }
+    if !qsd {
+        let per_queue = requests_per_queue(&stderr);
+        assert_eq!(per_queue.len(), queues as usize);
+        let each = 2 * (SPAN / BS) as u64;
+        assert!(per_queue.iter().all(|&n| n >= each), "{per_queue:?}");
+    }
+}
+
+#[test]
+fn libblkio_round_trips_data_through_one_queue() {
+    round_trip(false, 1, false);
+}
+
+#[test]
+fn libblkio_round_trips_data_through_two_queues_on_two_iothreads() {
+    round_trip(false, 2, false);
+}
+
+#[test]
+fn libblkio_poll_queues_round_trip_data() {
+    round_trip(false, 1, true);
+}
+
+#[test]
+fn libblkio_round_trips_data_with_qsd_too() {
+    round_trip(true, 2, false);
+}
+
+#[test]
+fn libblkio_sees_a_read_only_export_as_read_only() {
+    let dir = tmpdir("blkio-ro");
+    let img = dir.join("disk.img");
+    std::fs::write(&img, vec![0x3c; 1 << 20]).unwrap();
+    let sock = dir.join("vhost.sock");
+    let peer = Peer::start(false, &dir, &img, &sock, "", 0);
+    // Asking for a writable device: libblkio refuses to start (it read VIRTIO_BLK_F_RO).
+    let mut b = Blkio::new("virtio-blk-vhost-user").unwrap();
+    b.set_str("path", &sock.display().to_string()).unwrap();
+    b.connect().unwrap();
+    let e = b
+        .start()
+        .err()
+        .expect("started read-write on a read-only export");
+    assert!(e.message().contains("read-only"), "{}", e.message());
+    drop(b);
+    // Read-only, it reads the image.
+    let mut b = Blkio::new("virtio-blk-vhost-user").unwrap();
+    b.set_str("path", &sock.display().to_string()).unwrap();
+    b.set_bool("read-only", true).unwrap();
+    b.connect().unwrap();
+    let mut started = b.start().unwrap();
+    let region = b.alloc_mem_region(SPAN).unwrap();
+    b.map_mem_region(&region).unwrap();
+    let q = &mut started.queues[0];
+    assert_eq!(one(q, false, 4096, region.addr, 4096), 0);
+    // SAFETY: the region is mapped for SPAN bytes while `b` lives; no request is in flight.
+    let got = unsafe { std::slice::from_raw_parts(region.addr as *const u8, 4096) };
+    assert!(got.iter().all(|&x| x == 0x3c));
+    drop(started);
+    drop(b);
+    peer.stop();
+}
