@@ -30,6 +30,25 @@ pub unsafe trait IoBufMut: IoBuf {
     fn stable_mut_ptr(&mut self) -> *mut u8;
 }
 
+/// Memory in one or more pieces that the kernel may read from while an operation is in
+/// flight (a request's data spread over guest pages, say).
+///
+/// # Safety
+/// Every iovec must name memory that stays valid, at the same address, until the value is
+/// dropped, however the value is moved. When there is more than one iovec, the slice
+/// itself must also stay at the same address (keep it on the heap): the kernel may read the
+/// array after the operation was queued.
+pub unsafe trait IoVecs: 'static {
+    /// The pieces, in order.
+    fn iovecs(&self) -> &[libc::iovec];
+}
+
+/// As [`IoVecs`], for memory the kernel may write into.
+///
+/// # Safety
+/// As [`IoVecs`], and the memory must be writable for the value's owner.
+pub unsafe trait IoVecsMut: IoVecs {}
+
 // SAFETY: a Vec's elements live on the heap; moving the Vec moves only its header. The
 // operation uses `len()` bytes, which are initialised.
 unsafe impl IoBuf for Vec<u8> {

@@ -315,6 +315,17 @@ impl AioContext {
         Ok(())
     }
 
+    /// The counter `name` in this loop's statistics (shared by everyone who asks for the
+    /// same name), for what the loop's users measure; see [`Counter`](crate::Counter).
+    pub fn counter(&self, name: &str) -> Arc<crate::Counter> {
+        self.inner.shared.stats.counter(name)
+    }
+
+    /// The histogram `name` in this loop's statistics (shared by name).
+    pub fn histogram(&self, name: &str) -> Arc<crate::Histogram> {
+        self.inner.shared.stats.histogram(name)
+    }
+
     /// Number of live tasks.
     pub fn task_count(&self) -> usize {
         self.inner.exec.len()

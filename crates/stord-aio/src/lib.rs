@@ -49,14 +49,14 @@ mod task;
 mod timer;
 
 pub use bh::{Bh, RemoteBh};
-pub use buf::{AlignedBuf, IoBuf, IoBufMut, Slice};
+pub use buf::{AlignedBuf, IoBuf, IoBufMut, IoVecs, IoVecsMut, Slice};
 pub use context::{with_current_context, AioContext, AioContextOptions};
 pub use handler::{FdHandlerId, Interest, PollHandler, PollHandlerId, Readiness};
 pub use iothread::IoThread;
 pub use poll::{PolicyKind, PollParams};
 pub use reactor::{ReactorInfo, ReactorKind};
 pub use remote::Remote;
-pub use stats::{HandlerWindow, Histogram, StatsSnapshot};
+pub use stats::{Counter, HandlerWindow, Histogram, StatsSnapshot};
 pub use task::JoinHandle;
 pub use timer::{Sleep, TimerId};
 

@@ -5,7 +5,7 @@
 //! `query-iothreads` and for benchmarks, which look at deltas over seconds.
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 /// A histogram with power-of-two buckets: bucket 0 counts the value 0, bucket `i > 0`
 /// counts values in `[2^(i-1), 2^i)`; the last bucket takes everything larger.
@@ -55,6 +55,31 @@ impl Histogram {
     }
 }
 
+/// A counter that a user of the loop keeps in the loop's statistics (a virtqueue's kicks,
+/// say), so it shows beside the loop's own figures. Only the loop's thread adds to it (so
+/// adding is a plain load and store, no locked instruction); any thread may read it.
+#[derive(Debug, Default)]
+pub struct Counter(AtomicU64);
+
+impl Counter {
+    /// Adds `n` (from the owning loop's thread only).
+    pub fn add(&self, n: u64) {
+        self.0.store(self.0.load(Relaxed).wrapping_add(n), Relaxed);
+    }
+
+    /// The value now.
+    pub fn get(&self) -> u64 {
+        self.0.load(Relaxed)
+    }
+}
+
+/// Named counters and histograms registered by the loop's users.
+#[derive(Debug, Default)]
+pub(crate) struct UserStats {
+    pub(crate) counters: Vec<(String, Arc<Counter>)>,
+    pub(crate) histograms: Vec<(String, Arc<Histogram>)>,
+}
+
 /// Live counters of one `AioContext`.
 #[derive(Debug, Default)]
 pub struct AioStats {
@@ -72,6 +97,7 @@ pub struct AioStats {
     pub(crate) completions_per_iteration: Histogram,
     pub(crate) windows: Mutex<Vec<HandlerWindow>>,
     pub(crate) window_ns: AtomicU64,
+    pub(crate) user: Mutex<UserStats>,
 }
 
 /// The polling window currently assigned to one poll handler (or to the whole context).
@@ -114,6 +140,10 @@ pub struct StatsSnapshot {
     pub windows: Vec<HandlerWindow>,
     /// The window the loop polls for before blocking (max over handlers).
     pub window_ns: u64,
+    /// The users' counters, by name (see [`Counter`]).
+    pub counters: Vec<(String, u64)>,
+    /// The users' histograms, by name (power-of-two buckets).
+    pub histograms: Vec<(String, Vec<u64>)>,
 }
 
 impl AioStats {
@@ -138,7 +168,43 @@ impl AioStats {
                 .unwrap_or_else(|e| e.into_inner())
                 .clone(),
             window_ns: self.window_ns.load(Relaxed),
+            counters: {
+                let u = self.user.lock().unwrap_or_else(|e| e.into_inner());
+                u.counters
+                    .iter()
+                    .map(|(n, c)| (n.clone(), c.get()))
+                    .collect()
+            },
+            histograms: {
+                let u = self.user.lock().unwrap_or_else(|e| e.into_inner());
+                u.histograms
+                    .iter()
+                    .map(|(n, h)| (n.clone(), h.snapshot()))
+                    .collect()
+            },
         }
+    }
+
+    /// The counter named `name`, created at zero on first use.
+    pub(crate) fn counter(&self, name: &str) -> Arc<Counter> {
+        let mut u = self.user.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, c)) = u.counters.iter().find(|(n, _)| n == name) {
+            return c.clone();
+        }
+        let c = Arc::new(Counter::default());
+        u.counters.push((name.to_string(), c.clone()));
+        c
+    }
+
+    /// The histogram named `name`, created empty on first use.
+    pub(crate) fn histogram(&self, name: &str) -> Arc<Histogram> {
+        let mut u = self.user.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, h)) = u.histograms.iter().find(|(n, _)| n == name) {
+            return h.clone();
+        }
+        let h = Arc::new(Histogram::default());
+        u.histograms.push((name.to_string(), h.clone()));
+        h
     }
 
     pub(crate) fn add(counter: &AtomicU64, v: u64) {
@@ -167,5 +233,18 @@ mod tests {
         let s = h.snapshot();
         assert_eq!(s[0], 1);
         assert_eq!(s[3], 2);
+    }
+
+    #[test]
+    fn user_counters_are_shared_by_name_and_snapshotted() {
+        let st = AioStats::default();
+        let a = st.counter("queue.kicks");
+        let b = st.counter("queue.kicks");
+        a.add(2);
+        b.add(3);
+        st.histogram("queue.lat").record(5);
+        let s = st.snapshot();
+        assert_eq!(s.counters, vec![("queue.kicks".to_string(), 5)]);
+        assert_eq!(s.histograms[0].1[3], 1);
     }
 }

@@ -11,8 +11,9 @@
 //!   before/after comparisons in one run.
 //! - `idle [--seconds N]`: CPU used by each daemon with two IoThreads and an export, idle.
 //! - `vhost [--runtime S] [--reps N] [--backend null|file]... [--daemon stord-POLICY|qsd]...
-//!   [--workload randread:16]...`: our own vhost-user frontend against the vhost-user-blk
-//!   exports of stord (one row per polling policy) and qemu-storage-daemon.
+//!   [--workload randread:16]... [--client own|blkio|blkio-poll]... [--queues N]`: our own
+//!   vhost-user frontend or libblkio against the vhost-user-blk exports of stord (one row per
+//!   polling policy) and qemu-storage-daemon.
 //! - `fuse [--runtime S] [--reps N] [--backend null|file]... [--iothreads N]...
 //!   [--daemon stord|qsd]...`: fio through the FUSE-mounted image, stord vs qsd.
 //! - `report [--runtime-ms N] [--ramp-ms N] [--reps N] [--export nbd|fuse|vhost-user-blk]...
@@ -21,10 +22,12 @@
 //! - `report-docs FILE.json`: regenerates the docs from an earlier report's JSON.
 
 mod aio;
+mod blkio_client;
 mod fuse;
 mod idle;
 mod nbd;
 mod peers;
+mod qmp;
 mod report;
 mod vhost;
 
@@ -40,7 +43,8 @@ fn usage() -> ! {
          \x20      stord-bench fuse [--runtime S] [--reps N] [--backend null|file]... \
          [--iothreads N]... [--daemon stord|stord-uring|qsd]... [--out DIR]\n\
          \x20      stord-bench vhost [--runtime S] [--reps N] [--backend null|file]... \
-         [--daemon stord-off|stord-classic|stord-weighted|stord-haltpoll|qsd]... [--workload RW:QD]... [--out DIR]\n\
+         [--daemon stord-off|stord-classic|stord-weighted|stord-haltpoll|qsd]... [--workload RW:QD]... \
+         [--client own|blkio|blkio-poll]... [--queues N] [--out DIR]\n\
          \x20      stord-bench idle [--seconds N] [--out DIR]"
     );
     std::process::exit(2);
@@ -247,11 +251,16 @@ fn main() {
         "vhost" => {
             let mut opts = vhost::VhostOptions::default();
             let mut m = MatrixFlags::default();
+            let mut clients = Vec::new();
             for (flag, v) in flag_pairs(&args[1..]) {
-                if !m.take(flag, v) {
-                    usage();
+                match flag {
+                    "--client" => clients.push(v.to_string()),
+                    "--queues" => opts.queues = parse(flag, v),
+                    _ if m.take(flag, v) => {}
+                    _ => usage(),
                 }
             }
+            set_if_given(&mut opts.clients, clients);
             let out = m.apply(
                 &mut opts.runtime_s,
                 &mut opts.reps,
@@ -259,8 +268,13 @@ fn main() {
                 &mut opts.daemons,
                 Some(&mut opts.workloads),
             );
-            let rows = vhost::run(&opts);
-            let doc = serde_json::json!({ "runtime_s": opts.runtime_s, "reps": opts.reps });
+            let (rows, counters) = vhost::run(&opts);
+            let doc = serde_json::json!({
+                "runtime_s": opts.runtime_s,
+                "reps": opts.reps,
+                "queues": opts.queues,
+                "counters": counters,
+            });
             write_rows(out, "vhost", "vhost-user-blk-frontend", &rows, doc);
         }
         "idle" => {

@@ -6,6 +6,11 @@
 //!
 //! Every stord polling policy is a separate "daemon" in the table; qsd runs with its
 //! defaults. The file backend adds fio on the raw file (io_uring, O_DIRECT) as the floor.
+//!
+//! `--client` picks who drives the load: `own` (this frontend, one queue), `blkio` or
+//! `blkio-poll` (libblkio with blocking or poll queues, [`crate::blkio_client`]), which can
+//! also use several queues (`--queues N`: one client thread per queue, the export's queue i
+//! on IoThread i for stord; qsd 10.0 serves all queues from its one IoThread).
 
 use std::path::Path;
 use std::sync::atomic::{fence, Ordering};
@@ -17,8 +22,10 @@ use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
 use vm_memory::{Bytes, FileOffset, GuestAddress, GuestMemoryMmap, GuestRegionMmap, MmapRegion};
 use vmm_sys_util::eventfd::EventFd;
 
+use crate::blkio_client::QueueKind;
 use crate::nbd::{bench_dir, default_workloads, fio_raw, prepare_image, which, Row, IMAGE_SIZE};
 use crate::peers::{Daemon, FioResult};
+use crate::qmp::{per_unit, Qmp};
 use crate::report::session::{blockdev, qsd_style};
 
 /// Options of the vhost-user-blk benchmark.
@@ -28,6 +35,10 @@ pub struct VhostOptions {
     pub backends: Vec<String>,
     pub workloads: Vec<(String, u32)>,
     pub daemons: Vec<String>,
+    /// `own`, `blkio`, `blkio-poll`.
+    pub clients: Vec<String>,
+    /// Queues (and client threads) per run.
+    pub queues: usize,
 }
 
 impl Default for VhostOptions {
@@ -44,6 +55,8 @@ impl Default for VhostOptions {
                 "stord-haltpoll".into(),
                 "qsd".into(),
             ],
+            clients: vec!["own".into()],
+            queues: 1,
         }
     }
 }
@@ -356,21 +369,57 @@ pub(crate) fn drive(sock: &Path, spec: &DriveSpec) -> FioResult {
 /// qsd-style arguments: IoThread `io0` from `iothread`, the node "disk" from `node`, and a
 /// writable one-queue vhost-user-blk export on `sock` served by io0.
 pub(crate) fn export_args(iothread: String, node: String, sock: &Path) -> Vec<String> {
-    vec![
-        "--object".into(),
-        iothread,
+    export_args_mq(iothread, node, sock, 1, false)
+}
+
+/// As [`export_args`] with `queues` queues; with `spread`, IoThreads io0..ioN-1 (the same
+/// options as io0) serve one queue each.
+pub(crate) fn export_args_mq(
+    iothread: String,
+    node: String,
+    sock: &Path,
+    queues: usize,
+    spread: bool,
+) -> Vec<String> {
+    let mut args = vec!["--object".into(), iothread.clone()];
+    let mut placement = "iothread=io0".to_string();
+    if spread && queues > 1 {
+        placement = "iothread.0=io0".into();
+        for i in 1..queues {
+            args.push("--object".into());
+            args.push(iothread.replacen("id=io0", &format!("id=io{i}"), 1));
+            placement.push_str(&format!(",iothread.{i}=io{i}"));
+        }
+    }
+    args.extend([
         "--blockdev".into(),
         node,
         "--export".into(),
         format!(
-            "type=vhost-user-blk,id=vu0,node-name=disk,addr.type=unix,addr.path={},writable=on,iothread=io0",
+            "type=vhost-user-blk,id=vu0,node-name=disk,addr.type=unix,addr.path={},writable=on,num-queues={queues},{placement}",
             sock.display()
         ),
-    ]
+    ]);
+    args
 }
 
-/// Runs the matrix; prints progress and returns the rows.
-pub fn run(opts: &VhostOptions) -> Vec<Row> {
+/// Runs one measurement with `client` (`own`, `blkio`, `blkio-poll`).
+pub(crate) fn drive_with(client: &str, sock: &Path, spec: &DriveSpec, queues: usize) -> FioResult {
+    match client {
+        "own" => {
+            assert_eq!(queues, 1, "our own frontend drives one queue");
+            drive(sock, spec)
+        }
+        "blkio" => crate::blkio_client::drive(sock, spec, QueueKind::Blocking, queues),
+        "blkio-poll" => crate::blkio_client::drive(sock, spec, QueueKind::Poll, queues),
+        other => panic!("unknown vhost-user-blk client {other} (own, blkio, blkio-poll)"),
+    }
+}
+
+/// Runs the matrix; prints progress and returns the rows, and for stord runs the loop and
+/// virtqueue counters per request (from QMP `query-iothreads`).
+pub fn run(opts: &VhostOptions) -> (Vec<Row>, Vec<serde_json::Value>) {
+    let mut counters = Vec::new();
     let dir = bench_dir();
     let img = dir.join("nbd-bench.img");
     let sock = dir.join("vhost-bench.sock");
@@ -382,63 +431,115 @@ pub fn run(opts: &VhostOptions) -> Vec<Row> {
     }
     let runtime = Duration::from_secs(opts.runtime_s);
     let has_file = opts.backends.iter().any(|b| b == "file");
-    let total = opts.backends.len() * opts.workloads.len() * opts.reps * opts.daemons.len()
-        + usize::from(has_file) * opts.workloads.len() * opts.reps;
+    let cases = opts.backends.len() * opts.clients.len() * opts.workloads.len() * opts.reps;
+    let total = cases * opts.daemons.len()
+        + usize::from(has_file) * opts.clients.len() * opts.workloads.len() * opts.reps;
     let mut n = 0;
     let mut rows = Vec::new();
     for backend in &opts.backends {
-        for (rw, qd) in &opts.workloads {
-            let write = rw.contains("write");
-            let mut names = opts.daemons.clone();
-            if backend == "file" {
-                names.push("fio-raw".into());
-            }
-            let mut per: Vec<Vec<(FioResult, Option<f64>)>> = vec![Vec::new(); names.len()];
-            for rep in 0..opts.reps {
-                for (i, d) in names.iter().enumerate() {
-                    n += 1;
-                    eprintln!(
-                        "[{n}/{total}] vhost-user-blk {backend} {rw} QD{qd} {d} (rep {})",
-                        rep + 1
-                    );
-                    if d == "fio-raw" {
-                        per[i].push((fio_raw(rw, *qd, opts.runtime_s, &img), None));
-                        continue;
-                    }
-                    // This benchmark's "file" backend is the report's file-io_uring.
-                    let backend = if backend == "file" {
-                        "file-io_uring"
-                    } else {
-                        backend
-                    };
-                    let (bin, iothread) = qsd_style(d);
-                    let args = export_args(iothread, blockdev(backend, &img), &sock);
-                    let daemon = Daemon::start(d, &bin, &args, &sock);
-                    let cpu0 = daemon.cpu_ns();
-                    let t0 = Instant::now();
-                    let spec = DriveSpec {
-                        write,
-                        sequential: false,
-                        bs: 4096,
-                        qd: *qd as u16,
-                        ramp: Duration::from_secs(1),
-                        runtime,
-                    };
-                    let r = drive(&sock, &spec);
-                    let wall = t0.elapsed().as_secs_f64();
-                    let cpu1 = daemon.cpu_ns();
-                    // CPU over the whole connection (ramp included) per I/O at the
-                    // measured rate over the same wall time.
-                    let ios = r.iops * wall;
-                    per[i].push((r, Some((cpu1 - cpu0) as f64 / 1000.0 / ios.max(1.0))));
-                    drop(daemon);
+        for client in &opts.clients {
+            for (rw, qd) in &opts.workloads {
+                let write = rw.contains("write");
+                let mut names = opts.daemons.clone();
+                if backend == "file" {
+                    names.push("fio-raw".into());
                 }
-            }
-            for (i, d) in names.iter().enumerate() {
-                rows.push(Row::summarize(backend, rw, *qd, d, &per[i]));
+                let mut per: Vec<Vec<(FioResult, Option<f64>)>> = vec![Vec::new(); names.len()];
+                for rep in 0..opts.reps {
+                    for (i, d) in names.iter().enumerate() {
+                        n += 1;
+                        eprintln!(
+                            "[{n}/{total}] vhost-user-blk {backend} {client} {rw} QD{qd} {d} (rep {})",
+                            rep + 1
+                        );
+                        if d == "fio-raw" {
+                            let fio_qd = *qd * opts.queues as u32;
+                            per[i].push((fio_raw(rw, fio_qd, opts.runtime_s, &img), None));
+                            continue;
+                        }
+                        // This benchmark's "file" backend is the report's file-io_uring.
+                        let backend = if backend == "file" {
+                            "file-io_uring"
+                        } else {
+                            backend
+                        };
+                        let (bin, iothread) = qsd_style(d);
+                        let stord = d != "qsd";
+                        let mut args = export_args_mq(
+                            iothread,
+                            blockdev(backend, &img),
+                            &sock,
+                            opts.queues,
+                            stord,
+                        );
+                        let qmp_sock = dir.join("vhost-bench-qmp.sock");
+                        if stord {
+                            args.extend([
+                                "--chardev".into(),
+                                format!(
+                                    "socket,id=mon,path={},server=on,wait=off",
+                                    qmp_sock.display()
+                                ),
+                                "--monitor".into(),
+                                "chardev=mon".into(),
+                            ]);
+                        }
+                        let daemon = Daemon::start(d, &bin, &args, &sock);
+                        let mut qmp = stord.then(|| Qmp::connect(&qmp_sock).expect("QMP"));
+                        let before = qmp.as_mut().map(|q| q.loop_counters().expect("x-stats"));
+                        let cpu0 = daemon.cpu_ns();
+                        let t0 = Instant::now();
+                        let spec = DriveSpec {
+                            write,
+                            sequential: false,
+                            bs: 4096,
+                            qd: *qd as u16,
+                            ramp: Duration::from_secs(1),
+                            runtime,
+                        };
+                        let r = drive_with(client, &sock, &spec, opts.queues);
+                        let wall = t0.elapsed().as_secs_f64();
+                        let cpu1 = daemon.cpu_ns();
+                        if let (Some(q), Some(before)) = (qmp.as_mut(), before) {
+                            let after = q.loop_counters().expect("x-stats");
+                            let c = per_unit(&before, &after, "virtqueue.requests");
+                            eprintln!(
+                                "  {d}: per request: kicks {} calls {} sleeps {} poll-hits {} rearms {}",
+                                c["virtqueue.kicks/virtqueue.requests"],
+                                c["virtqueue.calls/virtqueue.requests"],
+                                c["blocking-waits/virtqueue.requests"],
+                                c["poll-hits/virtqueue.requests"],
+                                c["virtqueue.notify-rearms/virtqueue.requests"],
+                            );
+                            counters.push(serde_json::json!({
+                                "backend": backend, "client": client, "workload": rw,
+                                "iodepth": qd, "daemon": d, "rep": rep,
+                                "iops": r.iops, "per_request": c,
+                            }));
+                        }
+                        // CPU over the whole connection (ramp included) per I/O at the
+                        // measured rate over the same wall time.
+                        let ios = r.iops * wall;
+                        per[i].push((r, Some((cpu1 - cpu0) as f64 / 1000.0 / ios.max(1.0))));
+                        drop(daemon);
+                    }
+                }
+                let label = if client == "own" {
+                    backend.clone()
+                } else {
+                    format!("{backend} {client}")
+                };
+                let label = if opts.queues > 1 {
+                    format!("{label} x{}q", opts.queues)
+                } else {
+                    label
+                };
+                for (i, d) in names.iter().enumerate() {
+                    rows.push(Row::summarize(&label, rw, *qd, d, &per[i]));
+                }
             }
         }
     }
     let _ = std::fs::remove_file(&sock);
-    rows
+    (rows, counters)
 }

@@ -1,4 +1,5 @@
-//! File operations: read, write, readv, writev, fsync, fallocate.
+//! File operations: read, write, readv, writev (and over owned iovecs: read_iov,
+//! write_iov), fsync, fallocate.
 
 use std::io;
 use std::os::fd::RawFd;
@@ -6,7 +7,7 @@ use std::os::fd::RawFd;
 use io_uring::{opcode, squeue, types};
 
 use super::{to_result, Blocking, Op, OpDesc};
-use crate::buf::{IoBuf, IoBufMut};
+use crate::buf::{IoBuf, IoBufMut, IoVecs, IoVecsMut};
 use crate::sys::blocking;
 
 /// Reads `buf.len()` bytes at `offset`. Output: the count read and the buffer.
@@ -55,6 +56,21 @@ pub fn writev_flags<B: IoBuf>(
         fd,
         iovecs: Vec::new(),
         bufs,
+        offset,
+        rw_flags,
+    })
+}
+
+/// preadv into `v`'s pieces (a plain read when there is one).
+pub fn read_iov<V: IoVecsMut>(fd: RawFd, v: V, offset: u64) -> Op<ReadIov<V>> {
+    Op::new(ReadIov { fd, v, offset })
+}
+
+/// pwritev2 from `v`'s pieces with `RWF_*` flags (a plain write when there is one).
+pub fn write_iov<V: IoVecs>(fd: RawFd, v: V, offset: u64, rw_flags: i32) -> Op<WriteIov<V>> {
+    Op::new(WriteIov {
+        fd,
+        v,
         offset,
         rw_flags,
     })
@@ -233,6 +249,72 @@ impl<B: IoBuf> OpDesc for Writev<B> {
     }
     fn finish(self, res: i32) -> Self::Output {
         (to_result(res), self.bufs)
+    }
+}
+
+/// See [`read_iov`].
+pub struct ReadIov<V> {
+    fd: RawFd,
+    v: V,
+    offset: u64,
+}
+
+impl<V: IoVecsMut> OpDesc for ReadIov<V> {
+    type Output = (io::Result<usize>, V);
+    fn entry(&mut self) -> squeue::Entry {
+        let iov = self.v.iovecs();
+        match iov {
+            [one] => opcode::Read::new(types::Fd(self.fd), one.iov_base.cast(), one.iov_len as u32)
+                .offset(self.offset)
+                .build(),
+            // The array is heap-stable for as long as `v` lives (IoVecs' contract).
+            many => opcode::Readv::new(types::Fd(self.fd), many.as_ptr(), many.len() as u32)
+                .offset(self.offset)
+                .build(),
+        }
+    }
+    fn run_blocking(&mut self) -> Blocking {
+        // SAFETY: the iovecs name memory writable for `v`'s owner, valid while `v` lives.
+        let r = unsafe { blocking::preadv(self.fd, self.v.iovecs(), self.offset, 0) };
+        would_block(r, self.fd, libc::POLLIN)
+    }
+    fn finish(self, res: i32) -> Self::Output {
+        (to_result(res), self.v)
+    }
+}
+
+/// See [`write_iov`].
+pub struct WriteIov<V> {
+    fd: RawFd,
+    v: V,
+    offset: u64,
+    rw_flags: i32,
+}
+
+impl<V: IoVecs> OpDesc for WriteIov<V> {
+    type Output = (io::Result<usize>, V);
+    fn entry(&mut self) -> squeue::Entry {
+        let iov = self.v.iovecs();
+        match iov {
+            [one] => {
+                opcode::Write::new(types::Fd(self.fd), one.iov_base.cast(), one.iov_len as u32)
+                    .offset(self.offset)
+                    .rw_flags(self.rw_flags)
+                    .build()
+            }
+            many => opcode::Writev::new(types::Fd(self.fd), many.as_ptr(), many.len() as u32)
+                .offset(self.offset)
+                .rw_flags(self.rw_flags)
+                .build(),
+        }
+    }
+    fn run_blocking(&mut self) -> Blocking {
+        // SAFETY: the iovecs name memory readable while `v` lives.
+        let r = unsafe { blocking::pwritev(self.fd, self.v.iovecs(), self.offset, self.rw_flags) };
+        would_block(r, self.fd, libc::POLLOUT)
+    }
+    fn finish(self, res: i32) -> Self::Output {
+        (to_result(res), self.v)
     }
 }
 

@@ -13,7 +13,8 @@ mod net;
 mod poll;
 
 pub use fs::{
-    fallocate, fsync, read, readv, write, write_flags, writev, writev_flags, CURRENT_POSITION,
+    fallocate, fsync, read, read_iov, readv, write, write_flags, write_iov, writev, writev_flags,
+    CURRENT_POSITION,
 };
 pub use net::{recv, send};
 pub use poll::{poll_add, timeout, Timeout};

@@ -86,10 +86,17 @@ pub fn qsd_style(daemon: &str) -> (PathBuf, String) {
         return (bin, format!("iothread,id=io0,poll-policy={policy}"));
     }
     match daemon.strip_prefix("stord-") {
-        Some(policy) => (
-            stord_binary(),
-            format!("iothread,id=io0,poll-policy={policy}"),
-        ),
+        // stord-POLICY, or stord-POLICY:MAXNS for another poll-max-ns.
+        Some(spec) => {
+            let (policy, max) = match spec.split_once(':') {
+                Some((p, m)) => (p, format!(",poll-max-ns={m}")),
+                None => (spec, String::new()),
+            };
+            (
+                stord_binary(),
+                format!("iothread,id=io0,poll-policy={policy}{max}"),
+            )
+        }
         None => {
             let bin = which("qemu-storage-daemon");
             match daemon {

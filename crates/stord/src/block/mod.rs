@@ -6,7 +6,10 @@
 //! (for the io_uring backend, on that thread's own ring).
 
 pub mod file;
+pub mod iov;
 pub mod null;
+
+pub use iov::IoVec;
 
 use std::future::Future;
 use std::io;
@@ -59,6 +62,28 @@ pub trait BlockDriver: Send + Sync {
     fn read(&self, offset: u64, buf: Buf) -> BoxFut<'_, (io::Result<()>, Buf)>;
     /// Writes `buf` at `offset`; with `fua`, the data is durable when this completes.
     fn write(&self, offset: u64, buf: Buf, fua: bool) -> BoxFut<'_, (io::Result<()>, Buf)>;
+    /// Reads `iov.len()` bytes at `offset` into `iov`'s pieces (memory someone else may
+    /// own, such as a guest's). The default reads into a pooled buffer and copies; drivers
+    /// that can fill the pieces themselves (the file backend, with readv) override it.
+    fn readv(&self, offset: u64, iov: IoVec) -> BoxFut<'_, (io::Result<()>, IoVec)> {
+        Box::pin(async move {
+            let (r, buf) = self.read(offset, request_buf(iov.len())).await;
+            let mut iov = iov;
+            if r.is_ok() {
+                iov.copy_in(0, &buf);
+            }
+            (r, iov)
+        })
+    }
+    /// Writes `iov`'s pieces at `offset`; the default copies them into a pooled buffer.
+    fn writev(&self, offset: u64, iov: IoVec, fua: bool) -> BoxFut<'_, (io::Result<()>, IoVec)> {
+        Box::pin(async move {
+            let mut buf = request_buf(iov.len());
+            iov.copy_out(0, &mut buf);
+            let (r, _) = self.write(offset, buf, fua).await;
+            (r, iov)
+        })
+    }
     /// Makes completed writes durable.
     fn flush(&self) -> BoxFut<'_, io::Result<()>>;
     /// Drops the data of a range (may do nothing).
@@ -197,6 +222,41 @@ impl BlockNode {
         }
         self.account(start, &r);
         (r, buf)
+    }
+
+    /// Reads `iov.len()` bytes at `offset` into `iov`.
+    pub async fn readv(&self, offset: u64, iov: IoVec) -> (io::Result<()>, IoVec) {
+        let start = now_ns();
+        self.stats.rd_ops.fetch_add(1, Relaxed);
+        if let Err(e) = self.check_range(offset, iov.len() as u64) {
+            self.stats.errors.fetch_add(1, Relaxed);
+            return (Err(e), iov);
+        }
+        let (r, iov) = self.driver.readv(offset, iov).await;
+        if r.is_ok() {
+            self.stats.rd_bytes.fetch_add(iov.len() as u64, Relaxed);
+        }
+        self.account(start, &r);
+        (r, iov)
+    }
+
+    /// Writes `iov` at `offset`.
+    pub async fn writev(&self, offset: u64, iov: IoVec, fua: bool) -> (io::Result<()>, IoVec) {
+        let start = now_ns();
+        self.stats.wr_ops.fetch_add(1, Relaxed);
+        if let Err(e) = self
+            .check_writable()
+            .and_then(|_| self.check_range(offset, iov.len() as u64))
+        {
+            self.stats.errors.fetch_add(1, Relaxed);
+            return (Err(e), iov);
+        }
+        let (r, iov) = self.driver.writev(offset, iov, fua).await;
+        if r.is_ok() {
+            self.stats.wr_bytes.fetch_add(iov.len() as u64, Relaxed);
+        }
+        self.account(start, &r);
+        (r, iov)
     }
 
     /// Flushes.

@@ -6,7 +6,7 @@
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
-use super::{BlockDriver, BlockStatus, BoxFut, Buf};
+use super::{BlockDriver, BlockStatus, BoxFut, Buf, IoVec};
 use crate::cli::keyval::KeyVal;
 
 /// qsd's default null size (1 GiB).
@@ -59,6 +59,15 @@ impl BlockDriver for NullDriver {
     }
     fn write(&self, _offset: u64, buf: Buf, _fua: bool) -> BoxFut<'_, (io::Result<()>, Buf)> {
         Box::pin(std::future::ready((Ok(()), buf)))
+    }
+    fn readv(&self, _offset: u64, mut iov: IoVec) -> BoxFut<'_, (io::Result<()>, IoVec)> {
+        if self.read_zeroes {
+            iov.zero_from(0);
+        }
+        Box::pin(std::future::ready((Ok(()), iov)))
+    }
+    fn writev(&self, _offset: u64, iov: IoVec, _fua: bool) -> BoxFut<'_, (io::Result<()>, IoVec)> {
+        Box::pin(std::future::ready((Ok(()), iov)))
     }
     fn flush(&self) -> BoxFut<'_, io::Result<()>> {
         Box::pin(std::future::ready(Ok(())))

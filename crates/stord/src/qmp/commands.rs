@@ -442,6 +442,8 @@ fn query_iothreads(st: &State) -> Value {
                         "completions-per-iteration": s.completions_per_iteration,
                         "window-ns": s.window_ns,
                         "windows": s.windows.iter().map(|w| json!({ "name": w.name, "ns": w.ns })).collect::<Vec<_>>(),
+                        "counters": s.counters.iter().map(|(n, v)| (n.clone(), json!(v))).collect::<Map<String, Value>>(),
+                        "histograms": s.histograms.iter().map(|(n, h)| (n.clone(), json!(h))).collect::<Map<String, Value>>(),
                     },
                 })
             })

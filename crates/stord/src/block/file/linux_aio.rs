@@ -22,15 +22,17 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::LazyLock;
 use std::task::{Context, Poll, Waker};
 
-use stord_aio::{Bh, Histogram, Interest, IoBuf, PollHandler};
+use stord_aio::{Bh, Histogram, Interest, IoVecs, PollHandler};
 
-use crate::block::Buf;
+use crate::block::IoVec;
 
 const MAX_EVENTS: u32 = 1024;
 const DEFAULT_MAX_BATCH: u32 = 32;
 const AIO_RING_MAGIC: u32 = 0xa10a_10a1;
 const IOCB_CMD_PREAD: u16 = 0;
 const IOCB_CMD_PWRITE: u16 = 1;
+const IOCB_CMD_PREADV: u16 = 7;
+const IOCB_CMD_PWRITEV: u16 = 8;
 const IOCB_FLAG_RESFD: u32 = 1;
 
 /// The kernel's `struct iocb` (x86_64 little-endian layout).
@@ -93,7 +95,7 @@ pub fn harvest_histograms() -> &'static HarvestHistograms {
 }
 
 struct Req {
-    buf: Option<Buf>,
+    buf: Option<IoVec>,
     res: Option<i64>,
     waker: Option<Waker>,
     /// The future was dropped; free the slot (and buffer) when the completion arrives.
@@ -342,19 +344,32 @@ impl LinuxAio {
         }
     }
 
-    fn enqueue(
-        &self,
-        fd: RawFd,
-        write: bool,
-        fua: bool,
-        buf: Buf,
-        start: usize,
-        offset: u64,
-    ) -> usize {
-        let ptr = buf.stable_ptr() as u64 + start as u64;
-        let len = (buf.len() - start) as u64;
+    fn enqueue(&self, fd: RawFd, write: bool, fua: bool, iov: IoVec, offset: u64) -> usize {
+        // One piece: a plain read/write of it. Several: the vectored command, whose iovec
+        // array the kernel reads at io_submit, which may be later (the array is on the
+        // heap inside `iov`, which the request holds until completion).
+        let (opcode, ptr, len) = match iov.iovecs() {
+            [one] => (
+                if write {
+                    IOCB_CMD_PWRITE
+                } else {
+                    IOCB_CMD_PREAD
+                },
+                one.iov_base as u64,
+                one.iov_len as u64,
+            ),
+            many => (
+                if write {
+                    IOCB_CMD_PWRITEV
+                } else {
+                    IOCB_CMD_PREADV
+                },
+                many.as_ptr() as u64,
+                many.len() as u64,
+            ),
+        };
         let req = Req {
-            buf: Some(buf),
+            buf: Some(iov),
             res: None,
             waker: None,
             orphan: false,
@@ -372,11 +387,7 @@ impl LinuxAio {
         };
         let iocb = Iocb {
             aio_data: idx as u64,
-            aio_lio_opcode: if write {
-                IOCB_CMD_PWRITE
-            } else {
-                IOCB_CMD_PREAD
-            },
+            aio_lio_opcode: opcode,
             aio_rw_flags: if fua { libc::RWF_DSYNC } else { 0 },
             aio_fildes: fd as u32,
             aio_buf: ptr,
@@ -425,8 +436,8 @@ struct AioFuture {
 }
 
 impl Future for AioFuture {
-    type Output = (i32, Buf);
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<(i32, Buf)> {
+    type Output = (i32, IoVec);
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<(i32, IoVec)> {
         let idx = self.idx;
         let mut reqs = self.aio.reqs.borrow_mut();
         let req = reqs[idx].as_mut().expect("live request");
@@ -472,25 +483,24 @@ pub struct NativeTuning {
     pub reap_after_submit: bool,
 }
 
-/// One read or write of `buf[start..]` at `offset`; the raw result.
+/// One read or write of what `iov` shows at `offset`; the raw result.
 pub(super) async fn transfer(
     fd: RawFd,
     write: bool,
     fua: bool,
-    buf: Buf,
-    start: usize,
+    iov: IoVec,
     offset: u64,
     tuning: NativeTuning,
-) -> (i32, Buf) {
+) -> (i32, IoVec) {
     let aio = match LinuxAio::current() {
         Ok(a) => a,
-        Err(e) => return (-e.raw_os_error().unwrap_or(libc::EIO), buf),
+        Err(e) => return (-e.raw_os_error().unwrap_or(libc::EIO), iov),
     };
     if tuning.max_batch != 0 {
         aio.max_batch.set(tuning.max_batch);
     }
     aio.reap_after_submit.set(tuning.reap_after_submit);
-    let idx = aio.enqueue(fd, write, fua, buf, start, offset);
+    let idx = aio.enqueue(fd, write, fua, iov, offset);
     if aio.pending.borrow().len() as u32 >= aio.max_batch.get() {
         aio.submit();
     } else if let Some(bh) = aio.submit_bh.borrow().as_ref() {

@@ -8,7 +8,9 @@
 //!
 //! Common to all three, here: EINTR/EAGAIN are resubmitted, short reads continue (and are
 //! zero-filled at end of file), short writes are ENOSPC, and with `cache.direct=on`
-//! requests that are not aligned go through an aligned bounce buffer.
+//! requests that are not aligned go through an aligned bounce buffer. Every engine
+//! transfers an [`IoVec`]: one of our buffers, or pieces of a guest's memory read into and
+//! written from directly (vectored) when they are aligned enough for the file.
 
 mod linux_aio;
 mod range_lock;
@@ -24,7 +26,7 @@ use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
-use super::{new_buf, BlockDriver, BlockStatus, BoxFut, Buf};
+use super::{new_buf, request_buf, BlockDriver, BlockStatus, BoxFut, Buf, IoVec};
 use crate::cli::keyval::KeyVal;
 use crate::sys;
 
@@ -205,62 +207,68 @@ impl FileDriver {
         self.fd.as_raw_fd()
     }
 
-    /// One backend transfer on `buf[start..]` at `offset`: the raw result (count or -errno).
-    async fn transfer(
-        &self,
-        write: bool,
-        fua: bool,
-        buf: Buf,
-        start: usize,
-        offset: u64,
-    ) -> (i32, Buf) {
+    /// One backend transfer of what `iov` shows at `offset`: the raw result (count or
+    /// -errno).
+    async fn transfer(&self, write: bool, fua: bool, iov: IoVec, offset: u64) -> (i32, IoVec) {
         match self.opts.aio {
-            AioMode::IoUring => uring::transfer(self.raw(), write, fua, buf, start, offset).await,
+            AioMode::IoUring => uring::transfer(self.raw(), write, fua, iov, offset).await,
             AioMode::Native => {
-                linux_aio::transfer(self.raw(), write, fua, buf, start, offset, self.opts.native)
-                    .await
+                linux_aio::transfer(self.raw(), write, fua, iov, offset, self.opts.native).await
             }
-            AioMode::Threads => {
-                threads::transfer(self.fd.clone(), write, fua, buf, start, offset).await
-            }
+            AioMode::Threads => threads::transfer(self.fd.clone(), write, fua, iov, offset).await,
         }
     }
 
-    /// Reads or writes all of `buf` at `offset`, resubmitting as the rules say.
+    /// Reads or writes all of `iov` at `offset`, resubmitting as the rules say.
     async fn rw_all(
         &self,
         write: bool,
         fua: bool,
-        mut buf: Buf,
+        mut iov: IoVec,
         offset: u64,
-    ) -> (io::Result<()>, Buf) {
-        let len = buf.len();
+    ) -> (io::Result<()>, IoVec) {
+        let len = iov.len();
         let mut done = 0usize;
-        while done < len {
-            let (res, b) = self
-                .transfer(write, fua, buf, done, offset + done as u64)
-                .await;
-            buf = b;
+        let result = loop {
+            if done >= len {
+                break Ok(());
+            }
+            iov.advance_to(done);
+            let (res, v) = self.transfer(write, fua, iov, offset + done as u64).await;
+            iov = v;
             match res {
                 r if r == -libc::EINTR || r == -libc::EAGAIN => continue,
-                r if r < 0 => return (Err(io::Error::from_raw_os_error(-r)), buf),
+                r if r < 0 => break Err(io::Error::from_raw_os_error(-r)),
                 0 if !write => {
                     // End of file: the rest reads as zeroes.
-                    buf[done..].fill(0);
-                    done = len;
+                    iov.zero_from(done);
+                    break Ok(());
                 }
-                0 => return (Err(io::Error::from_raw_os_error(libc::ENOSPC)), buf),
+                0 => break Err(io::Error::from_raw_os_error(libc::ENOSPC)),
                 r if write && (done + r as usize) < len => {
-                    return (Err(io::Error::from_raw_os_error(libc::ENOSPC)), buf);
+                    break Err(io::Error::from_raw_os_error(libc::ENOSPC));
                 }
                 r => done += r as usize,
             }
-        }
-        (Ok(()), buf)
+        };
+        iov.rewind();
+        (result, iov)
+    }
+
+    /// `rw_all` on one of our buffers.
+    async fn rw_buf(&self, write: bool, fua: bool, buf: Buf, offset: u64) -> (io::Result<()>, Buf) {
+        let (r, iov) = self.rw_all(write, fua, IoVec::from_buf(buf), offset).await;
+        (r, iov.into_buf().expect("an IoVec made from a buffer"))
     }
 
     fn aligned(&self, offset: u64, len: usize) -> bool {
         offset.is_multiple_of(self.align) && (len as u64).is_multiple_of(self.align)
+    }
+
+    /// Whether `iov` can go to the file as it is: always without O_DIRECT; with it, when
+    /// the offset and every piece are aligned.
+    fn direct_ok(&self, offset: u64, iov: &IoVec) -> bool {
+        self.align == 1 || (self.aligned(offset, iov.len()) && iov.is_aligned(self.align as usize))
     }
 
     /// The aligned range covering `[offset, offset+len)`.
@@ -272,11 +280,11 @@ impl FileDriver {
 
     async fn read_impl(&self, offset: u64, buf: Buf) -> (io::Result<()>, Buf) {
         if self.aligned(offset, buf.len()) {
-            return self.rw_all(false, false, buf, offset).await;
+            return self.rw_buf(false, false, buf, offset).await;
         }
         // Bounce: read the covering aligned range, copy out the part asked for.
         let (wstart, wlen) = self.widen(offset, buf.len());
-        let (r, bounce) = self.rw_all(false, false, new_buf(wlen), wstart).await;
+        let (r, bounce) = self.rw_buf(false, false, request_buf(wlen), wstart).await;
         let mut buf = buf;
         if r.is_ok() {
             let skip = (offset - wstart) as usize;
@@ -286,25 +294,53 @@ impl FileDriver {
         (r, buf)
     }
 
+    /// Reads into `iov` directly when its pieces suit the file, else through a buffer.
+    async fn readv_impl(&self, offset: u64, mut iov: IoVec) -> (io::Result<()>, IoVec) {
+        if self.direct_ok(offset, &iov) {
+            return self.rw_all(false, false, iov, offset).await;
+        }
+        let (r, buf) = self.read_impl(offset, request_buf(iov.len())).await;
+        if r.is_ok() {
+            iov.copy_in(0, &buf);
+        }
+        (r, iov)
+    }
+
     async fn write_impl(&self, offset: u64, buf: Buf, fua: bool) -> (io::Result<()>, Buf) {
         if self.align == 1 {
-            return self.rw_all(true, fua, buf, offset).await;
+            return self.rw_buf(true, fua, buf, offset).await;
         }
         // Hold the aligned span so that no read-modify-write overlaps this write.
         let (wstart, wlen) = self.widen(offset, buf.len());
         let _span = self.write_locks.lock(wstart, wstart + wlen as u64).await;
         if self.aligned(offset, buf.len()) {
-            return self.rw_all(true, fua, buf, offset).await;
+            return self.rw_buf(true, fua, buf, offset).await;
         }
         // Read-modify-write through an aligned bounce buffer.
-        let (r, mut bounce) = self.rw_all(false, false, new_buf(wlen), wstart).await;
+        let (r, mut bounce) = self.rw_buf(false, false, request_buf(wlen), wstart).await;
         if let Err(e) = r {
             return (Err(e), buf);
         }
         let skip = (offset - wstart) as usize;
         bounce[skip..skip + buf.len()].copy_from_slice(&buf);
-        let (r, _) = self.rw_all(true, fua, bounce, wstart).await;
+        let (r, _) = self.rw_buf(true, fua, bounce, wstart).await;
         (r, buf)
+    }
+
+    /// Writes `iov` directly when its pieces suit the file, else through a buffer.
+    async fn writev_impl(&self, offset: u64, iov: IoVec, fua: bool) -> (io::Result<()>, IoVec) {
+        if self.align == 1 {
+            return self.rw_all(true, fua, iov, offset).await;
+        }
+        if self.direct_ok(offset, &iov) {
+            let (wstart, wlen) = self.widen(offset, iov.len());
+            let _span = self.write_locks.lock(wstart, wstart + wlen as u64).await;
+            return self.rw_all(true, fua, iov, offset).await;
+        }
+        let mut buf = request_buf(iov.len());
+        iov.copy_out(0, &mut buf);
+        let (r, _) = self.write_impl(offset, buf, fua).await;
+        (r, iov)
     }
 
     async fn flush_impl(&self) -> io::Result<()> {
@@ -407,6 +443,12 @@ impl BlockDriver for FileDriver {
     }
     fn write(&self, offset: u64, buf: Buf, fua: bool) -> BoxFut<'_, (io::Result<()>, Buf)> {
         Box::pin(self.write_impl(offset, buf, fua))
+    }
+    fn readv(&self, offset: u64, iov: IoVec) -> BoxFut<'_, (io::Result<()>, IoVec)> {
+        Box::pin(self.readv_impl(offset, iov))
+    }
+    fn writev(&self, offset: u64, iov: IoVec, fua: bool) -> BoxFut<'_, (io::Result<()>, IoVec)> {
+        Box::pin(self.writev_impl(offset, iov, fua))
     }
     fn flush(&self) -> BoxFut<'_, io::Result<()>> {
         Box::pin(self.flush_impl())

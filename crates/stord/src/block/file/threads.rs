@@ -12,10 +12,9 @@ use std::pin::Pin;
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::task::{Context, Poll, Waker};
 
-use stord_aio::IoBuf;
-use stord_aio::IoBufMut;
+use stord_aio::IoVecs;
 
-use crate::block::Buf;
+use crate::block::IoVec;
 
 /// Workers in the pool (QEMU's pool grows to 64; a few suffice for 2 cores).
 const WORKERS: usize = 8;
@@ -105,34 +104,25 @@ fn run<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> PoolFuture<
     PoolFuture { shared }
 }
 
-/// One pread or pwrite (pwritev2 with RWF_DSYNC for FUA) of `buf[start..]`.
+/// One preadv or pwritev2 (with RWF_DSYNC for FUA) of what `iov` shows.
 pub(super) async fn transfer(
     fd: Arc<OwnedFd>,
     write: bool,
     fua: bool,
-    mut buf: Buf,
-    start: usize,
+    iov: IoVec,
     offset: u64,
-) -> (i32, Buf) {
+) -> (i32, IoVec) {
     run(move || {
         let raw = fd.as_raw_fd();
-        let len = buf.len() - start;
         let res = if write {
-            let iov = [libc::iovec {
-                // SAFETY: start <= len; the pointer stays inside the buffer we own.
-                iov_base: unsafe { buf.stable_ptr().add(start) } as *mut _,
-                iov_len: len,
-            }];
             let flags = if fua { libc::RWF_DSYNC } else { 0 };
-            // SAFETY: the iovec names bytes of `buf`, which this closure owns.
-            unsafe { stord_aio::sys::blocking::pwritev(raw, &iov, offset, flags) }
+            // SAFETY: the iovecs name memory `iov` keeps valid; this closure owns `iov`.
+            unsafe { stord_aio::sys::blocking::pwritev(raw, iov.iovecs(), offset, flags) }
         } else {
-            // SAFETY: start <= len; `buf` is owned by this closure and writable.
-            let ptr = unsafe { buf.stable_mut_ptr().add(start) };
-            // SAFETY: `ptr..ptr+len` lies inside `buf`, owned here.
-            unsafe { stord_aio::sys::blocking::pread(raw, ptr, len, offset) }
+            // SAFETY: as above, and the memory is writable (IoVecsMut).
+            unsafe { stord_aio::sys::blocking::preadv(raw, iov.iovecs(), offset, 0) }
         };
-        (res, buf)
+        (res, iov)
     })
     .await
 }

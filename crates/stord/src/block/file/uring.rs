@@ -6,32 +6,29 @@
 use std::io;
 use std::os::fd::RawFd;
 
-use stord_aio::{op, Slice};
+use stord_aio::op;
 
-use crate::block::Buf;
+use crate::block::IoVec;
 
 fn raw(r: io::Result<usize>) -> i32 {
     r.map_or_else(|e| -super::errno(&e), |n| n as i32)
 }
 
-/// One read or write of `buf[start..]` at `offset`; the raw result.
+/// One read or write of what `iov` shows at `offset`; the raw result.
 pub(super) async fn transfer(
     fd: RawFd,
     write: bool,
     fua: bool,
-    buf: Buf,
-    start: usize,
+    iov: IoVec,
     offset: u64,
-) -> (i32, Buf) {
-    let end = buf.len();
-    let slice = Slice::new(buf, start, end);
+) -> (i32, IoVec) {
     if write {
         let flags = if fua { libc::RWF_DSYNC } else { 0 };
-        let (r, s) = op::write_flags(fd, slice, offset, flags).await;
-        (raw(r), s.into_inner())
+        let (r, v) = op::write_iov(fd, iov, offset, flags).await;
+        (raw(r), v)
     } else {
-        let (r, s) = op::read(fd, slice, offset).await;
-        (raw(r), s.into_inner())
+        let (r, v) = op::read_iov(fd, iov, offset).await;
+        (raw(r), v)
     }
 }
 

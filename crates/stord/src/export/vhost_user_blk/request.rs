@@ -1,15 +1,19 @@
 //! One virtio-blk request: a descriptor chain whose device-readable part starts with a
 //! 16-byte header (type, ioprio, sector) and whose device-writable part ends with the status
-//! byte. Data moves between guest memory and an aligned request buffer.
+//! byte. Reads and writes hand the node the guest's own pages as an [`IoVec`] (lent from
+//! the guest memory mapping, which the request keeps alive), so the file backend reads into
+//! and writes from them directly; a buffer is used only when a piece crosses a memory
+//! region (and, under O_DIRECT, by the file backend when the pieces are not aligned).
 
 use std::io;
+use std::sync::Arc;
 
 use virtio_bindings::virtio_blk::*;
 use virtio_queue::desc::split::Descriptor;
-use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
 
 use super::device::{BlkDevice, MAX_DISCARD_SECTORS, MAX_REQUEST_BYTES};
-use crate::block::request_buf;
+use crate::block::{request_buf, IoVec};
 
 /// One guest buffer: address and length.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -125,10 +129,64 @@ fn scatter(mem: &GuestMemoryMmap, segs: &[Segment], src: &[u8]) -> bool {
     done == src.len()
 }
 
+/// `len` bytes of guest memory named by `segs`, from byte `skip` of them, lent to the block
+/// layer as an [`IoVec`] that keeps `mem` mapped. None if a piece lies outside guest
+/// memory or across two regions (the caller copies through a buffer then).
+fn guest_iov(
+    mem: &Arc<GuestMemoryMmap>,
+    segs: &[Segment],
+    mut skip: u64,
+    len: u64,
+) -> Option<IoVec> {
+    const INLINE: usize = 8;
+    let mut inline = [(std::ptr::null_mut::<u8>(), 0usize); INLINE];
+    let mut spilled = Vec::new();
+    let mut n = 0;
+    let mut left = len;
+    for s in segs {
+        if left == 0 {
+            break;
+        }
+        let seg = u64::from(s.len);
+        if skip >= seg {
+            skip -= seg;
+            continue;
+        }
+        let take = (seg - skip).min(left);
+        let slice = mem
+            .get_slice(GuestAddress(s.addr.checked_add(skip)?), take as usize)
+            .ok()?;
+        let piece = (slice.ptr_guard_mut().as_ptr(), take as usize);
+        if n < INLINE {
+            inline[n] = piece;
+        } else {
+            if spilled.is_empty() {
+                spilled.extend_from_slice(&inline);
+            }
+            spilled.push(piece);
+        }
+        n += 1;
+        skip = 0;
+        left -= take;
+    }
+    if left != 0 {
+        return None;
+    }
+    let pieces = if n <= INLINE {
+        &inline[..n]
+    } else {
+        &spilled[..]
+    };
+    // SAFETY: each piece is a slice of one region of `mem` (get_slice checked its bounds),
+    // mapped read-write and shared with the guest for as long as the Arc we hand over keeps
+    // the mapping; we create no references to it.
+    Some(unsafe { IoVec::lent(pieces, mem.clone()) })
+}
+
 /// Runs one request and returns the number of bytes written to the device-writable part
 /// (the used length). Failures are reported in the status byte; a chain too broken to carry
 /// a status is logged and completed with length 0.
-pub async fn execute(dev: &BlkDevice, mem: &GuestMemoryMmap, chain: &Chain) -> u32 {
+pub async fn execute(dev: &BlkDevice, mem: &Arc<GuestMemoryMmap>, chain: &Chain) -> u32 {
     let in_len = chain.in_len();
     let Some(last) = chain.inn.last().copied().filter(|s| s.len > 0) else {
         tracing::warn!("vhost-user-blk {}: request without a status byte", dev.id);
@@ -195,7 +253,7 @@ fn check_range(dev: &BlkDevice, sector: u64, bytes: u64) -> Result<u64, Failure>
 }
 
 /// Bytes of data written to the guest (excluding the status byte), or why it failed.
-async fn run(dev: &BlkDevice, mem: &GuestMemoryMmap, chain: &Chain) -> Result<u64, Failure> {
+async fn run(dev: &BlkDevice, mem: &Arc<GuestMemoryMmap>, chain: &Chain) -> Result<u64, Failure> {
     let mut hdr = [0u8; 16];
     if !gather(mem, &chain.out, 0, &mut hdr) {
         return Err(malformed("request header missing or outside guest memory"));
@@ -209,6 +267,10 @@ async fn run(dev: &BlkDevice, mem: &GuestMemoryMmap, chain: &Chain) -> Result<u6
                 return Err(malformed(format!("read of {len} bytes is too large")));
             }
             let offset = check_range(dev, sector, len)?;
+            if let Some(iov) = guest_iov(mem, &chain.inn, 0, len) {
+                dev.node.readv(offset, iov).await.0?;
+                return Ok(len);
+            }
             let (r, buf) = dev.node.read(offset, request_buf(len as usize)).await;
             r?;
             if !scatter(mem, &chain.inn, &buf) {
@@ -225,11 +287,15 @@ async fn run(dev: &BlkDevice, mem: &GuestMemoryMmap, chain: &Chain) -> Result<u6
                 return Err(malformed(format!("write of {len} bytes is too large")));
             }
             let offset = check_range(dev, sector, len)?;
+            let fua = !dev.writeback.load(std::sync::atomic::Ordering::Relaxed);
+            if let Some(iov) = guest_iov(mem, &chain.out, 16, len) {
+                dev.node.writev(offset, iov, fua).await.0?;
+                return Ok(0);
+            }
             let mut buf = request_buf(len as usize);
             if !gather(mem, &chain.out, 16, &mut buf) {
                 return Err(malformed("write buffer outside guest memory"));
             }
-            let fua = !dev.writeback.load(std::sync::atomic::Ordering::Relaxed);
             let (r, _) = dev.node.write(offset, buf, fua).await;
             r?;
             Ok(0)
