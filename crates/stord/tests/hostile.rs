@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::rawnbd::RawNbd;
+use common::rawqmp::RawQmp;
 use common::*;
 
 const MIB: u64 = 1 << 20;
@@ -219,31 +220,6 @@ fn qmp_server(name: &str) -> (Stord, std::path::PathBuf) {
     (s, qmp)
 }
 
-/// A raw QMP connection after negotiation.
-fn qmp_connect(path: &std::path::Path) -> BufReader<UnixStream> {
-    let s = UnixStream::connect(path).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    let mut r = BufReader::new(s);
-    let mut line = String::new();
-    r.read_line(&mut line).unwrap();
-    assert!(line.contains("\"QMP\""), "{line}");
-    r.get_mut()
-        .write_all(b"{\"execute\":\"qmp_capabilities\"}\n")
-        .unwrap();
-    line.clear();
-    r.read_line(&mut line).unwrap();
-    assert!(line.contains("\"return\""), "{line}");
-    r
-}
-
-fn qmp_cmd(c: &mut BufReader<UnixStream>, text: &str) -> serde_json::Value {
-    c.get_mut().write_all(text.as_bytes()).unwrap();
-    c.get_mut().write_all(b"\n").unwrap();
-    let mut line = String::new();
-    c.read_line(&mut line).unwrap();
-    serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line:?}"))
-}
-
 /// Whether the daemon closed the connection (end of stream or reset), ignoring any reply
 /// it sent first.
 fn is_closed(c: &mut BufReader<UnixStream>) -> bool {
@@ -262,34 +238,36 @@ fn is_closed(c: &mut BufReader<UnixStream>) -> bool {
 #[test]
 fn qmp_limits_close_only_the_offending_connection() {
     let (s, qmp) = qmp_server("qmp-limits");
-    let mut bystander = qmp_connect(&qmp);
+    let mut bystander = RawQmp::connect(&qmp);
 
     // Nested deeper than the JSON parser takes: an error object, the connection stays.
-    let mut c = qmp_connect(&qmp);
+    let mut c = RawQmp::connect(&qmp);
     let deep = format!(
         "{{\"execute\":\"query-version\",\"arguments\":{{\"x\":{}{}}}}}",
         "[".repeat(200),
         "]".repeat(200)
     );
-    let r = qmp_cmd(&mut c, &deep);
+    let r = c.send(&deep);
     assert!(r.get("error").is_some(), "{r}");
-    let r = qmp_cmd(&mut c, "{\"execute\":\"query-version\"}");
+    let r = c.send("{\"execute\":\"query-version\"}");
     assert!(r.get("return").is_some(), "{r}");
 
     // Beyond the nesting limit: that connection is closed.
-    c.get_mut().write_all("[".repeat(5000).as_bytes()).unwrap();
-    assert!(is_closed(&mut c), "nesting over the limit must close");
+    c.r.get_mut()
+        .write_all("[".repeat(5000).as_bytes())
+        .unwrap();
+    assert!(is_closed(&mut c.r), "nesting over the limit must close");
 
     // A message over 1 MiB: closed too.
-    let mut c = qmp_connect(&qmp);
+    let mut c = RawQmp::connect(&qmp);
     let big = format!(
         "{{\"execute\":\"query-version\",\"arguments\":{{\"x\":\"{}\"}}}}",
         "y".repeat(2 << 20)
     );
-    let _ = c.get_mut().write_all(big.as_bytes());
-    assert!(is_closed(&mut c), "an oversized message must close");
+    let _ = c.r.get_mut().write_all(big.as_bytes());
+    assert!(is_closed(&mut c.r), "an oversized message must close");
 
-    let r = qmp_cmd(&mut bystander, "{\"execute\":\"query-version\"}");
+    let r = bystander.send("{\"execute\":\"query-version\"}");
     assert!(r.get("return").is_some(), "{r}");
     drop(s);
 }
@@ -298,8 +276,8 @@ fn qmp_limits_close_only_the_offending_connection() {
 fn qmp_client_that_never_reads_cannot_grow_the_daemon() {
     let (s, qmp) = qmp_server("qmp-flood");
     let rss0 = s.status_kib("VmRSS") * 1024;
-    let flood = qmp_connect(&qmp);
-    let mut writer = flood.get_ref().try_clone().unwrap();
+    let flood = RawQmp::connect(&qmp);
+    let mut writer = flood.r.get_ref().try_clone().unwrap();
     writer
         .set_write_timeout(Some(Duration::from_secs(20)))
         .unwrap();
@@ -316,12 +294,16 @@ fn qmp_client_that_never_reads_cannot_grow_the_daemon() {
     std::thread::sleep(Duration::from_secs(3));
     let grown = (s.status_kib("VmRSS") * 1024).saturating_sub(rss0);
     assert!(grown < 32 * MIB, "RSS grew by {} MiB", grown >> 20);
-    let mut other = qmp_connect(&qmp);
-    let r = qmp_cmd(&mut other, "{\"execute\":\"query-version\"}");
+    let mut other = RawQmp::connect(&qmp);
+    let r = other.send("{\"execute\":\"query-version\"}");
     assert!(r.get("return").is_some(), "{r}");
-    flood.get_ref().shutdown(std::net::Shutdown::Both).unwrap();
+    flood
+        .r
+        .get_ref()
+        .shutdown(std::net::Shutdown::Both)
+        .unwrap();
     drop(flood);
     t.join().unwrap();
-    let r = qmp_cmd(&mut other, "{\"execute\":\"query-version\"}");
+    let r = other.send("{\"execute\":\"query-version\"}");
     assert!(r.get("return").is_some(), "{r}");
 }

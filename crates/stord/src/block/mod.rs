@@ -41,6 +41,12 @@ pub fn request_buf(len: usize) -> Buf {
     AlignedBuf::from_pool(len)
 }
 
+/// Counts one request whose data went through a buffer of ours instead of straight
+/// to or from the memory it came in (`block.bounced` in the current loop's statistics).
+pub(crate) fn count_bounce() {
+    stord_aio::with_current_context(|c| c.counter("block.bounced").add(1));
+}
+
 /// The allocation status of a range's first extent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BlockStatus {
@@ -67,6 +73,7 @@ pub trait BlockDriver: Send + Sync {
     /// that can fill the pieces themselves (the file backend, with readv) override it.
     fn readv(&self, offset: u64, iov: IoVec) -> BoxFut<'_, (io::Result<()>, IoVec)> {
         Box::pin(async move {
+            count_bounce();
             let (r, buf) = self.read(offset, request_buf(iov.len())).await;
             let mut iov = iov;
             if r.is_ok() {
@@ -78,6 +85,7 @@ pub trait BlockDriver: Send + Sync {
     /// Writes `iov`'s pieces at `offset`; the default copies them into a pooled buffer.
     fn writev(&self, offset: u64, iov: IoVec, fua: bool) -> BoxFut<'_, (io::Result<()>, IoVec)> {
         Box::pin(async move {
+            count_bounce();
             let mut buf = request_buf(iov.len());
             iov.copy_out(0, &mut buf);
             let (r, _) = self.write(offset, buf, fua).await;

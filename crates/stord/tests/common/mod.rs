@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod rawnbd;
+pub mod rawqmp;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Output, Stdio};

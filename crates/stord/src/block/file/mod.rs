@@ -299,6 +299,7 @@ impl FileDriver {
         if self.direct_ok(offset, &iov) {
             return self.rw_all(false, false, iov, offset).await;
         }
+        super::count_bounce();
         let (r, buf) = self.read_impl(offset, request_buf(iov.len())).await;
         if r.is_ok() {
             iov.copy_in(0, &buf);
@@ -337,6 +338,7 @@ impl FileDriver {
             let _span = self.write_locks.lock(wstart, wstart + wlen as u64).await;
             return self.rw_all(true, fua, iov, offset).await;
         }
+        super::count_bounce();
         let mut buf = request_buf(iov.len());
         iov.copy_out(0, &mut buf);
         let (r, _) = self.write_impl(offset, buf, fua).await;

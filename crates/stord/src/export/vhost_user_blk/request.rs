@@ -271,6 +271,7 @@ async fn run(dev: &BlkDevice, mem: &Arc<GuestMemoryMmap>, chain: &Chain) -> Resu
                 dev.node.readv(offset, iov).await.0?;
                 return Ok(len);
             }
+            crate::block::count_bounce();
             let (r, buf) = dev.node.read(offset, request_buf(len as usize)).await;
             r?;
             if !scatter(mem, &chain.inn, &buf) {
@@ -292,6 +293,7 @@ async fn run(dev: &BlkDevice, mem: &Arc<GuestMemoryMmap>, chain: &Chain) -> Resu
                 dev.node.writev(offset, iov, fua).await.0?;
                 return Ok(0);
             }
+            crate::block::count_bounce();
             let mut buf = request_buf(len as usize);
             if !gather(mem, &chain.out, 16, &mut buf) {
                 return Err(malformed("write buffer outside guest memory"));

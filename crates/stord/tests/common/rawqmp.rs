@@ -1,0 +1,58 @@
+//! A raw QMP connection for tests that misbehave on purpose or just need one number
+//! (the qemu.qmp library drives the well-behaved QMP tests).
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::time::Duration;
+
+/// A negotiated QMP connection.
+pub struct RawQmp {
+    pub r: BufReader<UnixStream>,
+}
+
+impl RawQmp {
+    /// Connects, reads the greeting and negotiates capabilities.
+    pub fn connect(path: &Path) -> RawQmp {
+        let s = UnixStream::connect(path).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut q = RawQmp {
+            r: BufReader::new(s),
+        };
+        let greeting = q.line();
+        assert!(greeting.get("QMP").is_some(), "{greeting}");
+        let r = q.send("{\"execute\":\"qmp_capabilities\"}");
+        assert!(r.get("return").is_some(), "{r}");
+        q
+    }
+
+    /// The next message.
+    pub fn line(&mut self) -> serde_json::Value {
+        let mut line = String::new();
+        self.r.read_line(&mut line).unwrap();
+        serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line:?}"))
+    }
+
+    /// Sends `text` (one JSON message) and returns the reply (events skipped).
+    pub fn send(&mut self, text: &str) -> serde_json::Value {
+        self.r.get_mut().write_all(text.as_bytes()).unwrap();
+        self.r.get_mut().write_all(b"\n").unwrap();
+        loop {
+            let v = self.line();
+            if v.get("event").is_none() {
+                return v;
+            }
+        }
+    }
+
+    /// The named counter summed over every IoThread's x-stats.
+    pub fn counter(&mut self, name: &str) -> u64 {
+        let r = self.send("{\"execute\":\"query-iothreads\"}");
+        r["return"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t["x-stats"]["counters"][name].as_u64().unwrap_or(0))
+            .sum()
+    }
+}
