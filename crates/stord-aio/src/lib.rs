@@ -73,6 +73,15 @@ pub fn spawn<F: Future + 'static>(future: F) -> JoinHandle<F::Output> {
     handle
 }
 
+/// Spawns a task whose output nobody awaits (a request), without the join handle's
+/// allocation.
+///
+/// # Panics
+/// If the thread has no context.
+pub fn spawn_detached<F: Future<Output = ()> + 'static>(future: F) {
+    context::with_current(|c| c.spawn_local(Box::pin(future)));
+}
+
 /// Completes after `d` (a loop timer on the current context).
 pub fn sleep(d: Duration) -> Sleep {
     sleep_until(sys::now_ns() + d.as_nanos() as u64)

@@ -9,7 +9,7 @@ use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
 use std::rc::Rc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll, Wake, Waker};
 
@@ -23,9 +23,16 @@ const RUN_BUDGET: usize = 256;
 pub(crate) type LocalFuture = Pin<Box<dyn Future<Output = ()>>>;
 
 pub(crate) struct TaskWaker {
-    key: Key,
+    /// The task's slab key (`Key::to_token`), reset when the waker is recycled.
+    key: AtomicU64,
     queued: AtomicBool,
     shared: Arc<Shared>,
+}
+
+impl TaskWaker {
+    fn key(&self) -> Key {
+        Key::from_token(self.key.load(Ordering::Relaxed)).1
+    }
 }
 
 impl Wake for TaskWaker {
@@ -58,26 +65,40 @@ struct TaskSlot {
     waker: Waker,
 }
 
+/// Finished tasks' wakers kept for reuse (one allocation less per task).
+const SPARE_WAKERS: usize = 1024;
+
 #[derive(Default)]
 pub(crate) struct Executor {
     tasks: RefCell<Slab<TaskSlot>>,
     pub(crate) run_queue: RefCell<VecDeque<Arc<TaskWaker>>>,
+    /// Wakers of finished tasks that nobody else holds.
+    spare: RefCell<Vec<Arc<TaskWaker>>>,
 }
 
 impl Executor {
     pub(crate) fn spawn(&self, shared: &Arc<Shared>, future: LocalFuture) {
         let mut tasks = self.tasks.borrow_mut();
-        let handle = Arc::new(TaskWaker {
-            key: tasks.next_key(),
-            queued: AtomicBool::new(true),
-            shared: shared.clone(),
-        });
-        let key = tasks.insert(TaskSlot {
+        let key = tasks.next_key().to_token(0);
+        let handle = match self.spare.borrow_mut().pop() {
+            Some(h) => {
+                // Nobody else holds it (checked when it was put aside).
+                h.key.store(key, Ordering::Relaxed);
+                h.queued.store(true, Ordering::Relaxed);
+                h
+            }
+            None => Arc::new(TaskWaker {
+                key: AtomicU64::new(key),
+                queued: AtomicBool::new(true),
+                shared: shared.clone(),
+            }),
+        };
+        let inserted = tasks.insert(TaskSlot {
             future: Some(future),
             handle: handle.clone(),
             waker: Waker::from(handle.clone()),
         });
-        debug_assert_eq!(key, handle.key);
+        debug_assert_eq!(inserted, handle.key());
         drop(tasks);
         self.run_queue.borrow_mut().push_back(handle);
     }
@@ -108,7 +129,7 @@ impl Executor {
             w.queued.store(false, Ordering::Release);
             let (mut fut, waker) = {
                 let mut tasks = self.tasks.borrow_mut();
-                match tasks.get_mut(w.key) {
+                match tasks.get_mut(w.key()) {
                     Some(slot) if Arc::ptr_eq(&slot.handle, &w) => match slot.future.take() {
                         Some(f) => (f, slot.waker.clone()),
                         None => continue,
@@ -123,8 +144,18 @@ impl Executor {
                 .is_ready();
             let mut tasks = self.tasks.borrow_mut();
             if done {
-                tasks.remove(w.key);
-            } else if let Some(slot) = tasks.get_mut(w.key) {
+                drop(waker);
+                let slot = tasks.remove(w.key());
+                drop(tasks);
+                // Drop the finished future and the slot's waker before checking who else
+                // still holds this waker.
+                drop(fut);
+                drop(slot);
+                let mut spare = self.spare.borrow_mut();
+                if Arc::strong_count(&w) == 1 && spare.len() < SPARE_WAKERS {
+                    spare.push(w);
+                }
+            } else if let Some(slot) = tasks.get_mut(w.key()) {
                 slot.future = Some(fut);
             }
         }

@@ -2,7 +2,9 @@
 //! against stord's and qemu-storage-daemon's vhost-user-blk exports, the way a guest's
 //! virtio-blk driver would: shared memfd memory, a split virtqueue we lay out ourselves,
 //! EVENT_IDX for kicks and interrupts, and a blocking wait on the call eventfd when nothing
-//! has completed (so the daemon's side of notification suppression is exercised).
+//! has completed (so the daemon's side of notification suppression is exercised). The wait
+//! is a poll(2): qemu-storage-daemon makes the (shared) call eventfd non-blocking, which
+//! turned an earlier version's blocking read into a busy spin against qsd only.
 //!
 //! Every stord polling policy is a separate "daemon" in the table; qsd runs with its
 //! defaults. The file backend adds fio on the raw file (io_uring, O_DIRECT) as the floor.
@@ -89,6 +91,9 @@ struct Driver {
     rng: u64,
     /// Next sector of a sequential stream.
     seq_next: u64,
+    /// Reads of the call eventfd, and those that waited (the driver really slept).
+    call_reads: u64,
+    call_sleeps: u64,
 }
 
 impl Driver {
@@ -145,6 +150,8 @@ impl Driver {
             sectors: IMAGE_SIZE / 512,
             rng: 0x2545_f491_4f6c_dd1d,
             seq_next: 0,
+            call_reads: 0,
+            call_sleeps: 0,
         }
     }
 
@@ -253,7 +260,13 @@ impl Driver {
                 fence(Ordering::SeqCst);
                 idx = self.used_idx();
                 if idx == self.last_used {
+                    let t = Instant::now();
+                    wait_readable(&self.call);
                     let _ = self.call.read();
+                    self.call_reads += 1;
+                    if t.elapsed() > Duration::from_micros(3) {
+                        self.call_sleeps += 1;
+                    }
                     continue;
                 }
             }
@@ -272,6 +285,21 @@ impl Driver {
             return;
         }
     }
+}
+
+/// Blocks until `fd` is readable. The call eventfd's file description is shared with the
+/// daemon, which may make it non-blocking (qemu-storage-daemon does): a plain read would
+/// then return EAGAIN at once and turn this frontend's wait into a busy spin, so we wait
+/// with poll(2) whatever its flags, as libblkio does.
+fn wait_readable(fd: &EventFd) {
+    use std::os::fd::AsRawFd;
+    let mut p = libc::pollfd {
+        fd: fd.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd, owned by this frame, for the duration of the call.
+    unsafe { libc::poll(&mut p, 1, -1) };
 }
 
 /// Anonymous shared memory (memfd) of `size` bytes, for the daemon to map.
@@ -344,6 +372,19 @@ pub(crate) fn drive(sock: &Path, spec: &DriveSpec) -> FioResult {
         std::thread::sleep(Duration::from_millis(1));
     }
     drop(d.fe);
+    if std::env::var_os("STORD_BENCH_DRIVER_STATS").is_some() {
+        use std::os::fd::AsRawFd;
+        // SAFETY: F_GETFL on our own eventfd.
+        let fl = unsafe { libc::fcntl(d.call.as_raw_fd(), libc::F_GETFL) };
+        eprintln!("  frontend: call eventfd O_NONBLOCK: {}", fl & libc::O_NONBLOCK != 0);
+        eprintln!(
+            "  frontend: call-eventfd reads {} (that waited > 3 us: {}), per request {:.3} / {:.3}",
+            d.call_reads,
+            d.call_sleeps,
+            d.call_reads as f64 / lat_ns.len().max(1) as f64,
+            d.call_sleeps as f64 / lat_ns.len().max(1) as f64
+        );
+    }
     let n = lat_ns.len();
     lat_ns.sort_unstable();
     let pct = |p: f64| {

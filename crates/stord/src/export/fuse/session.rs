@@ -119,7 +119,7 @@ impl Queue {
                     let q = self.clone();
                     self.shared.in_flight.fetch_add(1, Ordering::SeqCst);
                     self.running.set(self.running.get() + 1);
-                    stord_aio::spawn(async move {
+                    stord_aio::spawn_detached(async move {
                         q.handle(&buf[..n]).await;
                         q.recycle(buf);
                         q.shared.in_flight.fetch_sub(1, Ordering::SeqCst);

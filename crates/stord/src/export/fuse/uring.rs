@@ -165,7 +165,7 @@ impl FuseRing {
             self.shared.uring_requests.fetch_add(1, Ordering::Relaxed);
             let me = self.clone();
             self.shared.in_flight.fetch_add(1, Ordering::SeqCst);
-            stord_aio::spawn(async move {
+            stord_aio::spawn_detached(async move {
                 let processed = me.shared.process(&msg).await;
                 me.commit(idx, processed);
                 me.shared.in_flight.fetch_sub(1, Ordering::SeqCst);
@@ -197,7 +197,7 @@ impl FuseRing {
         self.shared.uring_requests.fetch_add(1, Ordering::Relaxed);
         self.shared.in_flight.fetch_add(1, Ordering::SeqCst);
         let me = self.clone();
-        stord_aio::spawn(async move {
+        stord_aio::spawn_detached(async move {
             let f = Fields(&op);
             let (result, mut buf) = if opcode == READ {
                 me.shared.read_into(&f, payload).await

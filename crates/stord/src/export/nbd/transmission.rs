@@ -324,7 +324,7 @@ async fn read_loop(conn: &Rc<Conn>, pending: Vec<u8>) -> io::Result<()> {
             None
         };
         let c = conn.clone();
-        stord_aio::spawn(async move {
+        stord_aio::spawn_detached(async move {
             handle(&c, req, payload).await;
         });
     }

@@ -8,6 +8,8 @@
 use std::io;
 use std::sync::Arc;
 
+use smallvec::SmallVec;
+
 use virtio_bindings::virtio_blk::*;
 use virtio_queue::desc::split::Descriptor;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
@@ -22,13 +24,14 @@ pub struct Segment {
     pub len: u32,
 }
 
-/// A request's buffers, split by direction.
+/// A request's buffers, split by direction (inline up to four each: no allocation for the
+/// usual header + data + status).
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Chain {
     /// Device-readable (header, then write data or discard segments).
-    pub out: Vec<Segment>,
+    pub out: SmallVec<[Segment; 4]>,
     /// Device-writable (read data, then the status byte).
-    pub inn: Vec<Segment>,
+    pub inn: SmallVec<[Segment; 4]>,
 }
 
 impl Chain {

@@ -206,6 +206,8 @@ pub struct Vring {
     running: Cell<(usize, usize)>,
     /// Requests taken from the ring that wait for budget, in ring order.
     waiting: RefCell<VecDeque<(u16, Result<Chain, String>)>>,
+    /// The heads one pass over the ring took (kept to reuse its allocation).
+    heads: RefCell<Vec<u16>>,
     /// The loop is busy-polling us (notifications suppressed).
     polling: Cell<bool>,
     enabled: Cell<bool>,
@@ -272,6 +274,7 @@ impl Vring {
             in_flight: Cell::new(0),
             running: Cell::new((0, 0)),
             waiting: RefCell::default(),
+            heads: RefCell::default(),
             polling: Cell::new(false),
             enabled: Cell::new(s.enabled),
             halted: Cell::new(false),
@@ -370,30 +373,32 @@ impl Vring {
             return;
         }
         let mem = self.mem.borrow().clone();
+        let mut heads = std::mem::take(&mut *self.heads.borrow_mut());
         loop {
-            let heads = {
+            heads.clear();
+            {
                 let mut q = self.queue.borrow_mut();
                 if !self.polling.get() {
                     let _ = q.disable_notification(&*mem);
                 }
-                let heads: Vec<u16> = match q.iter(&*mem) {
-                    Ok(it) => it.map(|c| c.head_index()).collect(),
+                match q.iter(&*mem) {
+                    Ok(it) => heads.extend(it.map(|c| c.head_index())),
                     Err(e) => {
                         tracing::warn!(
                             "vhost-user-blk {}: queue {} is broken ({e}); it stops until the device is reset",
-                            self.dev.id, self.index
+                            self.dev.id,
+                            self.index
                         );
                         self.broken.set(true);
-                        return;
+                        break;
                     }
-                };
-                heads
-            };
+                }
+            }
             if !heads.is_empty() {
                 self.stats.pops_per_pass.record(heads.len() as u64);
                 self.stats.requests.add(heads.len() as u64);
             }
-            for head in heads {
+            for &head in heads.iter() {
                 self.submit(head);
             }
             if self.polling.get() {
@@ -405,6 +410,7 @@ impl Vring {
                 _ => break,
             }
         }
+        *self.heads.borrow_mut() = heads;
     }
 
     /// Runs the request whose chain starts at `head`.
@@ -445,7 +451,7 @@ impl Vring {
         self.running.set((n + 1, bytes + cost));
         let mem = self.mem.borrow().clone();
         let v = self.clone();
-        stord_aio::spawn(async move {
+        stord_aio::spawn_detached(async move {
             let len = match chain {
                 Ok(chain) => request::execute(&v.dev, &mem, &chain).await,
                 Err(e) => {
