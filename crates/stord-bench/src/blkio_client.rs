@@ -146,6 +146,7 @@ fn run_queue(q: &mut Blkioq, buf: usize, capacity: u64, spec: &DriveSpec, seed: 
             if measuring {
                 lat_ns.push((now - started[slot]).as_nanos() as u64);
             }
+            crate::vhost::spin_for(spec.think);
             started[slot] = Instant::now();
             submit(q, slot, next_offset());
         }

@@ -41,6 +41,8 @@ pub struct VhostOptions {
     pub clients: Vec<String>,
     /// Queues (and client threads) per run.
     pub queues: usize,
+    /// Think time per request (µs, spinning).
+    pub think_us: u64,
 }
 
 impl Default for VhostOptions {
@@ -59,6 +61,7 @@ impl Default for VhostOptions {
             ],
             clients: vec!["own".into()],
             queues: 1,
+            think_us: 0,
         }
     }
 }
@@ -324,6 +327,20 @@ pub(crate) struct DriveSpec {
     pub qd: u16,
     pub ramp: Duration,
     pub runtime: Duration,
+    /// Time spent (spinning, as fio's thinktime_spin) between a completion and the next
+    /// request in its slot.
+    pub think: Duration,
+}
+
+/// Spins for `d` (think time: no sleep, so no wake-up cost on this side).
+pub(crate) fn spin_for(d: Duration) {
+    if d.is_zero() {
+        return;
+    }
+    let end = Instant::now() + d;
+    while Instant::now() < end {
+        std::hint::spin_loop();
+    }
 }
 
 /// Runs `spec` against the vhost-user socket `sock`; returns fio-like figures (measured
@@ -361,6 +378,7 @@ pub(crate) fn drive(sock: &Path, spec: &DriveSpec) -> FioResult {
             if measuring {
                 lat_ns.push((now - started[s as usize]).as_nanos() as u64);
             }
+            spin_for(spec.think);
             started[s as usize] = Instant::now();
             d.queue(s, spec);
         }
@@ -537,6 +555,7 @@ pub fn run(opts: &VhostOptions) -> (Vec<Row>, Vec<serde_json::Value>) {
                             qd: *qd as u16,
                             ramp: Duration::from_secs(1),
                             runtime,
+                            think: Duration::from_micros(opts.think_us),
                         };
                         let r = drive_with(client, &sock, &spec, opts.queues);
                         let wall = t0.elapsed().as_secs_f64();

@@ -87,6 +87,14 @@ impl PollPolicy for Classic {
 mod tests {
     use super::*;
 
+    /// QEMU's defaults (the rules' tests below use its 32768 maximum).
+    fn qemu() -> PollParams {
+        PollParams {
+            max_ns: super::super::QEMU_POLL_MAX_NS,
+            ..PollParams::default()
+        }
+    }
+
     fn step(p: &mut Classic, block_ns: u64, events: &[HandlerId]) -> u64 {
         p.adjust(&Observation {
             block_ns,
@@ -98,7 +106,7 @@ mod tests {
 
     #[test]
     fn grows_from_4us_doubles_and_caps() {
-        let mut p = Classic::new(&PollParams::default());
+        let mut p = Classic::new(&qemu());
         p.add_handler(0);
         assert_eq!(p.window_ns(), 0);
         // Waits under the maximum but above the window grow it.
@@ -115,7 +123,7 @@ mod tests {
 
     #[test]
     fn long_wait_resets_by_default_and_divides_with_shrink() {
-        let mut p = Classic::new(&PollParams::default());
+        let mut p = Classic::new(&qemu());
         p.add_handler(0);
         for _ in 0..5 {
             step(&mut p, 20_000, &[0]);
@@ -127,7 +135,7 @@ mod tests {
         let params = PollParams {
             shrink: 4,
             grow: 3,
-            ..PollParams::default()
+            ..qemu()
         };
         let mut p = Classic::new(&params);
         p.add_handler(0);
@@ -141,7 +149,7 @@ mod tests {
 
     #[test]
     fn windows_are_per_handler_and_loop_polls_the_largest() {
-        let mut p = Classic::new(&PollParams::default());
+        let mut p = Classic::new(&qemu());
         p.add_handler(0);
         p.add_handler(1);
         step(&mut p, 10_000, &[0]);
@@ -160,16 +168,16 @@ mod tests {
 
     #[test]
     fn max_zero_disables_and_set_params_resets() {
-        let mut p = Classic::new(&PollParams::default());
+        let mut p = Classic::new(&qemu());
         p.add_handler(0);
         step(&mut p, 10_000, &[0]);
         assert_eq!(p.window_ns(), 4000);
         p.set_params(&PollParams {
             max_ns: 0,
-            ..PollParams::default()
+            ..qemu()
         });
         assert_eq!(step(&mut p, 10, &[0]), 0);
-        p.set_params(&PollParams::default());
+        p.set_params(&qemu());
         assert_eq!(p.window_ns(), 0);
     }
 }

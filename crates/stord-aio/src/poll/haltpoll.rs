@@ -67,6 +67,14 @@ impl PollPolicy for Haltpoll {
 mod tests {
     use super::*;
 
+    /// QEMU's defaults (the rules' tests below use its 32768 maximum).
+    fn qemu() -> PollParams {
+        PollParams {
+            max_ns: super::super::QEMU_POLL_MAX_NS,
+            ..PollParams::default()
+        }
+    }
+
     fn slept(p: &mut Haltpoll, ns: u64) -> u64 {
         p.adjust(&Observation {
             block_ns: ns,
@@ -89,7 +97,7 @@ mod tests {
     fn grows_from_grow_start_and_doubles_to_the_maximum() {
         let params = PollParams {
             max_ns: 200_000,
-            ..PollParams::default()
+            ..qemu()
         };
         let mut p = Haltpoll::new(&params);
         assert_eq!(p.window_ns(), 0);
@@ -106,7 +114,7 @@ mod tests {
         let params = PollParams {
             policy: PolicyKind::Haltpoll,
             max_ns: 200_000,
-            ..PollParams::default()
+            ..qemu()
         };
         let mut p = Haltpoll::new(&params);
         // Poll hits (no sleep), however short or long the wait, change nothing.
@@ -121,7 +129,7 @@ mod tests {
     fn long_sleeps_halve_unless_shrink_is_disallowed() {
         let params = PollParams {
             max_ns: 200_000,
-            ..PollParams::default()
+            ..qemu()
         };
         let mut p = Haltpoll::new(&params);
         slept(&mut p, 10_000);
@@ -135,7 +143,7 @@ mod tests {
         let params = PollParams {
             max_ns: 200_000,
             allow_shrink: false,
-            ..PollParams::default()
+            ..qemu()
         };
         let mut p = Haltpoll::new(&params);
         slept(&mut p, 10_000);
@@ -145,7 +153,7 @@ mod tests {
     #[test]
     fn default_maximum_caps_grow_start() {
         // With QEMU's poll-max-ns (32768) the 50 µs grow-start is capped at the maximum.
-        let mut p = Haltpoll::new(&PollParams::default());
+        let mut p = Haltpoll::new(&qemu());
         assert_eq!(slept(&mut p, 10_000), 32_768);
         assert_eq!(slept(&mut p, 40_000), 16_384);
     }

@@ -22,7 +22,15 @@ use std::str::FromStr;
 pub type HandlerId = usize;
 
 /// QEMU's default `poll-max-ns` for IOThreads.
-pub const DEFAULT_POLL_MAX_NS: u64 = 32768;
+pub const QEMU_POLL_MAX_NS: u64 = 32768;
+/// Our default `poll-max-ns`: twice QEMU's. Polling pays only when the window covers the
+/// peer's turnaround, and that includes the peer's own wake-up; on the virtual machines
+/// this was measured on, a wake-up costs 20-50 µs, so with 32 µs a driver that sleeps
+/// between requests is almost never caught by polling. Measured with libblkio and
+/// stord-bench's frontend against the vhost-user-blk export (5 s x 3 runs, null device):
+/// 64 µs gave 2.1-3.6x qsd's IOPS at 0.7x its CPU per I/O where 32 µs gave 1.2-2.3x at
+/// 0.8-1.06x; 128 and 256 µs were no better and cost more CPU (docs/benchmark-notes.md).
+pub const DEFAULT_POLL_MAX_NS: u64 = 65536;
 /// Default `poll-weight` shift (a new sample weighs 2^-3).
 pub const DEFAULT_POLL_WEIGHT: u32 = 3;
 /// Largest accepted `poll-weight`.

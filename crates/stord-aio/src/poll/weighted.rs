@@ -121,6 +121,14 @@ impl PollPolicy for Weighted {
 mod tests {
     use super::*;
 
+    /// QEMU's defaults (the rules' tests below use its 32768 maximum).
+    fn qemu() -> PollParams {
+        PollParams {
+            max_ns: super::super::QEMU_POLL_MAX_NS,
+            ..PollParams::default()
+        }
+    }
+
     fn step(p: &mut Weighted, block_ns: u64, events: &[HandlerId]) -> u64 {
         p.adjust(&Observation {
             block_ns,
@@ -138,7 +146,7 @@ mod tests {
 
     #[test]
     fn first_sample_jumps_then_moving_average_with_weight_3() {
-        let mut p = Weighted::new(&PollParams::default());
+        let mut p = Weighted::new(&qemu());
         p.add_handler(0);
         // From 0 the window jumps straight to the first estimate (no 4 µs start).
         assert_eq!(step(&mut p, 8000, &[0]), 8000);
@@ -162,7 +170,7 @@ mod tests {
     fn weight_changes_the_average() {
         let params = PollParams {
             weight: 1,
-            ..PollParams::default()
+            ..qemu()
         };
         let mut p = Weighted::new(&params);
         p.add_handler(0);
@@ -174,7 +182,7 @@ mod tests {
 
     #[test]
     fn estimate_over_max_stops_counting_and_idle_handlers_accumulate() {
-        let mut p = Weighted::new(&PollParams::default());
+        let mut p = Weighted::new(&qemu());
         p.add_handler(0);
         p.add_handler(1);
         step(&mut p, 10_000, &[0]);
@@ -195,7 +203,7 @@ mod tests {
     fn grow_is_capped_and_shrink_divisor_applies() {
         let params = PollParams {
             shrink: 4,
-            ..PollParams::default()
+            ..qemu()
         };
         let mut p = Weighted::new(&params);
         p.add_handler(0);
@@ -207,7 +215,7 @@ mod tests {
         // A handler dropping to 0 makes adj 0 < 30000/4: divide by 4.
         assert_eq!(step(&mut p, 1_000_000, &[0]), 7500);
         // Growth is capped at poll-max-ns.
-        let mut p = Weighted::new(&PollParams::default());
+        let mut p = Weighted::new(&qemu());
         p.add_handler(0);
         step(&mut p, 20_000, &[0]);
         p.add_handler(1);

@@ -144,7 +144,7 @@ pub fn window_trace(policies: &[PolicyKind], reactor: ReactorKind) -> Value {
         })
         .collect();
     json!({
-        "description": "IoThread in stord-bench's process, poll-max-ns 32768; bursts: back-to-back Remote round trips with 5 µs client think time; idle: one round trip every 2 ms; window sampled every 0.5 ms",
+        "description": "IoThread in stord-bench's process, poll-max-ns 65536 (the default); bursts: back-to-back Remote round trips with 5 µs client think time; idle: one round trip every 2 ms; window sampled every 0.5 ms",
         "phases": phases,
         "series": series,
     })

@@ -299,6 +299,7 @@ impl Session {
                     qd: w.qd as u16,
                     ramp: t.ramp,
                     runtime: t.runtime,
+                    think: Duration::ZERO,
                 },
             ),
             _ => match try_run_fio(&self.fio_args(w, t, p, extra)) {

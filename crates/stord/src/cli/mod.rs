@@ -55,7 +55,7 @@ With no options, serves data/default.img (created sparse, 1 GiB) over NBD on a u
 
   -h, --help                show this help
   -V, --version             show the version
-  --object iothread,id=<id>[,poll-max-ns=<ns>][,poll-grow=<n>][,poll-shrink=<n>]
+  --object iothread,id=<id>[,poll-max-ns=<ns> (default 65536)][,poll-grow=<n>][,poll-shrink=<n>]
            [,poll-weight=<0..63>][,poll-policy=off|classic|weighted|haltpoll]
            [,poll-grow-start=<ns>][,poll-allow-shrink=on|off][,reactor=auto|io_uring|epoll]
                             an IoThread (an event loop on its own thread)
