@@ -432,3 +432,73 @@ fn reactor_reports_its_kind_and_flags() {
         .unwrap();
     assert_eq!(err, Some(std::io::ErrorKind::AlreadyExists));
 }
+
+/// A steady stream of events ~60 µs apart makes the weighted policy nap before polling; the
+/// fd handler of a *blocking* eventfd must still be called exactly once per readiness (a
+/// nap followed by a second reap used to report the same fd twice, and the second blocking
+/// read hung the loop). On io_uring naps must happen; the wake cost is measured on both.
+#[test]
+fn naps_never_call_an_fd_handler_without_readiness() {
+    let _serial = serial();
+    for reactor in REACTORS {
+        let params = PollParams {
+            policy: PolicyKind::Weighted,
+            ..PollParams::default()
+        };
+        let ctx = AioContext::new(opts("naps", reactor, params)).unwrap();
+        assert!(ctx.stats().wake_cost_ns > 0, "{reactor:?}: wake cost not measured");
+        // SAFETY: eventfd takes no pointers; the result is checked.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
+        assert!(fd >= 0);
+        let reads = Rc::new(RefCell::new(0u64));
+        let r2 = reads.clone();
+        let h = ctx
+            .set_fd_handler(fd, stord_aio::Interest::READABLE, move |_| {
+                let mut v = 0u64;
+                // SAFETY: an 8-byte read into a local u64 from our eventfd. It blocks if
+                // the handler is ever called without a pending count: the bug under test.
+                let n = unsafe { libc::read(fd, (&mut v as *mut u64).cast(), 8) };
+                assert_eq!(n, 8);
+                *r2.borrow_mut() += v;
+            })
+            .unwrap();
+        // A watchdog: a hung loop aborts the test binary instead of hanging CI.
+        let done = Arc::new(AtomicBool::new(false));
+        let d2 = done.clone();
+        std::thread::spawn(move || {
+            let t = Instant::now();
+            while !d2.load(Acquire) {
+                if t.elapsed() > Duration::from_secs(20) {
+                    eprintln!("the loop hung in an fd handler");
+                    std::process::abort();
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        });
+        const N: u64 = 4000;
+        let writer = std::thread::spawn(move || {
+            for _ in 0..N {
+                let t = Instant::now();
+                while t.elapsed() < Duration::from_micros(60) {
+                    std::hint::spin_loop();
+                }
+                let one = 1u64;
+                // SAFETY: an 8-byte write from a local u64 to our eventfd.
+                unsafe { libc::write(fd, (&one as *const u64).cast(), 8) };
+            }
+        });
+        while *reads.borrow() < N {
+            ctx.run_once(true);
+        }
+        writer.join().unwrap();
+        done.store(true, Release);
+        let s = ctx.stats();
+        // On epoll an fd's readiness is no poll handler's event, so nothing polls there.
+        if reactor == ReactorKind::IoUring {
+            assert!(s.naps > 0, "no naps with events 60 µs apart: {s:?}");
+        }
+        ctx.remove_fd_handler(h);
+        // SAFETY: closing the eventfd we opened; no handler uses it any more.
+        unsafe { libc::close(fd) };
+    }
+}

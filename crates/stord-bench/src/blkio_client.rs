@@ -146,7 +146,7 @@ fn run_queue(q: &mut Blkioq, buf: usize, capacity: u64, spec: &DriveSpec, seed: 
             if measuring {
                 lat_ns.push((now - started[slot]).as_nanos() as u64);
             }
-            crate::vhost::spin_for(spec.think);
+            crate::vhost::think(spec.think, spec.think_spin);
             started[slot] = Instant::now();
             submit(q, slot, next_offset());
         }

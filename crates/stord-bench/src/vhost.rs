@@ -41,8 +41,10 @@ pub struct VhostOptions {
     pub clients: Vec<String>,
     /// Queues (and client threads) per run.
     pub queues: usize,
-    /// Think time per request (µs, spinning).
+    /// Think time per request (µs), slept as fio does unless `think_spin`.
     pub think_us: u64,
+    /// Spin through the think time.
+    pub think_spin: bool,
 }
 
 impl Default for VhostOptions {
@@ -62,6 +64,7 @@ impl Default for VhostOptions {
             clients: vec!["own".into()],
             queues: 1,
             think_us: 0,
+            think_spin: false,
         }
     }
 }
@@ -327,14 +330,21 @@ pub(crate) struct DriveSpec {
     pub qd: u16,
     pub ramp: Duration,
     pub runtime: Duration,
-    /// Time spent (spinning, as fio's thinktime_spin) between a completion and the next
-    /// request in its slot.
+    /// Time between a completion and the next request in its slot (fio's `thinktime`).
     pub think: Duration,
+    /// Spin through the think time (fio's `thinktime_spin` equal to it) instead of
+    /// sleeping (fio's default).
+    pub think_spin: bool,
 }
 
-/// Spins for `d` (think time: no sleep, so no wake-up cost on this side).
-pub(crate) fn spin_for(d: Duration) {
+/// Thinks for `d`, as fio does: a sleep (which lasts longer than asked: a wake-up), or a
+/// spin with `spin`.
+pub(crate) fn think(d: Duration, spin: bool) {
     if d.is_zero() {
+        return;
+    }
+    if !spin {
+        std::thread::sleep(d);
         return;
     }
     let end = Instant::now() + d;
@@ -378,7 +388,7 @@ pub(crate) fn drive(sock: &Path, spec: &DriveSpec) -> FioResult {
             if measuring {
                 lat_ns.push((now - started[s as usize]).as_nanos() as u64);
             }
-            spin_for(spec.think);
+            think(spec.think, spec.think_spin);
             started[s as usize] = Instant::now();
             d.queue(s, spec);
         }
@@ -394,7 +404,10 @@ pub(crate) fn drive(sock: &Path, spec: &DriveSpec) -> FioResult {
         use std::os::fd::AsRawFd;
         // SAFETY: F_GETFL on our own eventfd.
         let fl = unsafe { libc::fcntl(d.call.as_raw_fd(), libc::F_GETFL) };
-        eprintln!("  frontend: call eventfd O_NONBLOCK: {}", fl & libc::O_NONBLOCK != 0);
+        eprintln!(
+            "  frontend: call eventfd O_NONBLOCK: {}",
+            fl & libc::O_NONBLOCK != 0
+        );
         eprintln!(
             "  frontend: call-eventfd reads {} (that waited > 3 us: {}), per request {:.3} / {:.3}",
             d.call_reads,
@@ -556,6 +569,7 @@ pub fn run(opts: &VhostOptions) -> (Vec<Row>, Vec<serde_json::Value>) {
                             ramp: Duration::from_secs(1),
                             runtime,
                             think: Duration::from_micros(opts.think_us),
+                            think_spin: opts.think_spin,
                         };
                         let r = drive_with(client, &sock, &spec, opts.queues);
                         let wall = t0.elapsed().as_secs_f64();
@@ -564,12 +578,17 @@ pub fn run(opts: &VhostOptions) -> (Vec<Row>, Vec<serde_json::Value>) {
                             let after = q.loop_counters().expect("x-stats");
                             let c = per_unit(&before, &after, "virtqueue.requests");
                             eprintln!(
-                                "  {d}: per request: kicks {} calls {} sleeps {} poll-hits {} rearms {}",
+                                "  {d}: per request: kicks {} calls {} sleeps {} poll-hits {} rearms {} naps {} (cut short {}) poll-ns {} nap-ns {}; wake cost {} ns",
                                 c["virtqueue.kicks/virtqueue.requests"],
                                 c["virtqueue.calls/virtqueue.requests"],
                                 c["blocking-waits/virtqueue.requests"],
                                 c["poll-hits/virtqueue.requests"],
                                 c["virtqueue.notify-rearms/virtqueue.requests"],
+                                c["naps/virtqueue.requests"],
+                                c["naps-interrupted/virtqueue.requests"],
+                                c["poll-ns/virtqueue.requests"],
+                                c["nap-ns/virtqueue.requests"],
+                                after.iter().find(|(n, _)| n == "wake-cost-ns").map_or(0, |x| x.1),
                             );
                             counters.push(serde_json::json!({
                                 "backend": backend, "client": client, "workload": rw,

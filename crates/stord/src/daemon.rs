@@ -98,6 +98,7 @@ pub fn iothread_params(kv: &mut KeyVal) -> Result<(PollParams, ReactorKind), Str
         p.grow_start_ns = v;
     }
     p.allow_shrink = kv.take_bool("poll-allow-shrink", true)?;
+    p.nap = kv.take_bool("poll-nap", true)?;
     p.validate().map_err(|e| format!("{}: {e}", kv.what))?;
     let reactor = match kv.take("reactor") {
         Some(r) => r.parse().map_err(|e| format!("{}: {e}", kv.what))?,

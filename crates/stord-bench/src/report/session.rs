@@ -300,6 +300,7 @@ impl Session {
                     ramp: t.ramp,
                     runtime: t.runtime,
                     think: Duration::ZERO,
+                    think_spin: false,
                 },
             ),
             _ => match try_run_fio(&self.fio_args(w, t, p, extra)) {

@@ -441,6 +441,10 @@ fn query_iothreads(st: &State) -> Value {
                         "completions": s.completions,
                         "completions-per-iteration": s.completions_per_iteration,
                         "window-ns": s.window_ns,
+                        "naps": s.naps,
+                        "naps-interrupted": s.naps_interrupted,
+                        "nap-ns": s.nap_ns,
+                        "wake-cost-ns": s.wake_cost_ns,
                         "windows": s.windows.iter().map(|w| json!({ "name": w.name, "ns": w.ns })).collect::<Vec<_>>(),
                         "counters": s.counters.iter().map(|(n, v)| (n.clone(), json!(v))).collect::<Map<String, Value>>(),
                         "histograms": s.histograms.iter().map(|(n, h)| (n.clone(), json!(h))).collect::<Map<String, Value>>(),
@@ -466,6 +470,7 @@ fn qom_get(st: &State, path: &str, prop: &str) -> Result<Value, QmpError> {
         "poll-policy" => json!(p.policy.name()),
         "poll-grow-start" => json!(p.grow_start_ns),
         "poll-allow-shrink" => json!(p.allow_shrink),
+        "poll-nap" => json!(p.nap),
         "aio-max-batch" => json!(0),
         "type" => json!("iothread"),
         other => {
@@ -496,6 +501,11 @@ fn qom_set(st: &State, path: &str, prop: &str, value: Value) -> Result<(), QmpEr
         "poll-grow-start" => p.grow_start_ns = int(&value)?,
         "poll-allow-shrink" => {
             p.allow_shrink = value
+                .as_bool()
+                .ok_or_else(|| Args::type_error(prop, "boolean"))?
+        }
+        "poll-nap" => {
+            p.nap = value
                 .as_bool()
                 .ok_or_else(|| Args::type_error(prop, "boolean"))?
         }
