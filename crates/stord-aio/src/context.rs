@@ -86,6 +86,8 @@ pub(crate) struct Inner {
     fd_handlers: RefCell<Slab<FdEntry>>,
     policy: RefCell<Box<dyn PollPolicy>>,
     poll_started: Cell<bool>,
+    /// `poll-yield-ns` in force.
+    yield_ns: Cell<u64>,
     /// How much longer than asked a short timed sleep lasts (waking a halted CPU): the
     /// naps' cost, calibrated at creation and refined by every nap that times out.
     wake_cost_ns: Cell<u64>,
@@ -198,6 +200,7 @@ impl AioContext {
             policy: RefCell::new(policy),
             poll_started: Cell::new(false),
             wake_cost_ns: Cell::new(0),
+            yield_ns: Cell::new(opts.poll.yield_ns),
             events: RefCell::default(),
             ready: RefCell::default(),
             windows: RefCell::default(),
@@ -505,6 +508,7 @@ impl Inner {
     }
 
     pub(crate) fn apply_poll_params(&self, params: PollParams) {
+        self.yield_ns.set(params.yield_ns);
         let mut policy = self.policy.borrow_mut();
         if policy.kind() == params.policy {
             policy.set_params(&params);
@@ -654,11 +658,18 @@ impl Inner {
             let limit = (nap_end - start) + timeout.map_or(window, |t| t.min(window));
             self.set_poll_started(true);
             let mut now;
+            // Polite polling: a runnable thread on this CPU gets it every `yield_ns`.
+            let yield_ns = self.yield_ns.get();
+            let mut next_yield = start + yield_ns;
             loop {
                 self.poll_all(&mut ready);
                 now = now_ns();
                 if !ready.is_empty() || now - start >= limit {
                     break;
+                }
+                if yield_ns > 0 && now >= next_yield {
+                    crate::sys::yield_cpu();
+                    next_yield = now_ns() + yield_ns;
                 }
                 std::hint::spin_loop();
             }

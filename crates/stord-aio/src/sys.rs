@@ -40,6 +40,12 @@ pub fn gettid() -> i32 {
     unsafe { libc::gettid() }
 }
 
+/// sched_yield(2): lets another runnable thread on this CPU run (returns at once if none).
+pub fn yield_cpu() {
+    // SAFETY: no arguments, no memory.
+    unsafe { libc::sched_yield() };
+}
+
 /// Sets the calling thread's timer slack (how late the kernel may fire its timers).
 pub fn set_timer_slack_ns(ns: u64) {
     // SAFETY: prctl(PR_SET_TIMERSLACK) takes an integer and touches no memory of ours.

@@ -446,7 +446,10 @@ fn naps_never_call_an_fd_handler_without_readiness() {
             ..PollParams::default()
         };
         let ctx = AioContext::new(opts("naps", reactor, params)).unwrap();
-        assert!(ctx.stats().wake_cost_ns > 0, "{reactor:?}: wake cost not measured");
+        assert!(
+            ctx.stats().wake_cost_ns > 0,
+            "{reactor:?}: wake cost not measured"
+        );
         // SAFETY: eventfd takes no pointers; the result is checked.
         let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
         assert!(fd >= 0);
@@ -501,4 +504,71 @@ fn naps_never_call_an_fd_handler_without_readiness() {
         // SAFETY: closing the eventfd we opened; no handler uses it any more.
         unsafe { libc::close(fd) };
     }
+}
+
+/// Pins the calling thread to CPU 0.
+fn pin_to_cpu0() {
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET and sched_setaffinity only
+    // touch that local set.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(0, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+    }
+}
+
+/// CPU time of the calling thread.
+fn thread_cpu() -> Duration {
+    Duration::from_nanos(stord_aio::sys::thread_cpu_ns())
+}
+
+/// A loop polling for a long window must not keep a runnable thread on its CPU waiting:
+/// with `poll-yield-ns` the busy peer gets most of the shared CPU, without it about half.
+#[test]
+fn a_polling_loop_lets_a_runnable_thread_on_its_cpu_run() {
+    let _serial = serial();
+    let peer_share = |yield_ns: u64| -> f64 {
+        let params = PollParams {
+            yield_ns,
+            ..long_polling()
+        };
+        let t = IoThread::spawn(opts("polite", ReactorKind::IoUring, params)).unwrap();
+        let remote = t.remote().clone();
+        remote.run(pin_to_cpu0).unwrap();
+        let ran = Arc::new(AtomicUsize::new(0));
+        for _ in 0..5 {
+            let r = ran.clone();
+            remote.spawn(async move {
+                r.fetch_add(1, SeqCst);
+            });
+            std::thread::sleep(Duration::from_millis(6));
+        }
+        wait_until("the window to grow", || {
+            remote.stats().window_ns >= 1_000_000_000 / 2
+        });
+        // The loop now spins for up to a second; a peer on the same CPU burns 300 ms.
+        let peer = std::thread::spawn(|| {
+            pin_to_cpu0();
+            let (wall, cpu) = (Instant::now(), thread_cpu());
+            while thread_cpu() - cpu < Duration::from_millis(300) {
+                std::hint::spin_loop();
+            }
+            0.3 / wall.elapsed().as_secs_f64()
+        });
+        let share = peer.join().unwrap();
+        drop(t);
+        share
+    };
+    let polite = peer_share(stord_aio::poll::DEFAULT_POLL_YIELD_NS);
+    let greedy = peer_share(0);
+    eprintln!("peer's share of CPU 0: polite {polite:.2}, greedy {greedy:.2}");
+    assert!(
+        polite > 0.8,
+        "the peer got {:.0} % of the CPU",
+        polite * 100.0
+    );
+    assert!(
+        greedy < 0.75,
+        "without yielding the peer still got {greedy:.2}"
+    );
 }

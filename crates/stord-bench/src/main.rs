@@ -11,7 +11,7 @@
 //!   before/after comparisons in one run.
 //! - `idle [--seconds N]`: CPU used by each daemon with two IoThreads and an export, idle.
 //! - `vhost [--runtime S] [--reps N] [--backend null|file]... [--daemon stord-POLICY|qsd]...
-//!   [--workload randread:16]... [--client own|blkio|blkio-poll]... [--queues N] [--think-us N] [--think-spin on|off]`: our own
+//!   [--workload randread:16]... [--client own|blkio|blkio-poll]... [--queues N] [--iothreads N] [--think-us N] [--think-spin on|off]`: our own
 //!   vhost-user frontend or libblkio against the vhost-user-blk exports of stord (one row per
 //!   polling policy) and qemu-storage-daemon.
 //! - `fuse [--runtime S] [--reps N] [--backend null|file]... [--iothreads N]...
@@ -44,7 +44,7 @@ fn usage() -> ! {
          [--iothreads N]... [--daemon stord|stord-uring|qsd]... [--out DIR]\n\
          \x20      stord-bench vhost [--runtime S] [--reps N] [--backend null|file]... \
          [--daemon stord-off|stord-classic|stord-weighted|stord-haltpoll|qsd]... [--workload RW:QD]... \
-         [--client own|blkio|blkio-poll]... [--queues N] [--think-us N] [--think-spin on|off] [--out DIR]\n\
+         [--client own|blkio|blkio-poll]... [--queues N] [--iothreads N] [--think-us N] [--think-spin on|off] [--out DIR]\n\
          \x20      stord-bench idle [--seconds N] [--out DIR]"
     );
     std::process::exit(2);
@@ -256,6 +256,7 @@ fn main() {
                 match flag {
                     "--client" => clients.push(v.to_string()),
                     "--queues" => opts.queues = parse(flag, v),
+                    "--iothreads" => opts.iothreads = Some(parse(flag, v)),
                     "--think-us" => opts.think_us = parse(flag, v),
                     "--think-spin" => opts.think_spin = parse::<String>(flag, v) == "on",
                     _ if m.take(flag, v) => {}

@@ -41,6 +41,9 @@ pub struct VhostOptions {
     pub clients: Vec<String>,
     /// Queues (and client threads) per run.
     pub queues: usize,
+    /// IoThreads serving them in stord (queue i on IoThread i % n; default: one per queue).
+    /// qsd 10.0 always serves every queue from its one IoThread.
+    pub iothreads: Option<usize>,
     /// Think time per request (µs), slept as fio does unless `think_spin`.
     pub think_us: u64,
     /// Spin through the think time.
@@ -63,6 +66,7 @@ impl Default for VhostOptions {
             ],
             clients: vec!["own".into()],
             queues: 1,
+            iothreads: None,
             think_us: 0,
             think_spin: false,
         }
@@ -441,23 +445,23 @@ pub(crate) fn drive(sock: &Path, spec: &DriveSpec) -> FioResult {
 /// qsd-style arguments: IoThread `io0` from `iothread`, the node "disk" from `node`, and a
 /// writable one-queue vhost-user-blk export on `sock` served by io0.
 pub(crate) fn export_args(iothread: String, node: String, sock: &Path) -> Vec<String> {
-    export_args_mq(iothread, node, sock, 1, false)
+    export_args_mq(iothread, node, sock, 1, 1)
 }
 
-/// As [`export_args`] with `queues` queues; with `spread`, IoThreads io0..ioN-1 (the same
-/// options as io0) serve one queue each.
+/// As [`export_args`] with `queues` queues served by `iothreads` IoThreads io0..ioN-1 (the
+/// same options as io0; queue i on IoThread i % N); one IoThread means `iothread=io0`.
 pub(crate) fn export_args_mq(
     iothread: String,
     node: String,
     sock: &Path,
     queues: usize,
-    spread: bool,
+    iothreads: usize,
 ) -> Vec<String> {
     let mut args = vec!["--object".into(), iothread.clone()];
     let mut placement = "iothread=io0".to_string();
-    if spread && queues > 1 {
+    if iothreads > 1 {
         placement = "iothread.0=io0".into();
-        for i in 1..queues {
+        for i in 1..iothreads {
             args.push("--object".into());
             args.push(iothread.replacen("id=io0", &format!("id=io{i}"), 1));
             placement.push_str(&format!(",iothread.{i}=io{i}"));
@@ -537,12 +541,17 @@ pub fn run(opts: &VhostOptions) -> (Vec<Row>, Vec<serde_json::Value>) {
                         };
                         let (bin, iothread) = qsd_style(d);
                         let stord = d != "qsd";
+                        let iothreads = if stord {
+                            opts.iothreads.unwrap_or(opts.queues)
+                        } else {
+                            1
+                        };
                         let mut args = export_args_mq(
                             iothread,
                             blockdev(backend, &img),
                             &sock,
                             opts.queues,
-                            stord,
+                            iothreads,
                         );
                         let qmp_sock = dir.join("vhost-bench-qmp.sock");
                         if stord {
@@ -608,10 +617,10 @@ pub fn run(opts: &VhostOptions) -> (Vec<Row>, Vec<serde_json::Value>) {
                 } else {
                     format!("{backend} {client}")
                 };
-                let label = if opts.queues > 1 {
-                    format!("{label} x{}q", opts.queues)
-                } else {
-                    label
+                let label = match (opts.queues, opts.iothreads) {
+                    (1, _) => label,
+                    (q, Some(t)) => format!("{label} x{q}q/{t}t"),
+                    (q, None) => format!("{label} x{q}q"),
                 };
                 for (i, d) in names.iter().enumerate() {
                     rows.push(Row::summarize(&label, rw, *qd, d, &per[i]));

@@ -99,6 +99,9 @@ pub fn iothread_params(kv: &mut KeyVal) -> Result<(PollParams, ReactorKind), Str
     }
     p.allow_shrink = kv.take_bool("poll-allow-shrink", true)?;
     p.nap = kv.take_bool("poll-nap", true)?;
+    if let Some(v) = kv.take_u64("poll-yield-ns", false)? {
+        p.yield_ns = v;
+    }
     p.validate().map_err(|e| format!("{}: {e}", kv.what))?;
     let reactor = match kv.take("reactor") {
         Some(r) => r.parse().map_err(|e| format!("{}: {e}", kv.what))?,

@@ -111,7 +111,18 @@ pub struct PollParams {
     /// Let the policy nap before polling when it can tell the next event is far enough
     /// away (weighted and haltpoll; see [`nap_for`]).
     pub nap: bool,
+    /// While polling, give the CPU to another runnable thread (sched_yield) this often;
+    /// 0 never yields. See [`DEFAULT_POLL_YIELD_NS`].
+    pub yield_ns: u64,
 }
+
+/// Default `poll-yield-ns`. A poller that never yields keeps a runnable thread on its CPU
+/// waiting, and when that thread is the one that would send the next request (more
+/// IoThreads and client threads than CPUs) polling makes everything slower. sched_yield
+/// returns at once when nothing else is runnable. Measured with two vhost-user-blk queues
+/// on two IoThreads and two libblkio threads on 2 vCPUs: 483k IOPS without yielding, 901k
+/// with a yield every 5 µs; one queue within noise either way.
+pub const DEFAULT_POLL_YIELD_NS: u64 = 5_000;
 
 impl Default for PollParams {
     fn default() -> Self {
@@ -124,6 +135,7 @@ impl Default for PollParams {
             grow_start_ns: DEFAULT_GROW_START_NS,
             allow_shrink: true,
             nap: true,
+            yield_ns: DEFAULT_POLL_YIELD_NS,
         }
     }
 }

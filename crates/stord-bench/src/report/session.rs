@@ -86,15 +86,19 @@ pub fn qsd_style(daemon: &str) -> (PathBuf, String) {
         return (bin, format!("iothread,id=io0,poll-policy={policy}"));
     }
     match daemon.strip_prefix("stord-") {
-        // stord-POLICY, or stord-POLICY:MAXNS for another poll-max-ns.
+        // stord-POLICY, stord-POLICY:MAXNS for another poll-max-ns, and any more IoThread
+        // options after '+' (stord-classic+poll-yield-ns=0).
         Some(spec) => {
-            let (policy, max) = match spec.split_once(':') {
+            let mut parts = spec.split('+');
+            let head = parts.next().unwrap_or(spec);
+            let (policy, max) = match head.split_once(':') {
                 Some((p, m)) => (p, format!(",poll-max-ns={m}")),
-                None => (spec, String::new()),
+                None => (head, String::new()),
             };
+            let extra: String = parts.map(|o| format!(",{o}")).collect();
             (
                 stord_binary(),
-                format!("iothread,id=io0,poll-policy={policy}{max}"),
+                format!("iothread,id=io0,poll-policy={policy}{max}{extra}"),
             )
         }
         None => {

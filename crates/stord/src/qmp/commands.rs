@@ -157,6 +157,7 @@ pub async fn execute(
                 ("poll-shrink", true),
                 ("poll-weight", true),
                 ("poll-grow-start", true),
+                ("poll-yield-ns", true),
                 ("aio-max-batch", true),
                 ("poll-policy", false),
                 ("reactor", false),
@@ -471,6 +472,7 @@ fn qom_get(st: &State, path: &str, prop: &str) -> Result<Value, QmpError> {
         "poll-grow-start" => json!(p.grow_start_ns),
         "poll-allow-shrink" => json!(p.allow_shrink),
         "poll-nap" => json!(p.nap),
+        "poll-yield-ns" => json!(p.yield_ns),
         "aio-max-batch" => json!(0),
         "type" => json!("iothread"),
         other => {
@@ -499,6 +501,7 @@ fn qom_set(st: &State, path: &str, prop: &str, value: Value) -> Result<(), QmpEr
                 .map_err(|_| QmpError::generic("poll-weight must be in 0..=63"))?
         }
         "poll-grow-start" => p.grow_start_ns = int(&value)?,
+        "poll-yield-ns" => p.yield_ns = int(&value)?,
         "poll-allow-shrink" => {
             p.allow_shrink = value
                 .as_bool()
