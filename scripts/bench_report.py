@@ -42,8 +42,15 @@ NA = "–"  # printed for null / missing values
 NOT_MEASURED = "(not measured in this run)"
 
 # Display order; values not listed here are appended after these, sorted by name.
-EXPORTS = ["nbd", "fuse", "vhost-user-blk"]
-EXPORT_LABEL = {"nbd": "NBD", "fuse": "FUSE", "vhost-user-blk": "vhost-user-blk", "raw": "raw file"}
+EXPORTS = ["nbd", "fuse", "vhost-user-blk", "vhost-user-blk-libblkio", "vhost-user-blk-libblkio-poll"]
+EXPORT_LABEL = {
+    "nbd": "NBD",
+    "fuse": "FUSE",
+    "vhost-user-blk": "vhost-user-blk (stord-bench's frontend)",
+    "vhost-user-blk-libblkio": "vhost-user-blk (libblkio)",
+    "vhost-user-blk-libblkio-poll": "vhost-user-blk (libblkio poll queues)",
+    "raw": "raw file",
+}
 BACKENDS = ["null", "file-io_uring", "file-native", "file-threads", "file"]
 BACKEND_LABEL = {
     "null": "null",

@@ -16,7 +16,7 @@
 //!   polling policy) and qemu-storage-daemon.
 //! - `fuse [--runtime S] [--reps N] [--backend null|file]... [--iothreads N]...
 //!   [--daemon stord|qsd]...`: fio through the FUSE-mounted image, stord vs qsd.
-//! - `report [--runtime-ms N] [--ramp-ms N] [--reps N] [--export nbd|fuse|vhost-user-blk]...
+//! - `report [--runtime-ms N] [--ramp-ms N] [--reps N] [--export nbd|fuse|vhost-user-blk|vhost-user-blk-libblkio|vhost-user-blk-libblkio-poll]...
 //!   [--extras on|off] [--docs on|off] [--out DIR]`: everything above side by side in one
 //!   run, then docs/benchmarks.md, its plots and the README headline regenerated.
 //! - `report-docs FILE.json`: regenerates the docs from an earlier report's JSON.
@@ -319,6 +319,8 @@ fn main() {
                         "nbd" => report::Export::Nbd,
                         "fuse" => report::Export::Fuse,
                         "vhost-user-blk" | "vhost" => report::Export::Vhost,
+                        "vhost-user-blk-libblkio" => report::Export::VhostBlkio,
+                        "vhost-user-blk-libblkio-poll" => report::Export::VhostBlkioPoll,
                         _ => usage(),
                     }),
                     "--extras" => opts.extras = on_off(flag, v),

@@ -87,6 +87,49 @@ impl Qmp {
     }
 }
 
+impl Qmp {
+    /// Every IoThread's histogram `name` (power-of-two buckets), summed.
+    pub fn histogram(&mut self, name: &str) -> std::io::Result<Vec<u64>> {
+        let threads = self.execute("query-iothreads", json!({}))?;
+        let mut sum: Vec<u64> = Vec::new();
+        for t in threads.as_array().into_iter().flatten() {
+            if let Some(h) = t["x-stats"]["histograms"][name].as_array() {
+                sum.resize(sum.len().max(h.len()), 0);
+                for (i, v) in h.iter().enumerate() {
+                    sum[i] += v.as_u64().unwrap_or(0);
+                }
+            }
+        }
+        Ok(sum)
+    }
+}
+
+/// The median of the values counted between two snapshots of a power-of-two histogram
+/// (bucket i > 0 holds [2^(i-1), 2^i)): the geometric middle of the median's bucket.
+pub fn histogram_median(before: &[u64], after: &[u64]) -> Option<f64> {
+    let d: Vec<u64> = after
+        .iter()
+        .enumerate()
+        .map(|(i, a)| a.saturating_sub(before.get(i).copied().unwrap_or(0)))
+        .collect();
+    let total: u64 = d.iter().sum();
+    if total == 0 {
+        return None;
+    }
+    let mut seen = 0;
+    for (i, n) in d.iter().enumerate() {
+        seen += n;
+        if seen * 2 >= total {
+            return Some(if i == 0 {
+                0.0
+            } else {
+                (1u64 << (i - 1)) as f64 * std::f64::consts::SQRT_2
+            });
+        }
+    }
+    None
+}
+
 /// `after - before` per name, and each divided by `per` (e.g. requests).
 pub fn per_unit(before: &[(String, u64)], after: &[(String, u64)], per: &str) -> Value {
     let get = |v: &[(String, u64)], k: &str| v.iter().find(|(n, _)| n == k).map_or(0, |x| x.1);

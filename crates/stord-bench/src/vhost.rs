@@ -568,6 +568,9 @@ pub fn run(opts: &VhostOptions) -> (Vec<Row>, Vec<serde_json::Value>) {
                         let daemon = Daemon::start(d, &bin, &args, &sock);
                         let mut qmp = stord.then(|| Qmp::connect(&qmp_sock).expect("QMP"));
                         let before = qmp.as_mut().map(|q| q.loop_counters().expect("x-stats"));
+                        let svc0 = qmp
+                            .as_mut()
+                            .map(|q| q.histogram("virtqueue.service-ns").expect("x-stats"));
                         let cpu0 = daemon.cpu_ns();
                         let t0 = Instant::now();
                         let spec = DriveSpec {
@@ -585,6 +588,14 @@ pub fn run(opts: &VhostOptions) -> (Vec<Row>, Vec<serde_json::Value>) {
                         let cpu1 = daemon.cpu_ns();
                         if let (Some(q), Some(before)) = (qmp.as_mut(), before) {
                             let after = q.loop_counters().expect("x-stats");
+                            let svc1 = q.histogram("virtqueue.service-ns").expect("x-stats");
+                            let service_p50 = svc0
+                                .as_deref()
+                                .and_then(|b| crate::qmp::histogram_median(b, &svc1));
+                            eprintln!(
+                                "  {d}: request service time (pop to completion published) p50 ~{:.1} us",
+                                service_p50.unwrap_or(0.0) / 1000.0
+                            );
                             let c = per_unit(&before, &after, "virtqueue.requests");
                             eprintln!(
                                 "  {d}: per request: kicks {} calls {} sleeps {} poll-hits {} rearms {} naps {} (cut short {}) poll-ns {} nap-ns {}; wake cost {} ns",
@@ -603,6 +614,7 @@ pub fn run(opts: &VhostOptions) -> (Vec<Row>, Vec<serde_json::Value>) {
                                 "backend": backend, "client": client, "workload": rw,
                                 "iodepth": qd, "daemon": d, "rep": rep,
                                 "iops": r.iops, "per_request": c,
+                                "service_p50_ns": service_p50,
                             }));
                         }
                         // CPU over the whole connection (ramp included) per I/O at the

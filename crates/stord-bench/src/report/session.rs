@@ -1,6 +1,7 @@
 //! One daemon serving one export of one backend, started fresh, and the workloads run
 //! against it: fio's nbd engine for NBD, fio's io_uring engine on the mounted file for
-//! FUSE and on the image itself for the raw floor, our own frontend for vhost-user-blk.
+//! FUSE and on the image itself for the raw floor, our own frontend or libblkio for
+//! vhost-user-blk.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -8,14 +9,19 @@ use std::time::{Duration, Instant};
 use crate::fuse::{start_with as mount_fuse, Mounted};
 use crate::nbd::{which, IMAGE_SIZE};
 use crate::peers::{stord_binary, try_run_fio, Daemon, FioResult};
-use crate::vhost::{drive, export_args as vhost_args, DriveSpec};
+use crate::vhost::{drive_with, export_args as vhost_args, DriveSpec};
 
-/// The exports a session can serve.
+/// The exports a session can serve (vhost-user-blk once per client that drives it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Export {
     Nbd,
     Fuse,
+    /// vhost-user-blk driven by stord-bench's own frontend.
     Vhost,
+    /// vhost-user-blk driven by libblkio's blocking queues.
+    VhostBlkio,
+    /// vhost-user-blk driven by libblkio's poll queues.
+    VhostBlkioPoll,
     /// No daemon: fio on the image file (the floor).
     Raw,
 }
@@ -26,6 +32,8 @@ impl Export {
             Export::Nbd => "nbd",
             Export::Fuse => "fuse",
             Export::Vhost => "vhost-user-blk",
+            Export::VhostBlkio => "vhost-user-blk-libblkio",
+            Export::VhostBlkioPoll => "vhost-user-blk-libblkio-poll",
             Export::Raw => "raw",
         }
     }
@@ -205,7 +213,7 @@ impl Session {
                     false,
                 ))
             }
-            Export::Vhost => {
+            Export::Vhost | Export::VhostBlkio | Export::VhostBlkioPoll => {
                 let (bin, iothread) = qsd_style(daemon);
                 let args = vhost_args(iothread, blockdev(backend, &p.img), &p.sock);
                 Running::Vhost(Daemon::start(daemon, &bin, &args, &p.sock))
@@ -294,9 +302,8 @@ impl Session {
         let c0 = cpu();
         let t0 = Instant::now();
         let r = match &self.running {
-            Running::Vhost(_) => drive(
-                &p.sock,
-                &DriveSpec {
+            Running::Vhost(_) => {
+                let spec = DriveSpec {
                     write: w.rw.contains("write"),
                     sequential: !w.rw.starts_with("rand"),
                     bs: w.bs,
@@ -305,8 +312,14 @@ impl Session {
                     runtime: t.runtime,
                     think: Duration::ZERO,
                     think_spin: false,
-                },
-            ),
+                };
+                let client = match self.export {
+                    Export::VhostBlkio => "blkio",
+                    Export::VhostBlkioPoll => "blkio-poll",
+                    _ => "own",
+                };
+                drive_with(client, &p.sock, &spec, 1)
+            }
             _ => match try_run_fio(&self.fio_args(w, t, p, extra)) {
                 Ok(r) => r,
                 Err(e) => {
