@@ -88,9 +88,7 @@ pub(crate) struct Inner {
     poll_started: Cell<bool>,
     /// `poll-yield-ns` in force.
     yield_ns: Cell<u64>,
-    /// How much longer than asked a short timed sleep lasts (waking a halted CPU): the
-    /// naps' cost, calibrated at creation and refined by every nap that times out.
-    wake_cost_ns: Cell<u64>,
+
     events: RefCell<Vec<Event>>,
     ready: RefCell<Vec<HandlerId>>,
     windows: RefCell<Vec<(Option<HandlerId>, u64)>>,
@@ -199,7 +197,6 @@ impl AioContext {
             fd_handlers: RefCell::default(),
             policy: RefCell::new(policy),
             poll_started: Cell::new(false),
-            wake_cost_ns: Cell::new(0),
             yield_ns: Cell::new(opts.poll.yield_ns),
             events: RefCell::default(),
             ready: RefCell::default(),
@@ -209,10 +206,6 @@ impl AioContext {
         });
         CURRENT.with(|c| *c.borrow_mut() = Some(inner.clone()));
         inner.publish_windows();
-        // Timed waits as precise as the kernel can make them (the default slack rounds
-        // them up by 50 µs), then measure what a short one really costs.
-        crate::sys::set_timer_slack_ns(1);
-        inner.calibrate_wake_cost();
         Ok(Self { inner, owner: true })
     }
 
@@ -553,25 +546,6 @@ impl Inner {
         }
     }
 
-    /// Measures what a 1 µs timed wait costs on this machine (median of five; ~0.1 ms).
-    fn calibrate_wake_cost(&self) {
-        let mut events = Vec::new();
-        let mut samples: Vec<u64> = (0..5)
-            .map(|_| {
-                let t0 = now_ns();
-                self.reactor.borrow_mut().wait(Some(1000), &mut events);
-                (now_ns() - t0).saturating_sub(1000)
-            })
-            .collect();
-        events.clear();
-        samples.sort_unstable();
-        self.wake_cost_ns.set(samples[2]);
-        self.shared
-            .stats
-            .wake_cost_ns
-            .store(samples[2], std::sync::atomic::Ordering::Relaxed);
-    }
-
     fn set_poll_started(&self, on: bool) {
         if self.poll_started.replace(on) == on {
             return;
@@ -607,55 +581,9 @@ impl Inner {
         };
         let mut events = std::mem::take(&mut *self.events.borrow_mut());
         let mut reaped = (0, false);
-        // A nap first, when the policy expects the next event far enough away: a timed
-        // sleep with notifications on (an early event wakes us as any sleep would), after
-        // which the window is polled. The window then counts from the nap's end.
-        let mut nap_end = start;
-        let mut nap_cut_short = None;
         if window > 0 {
-            let nap = self.policy.borrow().nap_ns(self.wake_cost_ns.get());
-            let nap = timeout.map_or(nap, |t| t.min(nap));
-            if nap > 0 {
-                if self.poll_started.get() {
-                    self.set_poll_started(false);
-                }
-                self.poll_all(&mut ready);
-                if ready.is_empty() && self.shared.notifier.prepare_block() {
-                    let t0 = now_ns();
-                    reaped = self.reactor.borrow_mut().wait(Some(nap), &mut events);
-                    let t1 = now_ns();
-                    self.shared.notifier.finish_block();
-                    AioStats::add(&stats.naps, 1);
-                    AioStats::add(&stats.nap_ns, t1 - t0);
-                    let woke = reaped.0 > 0 || reaped.1 || !events.is_empty();
-                    if woke || self.shared.notifier.peek() {
-                        AioStats::add(&stats.naps_interrupted, 1);
-                        nap_cut_short = Some(true);
-                        timeout = Some(0);
-                    } else {
-                        nap_cut_short = Some(false);
-                        // Ran to its timeout: what it cost beyond the asked time (a sample
-                        // far above the estimate is a preemption, not the wake-up: capped).
-                        let c = self.wake_cost_ns.get();
-                        let cost = (t1 - t0).saturating_sub(nap).min(2 * c + 5_000);
-                        let c = c - c / 8 + cost / 8;
-                        self.wake_cost_ns.set(c);
-                        stats
-                            .wake_cost_ns
-                            .store(c, std::sync::atomic::Ordering::Relaxed);
-                    }
-                    if let Some(t) = timeout.as_mut() {
-                        *t = t.saturating_sub(t1 - t0);
-                    }
-                    nap_end = t1;
-                } else {
-                    timeout = Some(0);
-                }
-            }
-        }
-        if window > 0 && timeout != Some(0) {
             AioStats::add(&stats.polls_attempted, 1);
-            let limit = (nap_end - start) + timeout.map_or(window, |t| t.min(window));
+            let limit = timeout.map_or(window, |t| t.min(window));
             self.set_poll_started(true);
             let mut now;
             // Polite polling: a runnable thread on this CPU gets it every `yield_ns`.
@@ -737,10 +665,10 @@ impl Inner {
         AioStats::add(&stats.completions, completions as u64);
         stats.completions_per_iteration.record(completions as u64);
 
-        // Dispatch. None of this counts as polling time. One call per fd: a nap and the
-        // reap after it can both report the same fd (its re-armed poll completes again
-        // before the handler has consumed the readiness), and a handler that reads a
-        // blocking fd must not be called for readiness it already took.
+        // Dispatch. None of this counts as polling time. One call per fd: two reaps in one
+        // iteration can both report the same fd (its re-armed poll completes again before
+        // the handler has consumed the readiness), and a handler that reads a blocking fd
+        // must not be called for readiness it already took.
         if events.len() > 1 {
             merge_fd_events(&mut events);
         }
@@ -776,7 +704,6 @@ impl Inner {
             block_ns,
             slept_ns,
             events: &ready,
-            nap_cut_short,
         });
         *self.ready.borrow_mut() = ready;
         self.publish_windows();

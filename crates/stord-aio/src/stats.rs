@@ -97,10 +97,6 @@ pub struct AioStats {
     pub(crate) completions_per_iteration: Histogram,
     pub(crate) windows: Mutex<Vec<HandlerWindow>>,
     pub(crate) window_ns: AtomicU64,
-    pub(crate) naps: AtomicU64,
-    pub(crate) naps_interrupted: AtomicU64,
-    pub(crate) nap_ns: AtomicU64,
-    pub(crate) wake_cost_ns: AtomicU64,
     pub(crate) user: Mutex<UserStats>,
 }
 
@@ -144,14 +140,6 @@ pub struct StatsSnapshot {
     pub windows: Vec<HandlerWindow>,
     /// The window the loop polls for before blocking (max over handlers).
     pub window_ns: u64,
-    /// Naps taken before polling (see `poll::nap_for`).
-    pub naps: u64,
-    /// Naps an event cut short.
-    pub naps_interrupted: u64,
-    /// Time spent napping.
-    pub nap_ns: u64,
-    /// What a short timed sleep costs beyond the time asked (the estimate naps use).
-    pub wake_cost_ns: u64,
     /// The users' counters, by name (see [`Counter`]).
     pub counters: Vec<(String, u64)>,
     /// The users' histograms, by name (power-of-two buckets).
@@ -180,10 +168,6 @@ impl AioStats {
                 .unwrap_or_else(|e| e.into_inner())
                 .clone(),
             window_ns: self.window_ns.load(Relaxed),
-            naps: self.naps.load(Relaxed),
-            naps_interrupted: self.naps_interrupted.load(Relaxed),
-            nap_ns: self.nap_ns.load(Relaxed),
-            wake_cost_ns: self.wake_cost_ns.load(Relaxed),
             counters: {
                 let u = self.user.lock().unwrap_or_else(|e| e.into_inner());
                 u.counters

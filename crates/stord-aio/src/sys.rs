@@ -46,12 +46,6 @@ pub fn yield_cpu() {
     unsafe { libc::sched_yield() };
 }
 
-/// Sets the calling thread's timer slack (how late the kernel may fire its timers).
-pub fn set_timer_slack_ns(ns: u64) {
-    // SAFETY: prctl(PR_SET_TIMERSLACK) takes an integer and touches no memory of ours.
-    unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, ns as libc::c_ulong, 0, 0, 0) };
-}
-
 /// A non-blocking, close-on-exec eventfd.
 pub fn eventfd() -> io::Result<OwnedFd> {
     // SAFETY: eventfd takes no pointers; the result is checked before use.

@@ -52,8 +52,6 @@ impl Qmp {
     pub fn loop_counters(&mut self) -> std::io::Result<Vec<(String, u64)>> {
         let threads = self.execute("query-iothreads", json!({}))?;
         let mut out: Vec<(String, u64)> = Vec::new();
-        // A level, not a count: the last IoThread's.
-        let mut wake_cost = 0;
         let mut add = |name: &str, v: u64| match out.iter_mut().find(|(n, _)| n == name) {
             Some((_, x)) => *x += v,
             None => out.push((name.to_string(), v)),
@@ -69,20 +67,15 @@ impl Qmp {
                 "blocked-ns",
                 "blocking-waits",
                 "eventfd-wakeups",
-                "naps",
-                "naps-interrupted",
-                "nap-ns",
             ] {
                 add(k, st[k].as_u64().unwrap_or(0));
             }
-            wake_cost = st["wake-cost-ns"].as_u64().unwrap_or(0);
             if let Some(m) = st["counters"].as_object() {
                 for (k, v) in m {
                     add(k, v.as_u64().unwrap_or(0));
                 }
             }
         }
-        out.push(("wake-cost-ns".into(), wake_cost));
         Ok(out)
     }
 }

@@ -598,17 +598,13 @@ pub fn run(opts: &VhostOptions) -> (Vec<Row>, Vec<serde_json::Value>) {
                             );
                             let c = per_unit(&before, &after, "virtqueue.requests");
                             eprintln!(
-                                "  {d}: per request: kicks {} calls {} sleeps {} poll-hits {} rearms {} naps {} (cut short {}) poll-ns {} nap-ns {}; wake cost {} ns",
+                                "  {d}: per request: kicks {} calls {} sleeps {} poll-hits {} rearms {} poll-ns {}",
                                 c["virtqueue.kicks/virtqueue.requests"],
                                 c["virtqueue.calls/virtqueue.requests"],
                                 c["blocking-waits/virtqueue.requests"],
                                 c["poll-hits/virtqueue.requests"],
                                 c["virtqueue.notify-rearms/virtqueue.requests"],
-                                c["naps/virtqueue.requests"],
-                                c["naps-interrupted/virtqueue.requests"],
                                 c["poll-ns/virtqueue.requests"],
-                                c["nap-ns/virtqueue.requests"],
-                                after.iter().find(|(n, _)| n == "wake-cost-ns").map_or(0, |x| x.1),
                             );
                             counters.push(serde_json::json!({
                                 "backend": backend, "client": client, "workload": rw,

@@ -98,7 +98,6 @@ pub fn iothread_params(kv: &mut KeyVal) -> Result<(PollParams, ReactorKind), Str
         p.grow_start_ns = v;
     }
     p.allow_shrink = kv.take_bool("poll-allow-shrink", true)?;
-    p.nap = kv.take_bool("poll-nap", true)?;
     if let Some(v) = kv.take_u64("poll-yield-ns", false)? {
         p.yield_ns = v;
     }

@@ -100,7 +100,6 @@ mod tests {
             block_ns,
             slept_ns: None,
             events,
-            nap_cut_short: None,
         });
         p.window_ns()
     }

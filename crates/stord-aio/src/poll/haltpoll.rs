@@ -6,10 +6,6 @@
 //! the window grows (times `poll-grow`, at least `grow-start`, at most the maximum); a sleep
 //! longer than the maximum shrinks it (divide by `poll-shrink`, 0 meaning 2) when
 //! `allow-shrink` is on. Iterations that never slept leave it alone.
-//!
-//! Our addition: the governor also averages the waits that ended in an event within
-//! `poll-max-ns`, and their deviation, and naps before polling when the next event is far
-//! and regular enough ([`super::nap_for`]; `poll-nap`).
 
 use super::{HandlerId, Observation, PolicyKind, PollParams, PollPolicy};
 
@@ -18,10 +14,6 @@ use super::{HandlerId, Observation, PolicyKind, PollParams, PollPolicy};
 pub struct Haltpoll {
     params: PollParams,
     limit_ns: u64,
-    /// Moving averages (weight 1/8) of the wait for an event and of its deviation.
-    wait_ns: u64,
-    wait_dev: u64,
-    naps: super::NapFeedback,
 }
 
 impl Haltpoll {
@@ -30,26 +22,9 @@ impl Haltpoll {
         Self {
             params: *params,
             limit_ns: 0,
-            wait_ns: 0,
-            wait_dev: 0,
-            naps: super::NapFeedback::default(),
         }
     }
 
-    fn learn_wait(&mut self, obs: &Observation<'_>) {
-        if obs.events.is_empty() || obs.block_ns > self.params.max_ns {
-            return;
-        }
-        let b = obs.block_ns;
-        if self.wait_ns == 0 {
-            self.wait_ns = b;
-            self.wait_dev = b / 2;
-        } else {
-            let diff = b.abs_diff(self.wait_ns);
-            self.wait_dev = self.wait_dev - (self.wait_dev >> 3) + (diff >> 3);
-            self.wait_ns = self.wait_ns - (self.wait_ns >> 3) + (b >> 3);
-        }
-    }
 }
 
 impl PollPolicy for Haltpoll {
@@ -59,24 +34,13 @@ impl PollPolicy for Haltpoll {
     fn set_params(&mut self, params: &PollParams) {
         self.params = *params;
         self.limit_ns = 0;
-        self.wait_ns = 0;
-        self.wait_dev = 0;
     }
     fn add_handler(&mut self, _: HandlerId) {}
     fn remove_handler(&mut self, _: HandlerId) {}
     fn window_ns(&self) -> u64 {
         self.limit_ns.min(self.params.max_ns)
     }
-    fn nap_ns(&self, wake_cost_ns: u64) -> u64 {
-        if !self.params.nap || self.window_ns() == 0 || self.wait_ns == 0 {
-            return 0;
-        }
-        self.naps
-            .scale(super::nap_for(self.wait_ns, self.wait_dev, wake_cost_ns))
-    }
     fn adjust(&mut self, obs: &Observation<'_>) {
-        self.learn_wait(obs);
-        self.naps.learn(obs);
         let Some(slept) = obs.slept_ns else { return };
         let max = self.params.max_ns;
         if max == 0 {
@@ -117,7 +81,6 @@ mod tests {
             block_ns: ns,
             slept_ns: Some(ns),
             events: &[],
-            nap_cut_short: None,
         });
         p.window_ns()
     }
@@ -127,7 +90,6 @@ mod tests {
             block_ns: ns,
             slept_ns: None,
             events: &[0],
-            nap_cut_short: None,
         });
         p.window_ns()
     }

@@ -108,9 +108,6 @@ pub struct PollParams {
     pub grow_start_ns: u64,
     /// haltpoll's allow-shrink switch.
     pub allow_shrink: bool,
-    /// Let the policy nap before polling when it can tell the next event is far enough
-    /// away (weighted and haltpoll; see [`nap_for`]).
-    pub nap: bool,
     /// While polling, give the CPU to another runnable thread (sched_yield) this often;
     /// 0 never yields. See [`DEFAULT_POLL_YIELD_NS`].
     pub yield_ns: u64,
@@ -134,7 +131,6 @@ impl Default for PollParams {
             weight: 0,
             grow_start_ns: DEFAULT_GROW_START_NS,
             allow_shrink: true,
-            nap: true,
             yield_ns: DEFAULT_POLL_YIELD_NS,
         }
     }
@@ -174,70 +170,12 @@ impl PollParams {
 /// What happened during one loop iteration, as a policy sees it.
 #[derive(Debug, Clone, Copy)]
 pub struct Observation<'a> {
-    /// Time from the start of the wait to its end (nap, polling and blocking).
+    /// Time from the start of polling to the end of the wait (polling + blocking).
     pub block_ns: u64,
-    /// `Some(ns)` when the loop really blocked in the reactor after polling, for that long
-    /// (a nap is not counted here).
+    /// `Some(ns)` when the loop really blocked in the reactor, for that long.
     pub slept_ns: Option<u64>,
     /// Handlers that had an event in this iteration.
     pub events: &'a [HandlerId],
-    /// The iteration napped: `Some(true)` when an event cut the nap short.
-    pub nap_cut_short: Option<bool>,
-}
-
-/// How much of the computed nap a policy dares take, in eighths: halved when an event cut
-/// a nap short (the estimate was too bold), one eighth more after each nap that ran to its
-/// end, so naps settle where they are rarely cut short.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct NapFeedback(u64);
-
-impl Default for NapFeedback {
-    fn default() -> Self {
-        Self(8)
-    }
-}
-
-impl NapFeedback {
-    pub(crate) fn learn(&mut self, obs: &Observation<'_>) {
-        match obs.nap_cut_short {
-            Some(true) => self.0 /= 2,
-            Some(false) => self.0 = (self.0 + 1).min(8),
-            None => {}
-        }
-    }
-    pub(crate) fn scale(self, nap: u64) -> u64 {
-        let n = nap * self.0 / 8;
-        if n < MIN_NAP_NS {
-            0
-        } else {
-            n
-        }
-    }
-}
-
-/// Shortest nap to ask for (the sleep lasts `wake_cost` longer: that is what it saves).
-pub const MIN_NAP_NS: u64 = 1_000;
-/// Time a nap leaves between its expected end and the expected event, beyond one average
-/// deviation of the wait, for jitter.
-pub const NAP_MARGIN_NS: u64 = 2_000;
-
-/// The nap before polling, when the next event is expected `expected_ns` after the start
-/// of the wait with a typical deviation of `dev_ns`, and a timed sleep lasts `wake_cost_ns`
-/// longer than asked (the cost of waking a halted CPU). Sleeping through the part of the
-/// wait that surely comes before the event saves that much polling, and polling the rest
-/// keeps the latency: the event should find the loop polling again, not asleep. 0 when the
-/// wait is too short or too irregular for that.
-///
-/// Polling from the start wastes the whole wait when it is long and regular (a client
-/// that thinks 20 µs between requests); sleeping through it costs a wake-up (tens of µs on
-/// a virtual machine) on every request. The nap is the middle way.
-pub fn nap_for(expected_ns: u64, dev_ns: u64, wake_cost_ns: u64) -> u64 {
-    let nap = expected_ns.saturating_sub(dev_ns + wake_cost_ns + NAP_MARGIN_NS);
-    if nap < MIN_NAP_NS {
-        0
-    } else {
-        nap
-    }
 }
 
 /// A polling policy. One instance per context; handlers are announced as they come and go.
@@ -250,13 +188,8 @@ pub trait PollPolicy: Send {
     fn add_handler(&mut self, id: HandlerId);
     /// A handler leaves.
     fn remove_handler(&mut self, id: HandlerId);
-    /// How long to poll before blocking, in nanoseconds (counted from the end of a nap).
+    /// How long to poll before blocking, in nanoseconds.
     fn window_ns(&self) -> u64;
-    /// How long to sleep before polling (ns asked of the timer), given that a timed sleep
-    /// lasts `wake_cost_ns` longer than asked; 0 (the default) polls at once.
-    fn nap_ns(&self, _wake_cost_ns: u64) -> u64 {
-        0
-    }
     /// Learns from one iteration.
     fn adjust(&mut self, obs: &Observation<'_>);
     /// The window of each handler (`None` for a context-wide window), for statistics.
@@ -321,15 +254,6 @@ mod tests {
             assert_eq!(k.name().parse::<PolicyKind>().unwrap(), k);
         }
         assert!("fast".parse::<PolicyKind>().unwrap_err().contains("fast"));
-    }
-
-    #[test]
-    fn naps_leave_room_for_the_wake_up_and_the_jitter() {
-        // 45 µs expected, 2 µs spread, 20 µs wake-up: 45 - 2 - 20 - 2 = 21 µs.
-        assert_eq!(nap_for(45_000, 2_000, 20_000), 21_000);
-        // Too irregular, or too short for the wake-up: poll at once.
-        assert_eq!(nap_for(45_000, 23_000, 20_000), 0);
-        assert_eq!(nap_for(22_000, 0, 20_000), 0);
     }
 
     #[test]

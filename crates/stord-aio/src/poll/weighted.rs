@@ -6,18 +6,12 @@
 //! to 0 and stops counting, so sporadic handlers do not keep polling alive. The context
 //! window then grows to the largest estimate (at least times `poll-grow`), or shrinks by
 //! `poll-shrink` (0 meaning halve) when the largest estimate falls below window/shrink.
-//!
-//! Our addition: each handler also keeps the average deviation of its waits, and when the
-//! soonest expected event is far and regular enough, the loop naps through the first part
-//! of the wait before polling ([`super::nap_for`]; `poll-nap`).
 
 use super::{HandlerId, Observation, PolicyKind, PollParams, PollPolicy, Slots};
 
 #[derive(Debug, Default, Clone, Copy)]
 struct HandlerEstimate {
     ns: u64,
-    /// Moving average of |wait - estimate|, same weight.
-    dev: u64,
     has_event: bool,
 }
 
@@ -27,7 +21,6 @@ pub struct Weighted {
     params: PollParams,
     poll_ns: u64,
     handlers: Slots<HandlerEstimate>,
-    naps: super::NapFeedback,
 }
 
 impl Weighted {
@@ -37,7 +30,6 @@ impl Weighted {
             params: *params,
             poll_ns: 0,
             handlers: Slots::default(),
-            naps: super::NapFeedback::default(),
         }
     }
 
@@ -78,7 +70,6 @@ impl PollPolicy for Weighted {
             return;
         }
         let w = self.params.weight_shift();
-        self.naps.learn(obs);
         for &id in obs.events {
             if let Some(h) = self.handlers.get_mut(id) {
                 h.has_event = true;
@@ -90,15 +81,11 @@ impl PollPolicy for Weighted {
         for (_, h) in self.handlers.iter_mut() {
             if h.has_event {
                 any_event = true;
-                if h.ns == 0 {
-                    // One sample says little about the spread: assume half of it.
-                    h.dev = block / 2;
-                    h.ns = block;
+                h.ns = if h.ns == 0 {
+                    block
                 } else {
-                    let diff = block.abs_diff(h.ns);
-                    h.dev = h.dev - (h.dev >> w) + (diff >> w);
-                    h.ns = h.ns - (h.ns >> w) + (block >> w);
-                }
+                    h.ns - (h.ns >> w) + (block >> w)
+                };
                 if h.ns >= max {
                     h.ns = 0;
                 }
@@ -124,20 +111,6 @@ impl PollPolicy for Weighted {
             }
         }
     }
-    fn nap_ns(&self, wake_cost_ns: u64) -> u64 {
-        if !self.params.nap || self.params.max_ns == 0 || self.poll_ns == 0 {
-            return 0;
-        }
-        // The soonest expected event decides (a handler at 0 has no estimate).
-        let nap = self
-            .handlers
-            .iter()
-            .filter(|(_, h)| h.ns != 0)
-            .map(|(_, h)| super::nap_for(h.ns, h.dev, wake_cost_ns))
-            .min()
-            .unwrap_or(0);
-        self.naps.scale(nap)
-    }
     fn windows(&self, out: &mut Vec<(Option<HandlerId>, u64)>) {
         out.push((None, self.poll_ns));
         out.extend(self.handlers.iter().map(|(id, h)| (Some(id), h.ns)));
@@ -161,7 +134,6 @@ mod tests {
             block_ns,
             slept_ns: None,
             events,
-            nap_cut_short: None,
         });
         p.window_ns()
     }
@@ -225,35 +197,6 @@ mod tests {
         p.add_handler(2);
         step(&mut p, 50_000, &[2]);
         assert_eq!(estimate(&p, 2), 0);
-    }
-
-    #[test]
-    fn regular_long_waits_nap_and_irregular_ones_do_not() {
-        let mut p = Weighted::new(&PollParams::default());
-        p.add_handler(0);
-        for _ in 0..40 {
-            step(&mut p, 45_000, &[0]);
-        }
-        // Converged on 45 µs with little spread: nap 45 - dev - 20 - 2 µs.
-        let nap = p.nap_ns(20_000);
-        assert!((21_000..=23_000).contains(&nap), "{nap}");
-        // Nap off: never.
-        let mut off = Weighted::new(&PollParams {
-            nap: false,
-            ..PollParams::default()
-        });
-        off.add_handler(0);
-        for _ in 0..40 {
-            step(&mut off, 45_000, &[0]);
-        }
-        assert_eq!(off.nap_ns(20_000), 0);
-        // Waits alternating 10 and 60 µs: too irregular.
-        let mut q = Weighted::new(&PollParams::default());
-        q.add_handler(0);
-        for i in 0..40 {
-            step(&mut q, if i % 2 == 0 { 10_000 } else { 60_000 }, &[0]);
-        }
-        assert_eq!(q.nap_ns(20_000), 0);
     }
 
     #[test]

@@ -57,7 +57,7 @@ With no options, serves data/default.img (created sparse, 1 GiB) over NBD on a u
   -V, --version             show the version
   --object iothread,id=<id>[,poll-max-ns=<ns> (default 65536)][,poll-grow=<n>][,poll-shrink=<n>]
            [,poll-weight=<0..63>][,poll-policy=off|classic|weighted|haltpoll]
-           [,poll-grow-start=<ns>][,poll-allow-shrink=on|off][,poll-nap=on|off][,poll-yield-ns=<ns>]
+           [,poll-grow-start=<ns>][,poll-allow-shrink=on|off][,poll-yield-ns=<ns>]
            [,reactor=auto|io_uring|epoll]
                             an IoThread (an event loop on its own thread)
   --blockdev driver=null-co|null,node-name=<name>[,size=<size>][,read-zeroes=on|off]

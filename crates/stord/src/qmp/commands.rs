@@ -442,10 +442,6 @@ fn query_iothreads(st: &State) -> Value {
                         "completions": s.completions,
                         "completions-per-iteration": s.completions_per_iteration,
                         "window-ns": s.window_ns,
-                        "naps": s.naps,
-                        "naps-interrupted": s.naps_interrupted,
-                        "nap-ns": s.nap_ns,
-                        "wake-cost-ns": s.wake_cost_ns,
                         "windows": s.windows.iter().map(|w| json!({ "name": w.name, "ns": w.ns })).collect::<Vec<_>>(),
                         "counters": s.counters.iter().map(|(n, v)| (n.clone(), json!(v))).collect::<Map<String, Value>>(),
                         "histograms": s.histograms.iter().map(|(n, h)| (n.clone(), json!(h))).collect::<Map<String, Value>>(),
@@ -471,7 +467,6 @@ fn qom_get(st: &State, path: &str, prop: &str) -> Result<Value, QmpError> {
         "poll-policy" => json!(p.policy.name()),
         "poll-grow-start" => json!(p.grow_start_ns),
         "poll-allow-shrink" => json!(p.allow_shrink),
-        "poll-nap" => json!(p.nap),
         "poll-yield-ns" => json!(p.yield_ns),
         "aio-max-batch" => json!(0),
         "type" => json!("iothread"),
@@ -504,11 +499,6 @@ fn qom_set(st: &State, path: &str, prop: &str, value: Value) -> Result<(), QmpEr
         "poll-yield-ns" => p.yield_ns = int(&value)?,
         "poll-allow-shrink" => {
             p.allow_shrink = value
-                .as_bool()
-                .ok_or_else(|| Args::type_error(prop, "boolean"))?
-        }
-        "poll-nap" => {
-            p.nap = value
                 .as_bool()
                 .ok_or_else(|| Args::type_error(prop, "boolean"))?
         }
