@@ -5,7 +5,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::rawnbd::{RawNbd, CMD_DISC, CMD_READ};
+use common::rawnbd::{RawNbd, CMD_DISC, CMD_READ, CMD_WRITE};
 use common::{run, run_ok, sparse_image, tmpdir, Stord};
 
 fn file_node(img: &std::path::Path, aio: &str, direct: bool) -> String {
@@ -568,5 +568,109 @@ fn concurrent_unaligned_writes_with_o_direct_lose_nothing() {
                 "{aio}: write {i} lost"
             );
         }
+    }
+}
+
+const CHUNK_DATA: u16 = 1;
+const CHUNK_HOLE: u16 = 2;
+const CMD_FLAG_DF: u16 = 1 << 2;
+const CMD_TRIM: u16 = 4;
+const CMD_WRITE_ZEROES: u16 = 6;
+
+/// Reads `len` at `offset` with structured replies; the one chunk that answers it.
+fn structured_read(
+    c: &mut RawNbd,
+    handle: u64,
+    offset: u64,
+    len: u32,
+    flags: u16,
+) -> (u16, Vec<u8>) {
+    c.send_request(CMD_READ, flags, handle, offset, len, &[]);
+    let (f, kind, h, d) = c.read_chunk();
+    assert_eq!(
+        (f & 1, h),
+        (1, handle),
+        "one chunk, flagged DONE, for our handle"
+    );
+    (kind, d)
+}
+
+/// A simple-reply command (write, trim, write-zeroes) on a structured connection: success.
+fn structured_ok(c: &mut RawNbd, kind: u16, handle: u64, offset: u64, len: u32, payload: &[u8]) {
+    c.send_request(kind, 0, handle, offset, len, payload);
+    let mut h = [0u8; 16];
+    std::io::Read::read_exact(&mut c.s, &mut h).unwrap();
+    assert_eq!(
+        u32::from_be_bytes(h[4..8].try_into().unwrap()),
+        0,
+        "command {kind} failed"
+    );
+}
+
+/// Sparse reads: a range that reads as zero comes back as one OFFSET_HOLE chunk (as qsd
+/// does), unless the client set DF; and what the file driver remembers about extents
+/// never outlives a write, a discard or a write-zeroes into them.
+#[test]
+fn reads_of_holes_are_hole_chunks_and_never_stale() {
+    for aio in ["io_uring", "threads"] {
+        let dir = tmpdir(&format!("sparse-{aio}"));
+        let img = dir.join("disk.img");
+        sparse_image(&img, 8 << 20);
+        // 1 MiB of data at 2 MiB, the rest holes.
+        {
+            use std::os::unix::fs::FileExt;
+            let f = std::fs::OpenOptions::new().write(true).open(&img).unwrap();
+            f.write_all_at(&vec![0xa5; 1 << 20], 2 << 20).unwrap();
+        }
+        let s = Stord::with_node(&dir, &file_node(&img, aio, false), true);
+        let mut c = RawNbd::connect_structured(&s.sock, "disk");
+
+        // A hole: one OFFSET_HOLE chunk naming the range.
+        let (kind, d) = structured_read(&mut c, 1, 4096, 8192, 0);
+        assert_eq!(kind, CHUNK_HOLE, "{aio}");
+        assert_eq!(u64::from_be_bytes(d[..8].try_into().unwrap()), 4096);
+        assert_eq!(u32::from_be_bytes(d[8..12].try_into().unwrap()), 8192);
+        // The same with DF: data (zeroes), in one OFFSET_DATA chunk.
+        let (kind, d) = structured_read(&mut c, 2, 4096, 8192, CMD_FLAG_DF);
+        assert_eq!(kind, CHUNK_DATA);
+        assert!(d[8..].iter().all(|&b| b == 0) && d.len() == 8 + 8192);
+        // Data stays data.
+        let (kind, d) = structured_read(&mut c, 3, (2 << 20) + 4096, 4096, 0);
+        assert_eq!((kind, d[8]), (CHUNK_DATA, 0xa5));
+        // A read across data and hole is sent as data.
+        let (kind, d) = structured_read(&mut c, 4, (3 << 20) - 4096, 8192, 0);
+        assert_eq!(kind, CHUNK_DATA);
+        assert_eq!((d[8], d[8 + 4096]), (0xa5, 0));
+
+        // Write into a hole that was just reported: the next read sees the data.
+        let _ = structured_read(&mut c, 5, 5 << 20, 4096, 0);
+        structured_ok(&mut c, CMD_WRITE, 6, 5 << 20, 4096, &[0x3c; 4096]);
+        let (kind, d) = structured_read(&mut c, 7, 5 << 20, 4096, 0);
+        assert_eq!(
+            (kind, d[8]),
+            (CHUNK_DATA, 0x3c),
+            "{aio}: stale hole after a write"
+        );
+
+        // Discard data that was just reported: a hole again.
+        let _ = structured_read(&mut c, 8, 2 << 20, 4096, 0);
+        structured_ok(&mut c, CMD_TRIM, 9, 2 << 20, 1 << 20, &[]);
+        let (kind, _) = structured_read(&mut c, 10, 2 << 20, 4096, 0);
+        assert_eq!(kind, CHUNK_HOLE, "{aio}: stale data after a discard");
+
+        // Write zeroes over data: reads as zero, whichever chunk says so.
+        structured_ok(&mut c, CMD_WRITE, 11, 6 << 20, 4096, &[0x77; 4096]);
+        let _ = structured_read(&mut c, 12, 6 << 20, 4096, 0);
+        structured_ok(&mut c, CMD_WRITE_ZEROES, 13, 6 << 20, 4096, &[]);
+        let (kind, d) = structured_read(&mut c, 14, 6 << 20, 4096, 0);
+        assert!(
+            kind == CHUNK_HOLE || d[8..].iter().all(|&b| b == 0),
+            "{aio}"
+        );
+
+        // A client without structured replies gets plain data.
+        let mut plain = RawNbd::connect(&s.sock, "disk");
+        let (e, d) = plain.read(15, 4096, 4096);
+        assert_eq!((e, d), (0, vec![0; 4096]));
     }
 }

@@ -24,7 +24,6 @@ impl Haltpoll {
             limit_ns: 0,
         }
     }
-
 }
 
 impl PollPolicy for Haltpoll {

@@ -33,7 +33,7 @@ mod tests {
                 block_ns: w,
                 slept_ns: Some(w),
                 events: &[0],
-                });
+            });
             assert_eq!(p.window_ns(), 0);
         }
     }

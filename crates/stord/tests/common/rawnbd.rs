@@ -16,6 +16,9 @@ pub struct RawNbd {
     pub flags: u16,
 }
 
+/// One structured reply chunk: (flags, type, handle, payload).
+pub type Chunk = (u16, u16, u64, Vec<u8>);
+
 /// Opens a connection, checks the server's greeting and sends the client flags.
 pub fn hello(sock: &Path, client_flags: u32) -> UnixStream {
     let mut s = UnixStream::connect(sock).unwrap();
@@ -83,6 +86,33 @@ pub fn go_data(name: &[u8]) -> Vec<u8> {
 }
 
 impl RawNbd {
+    /// Connects with structured replies negotiated, then OPT_GO.
+    pub fn connect_structured(sock: &Path, name: &str) -> RawNbd {
+        let mut s = hello(sock, 3);
+        send_option(&mut s, 8, &[]); // STRUCTURED_REPLY
+        let (_, kind, _) = read_option_reply(&mut s);
+        assert_eq!(kind, 1, "STRUCTURED_REPLY refused");
+        Self::go(s, name)
+    }
+
+    /// Reads one structured reply chunk.
+    pub fn read_chunk(&mut self) -> Chunk {
+        let mut h = [0u8; 20];
+        self.s.read_exact(&mut h).unwrap();
+        assert_eq!(
+            u32::from_be_bytes(h[0..4].try_into().unwrap()),
+            0x668e_33ef,
+            "structured reply magic"
+        );
+        let flags = u16::from_be_bytes([h[4], h[5]]);
+        let kind = u16::from_be_bytes([h[6], h[7]]);
+        let handle = u64::from_be_bytes(h[8..16].try_into().unwrap());
+        let len = u32::from_be_bytes(h[16..20].try_into().unwrap()) as usize;
+        let mut d = vec![0u8; len];
+        self.s.read_exact(&mut d).unwrap();
+        (flags, kind, handle, d)
+    }
+
     /// Connects and negotiates export `name` with OPT_GO (simple replies only).
     pub fn connect(sock: &Path, name: &str) -> RawNbd {
         let mut s = UnixStream::connect(sock).unwrap();
@@ -91,6 +121,11 @@ impl RawNbd {
         assert_eq!(&hello[..8], b"NBDMAGIC");
         assert_eq!(&hello[8..16], b"IHAVEOPT");
         s.write_all(&3u32.to_be_bytes()).unwrap(); // FIXED_NEWSTYLE | NO_ZEROES
+        Self::go(s, name)
+    }
+
+    /// Sends OPT_GO for `name` and reads its replies.
+    fn go(mut s: UnixStream, name: &str) -> RawNbd {
         let mut data = Vec::new();
         data.extend_from_slice(&(name.len() as u32).to_be_bytes());
         data.extend_from_slice(name.as_bytes());

@@ -12,6 +12,7 @@
 //! transfers an [`IoVec`]: one of our buffers, or pieces of a guest's memory read into and
 //! written from directly (vectored) when they are aligned enough for the file.
 
+mod extent_cache;
 mod linux_aio;
 mod range_lock;
 mod threads;
@@ -138,6 +139,8 @@ pub struct FileDriver {
     block_device: bool,
     /// Write serialisation for read-modify-write (only used when `align > 1`).
     write_locks: range_lock::RangeLocks,
+    /// The last extent block status found.
+    extents: extent_cache::ExtentCache,
 }
 
 /// The smallest offset/length alignment O_DIRECT accepts on this file: 512 if a 512-byte
@@ -200,6 +203,7 @@ impl FileDriver {
             size: AtomicU64::new(size),
             block_device,
             write_locks: range_lock::RangeLocks::default(),
+            extents: extent_cache::ExtentCache::default(),
         })
     }
 
@@ -308,6 +312,7 @@ impl FileDriver {
     }
 
     async fn write_impl(&self, offset: u64, buf: Buf, fua: bool) -> (io::Result<()>, Buf) {
+        self.extents.before_write(offset, offset + buf.len() as u64);
         if self.align == 1 {
             return self.rw_buf(true, fua, buf, offset).await;
         }
@@ -330,6 +335,7 @@ impl FileDriver {
 
     /// Writes `iov` directly when its pieces suit the file, else through a buffer.
     async fn writev_impl(&self, offset: u64, iov: IoVec, fua: bool) -> (io::Result<()>, IoVec) {
+        self.extents.before_write(offset, offset + iov.len() as u64);
         if self.align == 1 {
             return self.rw_all(true, fua, iov, offset).await;
         }
@@ -353,8 +359,15 @@ impl FileDriver {
         from_res(res).map(|_| ())
     }
 
-    fn fallocate(&self, mode: i32, offset: u64, len: u64) -> io::Result<()> {
-        sys::fallocate(self.raw(), mode, offset, len)
+    /// fallocate(2) off the loop thread: on the ring with the io_uring engine, on the pool
+    /// otherwise. Anything it does may punch holes: the extent cache is dropped first.
+    async fn fallocate(&self, mode: i32, offset: u64, len: u64) -> io::Result<()> {
+        self.extents.invalidate();
+        if self.opts.aio == AioMode::IoUring {
+            return stord_aio::op::fallocate(self.raw(), mode, offset, len).await;
+        }
+        let fd = self.fd.clone();
+        threads::run(move || sys::fallocate(fd.as_raw_fd(), mode, offset, len)).await
     }
 
     async fn write_zeroes_impl(&self, offset: u64, len: u64, may_unmap: bool) -> io::Result<()> {
@@ -364,7 +377,7 @@ impl FileDriver {
             } else {
                 libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE
             };
-            match self.fallocate(mode, offset, len) {
+            match self.fallocate(mode, offset, len).await {
                 Ok(()) => return Ok(()),
                 Err(e) if errno(&e) == libc::EOPNOTSUPP || errno(&e) == libc::EINVAL => {}
                 Err(e) => return Err(e),
@@ -383,11 +396,9 @@ impl FileDriver {
         Ok(())
     }
 
-    fn seek(&self, offset: u64, whence: i32) -> io::Result<u64> {
-        sys::lseek(self.raw(), offset, whence)
-    }
-
-    fn block_status_impl(&self, offset: u64, len: u64) -> io::Result<BlockStatus> {
+    /// Block status: from the extent cache when it knows, else found with lseek on the
+    /// pool (never on the loop thread) and cached.
+    async fn block_status_impl(&self, offset: u64, len: u64) -> io::Result<BlockStatus> {
         if self.block_device {
             return Ok(BlockStatus {
                 len,
@@ -395,34 +406,45 @@ impl FileDriver {
                 zero: false,
             });
         }
-        let size = self.size();
-        match self.seek(offset, libc::SEEK_DATA) {
-            Ok(data) if data == offset => {
-                // Data starts here; it lasts until the next hole.
-                let hole = self.seek(offset, libc::SEEK_HOLE).unwrap_or(size);
-                Ok(BlockStatus {
-                    len: (hole - offset).min(len),
-                    allocated: true,
-                    zero: false,
-                })
+        let extent = match self.extents.lookup(offset) {
+            Some(e) => e,
+            None => {
+                let gen = self.extents.generation();
+                let (fd, size) = (self.fd.clone(), self.size());
+                let (e, cacheable) =
+                    threads::run(move || probe_extent(fd.as_raw_fd(), offset, size)).await;
+                if cacheable {
+                    self.extents.store(e, gen);
+                }
+                e
             }
-            Ok(data) => Ok(BlockStatus {
-                len: (data - offset).min(len),
-                allocated: false,
-                zero: true,
-            }),
-            // ENXIO: no data after offset: a hole to the end.
-            Err(e) if errno(&e) == libc::ENXIO => Ok(BlockStatus {
-                len,
-                allocated: false,
-                zero: true,
-            }),
-            Err(_) => Ok(BlockStatus {
-                len,
-                allocated: true,
-                zero: false,
-            }),
+        };
+        Ok(BlockStatus {
+            len: (extent.end - offset).min(len).max(1),
+            allocated: extent.allocated,
+            zero: !extent.allocated,
+        })
+    }
+}
+
+/// The extent that starts at `offset`, found with SEEK_DATA / SEEK_HOLE; false when lseek
+/// failed (the answer is then a guess: data to the end, not worth caching).
+fn probe_extent(fd: RawFd, offset: u64, size: u64) -> (extent_cache::Extent, bool) {
+    let extent = |end: u64, allocated| extent_cache::Extent {
+        start: offset,
+        end: end.max(offset + 1),
+        allocated,
+    };
+    match sys::lseek(fd, offset, libc::SEEK_DATA) {
+        Ok(data) if data == offset => {
+            // Data starts here; it lasts until the next hole.
+            let hole = sys::lseek(fd, offset, libc::SEEK_HOLE).unwrap_or(size);
+            (extent(hole, true), true)
         }
+        Ok(data) => (extent(data, false), true),
+        // ENXIO: no data after offset: a hole to the end.
+        Err(e) if errno(&e) == libc::ENXIO => (extent(size, false), true),
+        Err(_) => (extent(size, true), false),
     }
 }
 
@@ -456,30 +478,28 @@ impl BlockDriver for FileDriver {
         Box::pin(self.flush_impl())
     }
     fn discard(&self, offset: u64, len: u64) -> BoxFut<'_, io::Result<()>> {
-        let r = if self.opts.discard == DiscardMode::Ignore || self.block_device {
-            Ok(())
-        } else {
-            match self.fallocate(
-                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-                offset,
-                len,
-            ) {
+        Box::pin(async move {
+            if self.opts.discard == DiscardMode::Ignore || self.block_device {
+                return Ok(());
+            }
+            let mode = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
+            match self.fallocate(mode, offset, len).await {
                 Err(e) if errno(&e) == libc::EOPNOTSUPP => Ok(()),
                 other => other,
             }
-        };
-        Box::pin(std::future::ready(r))
+        })
     }
     fn write_zeroes(&self, offset: u64, len: u64, may_unmap: bool) -> BoxFut<'_, io::Result<()>> {
         Box::pin(self.write_zeroes_impl(offset, len, may_unmap))
     }
     fn block_status(&self, offset: u64, len: u64) -> BoxFut<'_, io::Result<BlockStatus>> {
-        Box::pin(std::future::ready(self.block_status_impl(offset, len)))
+        Box::pin(self.block_status_impl(offset, len))
     }
     fn resize(&self, size: u64) -> BoxFut<'_, io::Result<()>> {
         let r = if self.block_device {
             Err(io::Error::from_raw_os_error(libc::ENOTSUP))
         } else {
+            self.extents.invalidate();
             sys::ftruncate(self.raw(), size).map(|()| self.size.store(size, Relaxed))
         };
         Box::pin(std::future::ready(r))

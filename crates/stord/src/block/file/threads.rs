@@ -60,7 +60,7 @@ struct Shared<T> {
 }
 
 /// Runs `f` on a worker; completes with its result on the calling loop.
-struct PoolFuture<T> {
+pub(super) struct PoolFuture<T> {
     shared: Arc<Mutex<Shared<T>>>,
 }
 
@@ -78,7 +78,7 @@ impl<T> Future for PoolFuture<T> {
     }
 }
 
-fn run<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> PoolFuture<T> {
+pub(super) fn run<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> PoolFuture<T> {
     let shared = Arc::new(Mutex::new(Shared {
         result: None,
         waker: None,

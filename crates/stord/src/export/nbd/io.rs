@@ -13,9 +13,32 @@ fn eof() -> io::Error {
     io::Error::new(io::ErrorKind::UnexpectedEof, "connection closed")
 }
 
+/// What one loop thread's NBD connections count (x-stats `nbd.*`): receives, receives
+/// that found nothing, and sends, to compare with requests.
+pub struct IoCounters {
+    pub requests: std::sync::Arc<stord_aio::Counter>,
+    pub recvs: std::sync::Arc<stord_aio::Counter>,
+    pub recv_empty: std::sync::Arc<stord_aio::Counter>,
+    pub sends: std::sync::Arc<stord_aio::Counter>,
+}
+
+impl IoCounters {
+    /// The current loop's counters.
+    pub fn current() -> Self {
+        stord_aio::with_current_context(|c| IoCounters {
+            requests: c.counter("nbd.requests"),
+            recvs: c.counter("nbd.recvs"),
+            recv_empty: c.counter("nbd.recvs-empty"),
+            sends: c.counter("nbd.sends"),
+        })
+        .expect("a connection runs on a loop")
+    }
+}
+
 /// Reads from a socket in bulk and hands out exact-sized pieces.
 pub struct SockReader {
     fd: RawFd,
+    counters: Option<IoCounters>,
     buf: Option<Vec<u8>>,
     start: usize,
     end: usize,
@@ -28,10 +51,17 @@ impl SockReader {
         buf[..pending.len()].copy_from_slice(&pending);
         Self {
             fd,
+            counters: None,
             buf: Some(buf),
             start: 0,
             end: pending.len(),
         }
+    }
+
+    /// Counts receives in `c`.
+    pub fn with_counters(mut self, c: IoCounters) -> Self {
+        self.counters = Some(c);
+        self
     }
 
     /// Bytes read but not consumed.
@@ -58,7 +88,13 @@ impl SockReader {
         let cap = buf.len();
         let (r, slice) = op::recv(self.fd, Slice::new(buf, self.end, cap), 0).await;
         self.buf = Some(slice.into_inner());
+        if let Some(c) = &self.counters {
+            c.recvs.add(1);
+        }
         if matches!(&r, Err(e) if e.raw_os_error() == Some(libc::EAGAIN)) {
+            if let Some(c) = &self.counters {
+                c.recv_empty.add(1);
+            }
             op::poll_add(self.fd, Interest::READABLE).await?;
             return Ok(());
         }
