@@ -6,7 +6,8 @@
 //! - `nbd [--runtime S] [--reps N] [--backend null|file]... [--daemon stord|qsd|nbdkit]...
 //!   [--workload randread:16]... [--stord-policy P] [--file-aio MODE]`: fio's nbd engine
 //!   against stord, qemu-storage-daemon and nbdkit, with fio on the raw file as the floor.
-//!   A workload may name a block size: `--workload read/64k:16`.
+//!   A workload may name a block size: `--workload read/64k:16`. `--jobs N` runs N fio jobs
+//!   (connections); `--iothreads N` spreads stord's export over N IoThreads.
 //!   `--daemon stord-base` adds an earlier stord build (`STORD_BENCH_BASELINE=PATH`), for
 //!   before/after comparisons in one run.
 //! - `idle [--seconds N]`: CPU used by each daemon with two IoThreads and an export, idle.
@@ -39,7 +40,7 @@ fn usage() -> ! {
         "usage: stord-bench aio [--duration-ms N] [--reactor io_uring|epoll] \
          [--policy off|classic|weighted|haltpoll]... [--think-us N]... [--out DIR]\n\
          \x20      stord-bench nbd [--runtime S] [--reps N] [--backend null|file]... \
-         [--daemon stord|stord-base|qsd|nbdkit]... [--workload RW:QD]... [--stord-policy P] [--file-aio MODE] [--out DIR]\n\
+         [--daemon stord|stord-base|qsd|nbdkit]... [--workload RW:QD]... [--stord-policy P] [--file-aio MODE] [--jobs N] [--iothreads N] [--out DIR]\n\
          \x20      stord-bench fuse [--runtime S] [--reps N] [--backend null|file]... \
          [--iothreads N]... [--daemon stord|stord-uring|qsd]... [--out DIR]\n\
          \x20      stord-bench vhost [--runtime S] [--reps N] [--backend null|file]... \
@@ -206,6 +207,8 @@ fn main() {
                     _ if m.take(flag, v) => {}
                     "--stord-policy" => opts.stord_policy = v.to_string(),
                     "--file-aio" => opts.file_aio = v.to_string(),
+                    "--jobs" => opts.jobs = parse(flag, v),
+                    "--iothreads" => opts.iothreads = parse(flag, v),
                     _ => usage(),
                 }
             }

@@ -24,6 +24,10 @@ pub struct NbdOptions {
     pub daemons: Vec<String>,
     pub stord_policy: String,
     pub file_aio: String,
+    /// fio jobs (connections) per run.
+    pub jobs: u32,
+    /// IoThreads serving stord's export (connections spread over them); qsd 10.0 takes one.
+    pub iothreads: usize,
 }
 
 impl Default for NbdOptions {
@@ -36,6 +40,8 @@ impl Default for NbdOptions {
             daemons: vec!["stord".into(), "qsd".into(), "nbdkit".into()],
             stord_policy: "classic".into(),
             file_aio: "io_uring".into(),
+            jobs: 1,
+            iothreads: 1,
         }
     }
 }
@@ -153,6 +159,27 @@ pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     }
 }
 
+/// Makes a stord command line from `nbd_args` serve its export from `n` IoThreads (the
+/// same options as io0).
+fn spread_over_iothreads(args: &mut Vec<String>, n: usize) {
+    let io0 = args
+        .iter()
+        .find(|a| a.starts_with("iothread,id=io0"))
+        .cloned()
+        .expect("an io0 iothread");
+    let mut list = "iothread.0=io0".to_string();
+    for i in 1..n {
+        args.insert(0, io0.replacen("id=io0", &format!("id=io{i}"), 1));
+        args.insert(0, "--object".into());
+        list.push_str(&format!(",iothread.{i}=io{i}"));
+    }
+    for a in args.iter_mut() {
+        if a.starts_with("type=nbd") {
+            *a = a.replace("iothread=io0", &list);
+        }
+    }
+}
+
 /// Runs the matrix; prints progress and returns the rows.
 pub fn run(opts: &NbdOptions) -> Vec<Row> {
     let dir = bench_dir();
@@ -191,6 +218,10 @@ pub fn run(opts: &NbdOptions) -> Vec<Row> {
                         continue;
                     }
                     let mut fio = fio_common(rw, *qd, opts.runtime_s);
+                    if opts.jobs > 1 {
+                        fio.push(format!("--numjobs={}", opts.jobs));
+                        fio.push("--group_reporting".into());
+                    }
                     // This benchmark's names, in the report's terms.
                     let daemon = match d.as_str() {
                         "stord" => format!("stord-{}", opts.stord_policy),
@@ -206,7 +237,10 @@ pub fn run(opts: &NbdOptions) -> Vec<Row> {
                         sock: sock.clone(),
                         mnt: PathBuf::new(),
                     };
-                    let (bin, args, uri) = nbd_args(&daemon, &backend, &paths);
+                    let (bin, mut args, uri) = nbd_args(&daemon, &backend, &paths);
+                    if opts.iothreads > 1 && d.starts_with("stord") {
+                        spread_over_iothreads(&mut args, opts.iothreads);
+                    }
                     let daemon = Daemon::start(d, &bin, &args, &sock);
                     fio.extend(["--ioengine=nbd".into(), format!("--uri={uri}")]);
                     let cpu0 = daemon.cpu_ns();

@@ -148,9 +148,9 @@ impl State {
         };
         let remote = obj.remote().clone();
         let in_use = self.exports.all().iter().any(|e| {
-            e.iothread
-                .as_ref()
-                .is_some_and(|r| r.thread_id() == remote.thread_id())
+            e.iothreads
+                .iter()
+                .any(|r| r.thread_id() == remote.thread_id())
         });
         if in_use {
             return Err(format!("object '{id}' is in use and cannot be deleted"));
@@ -338,17 +338,17 @@ impl State {
         let _ = kv.take_bool("writethrough", false)?;
         let _ = kv.take_bool("fixed-iothread", false)?;
         let _ = kv.take_bool("allocation-depth", false)?;
-        let iothread = match kv.take("iothread") {
-            None => None,
-            Some(t) => Some(
-                self.iothreads
-                    .get(&t)
-                    .ok_or_else(|| format!("{}: iothread '{t}' not found", kv.what))?
-                    .remote()
-                    .clone(),
-            ),
-        };
+        let names = kv.take_list("iothread");
+        // multi-conn is safe here whenever it is asked for or left to us: every connection
+        // reaches the same node, and a flush (fdatasync of the one file) covers every write
+        // completed before it, whichever connection sent it.
+        let multi_conn = !matches!(
+            kv.take_choice("multi-conn", &["on", "off", "auto"])?
+                .as_deref(),
+            Some("off")
+        );
         let what = kv.what.clone();
+        let iothreads = self.iothread_remotes(&what, &names)?;
         kv.finish()?;
         if writable && node.read_only {
             return Err(format!(
@@ -358,7 +358,7 @@ impl State {
         if self.nbd.is_none() {
             return Err("NBD server not running".into());
         }
-        let export = NbdExport::new(id, name, description, node, writable, iothread);
+        let export = NbdExport::new(id, name, description, node, writable, iothreads, multi_conn);
         self.exports
             .add(Arc::new(export))
             .map_err(|e| format!("{what}: {e}"))

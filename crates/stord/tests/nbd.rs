@@ -674,3 +674,83 @@ fn reads_of_holes_are_hole_chunks_and_never_stale() {
         assert_eq!((e, d), (0, vec![0; 4096]));
     }
 }
+
+/// One export on two IoThreads: two clients at once land on different IoThreads (each
+/// serves requests), their data is right, and multi-conn is advertised unless turned off.
+#[test]
+fn connections_spread_over_the_exports_iothreads() {
+    let dir = tmpdir("nbd-mt");
+    let img = dir.join("disk.img");
+    sparse_image(&img, 64 << 20);
+    let sock = dir.join("nbd.sock");
+    let qmp = dir.join("qmp.sock");
+    let s = Stord::start(
+        &dir,
+        &[
+            "--object".into(),
+            "iothread,id=io0".into(),
+            "--object".into(),
+            "iothread,id=io1".into(),
+            "--blockdev".into(),
+            format!("node-name=disk,{}", file_node(&img, "io_uring", true)),
+            "--blockdev".into(),
+            "driver=null-co,node-name=nul,size=1M".into(),
+            "--nbd-server".into(),
+            format!("addr.type=unix,addr.path={}", sock.display()),
+            "--export".into(),
+            "type=nbd,id=exp0,node-name=disk,name=disk,writable=on,iothread.0=io0,iothread.1=io1"
+                .into(),
+            "--export".into(),
+            "type=nbd,id=exp1,node-name=nul,name=nul,multi-conn=off".into(),
+            "--chardev".into(),
+            format!("socket,id=mon,path={},server=on,wait=off", qmp.display()),
+            "--monitor".into(),
+            "chardev=mon".into(),
+        ],
+    );
+    let mut q = common::rawqmp::RawQmp::connect(&qmp);
+    let per_thread = |q: &mut common::rawqmp::RawQmp| -> Vec<u64> {
+        let r = q.send("{\"execute\":\"query-iothreads\"}");
+        let mut v: Vec<(String, u64)> = r["return"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| {
+                (
+                    t["id"].as_str().unwrap().to_string(),
+                    t["x-stats"]["counters"]["nbd.requests"]
+                        .as_u64()
+                        .unwrap_or(0),
+                )
+            })
+            .collect();
+        v.sort();
+        v.into_iter().map(|(_, n)| n).collect()
+    };
+    // Two clients connected at once, each writing and verifying its own half.
+    let mut a = RawNbd::connect(&s.sock, "disk");
+    let mut b = RawNbd::connect(&s.sock, "disk");
+    const CAN_MULTI_CONN: u16 = 1 << 8;
+    assert_ne!(a.flags & CAN_MULTI_CONN, 0, "multi-conn not advertised");
+    for i in 0..64u64 {
+        let pa = vec![(i as u8) ^ 0x11; 4096];
+        let pb = vec![(i as u8) ^ 0x22; 4096];
+        assert_eq!(a.write(i, i * 4096, &pa), 0);
+        assert_eq!(b.write(i, (32 << 20) + i * 4096, &pb), 0);
+        assert_eq!(a.read(100 + i, i * 4096, 4096), (0, pa));
+        assert_eq!(b.read(100 + i, (32 << 20) + i * 4096, 4096), (0, pb));
+    }
+    let served = per_thread(&mut q);
+    assert_eq!(served.len(), 2);
+    assert!(
+        served.iter().all(|&n| n >= 128),
+        "both IoThreads should serve one client each: {served:?}"
+    );
+    drop((a, b));
+    let c = RawNbd::connect(&s.sock, "nul");
+    assert_eq!(
+        c.flags & CAN_MULTI_CONN,
+        0,
+        "multi-conn=off still advertised it"
+    );
+}

@@ -68,7 +68,7 @@ With no options, serves data/default.img (created sparse, 1 GiB) over NBD on a u
                [,max-connections=<n>][,handshake-max-seconds=<s>]
                             the NBD server
   --export type=nbd,id=<id>,node-name=<name>[,name=<export name>][,description=<text>]
-           [,writable=on|off][,iothread=<id>]
+           [,writable=on|off][,multi-conn=on|off|auto][,iothread=<id> | ,iothread.0=<id>,iothread.1=<id>...]
                             export a node over NBD
   --chardev socket,id=<id>,path=<path>,server=on,wait=off
   --monitor chardev=<id>    a QMP monitor on that socket (created 0600)

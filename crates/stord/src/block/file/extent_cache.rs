@@ -41,12 +41,24 @@ impl ExtentCache {
     }
 
     /// Remembers `e`, found by a lookup that started at generation `gen`, unless a change
-    /// happened since.
+    /// happened since. An extent of the same kind that overlaps or touches the cached one
+    /// is merged with it: a probe only finds where an extent ends, not where it starts, so
+    /// random reads over an allocated image widen one extent until it covers the file.
     pub fn store(&self, e: Extent, gen: u64) {
         let mut slot = self.slot();
-        if self.gen.load(Ordering::Acquire) == gen {
-            *slot = Some(e);
+        if self.gen.load(Ordering::Acquire) != gen {
+            return;
         }
+        *slot = Some(match *slot {
+            Some(c) if c.allocated == e.allocated && e.start <= c.end && c.start <= e.end => {
+                Extent {
+                    start: c.start.min(e.start),
+                    end: c.end.max(e.end),
+                    allocated: e.allocated,
+                }
+            }
+            _ => e,
+        });
     }
 
     /// A write to `[start, end)` is about to happen: a cached hole it touches may fill.
@@ -94,6 +106,22 @@ mod tests {
         assert_eq!(c.lookup(1 << 20), Some(hole), "a write elsewhere keeps it");
         c.before_write((2 << 20) - 512, 2 << 20);
         assert_eq!(c.lookup(1 << 20), None);
+        // Extents of the same kind that touch merge; another kind replaces.
+        let d1 = Extent {
+            start: 8 << 20,
+            end: 16 << 20,
+            allocated: true,
+        };
+        let d2 = Extent {
+            start: 4 << 20,
+            end: 16 << 20,
+            allocated: true,
+        };
+        c.store(d1, c.generation());
+        c.store(d2, c.generation());
+        assert_eq!(c.lookup(5 << 20).map(|e| (e.start, e.end)), Some((4 << 20, 16 << 20)));
+        c.store(hole, c.generation());
+        assert_eq!(c.lookup(5 << 20), None);
         // A lookup that raced with a change does not store its stale answer.
         let g = c.generation();
         c.invalidate();

@@ -1,8 +1,11 @@
 //! The NBD export: a server socket (unix or TCP) and the exports it offers.
 //!
 //! New connections are accepted and negotiated on the main loop ([`handshake`]); once the
-//! client has chosen an export, the connection moves to that export's IoThread, where its
-//! requests run as tasks ([`transmission`]).
+//! client has chosen an export, the connection moves to one of that export's IoThreads (the
+//! one with the fewest of its connections), where its requests run as tasks
+//! ([`transmission`]). Several IoThreads let a multi-connection client (nbdcopy, fio with
+//! several jobs, the kernel client) use several cores; qsd 10 serves all of an export's
+//! connections on one thread.
 
 mod handshake;
 mod io;
@@ -17,7 +20,7 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
 use std::rc::Rc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use stord_aio::{AioContext, Remote};
@@ -38,8 +41,13 @@ pub struct NbdExport {
     pub node: Arc<BlockNode>,
     /// Writes allowed.
     pub writable: bool,
-    /// Where connections run (None: the main loop).
-    pub iothread: Option<Remote>,
+    /// Where connections run (empty: the main loop). Each new connection goes to the one
+    /// with the fewest of this export's connections.
+    pub iothreads: Vec<Remote>,
+    /// Connections of this export on each of `iothreads`.
+    load: Vec<AtomicUsize>,
+    /// Advertise NBD_FLAG_CAN_MULTI_CONN.
+    pub multi_conn: bool,
     /// Sockets of the connections in transmission phase now.
     pub clients: Mutex<Vec<RawFd>>,
     /// Deleted: new connections are refused, existing ones are being closed.
@@ -54,18 +62,48 @@ impl NbdExport {
         description: String,
         node: Arc<BlockNode>,
         writable: bool,
-        iothread: Option<Remote>,
+        iothreads: Vec<Remote>,
+        multi_conn: bool,
     ) -> Self {
+        let load = iothreads.iter().map(|_| AtomicUsize::new(0)).collect();
         Self {
             id,
             name,
             description,
             node,
             writable,
-            iothread,
+            iothreads,
+            load,
+            multi_conn,
             clients: Mutex::default(),
             shutting_down: AtomicBool::new(false),
         }
+    }
+
+    /// The IoThread for a new connection (the least loaded), counted until the returned
+    /// guard is dropped; None: the main loop serves it.
+    fn place(self: &Arc<Self>) -> Option<(Remote, Placement)> {
+        let (i, _) = self
+            .load
+            .iter()
+            .enumerate()
+            .min_by_key(|(_, n)| n.load(Ordering::Relaxed))?;
+        self.load[i].fetch_add(1, Ordering::Relaxed);
+        Some((
+            self.iothreads[i].clone(),
+            Placement {
+                export: self.clone(),
+                index: i,
+            },
+        ))
+    }
+
+    /// Connections of this export on each IoThread, in order.
+    pub fn load(&self) -> Vec<usize> {
+        self.load
+            .iter()
+            .map(|n| n.load(Ordering::Relaxed))
+            .collect()
     }
 
     /// Connections in transmission phase now.
@@ -89,7 +127,10 @@ impl NbdExport {
 
     /// The transmission flags advertised for this export.
     pub fn transmission_flags(&self, structured: bool) -> u16 {
-        let mut f = FLAG_HAS_FLAGS | FLAG_SEND_FLUSH | FLAG_SEND_FUA | FLAG_CAN_MULTI_CONN;
+        let mut f = FLAG_HAS_FLAGS | FLAG_SEND_FLUSH | FLAG_SEND_FUA;
+        if self.multi_conn {
+            f |= FLAG_CAN_MULTI_CONN;
+        }
         if self.writable {
             f |= FLAG_SEND_TRIM | FLAG_SEND_WRITE_ZEROES;
         } else {
@@ -99,6 +140,18 @@ impl NbdExport {
             f |= FLAG_SEND_DF;
         }
         f
+    }
+}
+
+/// A connection's place on one of its export's IoThreads; leaving it frees the place.
+struct Placement {
+    export: Arc<NbdExport>,
+    index: usize,
+}
+
+impl Drop for Placement {
+    fn drop(&mut self) {
+        self.export.load[self.index].fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -296,18 +349,19 @@ async fn handle_connection(conn: OwnedFd, exports: ExportTable, handshake_ns: u6
     if export.shutting_down.load(Ordering::SeqCst) {
         return;
     }
-    match export.iothread.clone() {
-        Some(remote) if !remote.is_current() => {
+    match export.place() {
+        Some((remote, placement)) if !remote.is_current() => {
             remote.call(move || {
-                stord_aio::spawn(transmission::serve(
-                    conn,
-                    n.export,
-                    n.structured,
-                    n.base_allocation,
-                    n.pending,
-                ));
+                stord_aio::spawn(async move {
+                    transmission::serve(conn, n.export, n.structured, n.base_allocation, n.pending)
+                        .await;
+                    drop(placement);
+                });
             });
         }
-        _ => transmission::serve(conn, n.export, n.structured, n.base_allocation, n.pending).await,
+        placed => {
+            transmission::serve(conn, n.export, n.structured, n.base_allocation, n.pending).await;
+            drop(placed);
+        }
     }
 }
