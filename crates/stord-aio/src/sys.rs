@@ -102,13 +102,21 @@ pub fn epoll_ctl(
     cvt(r as libc::c_long).map(|_| ())
 }
 
-/// Waits for events with a nanosecond timeout (`None` = forever) via epoll_pwait2.
+/// Set once epoll_pwait2 answered ENOSYS (kernels before 5.11, valgrind).
+static NO_EPOLL_PWAIT2: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Waits for events with a nanosecond timeout (`None` = forever) via epoll_pwait2, or
+/// epoll_wait with the timeout rounded up to a millisecond where epoll_pwait2 is missing.
 /// EINTR is reported as zero events.
 pub fn epoll_wait_ns(
     epfd: RawFd,
     events: &mut [libc::epoll_event],
     timeout_ns: Option<u64>,
 ) -> io::Result<usize> {
+    use std::sync::atomic::Ordering::Relaxed;
+    if NO_EPOLL_PWAIT2.load(Relaxed) {
+        return epoll_wait_ms(epfd, events, timeout_ns);
+    }
     let ts;
     let tsp = match timeout_ns {
         None => std::ptr::null(),
@@ -134,6 +142,25 @@ pub fn epoll_wait_ns(
         )
     };
     match cvt(r) {
+        Err(e) if e.raw_os_error() == Some(libc::EINTR) => Ok(0),
+        Err(e) if e.raw_os_error() == Some(libc::ENOSYS) => {
+            NO_EPOLL_PWAIT2.store(true, Relaxed);
+            epoll_wait_ms(epfd, events, timeout_ns)
+        }
+        other => other,
+    }
+}
+
+/// epoll_wait, the timeout rounded up to whole milliseconds (`None` = forever).
+fn epoll_wait_ms(
+    epfd: RawFd,
+    events: &mut [libc::epoll_event],
+    timeout_ns: Option<u64>,
+) -> io::Result<usize> {
+    let ms = timeout_ns.map_or(-1, |ns| ns.div_ceil(1_000_000).min(i32::MAX as u64) as i32);
+    // SAFETY: `events` is a writable array of the length passed.
+    let r = unsafe { libc::epoll_wait(epfd, events.as_mut_ptr(), events.len() as i32, ms) };
+    match cvt(r as libc::c_long) {
         Err(e) if e.raw_os_error() == Some(libc::EINTR) => Ok(0),
         other => other,
     }
@@ -297,4 +324,38 @@ pub fn task_cpu_ns(tid: i32) -> io::Result<u64> {
 /// Borrows the raw fd of anything that has one (for the wrappers above).
 pub fn raw<F: AsRawFd>(f: &F) -> RawFd {
     f.as_raw_fd()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::AsRawFd;
+    use std::time::{Duration, Instant};
+
+    /// The fallback for kernels without epoll_pwait2 rounds a timeout up, never down to a
+    /// busy zero-timeout wait, and still reports ready fds.
+    #[test]
+    fn epoll_wait_ms_rounds_timeouts_up_and_sees_events() {
+        let ep = epoll_create().unwrap();
+        let mut events = vec![libc::epoll_event { events: 0, u64: 0 }; 4];
+        let t = Instant::now();
+        assert_eq!(
+            epoll_wait_ms(ep.as_raw_fd(), &mut events, Some(1_500_000)).unwrap(),
+            0
+        );
+        assert!(t.elapsed() >= Duration::from_millis(2), "{:?}", t.elapsed());
+
+        let efd = eventfd().unwrap();
+        epoll_ctl(
+            ep.as_raw_fd(),
+            libc::EPOLL_CTL_ADD,
+            efd.as_raw_fd(),
+            libc::EPOLLIN as u32,
+            7,
+        )
+        .unwrap();
+        eventfd_write(efd.as_raw_fd()).unwrap();
+        assert_eq!(epoll_wait_ms(ep.as_raw_fd(), &mut events, None).unwrap(), 1);
+        assert_eq!({ events[0].u64 }, 7);
+    }
 }

@@ -69,7 +69,7 @@ impl EpollReactor {
     pub(crate) fn wait(&mut self, timeout_ns: Option<u64>, out: &mut Vec<Event>) -> (usize, bool) {
         let n = match sys::epoll_wait_ns(self.epfd.as_raw_fd(), &mut self.events, timeout_ns) {
             Ok(n) => n,
-            Err(e) => panic!("epoll_pwait2 failed: {e}"),
+            Err(e) => panic!("epoll wait failed: {e}"),
         };
         let mut notified = false;
         for ev in &self.events[..n] {
