@@ -42,6 +42,15 @@ impl NullDriver {
         }
         Ok(Self::new(size, read_zeroes))
     }
+
+    /// Everything is allocated; it reads as zero when read-zeroes is on.
+    fn status(&self, _offset: u64, len: u64) -> BlockStatus {
+        BlockStatus {
+            len,
+            allocated: true,
+            zero: self.read_zeroes,
+        }
+    }
 }
 
 impl BlockDriver for NullDriver {
@@ -78,13 +87,11 @@ impl BlockDriver for NullDriver {
     fn write_zeroes(&self, _: u64, _: u64, _: bool) -> BoxFut<'_, io::Result<()>> {
         Box::pin(std::future::ready(Ok(())))
     }
-    fn block_status(&self, _offset: u64, len: u64) -> BoxFut<'_, io::Result<BlockStatus>> {
-        let zero = self.read_zeroes;
-        Box::pin(std::future::ready(Ok(BlockStatus {
-            len,
-            allocated: true,
-            zero,
-        })))
+    fn block_status(&self, offset: u64, len: u64) -> BoxFut<'_, io::Result<BlockStatus>> {
+        Box::pin(std::future::ready(Ok(self.status(offset, len))))
+    }
+    fn block_status_cached(&self, offset: u64, len: u64) -> Option<BlockStatus> {
+        Some(self.status(offset, len))
     }
     fn resize(&self, size: u64) -> BoxFut<'_, io::Result<()>> {
         self.size.store(size, Relaxed);

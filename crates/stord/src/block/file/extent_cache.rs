@@ -119,7 +119,10 @@ mod tests {
         };
         c.store(d1, c.generation());
         c.store(d2, c.generation());
-        assert_eq!(c.lookup(5 << 20).map(|e| (e.start, e.end)), Some((4 << 20, 16 << 20)));
+        assert_eq!(
+            c.lookup(5 << 20).map(|e| (e.start, e.end)),
+            Some((4 << 20, 16 << 20))
+        );
         c.store(hole, c.generation());
         assert_eq!(c.lookup(5 << 20), None);
         // A lookup that raced with a change does not store its stale answer.

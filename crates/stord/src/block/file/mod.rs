@@ -398,32 +398,40 @@ impl FileDriver {
 
     /// Block status: from the extent cache when it knows, else found with lseek on the
     /// pool (never on the loop thread) and cached.
-    async fn block_status_impl(&self, offset: u64, len: u64) -> io::Result<BlockStatus> {
+    /// Block status without I/O: a block device is all data; a file answers from its
+    /// extent cache.
+    fn block_status_known(&self, offset: u64, len: u64) -> Option<BlockStatus> {
         if self.block_device {
-            return Ok(BlockStatus {
+            return Some(BlockStatus {
                 len,
                 allocated: true,
                 zero: false,
             });
         }
-        let extent = match self.extents.lookup(offset) {
-            Some(e) => e,
-            None => {
-                let gen = self.extents.generation();
-                let (fd, size) = (self.fd.clone(), self.size());
-                let (e, cacheable) =
-                    threads::run(move || probe_extent(fd.as_raw_fd(), offset, size)).await;
-                if cacheable {
-                    self.extents.store(e, gen);
-                }
-                e
-            }
-        };
-        Ok(BlockStatus {
-            len: (extent.end - offset).min(len).max(1),
-            allocated: extent.allocated,
-            zero: !extent.allocated,
-        })
+        let extent = self.extents.lookup(offset)?;
+        Some(extent_status(extent, offset, len))
+    }
+
+    async fn block_status_impl(&self, offset: u64, len: u64) -> io::Result<BlockStatus> {
+        if let Some(st) = self.block_status_known(offset, len) {
+            return Ok(st);
+        }
+        let gen = self.extents.generation();
+        let (fd, size) = (self.fd.clone(), self.size());
+        let (e, cacheable) = threads::run(move || probe_extent(fd.as_raw_fd(), offset, size)).await;
+        if cacheable {
+            self.extents.store(e, gen);
+        }
+        Ok(extent_status(e, offset, len))
+    }
+}
+
+/// What an extent says of `[offset, offset+len)`.
+fn extent_status(e: extent_cache::Extent, offset: u64, len: u64) -> BlockStatus {
+    BlockStatus {
+        len: (e.end - offset).min(len).max(1),
+        allocated: e.allocated,
+        zero: !e.allocated,
     }
 }
 
@@ -494,6 +502,9 @@ impl BlockDriver for FileDriver {
     }
     fn block_status(&self, offset: u64, len: u64) -> BoxFut<'_, io::Result<BlockStatus>> {
         Box::pin(self.block_status_impl(offset, len))
+    }
+    fn block_status_cached(&self, offset: u64, len: u64) -> Option<BlockStatus> {
+        self.block_status_known(offset, len)
     }
     fn resize(&self, size: u64) -> BoxFut<'_, io::Result<()>> {
         let r = if self.block_device {
