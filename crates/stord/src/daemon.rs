@@ -10,7 +10,7 @@
 //! remove sockets and the pidfile.
 
 use std::cell::{Cell, RefCell};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
@@ -24,6 +24,7 @@ use stord_aio::{
 
 use crate::block::file::{FileDriver, FileOptions};
 use crate::block::null::NullDriver;
+use crate::block::raw::RawDriver;
 use crate::block::{BlockDriver, BlockNode};
 use crate::cli::keyval::KeyVal;
 use crate::cli::{CommandLine, Item};
@@ -42,6 +43,10 @@ pub struct State {
     pub iothreads: BTreeMap<String, IoThread>,
     /// Block nodes by node-name.
     pub nodes: BTreeMap<String, Arc<BlockNode>>,
+    /// Nodes opened inline as another node's child (removed with their parent).
+    pub implicit: BTreeSet<String>,
+    /// The next `#blockNNN` number.
+    implicit_seq: u32,
     /// NBD exports.
     pub exports: ExportTable,
     /// FUSE exports by id.
@@ -162,9 +167,19 @@ impl State {
     }
 
     /// `--blockdev` / `blockdev-add`.
-    pub fn add_blockdev(&mut self, mut kv: KeyVal) -> Result<(), String> {
+    pub fn add_blockdev(&mut self, kv: KeyVal) -> Result<(), String> {
+        self.open_node(kv, false).map(|_| ())
+    }
+
+    /// Opens a node and, first, its inline children; a child given by name must exist.
+    /// Inline children get a generated name (`#block0`, ...) and go when their parent goes.
+    fn open_node(&mut self, mut kv: KeyVal, implicit: bool) -> Result<Arc<BlockNode>, String> {
         let driver = kv.take_required("driver")?;
-        let name = kv.take_required("node-name")?;
+        let name = match kv.take("node-name") {
+            Some(n) => n,
+            None if implicit => self.implicit_name(),
+            None => return Err(format!("{}: parameter 'node-name' is missing", kv.what)),
+        };
         if self.nodes.contains_key(&name) {
             return Err(format!("Duplicate nodes with node-name='{name}'"));
         }
@@ -178,42 +193,158 @@ impl State {
                 ));
             }
         }
-        let (drv, direct): (Box<dyn BlockDriver>, bool) = match driver.as_str() {
+        let mut opened_children = Vec::new();
+        let (drv, read_only, direct): (Box<dyn BlockDriver>, bool, bool) = match driver.as_str() {
             "null" | "null-co" => {
                 let _ = kv.take_bool("cache.direct", false)?;
-                (Box::new(NullDriver::from_opts(&mut kv)?), false)
+                (Box::new(NullDriver::from_opts(&mut kv)?), read_only, false)
             }
             "file" | "host_device" => {
                 let opts = FileOptions::from_opts(&mut kv, read_only)?;
                 let direct = opts.direct;
                 let f = FileDriver::open(opts).map_err(|e| format!("{}: {e}", kv.what))?;
-                (Box::new(f), direct)
+                (Box::new(f), read_only, direct)
+            }
+            "raw" => {
+                let child = self.child_node(&mut kv, "file", &mut opened_children)?;
+                let raw = RawDriver::from_opts(&mut kv, child.clone());
+                let raw = match raw {
+                    Ok(r) => r,
+                    Err(e) => {
+                        drop(child);
+                        self.drop_implicit(opened_children);
+                        return Err(e);
+                    }
+                };
+                // A format node cannot write where its child cannot.
+                let ro = read_only || child.read_only;
+                (Box::new(raw), ro, child.direct)
             }
             other => {
                 return Err(format!(
-                    "{}: parameter 'driver' expects null-co, null or file, got '{other}'",
+                    "{}: parameter 'driver' expects null-co, null, file or raw, got '{other}'",
                     kv.what
                 ))
             }
         };
-        kv.finish()?;
-        self.nodes.insert(
-            name.clone(),
-            Arc::new(BlockNode::new(name, drv, read_only, direct)),
-        );
-        Ok(())
+        if let Err(e) = kv.finish() {
+            drop(drv);
+            self.drop_implicit(opened_children);
+            return Err(e);
+        }
+        let node = Arc::new(BlockNode::new(name.clone(), drv, read_only, direct));
+        self.nodes.insert(name.clone(), node.clone());
+        if implicit {
+            self.implicit.insert(name);
+        }
+        Ok(node)
     }
 
-    /// `blockdev-del`: fails while an export uses the node.
+    /// The child `role` of a node being opened: `role=NAME` names an existing node,
+    /// `role.driver=...` opens one inline (recorded in `opened` so a later error can
+    /// remove it again).
+    fn child_node(
+        &mut self,
+        kv: &mut KeyVal,
+        role: &str,
+        opened: &mut Vec<String>,
+    ) -> Result<Arc<BlockNode>, String> {
+        if let Some(inline) = kv.take_prefixed(role) {
+            if kv.take(role).is_some() {
+                return Err(format!(
+                    "{}: '{role}' given both as a node name and inline",
+                    kv.what
+                ));
+            }
+            let node = self.open_node(inline, true)?;
+            opened.push(node.name.clone());
+            return Ok(node);
+        }
+        let Some(name) = kv.take(role) else {
+            return Err(format!("{}: parameter '{role}' is missing", kv.what));
+        };
+        self.nodes
+            .get(&name)
+            .cloned()
+            .ok_or_else(|| format!("Cannot find device='{name}' nor node-name='{name}'"))
+    }
+
+    /// A fresh name for an inline child, as qsd's `#blockNNN`.
+    fn implicit_name(&mut self) -> String {
+        loop {
+            let n = format!("#block{:03}", self.implicit_seq);
+            self.implicit_seq += 1;
+            if !self.nodes.contains_key(&n) {
+                return n;
+            }
+        }
+    }
+
+    /// Removes implicit nodes nobody uses any more (and, in turn, their implicit children).
+    fn drop_implicit(&mut self, names: Vec<String>) {
+        let mut todo = names;
+        while let Some(name) = todo.pop() {
+            if !self.implicit.contains(&name) {
+                continue;
+            }
+            let Some(node) = self.nodes.get(&name) else {
+                continue;
+            };
+            if Arc::strong_count(node) > 1 {
+                continue;
+            }
+            let node = self.nodes.remove(&name).expect("present");
+            self.implicit.remove(&name);
+            todo.extend(node.children().iter().map(|(_, c)| c.name.clone()));
+        }
+    }
+
+    /// How many references to `node` neither the node table nor a parent node holds:
+    /// exports, live or still draining, and requests in flight.
+    fn users(&self, node: &Arc<BlockNode>) -> usize {
+        Arc::strong_count(node) - 1 - self.parents_of(&node.name).len()
+    }
+
+    /// The nodes that use `name` as a child, with the child's role.
+    fn parents_of(&self, name: &str) -> Vec<(String, &'static str)> {
+        self.nodes
+            .values()
+            .flat_map(|p| {
+                p.children()
+                    .into_iter()
+                    .filter(|(_, c)| c.name == name)
+                    .map(|(role, _)| (p.name.clone(), role))
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    }
+
+    /// `blockdev-del`: fails while a parent node or an export uses the node. Its inline
+    /// children go with it.
     pub fn del_blockdev(&mut self, name: &str) -> Result<(), String> {
         let Some(node) = self.nodes.get(name) else {
             return Err(format!("Failed to find node with node-name='{name}'"));
         };
-        // Exports (live or still draining) hold references; we hold one.
-        if Arc::strong_count(node) > 1 {
+        if self.implicit.contains(name) {
+            // qsd's words: the node was opened inline by its parent, not by blockdev-add.
+            return Err(format!("Node {name} is not owned by the monitor"));
+        }
+        if let Some((parent, role)) = self.parents_of(name).into_iter().next() {
+            return Err(format!(
+                "Block device {name} is in use (it is the '{role}' child of node '{parent}')"
+            ));
+        }
+        if self.users(node) > 0 {
             return Err(format!("Node {name} is in use"));
         }
-        self.nodes.remove(name);
+        let node = self.nodes.remove(name).expect("present");
+        let children: Vec<String> = node
+            .children()
+            .iter()
+            .map(|(_, c)| c.name.clone())
+            .collect();
+        drop(node);
+        self.drop_implicit(children);
         Ok(())
     }
 
@@ -592,12 +723,10 @@ impl Daemon {
         // Let the disconnected clients' requests finish, bounded.
         let deadline = Instant::now() + Duration::from_secs(5);
         loop {
-            let busy = self
-                .state
-                .borrow()
-                .nodes
-                .values()
-                .any(|n| Arc::strong_count(n) > 1);
+            let busy = {
+                let st = self.state.borrow();
+                st.nodes.values().any(|n| st.users(n) > 0)
+            };
             if !busy || Instant::now() >= deadline {
                 break;
             }

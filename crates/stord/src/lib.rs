@@ -1,7 +1,8 @@
-//! stord: block nodes exported over NBD (and later FUSE and vhost-user-blk), served by
-//! `stord-aio` IoThreads, driven by a qemu-storage-daemon compatible command line.
+//! stord: block nodes exported over NBD, FUSE and vhost-user-blk, served by `stord-aio`
+//! IoThreads, driven by a qemu-storage-daemon compatible command line.
 //!
-//! - [`block`]: the `BlockDriver` trait, `BlockNode`, and the drivers (`null`, `file`).
+//! - [`block`]: the `BlockDriver` trait, `BlockNode`, and the drivers: `null` and `file`
+//!   (protocol nodes), `raw` (a format node over a child).
 //! - [`export`]: one folder per export protocol.
 //! - [`cli`]: qsd's option syntax.
 //! - [`qmp`]: the QMP monitor.

@@ -8,6 +8,7 @@
 pub mod file;
 pub mod iov;
 pub mod null;
+pub mod raw;
 
 pub use iov::IoVec;
 
@@ -15,6 +16,7 @@ use std::future::Future;
 use std::io;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
 
 use stord_aio::sys::now_ns;
 use stord_aio::{AlignedBuf, Histogram};
@@ -112,6 +114,10 @@ pub trait BlockDriver: Send + Sync {
     fn filename(&self) -> Option<String> {
         None
     }
+    /// The child nodes, each with its role (`file`), for the graph's bookkeeping.
+    fn children(&self) -> Vec<(&'static str, &Arc<BlockNode>)> {
+        Vec::new()
+    }
 }
 
 /// Per-node counters (read from any thread).
@@ -174,6 +180,17 @@ impl BlockNode {
     /// The backing file, if any.
     pub fn filename(&self) -> Option<String> {
         self.driver.filename()
+    }
+
+    /// The driver, for a parent node that forwards requests to it (no second round of
+    /// checks and accounting: the parent's node did them).
+    pub fn driver(&self) -> &dyn BlockDriver {
+        &*self.driver
+    }
+
+    /// The child nodes with their roles.
+    pub fn children(&self) -> Vec<(&'static str, &Arc<BlockNode>)> {
+        self.driver.children()
     }
 
     /// Current size.

@@ -135,6 +135,33 @@ impl KeyVal {
         list
     }
 
+    /// Removes every `prefix.key` option and returns them as options of their own
+    /// (`file.driver=file,file.filename=x` gives `driver=file,filename=x`): an inline
+    /// child's options. None if there are none.
+    pub fn take_prefixed(&mut self, prefix: &str) -> Option<KeyVal> {
+        let dotted = format!("{prefix}.");
+        let keys: Vec<String> = self
+            .map
+            .keys()
+            .filter(|k| k.starts_with(&dotted))
+            .cloned()
+            .collect();
+        if keys.is_empty() {
+            return None;
+        }
+        let map = keys
+            .into_iter()
+            .map(|k| {
+                let v = self.map.remove(&k).expect("listed");
+                (k[dotted.len()..].to_string(), v)
+            })
+            .collect();
+        Some(KeyVal {
+            what: format!("{} ({prefix})", self.what),
+            map,
+        })
+    }
+
     /// Fails naming the first option nobody consumed.
     pub fn finish(self) -> Result<(), String> {
         match self.map.keys().next() {
@@ -256,5 +283,22 @@ mod tests {
         .unwrap();
         assert!(kv.take_bool("cache.direct", false).unwrap());
         assert_eq!(kv.take_u64("size", true).unwrap(), Some(4096));
+    }
+
+    #[test]
+    fn an_inline_child_is_taken_by_its_prefix() {
+        let mut kv = KeyVal::parse(
+            "--blockdev",
+            "driver=raw,node-name=r,file.driver=file,file.filename=x,file.cache.direct=on,filex=1",
+            None,
+        )
+        .unwrap();
+        let mut child = kv.take_prefixed("file").unwrap();
+        assert_eq!(child.take("driver").as_deref(), Some("file"));
+        assert_eq!(child.take("filename").as_deref(), Some("x"));
+        assert!(child.take_bool("cache.direct", false).unwrap());
+        child.finish().unwrap();
+        assert!(kv.take_prefixed("file").is_none());
+        assert_eq!(kv.take("filex").as_deref(), Some("1"));
     }
 }

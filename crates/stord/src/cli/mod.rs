@@ -50,7 +50,8 @@ pub struct CommandLine {
 /// The help text.
 pub const USAGE: &str = "\
 Usage: stord [options]
-Serve block nodes over NBD, with qemu-storage-daemon's command-line syntax.
+Serve block nodes over NBD, FUSE and vhost-user-blk, with qemu-storage-daemon's
+command-line syntax.
 With no options, serves data/default.img (created sparse, 1 GiB) over NBD on a unix socket.
 
   -h, --help                show this help
@@ -63,13 +64,22 @@ With no options, serves data/default.img (created sparse, 1 GiB) over NBD on a u
   --blockdev driver=null-co|null,node-name=<name>[,size=<size>][,read-zeroes=on|off]
   --blockdev driver=file,node-name=<name>,filename=<path>[,aio=io_uring|native|threads]
              [,cache.direct=on|off][,aio-max-batch=<n>][,x-reap-after-submit=on|off][,discard=unmap|ignore][,read-only=on|off]
-                            a block node
+  --blockdev driver=raw,node-name=<name>,file=<node> | ,file.driver=<driver>,file.<option>=...
+             [,offset=<bytes>][,size=<bytes>]
+                            a block node (also as a JSON object); raw is a format node
+                            over its child `file`, named or inline
   --nbd-server addr.type=unix,addr.path=<path> | addr.type=inet,addr.host=<host>,addr.port=<port>
                [,max-connections=<n>][,handshake-max-seconds=<s>]
                             the NBD server
   --export type=nbd,id=<id>,node-name=<name>[,name=<export name>][,description=<text>]
            [,writable=on|off][,multi-conn=on|off|auto][,iothread=<id> | ,iothread.0=<id>,iothread.1=<id>...]
                             export a node over NBD
+  --export type=fuse,id=<id>,node-name=<name>,mountpoint=<file>[,writable=on|off][,growable=on|off]
+           [,allow-other=on|off|auto][,io-uring=on|off|auto][,iothread=<id> | ,iothread.0=<id>...]
+                            export a node as a regular file (FUSE)
+  --export type=vhost-user-blk,id=<id>,node-name=<name>,addr.type=unix,addr.path=<path>
+           [,writable=on|off][,num-queues=<n>][,logical-block-size=<n>][,iothread=<id> | ,iothread.0=<id>...]
+                            export a node to a virtual machine (vhost-user-blk)
   --chardev socket,id=<id>,path=<path>,server=on,wait=off
   --monitor chardev=<id>    a QMP monitor on that socket (created 0600)
   --pidfile <path>          write the process id once everything is ready
