@@ -18,9 +18,7 @@ use std::rc::Rc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use stord_aio::{
-    AioContext, AioContextOptions, IoThread, PolicyKind, PollParams, ReactorKind, Remote,
-};
+use stord_aio::{AioContext, AioContextOptions, IoThread, PolicyKind, PollParams, ReactorKind};
 
 use crate::block::file::{FileDriver, FileOptions};
 use crate::block::null::NullDriver;
@@ -28,11 +26,10 @@ use crate::block::raw::RawDriver;
 use crate::block::{BlockDriver, BlockNode};
 use crate::cli::keyval::KeyVal;
 use crate::cli::{CommandLine, Item};
-use crate::export::fuse::{FuseExport, FuseOptions};
 use crate::export::nbd::{
-    ExportTable, ListenAddr, NbdExport, NbdServer, NbdServerOpts, DEFAULT_HANDSHAKE_MAX_SECS,
+    ExportTable, ListenAddr, NbdServer, NbdServerOpts, DEFAULT_HANDSHAKE_MAX_SECS,
 };
-use crate::export::vhost_user_blk::{VhostUserBlkExport, VhostUserBlkOptions};
+use crate::export::{Export, ExportEnv, EXPORT_TYPES};
 use crate::qmp::{Events, MonitorServer};
 use crate::sys;
 
@@ -47,12 +44,10 @@ pub struct State {
     pub implicit: BTreeSet<String>,
     /// The next `#blockNNN` number.
     implicit_seq: u32,
-    /// NBD exports.
-    pub exports: ExportTable,
-    /// FUSE exports by id.
-    pub fuse_exports: BTreeMap<String, FuseExport>,
-    /// vhost-user-blk exports by id.
-    pub vhost_exports: BTreeMap<String, VhostUserBlkExport>,
+    /// Exports by id, whatever their type.
+    pub exports: BTreeMap<String, Box<dyn Export>>,
+    /// The exports the NBD server offers (shared with it, for the handshake).
+    pub nbd_table: ExportTable,
     /// The NBD server, if started.
     pub nbd: Option<NbdServer>,
     /// `--chardev socket` paths by id, until a monitor takes them.
@@ -152,11 +147,7 @@ impl State {
             return Err(format!("object '{id}' not found"));
         };
         let remote = obj.remote().clone();
-        let in_use = self.exports.all().iter().any(|e| {
-            e.iothreads
-                .iter()
-                .any(|r| r.thread_id() == remote.thread_id())
-        });
+        let in_use = self.exports.values().any(|e| e.runs_on(&remote));
         if in_use {
             return Err(format!("object '{id}' is in use and cannot be deleted"));
         }
@@ -358,7 +349,7 @@ impl State {
             return Err("NBD server already running".into());
         }
         let addr = opts.addr.clone();
-        let server = NbdServer::start(ctx, opts, self.exports.clone())
+        let server = NbdServer::start(ctx, opts, self.nbd_table.clone())
             .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
         self.nbd = Some(server);
         Ok(())
@@ -371,162 +362,56 @@ impl State {
             return Err("NBD server not running".into());
         };
         s.stop();
-        for e in self.exports.all() {
-            self.begin_export_removal(&e.id);
-        }
-        Ok(())
-    }
-
-    fn export_id_taken(&self, id: &str) -> bool {
-        self.exports.by_id(id).is_some()
-            || self.fuse_exports.contains_key(id)
-            || self.vhost_exports.contains_key(id)
-    }
-
-    /// The node a new export `id` serves, after checking that the id is free.
-    fn export_node(&self, what: &str, id: &str, node_name: &str) -> Result<Arc<BlockNode>, String> {
-        let node = self
-            .nodes
-            .get(node_name)
-            .cloned()
-            .ok_or_else(|| format!("{what}: cannot find node '{node_name}'"))?;
-        if self.export_id_taken(id) {
-            return Err(format!("Block export id '{id}' is already in use"));
-        }
-        Ok(node)
-    }
-
-    /// The Remotes of the named IoThreads.
-    fn iothread_remotes(&self, what: &str, names: &[String]) -> Result<Vec<Remote>, String> {
-        names
-            .iter()
-            .map(|t| {
-                self.iothreads
-                    .get(t)
-                    .map(|i| i.remote().clone())
-                    .ok_or_else(|| format!("{what}: iothread '{t}' not found"))
-            })
-            .collect()
-    }
-
-    /// `--export type=fuse`.
-    fn add_fuse_export(&mut self, mut kv: KeyVal) -> Result<(), String> {
-        let opts = FuseOptions::from_opts(&mut kv)?;
-        let what = kv.what.clone();
-        kv.finish()?;
-        let node = self.export_node(&what, &opts.id, &opts.node_name)?;
-        if self
-            .fuse_exports
+        let nbd: Vec<String> = self
+            .exports
             .values()
-            .any(|e| e.mountpoint == opts.mountpoint)
-        {
-            return Err(format!(
-                "{what}: '{}' is already a FUSE export's mountpoint",
-                opts.mountpoint.display()
-            ));
+            .filter(|e| e.kind() == "nbd")
+            .map(|e| e.id().to_string())
+            .collect();
+        for id in nbd {
+            self.begin_export_removal(&id);
         }
-        let remotes = self.iothread_remotes(&what, &opts.iothreads)?;
-        let id = opts.id.clone();
-        let export = FuseExport::start(opts, node, remotes)?;
-        self.fuse_exports.insert(id, export);
         Ok(())
     }
 
-    /// `--export type=vhost-user-blk`.
-    fn add_vhost_user_blk_export(&mut self, mut kv: KeyVal) -> Result<(), String> {
-        let opts = VhostUserBlkOptions::from_opts(&mut kv)?;
-        let what = kv.what.clone();
-        kv.finish()?;
-        let node = self.export_node(&what, &opts.id, &opts.node_name)?;
-        let remotes = self.iothread_remotes(&what, &opts.iothreads)?;
-        let id = opts.id.clone();
-        let export = VhostUserBlkExport::start(opts, node, remotes)?;
-        self.vhost_exports.insert(id, export);
-        Ok(())
-    }
-
-    /// `--export` / `block-export-add`.
+    /// `--export` / `block-export-add`: the type's constructor from [`EXPORT_TYPES`].
     pub fn add_export(&mut self, mut kv: KeyVal) -> Result<(), String> {
         let kind = kv.take_required("type")?;
-        if kind == "fuse" {
-            return self.add_fuse_export(kv);
-        }
-        if kind == "vhost-user-blk" {
-            return self.add_vhost_user_blk_export(kv);
-        }
-        if kind != "nbd" {
+        let Some((_, create)) = EXPORT_TYPES.iter().find(|(k, _)| *k == kind) else {
+            let names: Vec<&str> = EXPORT_TYPES.iter().map(|(k, _)| *k).collect();
             return Err(format!(
-                "{}: parameter 'type' expects nbd, fuse or vhost-user-blk, got '{kind}'",
-                kv.what
+                "{}: parameter 'type' expects {}, got '{kind}'",
+                kv.what,
+                names.join(", ")
             ));
+        };
+        if let Some(id) = kv.get("id") {
+            if self.exports.contains_key(id) {
+                return Err(format!("Block export id '{id}' is already in use"));
+            }
         }
-        let id = kv.take_required("id")?;
-        let node_name = kv.take_required("node-name")?;
-        let node = self.export_node(&kv.what, &id, &node_name)?;
-        let name = kv.take("name").unwrap_or_else(|| node_name.clone());
-        let description = kv.take("description").unwrap_or_default();
-        let writable = kv.take_bool("writable", false)?;
-        let _ = kv.take_bool("writethrough", false)?;
-        let _ = kv.take_bool("fixed-iothread", false)?;
-        let _ = kv.take_bool("allocation-depth", false)?;
-        let names = kv.take_list("iothread");
-        // multi-conn is safe here whenever it is asked for or left to us: every connection
-        // reaches the same node, and a flush (fdatasync of the one file) covers every write
-        // completed before it, whichever connection sent it.
-        let multi_conn = !matches!(
-            kv.take_choice("multi-conn", &["on", "off", "auto"])?
-                .as_deref(),
-            Some("off")
-        );
-        let what = kv.what.clone();
-        let iothreads = self.iothread_remotes(&what, &names)?;
-        kv.finish()?;
-        if writable && node.read_only {
-            return Err(format!(
-                "{what}: node '{node_name}' is read-only, cannot export it writable"
-            ));
-        }
-        if self.nbd.is_none() {
-            return Err("NBD server not running".into());
-        }
-        let export = NbdExport::new(id, name, description, node, writable, iothreads, multi_conn);
-        self.exports
-            .add(Arc::new(export))
-            .map_err(|e| format!("{what}: {e}"))
+        let env = ExportEnv {
+            nodes: &self.nodes,
+            iothreads: &self.iothreads,
+            nbd: self.nbd.as_ref().map(|_| &self.nbd_table),
+            claimed: self.exports.values().filter_map(|e| e.claim()).collect(),
+        };
+        let export = create(&env, kv)?;
+        self.exports.insert(export.id().to_string(), export);
+        Ok(())
     }
 
     /// `block-export-del`: with `hard`, clients are disconnected; without, the export must
     /// have none. The export is gone (and `BLOCK_EXPORT_DELETED` sent) once the last
     /// client's requests have finished.
     pub fn del_export(&mut self, id: &str, hard: bool) -> Result<(), String> {
-        if let Some(mut f) = self.fuse_exports.remove(id) {
-            // Unmounting ends every open file's access; requests in progress finish.
-            f.stop(Duration::from_secs(5));
-            drop(f);
-            self.events
-                .emit("BLOCK_EXPORT_DELETED", serde_json::json!({ "id": id }));
-            return Ok(());
-        }
-        if let Some(v) = self.vhost_exports.get(id) {
-            if !hard && v.connected() {
-                return Err(format!(
-                    "export '{id}' still in use (use mode 'hard' to disconnect its clients)"
-                ));
-            }
-            let mut v = self.vhost_exports.remove(id).expect("present");
-            v.stop();
-            drop(v);
-            self.events
-                .emit("BLOCK_EXPORT_DELETED", serde_json::json!({ "id": id }));
-            return Ok(());
-        }
-        let Some(e) = self.exports.by_id(id) else {
+        let Some(e) = self.exports.get(id) else {
             return Err(format!("Export '{id}' is not found"));
         };
-        if e.shutting_down.load(std::sync::atomic::Ordering::SeqCst) {
+        if e.shutting_down() {
             return Err(format!("Export '{id}' is already shutting down"));
         }
-        if !hard && e.client_count() > 0 {
+        if !hard && e.in_use() {
             return Err(format!(
                 "export '{id}' still in use (use mode 'hard' to disconnect its clients)"
             ));
@@ -535,48 +420,29 @@ impl State {
         Ok(())
     }
 
+    /// Takes the export out of the table and stops it; a main-loop task waits for its
+    /// requests to finish (woken by the export, no polling), then announces and drops it.
     fn begin_export_removal(&mut self, id: &str) {
-        let Some(e) = self.exports.remove_id(id) else {
+        let Some(mut e) = self.exports.remove(id) else {
             return;
         };
-        e.disconnect_all();
+        e.begin_stop();
         let events = self.events.clone();
-        stord_aio::spawn(async move {
-            while e.client_count() > 0 {
-                stord_aio::sleep(Duration::from_millis(5)).await;
-            }
-            events.emit("BLOCK_EXPORT_DELETED", serde_json::json!({ "id": e.id }));
+        stord_aio::spawn_detached(async move {
+            std::future::poll_fn(|cx| e.poll_drained(cx)).await;
+            events.emit("BLOCK_EXPORT_DELETED", serde_json::json!({ "id": e.id() }));
             drop(e);
         });
     }
 
     /// Deletes every export, disconnecting its clients and unmounting FUSE files.
     fn drain_exports(&mut self) {
-        for (id, mut f) in std::mem::take(&mut self.fuse_exports) {
-            if std::env::var_os("STORD_STATS").is_some() {
-                let (dev, uring) = f.request_counts();
-                eprintln!(
-                    "stord: fuse export {id}: transport {}, requests via /dev/fuse {dev}, via io_uring {uring}",
-                    f.transport()
-                );
+        let ids: Vec<String> = self.exports.keys().cloned().collect();
+        for id in ids {
+            if let Some(e) = self.exports.get(&id) {
+                e.log_statistics();
             }
-            f.stop(Duration::from_secs(5));
-            self.events
-                .emit("BLOCK_EXPORT_DELETED", serde_json::json!({ "id": id }));
-        }
-        for (id, mut v) in std::mem::take(&mut self.vhost_exports) {
-            if std::env::var_os("STORD_STATS").is_some() {
-                eprintln!(
-                    "stord: vhost-user-blk export {id}: requests per queue {:?}",
-                    v.queue_requests()
-                );
-            }
-            v.stop();
-            self.events
-                .emit("BLOCK_EXPORT_DELETED", serde_json::json!({ "id": id }));
-        }
-        for e in self.exports.all() {
-            self.begin_export_removal(&e.id);
+            self.begin_export_removal(&id);
         }
     }
 }

@@ -74,6 +74,11 @@ impl KeyVal {
         }
     }
 
+    /// A string option, left in place.
+    pub fn get(&self, key: &str) -> Option<&str> {
+        self.map.get(key).map(String::as_str)
+    }
+
     /// Removes and returns a string option.
     pub fn take(&mut self, key: &str) -> Option<String> {
         self.map.remove(key)

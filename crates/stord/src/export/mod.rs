@@ -1,5 +1,135 @@
-//! Exports: how block nodes reach clients. One folder per protocol.
+//! Exports: how block nodes reach clients. One folder per protocol, each implementing
+//! [`Export`] and registered once in [`EXPORT_TYPES`]; the daemon keeps one table of
+//! `Box<dyn Export>` and knows no protocol by name.
+//!
+//! Life cycle: a type's constructor parses its `--export` / `block-export-add` options
+//! (the daemon has checked that the id is free) and starts serving. Removal is two steps so
+//! the main loop never blocks in it: [`Export::begin_stop`] stops accepting and disconnects
+//! clients at once, then [`Export::poll_drained`] completes when the last request has
+//! finished, after which the daemon sends BLOCK_EXPORT_DELETED and drops the export.
 
 pub mod fuse;
 pub mod nbd;
 pub mod vhost_user_blk;
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll, Waker};
+
+use stord_aio::{IoThread, Remote};
+
+use crate::block::BlockNode;
+use crate::cli::keyval::KeyVal;
+
+/// One running export, whatever its protocol.
+pub trait Export {
+    /// The block-export id.
+    fn id(&self) -> &str;
+    /// The export type as on the command line (`nbd`, `fuse`, `vhost-user-blk`).
+    fn kind(&self) -> &'static str;
+    /// The node served.
+    fn node(&self) -> &Arc<BlockNode>;
+    /// Whether it serves on the IoThread `thread` (which then cannot be deleted).
+    fn runs_on(&self, thread: &Remote) -> bool;
+    /// A resource only one export may hold (a mountpoint, a socket path), if any.
+    fn claim(&self) -> Option<String> {
+        None
+    }
+    /// Clients are connected: a soft `block-export-del` is refused.
+    fn in_use(&self) -> bool;
+    /// Removal has begun.
+    fn shutting_down(&self) -> bool;
+    /// Fields of its own for query-block-exports (beside type, id, node-name).
+    fn describe(&self, _out: &mut serde_json::Map<String, serde_json::Value>) {}
+    /// Stops accepting clients and disconnects those connected; does not wait.
+    fn begin_stop(&mut self);
+    /// Ready once every request started before `begin_stop` has finished.
+    fn poll_drained(&self, cx: &mut Context<'_>) -> Poll<()>;
+    /// Logs what it served (at shutdown, through tracing).
+    fn log_statistics(&self) {}
+}
+
+/// What constructors may look at: the graph, the IoThreads and protocol servers.
+pub struct ExportEnv<'a> {
+    /// Block nodes by name.
+    pub nodes: &'a BTreeMap<String, Arc<BlockNode>>,
+    /// IoThreads by id.
+    pub iothreads: &'a BTreeMap<String, IoThread>,
+    /// The NBD server's export table, if the server runs.
+    pub nbd: Option<&'a nbd::ExportTable>,
+    /// Resources other exports hold ([`Export::claim`]).
+    pub claimed: Vec<String>,
+}
+
+impl ExportEnv<'_> {
+    /// The node named `name`.
+    pub fn node(&self, what: &str, name: &str) -> Result<Arc<BlockNode>, String> {
+        self.nodes
+            .get(name)
+            .cloned()
+            .ok_or_else(|| format!("{what}: cannot find node '{name}'"))
+    }
+
+    /// The Remotes of the named IoThreads.
+    pub fn remotes(&self, what: &str, names: &[String]) -> Result<Vec<Remote>, String> {
+        names
+            .iter()
+            .map(|t| {
+                self.iothreads
+                    .get(t)
+                    .map(|i| i.remote().clone())
+                    .ok_or_else(|| format!("{what}: iothread '{t}' not found"))
+            })
+            .collect()
+    }
+
+    /// Fails if another export holds `resource`.
+    pub fn check_claim(&self, what: &str, resource: &str) -> Result<(), String> {
+        if self.claimed.iter().any(|c| c == resource) {
+            return Err(format!(
+                "{what}: '{resource}' is already used by another export"
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Builds and starts an export from its options (`type` already taken).
+pub type ExportConstructor = fn(&ExportEnv<'_>, KeyVal) -> Result<Box<dyn Export>, String>;
+
+/// Every export type: adding one is its module plus a line here.
+pub const EXPORT_TYPES: &[(&str, ExportConstructor)] = &[
+    ("nbd", nbd::create),
+    ("fuse", fuse::create),
+    ("vhost-user-blk", vhost_user_blk::create),
+];
+
+/// A drain wake-up: whoever finishes the last request calls [`wake`](Self::wake) (from
+/// any thread); the daemon's removal task registers its waker and re-checks.
+#[derive(Default)]
+pub struct DrainSignal {
+    waker: Mutex<Option<Waker>>,
+}
+
+impl DrainSignal {
+    /// Ready if `drained()` holds; else registers the task's waker and checks again, so a
+    /// wake between the first check and the registration is not lost.
+    pub fn poll(&self, cx: &mut Context<'_>, drained: impl Fn() -> bool) -> Poll<()> {
+        if drained() {
+            return Poll::Ready(());
+        }
+        *self.waker.lock().unwrap_or_else(|e| e.into_inner()) = Some(cx.waker().clone());
+        if drained() {
+            Poll::Ready(())
+        } else {
+            Poll::Pending
+        }
+    }
+
+    /// Wakes the task waiting for the drain, if any.
+    pub fn wake(&self) {
+        if let Some(w) = self.waker.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            w.wake();
+        }
+    }
+}

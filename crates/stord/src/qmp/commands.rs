@@ -318,36 +318,19 @@ pub async fn execute(
         "query-block-exports" => {
             a.finish()?;
             let st = state.borrow();
-            let mut v: Vec<Value> = st
+            let v: Vec<Value> = st
                 .exports
-                .all()
-                .iter()
+                .values()
                 .map(|e| {
-                    json!({
-                        "type": "nbd",
-                        "id": e.id,
-                        "node-name": e.node.name,
-                        "shutting-down": e.shutting_down.load(std::sync::atomic::Ordering::SeqCst),
-                    })
+                    let mut m = serde_json::Map::new();
+                    m.insert("type".into(), e.kind().into());
+                    m.insert("id".into(), e.id().into());
+                    m.insert("node-name".into(), e.node().name.clone().into());
+                    m.insert("shutting-down".into(), e.shutting_down().into());
+                    e.describe(&mut m);
+                    Value::Object(m)
                 })
                 .collect();
-            v.extend(st.fuse_exports.values().map(|e| {
-                json!({
-                    "type": "fuse",
-                    "id": e.id,
-                    "node-name": e.node.name,
-                    "shutting-down": false,
-                    "x-transport": e.transport(),
-                })
-            }));
-            v.extend(st.vhost_exports.values().map(|e| {
-                json!({
-                    "type": "vhost-user-blk",
-                    "id": e.id,
-                    "node-name": e.node.name,
-                    "shutting-down": false,
-                })
-            }));
             Ok(Value::Array(v))
         }
         "quit" => {

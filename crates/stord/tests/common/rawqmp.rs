@@ -9,6 +9,8 @@ use std::time::Duration;
 /// A negotiated QMP connection.
 pub struct RawQmp {
     pub r: BufReader<UnixStream>,
+    /// Events read while waiting for replies, oldest first.
+    pub events: Vec<serde_json::Value>,
 }
 
 impl RawQmp {
@@ -18,6 +20,7 @@ impl RawQmp {
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         let mut q = RawQmp {
             r: BufReader::new(s),
+            events: Vec::new(),
         };
         let greeting = q.line();
         assert!(greeting.get("QMP").is_some(), "{greeting}");
@@ -42,6 +45,23 @@ impl RawQmp {
             if v.get("event").is_none() {
                 return v;
             }
+            self.events.push(v);
+        }
+    }
+
+    /// Waits for the event `name` whose data has `key` = `value` (or takes it from those
+    /// already read).
+    pub fn wait_event(&mut self, name: &str, key: &str, value: &str) -> serde_json::Value {
+        let hit = |v: &serde_json::Value| v["event"] == name && v["data"][key] == value;
+        if let Some(i) = self.events.iter().position(hit) {
+            return self.events.remove(i);
+        }
+        loop {
+            let v = self.line();
+            if hit(&v) {
+                return v;
+            }
+            self.events.push(v);
         }
     }
 

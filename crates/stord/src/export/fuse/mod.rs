@@ -21,8 +21,11 @@ use std::time::{Duration, Instant};
 
 use stord_aio::Remote;
 
+use std::task::{Context, Poll};
+
 use crate::block::BlockNode;
 use crate::cli::keyval::KeyVal;
+use crate::export::{DrainSignal, Export, ExportEnv};
 use crate::sys::{self, UnmountWatchdog};
 
 /// Largest READ we accept (and the mount's max_read).
@@ -45,6 +48,8 @@ pub struct FuseShared {
     max_write: u32,
     /// Requests being processed now (all queues).
     in_flight: AtomicUsize,
+    /// Woken when `in_flight` drops to zero.
+    drain: DrainSignal,
     /// The channel is gone (unmounted) or broken: stop reading.
     halted: AtomicBool,
     /// The kernel's INIT has been answered.
@@ -63,6 +68,13 @@ pub struct FuseShared {
 }
 
 impl FuseShared {
+    /// A request has finished (its reply is written): the last one wakes a removal.
+    fn request_done(&self) {
+        if self.in_flight.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.drain.wake();
+        }
+    }
+
     /// Called by the queue that answered INIT: if io_uring was granted, start a ring on
     /// every IoThread of the plan (registration must follow the INIT reply).
     fn after_init(self: &Arc<Self>, dev: &Arc<File>) {
@@ -293,6 +305,7 @@ impl FuseExport {
             gid,
             max_write: MAX_WRITE,
             in_flight: AtomicUsize::new(0),
+            drain: DrainSignal::default(),
             halted: AtomicBool::new(false),
             initialized: AtomicBool::new(false),
             want_uring,
@@ -378,7 +391,23 @@ impl FuseExport {
     }
 
     /// Unmounts, stops reading, and waits (at most `limit`) for requests in progress.
+    /// Blocks the calling loop: for drop; the daemon uses [`Export::begin_stop`] and
+    /// [`Export::poll_drained`].
     pub fn stop(&mut self, limit: Duration) {
+        self.halt();
+        let deadline = Instant::now() + limit;
+        while self.in_flight() > 0 && Instant::now() < deadline {
+            let on_main = stord_aio::with_current_context(|ctx| {
+                ctx.block_on(stord_aio::sleep(Duration::from_millis(2)));
+            });
+            if on_main.is_none() {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        }
+    }
+
+    /// Unmounts and stops reading; requests in progress go on.
+    fn halt(&mut self) {
         if self.mounted {
             self.mounted = false;
             if sys::umount(&self.mountpoint, 0).is_err() {
@@ -412,20 +441,66 @@ impl FuseExport {
                 _ => uring::teardown(id),
             }
         }
-        let deadline = Instant::now() + limit;
-        while self.in_flight() > 0 && Instant::now() < deadline {
-            let on_main = stord_aio::with_current_context(|ctx| {
-                ctx.block_on(stord_aio::sleep(Duration::from_millis(2)));
-            });
-            if on_main.is_none() {
-                std::thread::sleep(Duration::from_millis(2));
-            }
-        }
     }
 
     /// Where it is mounted, as text.
     pub fn mountpoint(&self) -> &Path {
         &self.mountpoint
+    }
+}
+
+/// `--export type=fuse` / `block-export-add`.
+pub fn create(env: &ExportEnv<'_>, mut kv: KeyVal) -> Result<Box<dyn Export>, String> {
+    let opts = FuseOptions::from_opts(&mut kv)?;
+    let what = kv.what.clone();
+    kv.finish()?;
+    let node = env.node(&what, &opts.node_name)?;
+    env.check_claim(&what, &opts.mountpoint.display().to_string())?;
+    let remotes = env.remotes(&what, &opts.iothreads)?;
+    Ok(Box::new(FuseExport::start(opts, node, remotes)?))
+}
+
+impl Export for FuseExport {
+    fn id(&self) -> &str {
+        &self.id
+    }
+    fn kind(&self) -> &'static str {
+        "fuse"
+    }
+    fn node(&self) -> &Arc<BlockNode> {
+        &self.node
+    }
+    fn runs_on(&self, thread: &Remote) -> bool {
+        self.queues
+            .iter()
+            .any(|q| matches!(&q.remote, Some(r) if r.thread_id() == thread.thread_id()))
+    }
+    fn claim(&self) -> Option<String> {
+        Some(self.mountpoint.display().to_string())
+    }
+    fn in_use(&self) -> bool {
+        // Open files are the kernel's business: unmounting ends their access, as in qsd.
+        false
+    }
+    fn shutting_down(&self) -> bool {
+        self.shared.halted.load(Ordering::SeqCst)
+    }
+    fn describe(&self, out: &mut serde_json::Map<String, serde_json::Value>) {
+        out.insert("x-transport".into(), self.transport().into());
+    }
+    fn begin_stop(&mut self) {
+        self.halt();
+    }
+    fn poll_drained(&self, cx: &mut Context<'_>) -> Poll<()> {
+        self.shared.drain.poll(cx, || self.in_flight() == 0)
+    }
+    fn log_statistics(&self) {
+        let (dev, uring) = self.request_counts();
+        tracing::info!(
+            "fuse export {}: transport {}, requests via /dev/fuse {dev}, via io_uring {uring}",
+            self.id,
+            self.transport()
+        );
     }
 }
 

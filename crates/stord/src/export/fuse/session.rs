@@ -122,7 +122,7 @@ impl Queue {
                     stord_aio::spawn_detached(async move {
                         q.handle(&buf[..n]).await;
                         q.recycle(buf);
-                        q.shared.in_flight.fetch_sub(1, Ordering::SeqCst);
+                        q.shared.request_done();
                         q.finished();
                     });
                 }

@@ -168,7 +168,7 @@ impl FuseRing {
             stord_aio::spawn_detached(async move {
                 let processed = me.shared.process(&msg).await;
                 me.commit(idx, processed);
-                me.shared.in_flight.fetch_sub(1, Ordering::SeqCst);
+                me.shared.request_done();
             });
         }
     }
@@ -217,7 +217,7 @@ impl FuseRing {
             let cap = buf.capacity();
             buf.set_len(cap);
             me.finish(idx, Some(buf), result);
-            me.shared.in_flight.fetch_sub(1, Ordering::SeqCst);
+            me.shared.request_done();
         });
         true
     }

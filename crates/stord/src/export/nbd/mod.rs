@@ -25,8 +25,12 @@ use std::sync::{Arc, Mutex};
 
 use stord_aio::{AioContext, Remote};
 
+use std::task::{Context, Poll};
+
 use crate::accept::Acceptor;
 use crate::block::BlockNode;
+use crate::cli::keyval::KeyVal;
+use crate::export::{DrainSignal, Export, ExportEnv};
 use proto::*;
 
 /// One exported node.
@@ -52,6 +56,8 @@ pub struct NbdExport {
     pub clients: Mutex<Vec<RawFd>>,
     /// Deleted: new connections are refused, existing ones are being closed.
     pub shutting_down: AtomicBool,
+    /// Woken when a connection leaves `clients`.
+    drain: DrainSignal,
 }
 
 impl NbdExport {
@@ -77,6 +83,7 @@ impl NbdExport {
             multi_conn,
             clients: Mutex::default(),
             shutting_down: AtomicBool::new(false),
+            drain: DrainSignal::default(),
         }
     }
 
@@ -205,6 +212,94 @@ impl ExportTable {
     /// All exports.
     pub fn all(&self) -> Vec<Arc<NbdExport>> {
         self.0.borrow().clone()
+    }
+}
+
+/// An NBD export as the daemon holds it: the export and the server table offering it.
+pub struct NbdExportHandle {
+    export: Arc<NbdExport>,
+    table: ExportTable,
+}
+
+/// `--export type=nbd` / `block-export-add`: needs the NBD server running.
+pub fn create(env: &ExportEnv<'_>, mut kv: KeyVal) -> Result<Box<dyn Export>, String> {
+    let id = kv.take_required("id")?;
+    let node_name = kv.take_required("node-name")?;
+    let node = env.node(&kv.what, &node_name)?;
+    let name = kv.take("name").unwrap_or_else(|| node_name.clone());
+    let description = kv.take("description").unwrap_or_default();
+    let writable = kv.take_bool("writable", false)?;
+    let _ = kv.take_bool("writethrough", false)?;
+    let _ = kv.take_bool("fixed-iothread", false)?;
+    let _ = kv.take_bool("allocation-depth", false)?;
+    let names = kv.take_list("iothread");
+    // multi-conn is safe whenever it is asked for or left to us: every connection reaches
+    // the same node, and a flush (fdatasync of the one file) covers every write completed
+    // before it, whichever connection sent it.
+    let multi_conn = !matches!(
+        kv.take_choice("multi-conn", &["on", "off", "auto"])?
+            .as_deref(),
+        Some("off")
+    );
+    let what = kv.what.clone();
+    let iothreads = env.remotes(&what, &names)?;
+    kv.finish()?;
+    if writable && node.read_only {
+        return Err(format!(
+            "{what}: node '{node_name}' is read-only, cannot export it writable"
+        ));
+    }
+    let Some(table) = env.nbd else {
+        return Err("NBD server not running".into());
+    };
+    let export = Arc::new(NbdExport::new(
+        id,
+        name,
+        description,
+        node,
+        writable,
+        iothreads,
+        multi_conn,
+    ));
+    table
+        .add(export.clone())
+        .map_err(|e| format!("{what}: {e}"))?;
+    Ok(Box::new(NbdExportHandle {
+        export,
+        table: table.clone(),
+    }))
+}
+
+impl Export for NbdExportHandle {
+    fn id(&self) -> &str {
+        &self.export.id
+    }
+    fn kind(&self) -> &'static str {
+        "nbd"
+    }
+    fn node(&self) -> &Arc<BlockNode> {
+        &self.export.node
+    }
+    fn runs_on(&self, thread: &Remote) -> bool {
+        self.export
+            .iothreads
+            .iter()
+            .any(|r| r.thread_id() == thread.thread_id())
+    }
+    fn in_use(&self) -> bool {
+        self.export.client_count() > 0
+    }
+    fn shutting_down(&self) -> bool {
+        self.export.shutting_down.load(Ordering::SeqCst)
+    }
+    fn begin_stop(&mut self) {
+        self.table.remove_id(&self.export.id);
+        self.export.disconnect_all();
+    }
+    fn poll_drained(&self, cx: &mut Context<'_>) -> Poll<()> {
+        self.export
+            .drain
+            .poll(cx, || self.export.client_count() == 0)
     }
 }
 

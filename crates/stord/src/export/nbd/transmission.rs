@@ -295,6 +295,7 @@ pub async fn serve(
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .retain(|&f| f != fd_raw);
+    conn.export.drain.wake();
 }
 
 fn log_close(conn: &Conn, e: &io::Error) {

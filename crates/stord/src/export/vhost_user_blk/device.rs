@@ -37,6 +37,8 @@ pub struct BlkDevice {
     pub writeback: AtomicBool,
     /// Requests served, per queue.
     pub requests: Vec<AtomicU64>,
+    /// Woken when a frontend's connection has ended (its queues stopped).
+    pub drain: crate::export::DrainSignal,
 }
 
 impl BlkDevice {
@@ -55,6 +57,7 @@ impl BlkDevice {
             num_queues,
             writeback: AtomicBool::new(true),
             requests: (0..num_queues).map(|_| AtomicU64::new(0)).collect(),
+            drain: Default::default(),
         }
     }
 

@@ -30,6 +30,8 @@ use vhost::vhost_user::{BackendReqHandler, Error as VuError};
 use crate::accept::{Acceptor, AcceptorHandle};
 use crate::block::BlockNode;
 use crate::cli::keyval::KeyVal;
+use crate::export::{Export, ExportEnv};
+use std::task::{Context, Poll};
 
 pub use device::BlkDevice;
 
@@ -104,6 +106,9 @@ pub struct VhostUserBlkExport {
     dev: Arc<BlkDevice>,
     acceptor: Option<Acceptor>,
     conns: Arc<Mutex<Vec<Connection>>>,
+    /// Where the queues run.
+    remotes: Vec<Remote>,
+    stopping: bool,
 }
 
 impl VhostUserBlkExport {
@@ -148,7 +153,7 @@ impl VhostUserBlkExport {
             opts.num_queues,
         ));
         let conns: Arc<Mutex<Vec<Connection>>> = Arc::default();
-        let (dev2, conns2) = (dev.clone(), conns.clone());
+        let (dev2, conns2, kept) = (dev.clone(), conns.clone(), remotes.clone());
         let acceptor = stord_aio::with_current_context(|ctx| {
             let me: std::rc::Rc<std::cell::OnceCell<AcceptorHandle>> = Default::default();
             let me2 = me.clone();
@@ -169,6 +174,8 @@ impl VhostUserBlkExport {
             dev,
             acceptor: Some(acceptor),
             conns,
+            remotes: kept,
+            stopping: false,
         })
     }
 
@@ -190,15 +197,24 @@ impl VhostUserBlkExport {
             .any(|c| !c.thread.is_finished())
     }
 
-    /// Stops listening, disconnects the frontend and waits for its queues to drain. Called
-    /// on the main loop, which it keeps running meanwhile (a queue may live there).
-    pub fn stop(&mut self) {
+    /// Stops listening and disconnects the frontend; its queues stop on their own.
+    fn halt(&mut self) {
+        if std::mem::replace(&mut self.stopping, true) {
+            return;
+        }
         self.acceptor.take();
         let _ = std::fs::remove_file(&self.path);
-        let conns = std::mem::take(&mut *self.conns.lock().unwrap_or_else(|e| e.into_inner()));
-        for c in &conns {
+        for c in self.conns.lock().unwrap_or_else(|e| e.into_inner()).iter() {
             let _ = c.stream.shutdown(std::net::Shutdown::Both);
         }
+    }
+
+    /// Stops listening, disconnects the frontend and waits for its queues to drain. Called
+    /// on the main loop, which it keeps running meanwhile (a queue may live there). For
+    /// drop; the daemon uses [`Export::begin_stop`] and [`Export::poll_drained`].
+    pub fn stop(&mut self) {
+        self.halt();
+        let conns = std::mem::take(&mut *self.conns.lock().unwrap_or_else(|e| e.into_inner()));
         for c in conns {
             while !c.thread.is_finished() {
                 let pumped = stord_aio::with_current_context(|ctx| {
@@ -210,6 +226,59 @@ impl VhostUserBlkExport {
             }
             let _ = c.thread.join();
         }
+    }
+}
+
+/// `--export type=vhost-user-blk` / `block-export-add`.
+pub fn create(env: &ExportEnv<'_>, mut kv: KeyVal) -> Result<Box<dyn Export>, String> {
+    let opts = VhostUserBlkOptions::from_opts(&mut kv)?;
+    let what = kv.what.clone();
+    kv.finish()?;
+    let node = env.node(&what, &opts.node_name)?;
+    env.check_claim(&what, &opts.path.display().to_string())?;
+    let remotes = env.remotes(&what, &opts.iothreads)?;
+    Ok(Box::new(VhostUserBlkExport::start(opts, node, remotes)?))
+}
+
+impl Export for VhostUserBlkExport {
+    fn id(&self) -> &str {
+        &self.id
+    }
+    fn kind(&self) -> &'static str {
+        "vhost-user-blk"
+    }
+    fn node(&self) -> &Arc<BlockNode> {
+        &self.node
+    }
+    fn runs_on(&self, thread: &Remote) -> bool {
+        self.remotes
+            .iter()
+            .any(|r| r.thread_id() == thread.thread_id())
+    }
+    fn claim(&self) -> Option<String> {
+        Some(self.path.display().to_string())
+    }
+    fn in_use(&self) -> bool {
+        self.connected()
+    }
+    fn shutting_down(&self) -> bool {
+        self.stopping
+    }
+    fn describe(&self, out: &mut serde_json::Map<String, serde_json::Value>) {
+        out.insert("x-queue-requests".into(), self.queue_requests().into());
+    }
+    fn begin_stop(&mut self) {
+        self.halt();
+    }
+    fn poll_drained(&self, cx: &mut Context<'_>) -> Poll<()> {
+        self.dev.drain.poll(cx, || !self.connected())
+    }
+    fn log_statistics(&self) {
+        tracing::info!(
+            "vhost-user-blk export {}: requests per queue {:?}",
+            self.id,
+            self.queue_requests()
+        );
     }
 }
 
@@ -253,8 +322,9 @@ fn accept(
     let thread = std::thread::Builder::new()
         .name(format!("vhost-user-{}", dev.id))
         .spawn(move || {
-            serve(ctl, dev, remotes);
+            serve(ctl, dev.clone(), remotes);
             drop(done_tx);
+            dev.drain.wake();
         });
     match thread {
         Ok(thread) => {
