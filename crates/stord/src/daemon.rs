@@ -608,23 +608,9 @@ impl Daemon {
                 }
             }
         }
-        if std::env::var_os("STORD_STATS").is_some() {
-            let h = crate::block::file::harvest_histograms();
-            // One JSON line, so stord-bench can read it back.
-            eprintln!(
-                "stord: stats {}",
-                serde_json::json!({ "linux_aio_harvest": {
-                    "buckets": "power of two: 0, 1, 2-3, 4-7, ...",
-                    "on_event": h.on_event.snapshot(),
-                    "after_submit": h.after_submit.snapshot(),
-                }})
-            );
-        }
         let threads = std::mem::take(&mut self.state.borrow_mut().iothreads);
         for (id, mut t) in threads {
-            if std::env::var_os("STORD_STATS").is_some() {
-                eprintln!("stord: iothread {id}: {:?}", t.remote().stats());
-            }
+            tracing::debug!("iothread {id}: {:?}", t.remote().stats());
             t.stop();
         }
         if let Some(p) = self.pidfile.take() {

@@ -14,6 +14,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Mutex, Once};
 use std::time::{Duration, Instant};
 
+use common::rawqmp::{monitor_args, RawQmp};
 use common::{run_ok, tmpdir, Stord};
 
 /// One guest at a time: TCG keeps a core busy, and the machine has two.
@@ -183,11 +184,20 @@ fn start_peer(
         }
         Peer::Qsd(child)
     } else {
+        args.extend(monitor_args(&dir.join("qmp.sock")));
         Peer::Stord(Stord::start(dir, &args))
     }
 }
 
 impl Peer {
+    /// Requests served per queue of export vu0 (stord's query-block-exports); empty for qsd.
+    fn queue_requests(&self) -> Vec<u64> {
+        let Peer::Stord(s) = self else {
+            return Vec::new();
+        };
+        RawQmp::connect(&s.dir.join("qmp.sock")).queue_requests("vu0")
+    }
+
     /// Stops the daemon; returns stord's stderr (empty for qsd).
     fn stop(self) -> String {
         match self {
@@ -204,7 +214,8 @@ impl Peer {
 
 /// The read-write scenario: pattern written with O_DIRECT and read back in the guest, the
 /// same bytes in the host image, every queue used, discard frees blocks in the image.
-fn read_write(qsd: bool, queues: u16, iothreads: usize, extra: &str) -> (String, String) {
+/// Returns the guest's output and the requests served per queue (stord only).
+fn read_write(qsd: bool, queues: u16, iothreads: usize, extra: &str) -> (String, Vec<u64>) {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let who = if qsd { "qsd" } else { "stord" };
     let dir = tmpdir(&format!("vub-rw-{who}-{queues}"));
@@ -222,6 +233,7 @@ fn read_write(qsd: bool, queues: u16, iothreads: usize, extra: &str) -> (String,
     let peer = start_peer(qsd, &dir, &img, &sock, &export, iothreads);
     let before = allocated(&img);
     let out = boot(&sock, queues, "rw");
+    let per_queue = peer.queue_requests();
     let stderr = peer.stop();
     assert!(passed(&out), "{who}: guest failed:\n{out}\n{stderr}");
     let wrote = field(&out, "WROTE").expect("WROTE");
@@ -238,32 +250,20 @@ fn read_write(qsd: bool, queues: u16, iothreads: usize, extra: &str) -> (String,
         freed >= 8 << 20,
         "{who}: discard freed only {freed} bytes of the image"
     );
-    (out, stderr)
-}
-
-/// Requests per queue from stord's exit statistics.
-fn queue_requests(stderr: &str) -> Vec<u64> {
-    let line = stderr
-        .lines()
-        .find(|l| l.contains("requests per queue"))
-        .unwrap_or_else(|| panic!("no per-queue statistics in:\n{stderr}"));
-    let list = &line[line.find('[').unwrap() + 1..line.find(']').unwrap()];
-    list.split(',').map(|n| n.trim().parse().unwrap()).collect()
+    (out, per_queue)
 }
 
 #[test]
 fn guest_reads_and_writes_through_one_queue_on_the_main_loop() {
-    let (out, stderr) = read_write(false, 1, 0, ",logical-block-size=4096");
+    let (out, per_queue) = read_write(false, 1, 0, ",logical-block-size=4096");
     assert_eq!(field(&out, "LBS"), Some("4096"));
-    let per_queue = queue_requests(&stderr);
     assert_eq!(per_queue.len(), 1);
     assert!(per_queue[0] > 100, "{per_queue:?}");
 }
 
 #[test]
 fn guest_uses_both_queues_on_two_iothreads() {
-    let (_, stderr) = read_write(false, 2, 2, "");
-    let per_queue = queue_requests(&stderr);
+    let (_, per_queue) = read_write(false, 2, 2, "");
     assert_eq!(per_queue.len(), 2);
     assert!(
         per_queue.iter().all(|&n| n > 100),

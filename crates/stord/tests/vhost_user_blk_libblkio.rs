@@ -12,6 +12,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use blkio::{Blkio, Blkioq, Completion, MemoryRegion, ReqFlags};
+use common::rawqmp::{monitor_args, RawQmp};
 use common::{tmpdir, Stord};
 
 const IMAGE: u64 = 64 << 20;
@@ -51,6 +52,7 @@ impl Peer {
             ),
         ]);
         if !qsd {
+            args.extend(monitor_args(&dir.join("qmp.sock")));
             return Peer::Stord(Stord::start(dir, &args));
         }
         let child = Command::new("qemu-storage-daemon")
@@ -183,15 +185,6 @@ fn write_and_verify(c: &mut Client) -> Vec<(u64, Vec<u8>)> {
     })
 }
 
-fn requests_per_queue(stderr: &str) -> Vec<u64> {
-    let line = stderr
-        .lines()
-        .find(|l| l.contains("requests per queue"))
-        .unwrap_or_else(|| panic!("no per-queue statistics in:\n{stderr}"));
-    let list = &line[line.find('[').unwrap() + 1..line.find(']').unwrap()];
-    list.split(',').map(|n| n.trim().parse().unwrap()).collect()
-}
-
 fn round_trip(qsd: bool, queues: i32, poll: bool) {
     let who = if qsd { "qsd" } else { "stord" };
     let dir = tmpdir(&format!("blkio-{who}-{queues}-{poll}"));
@@ -212,7 +205,11 @@ fn round_trip(qsd: bool, queues: i32, poll: bool) {
     assert_eq!(c.blkio.get_u64("capacity").unwrap(), IMAGE, "{who}");
     let written = write_and_verify(&mut c);
     drop(c);
-    let stderr = peer.stop();
+    let per_queue = match &peer {
+        Peer::Stord(s) => RawQmp::connect(&s.dir.join("qmp.sock")).queue_requests("vu0"),
+        Peer::Qsd(_) => Vec::new(),
+    };
+    peer.stop();
     let image = std::fs::read(&img).unwrap();
     for (offset, data) in written {
         let at = offset as usize;
@@ -222,7 +219,6 @@ fn round_trip(qsd: bool, queues: i32, poll: bool) {
         );
     }
     if !qsd {
-        let per_queue = requests_per_queue(&stderr);
         assert_eq!(per_queue.len(), queues as usize);
         let each = 2 * (SPAN / BS) as u64;
         assert!(per_queue.iter().all(|&n| n >= each), "{per_queue:?}");

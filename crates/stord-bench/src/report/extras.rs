@@ -152,7 +152,7 @@ pub fn window_trace(policies: &[PolicyKind], reactor: ReactorKind) -> Value {
 
 /// linux-aio completions per harvest, with and without harvesting right after io_submit:
 /// stord serves the file (aio=native, O_DIRECT) over NBD to fio (4k randread QD16), and
-/// prints its histograms (STORD_STATS) when it stops.
+/// reports its harvest histograms through QMP (query-iothreads x-stats).
 pub fn harvest(t: &Timing, p: &Paths, mut tick: impl FnMut()) -> Value {
     let labels: Vec<String> = (0..8)
         .map(|i| match i {
@@ -173,13 +173,28 @@ pub fn harvest(t: &Timing, p: &Paths, mut tick: impl FnMut()) -> Value {
                 .unwrap();
             node.push_str(",x-reap-after-submit=off");
         }
-        let log = p.sock.with_extension("stats.log");
+        // The histograms are loop statistics: read them over QMP before the daemon stops.
+        let qmp_sock = p.sock.with_extension("qmp");
+        args.extend([
+            "--chardev".into(),
+            format!("socket,id=m,path={},server=on,wait=off", qmp_sock.display()),
+            "--monitor".into(),
+            "chardev=m".into(),
+        ]);
         let mut cmd = Command::new(&bin);
-        cmd.args(&args)
-            .env("STORD_STATS", "1")
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).expect("stats log"));
+        cmd.args(&args).stdout(Stdio::null()).stderr(Stdio::null());
         let d = Daemon::start_cmd("stord", cmd, &p.sock);
+        // The monitor comes after the NBD socket on the command line: wait for it too.
+        let start = std::time::Instant::now();
+        let mut qmp = loop {
+            match crate::qmp::Qmp::connect(&qmp_sock) {
+                Ok(q) => break q,
+                Err(e) if start.elapsed() > std::time::Duration::from_secs(10) => {
+                    panic!("QMP {}: {e}", qmp_sock.display())
+                }
+                Err(_) => std::thread::sleep(std::time::Duration::from_millis(10)),
+            }
+        };
         let mut s = Session::from_running(Running::Nbd(d, uri));
         let w = Workload {
             rw: "randread",
@@ -187,15 +202,14 @@ pub fn harvest(t: &Timing, p: &Paths, mut tick: impl FnMut()) -> Value {
             qd: 16,
         };
         let (r, _, _) = s.run(&w, t, p, &[]);
+        let on_event = qmp.histogram("linux-aio.harvest-on-event").expect("QMP");
+        let after_submit = qmp
+            .histogram("linux-aio.harvest-after-submit")
+            .expect("QMP");
+        drop(qmp);
         drop(s);
-        let text = std::fs::read_to_string(&log).unwrap_or_default();
-        let _ = std::fs::remove_file(&log);
-        let stats: Value = text
-            .lines()
-            .find_map(|l| l.strip_prefix("stord: stats "))
-            .and_then(|j| serde_json::from_str(j).ok())
-            .unwrap_or_else(|| panic!("stord printed no stats line:\n{text}"));
-        let h = &stats["linux_aio_harvest"];
+        let _ = std::fs::remove_file(&qmp_sock);
+        let h = json!({ "on_event": on_event, "after_submit": after_submit });
         let fold = |v: &Value| -> Vec<u64> {
             let mut b = vec![0u64; 8];
             for (i, n) in v.as_array().into_iter().flatten().enumerate() {

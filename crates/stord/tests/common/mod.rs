@@ -60,7 +60,6 @@ impl Stord {
         full.push(pidfile.display().to_string());
         let child = Command::new(program)
             .args(&full)
-            .env("STORD_STATS", "1")
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()

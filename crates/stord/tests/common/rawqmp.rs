@@ -75,4 +75,32 @@ impl RawQmp {
             .map(|t| t["x-stats"]["counters"][name].as_u64().unwrap_or(0))
             .sum()
     }
+
+    /// Requests served per queue of vhost-user-blk export `id` (query-block-exports).
+    pub fn queue_requests(&mut self, id: &str) -> Vec<u64> {
+        let r = self.send(r#"{"execute":"query-block-exports"}"#);
+        let e = r["return"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["id"] == id)
+            .unwrap_or_else(|| panic!("no export {id} in {r}"))
+            .clone();
+        e["x-queue-requests"]
+            .as_array()
+            .unwrap_or_else(|| panic!("no x-queue-requests in {e}"))
+            .iter()
+            .map(|n| n.as_u64().unwrap())
+            .collect()
+    }
+}
+
+/// `--chardev` and `--monitor` arguments for a QMP monitor on `path`.
+pub fn monitor_args(path: &Path) -> Vec<String> {
+    vec![
+        "--chardev".into(),
+        format!("socket,id=m,path={},server=on,wait=off", path.display()),
+        "--monitor".into(),
+        "chardev=m".into(),
+    ]
 }

@@ -19,7 +19,7 @@ use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::pin::Pin;
 use std::rc::{Rc, Weak};
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::LazyLock;
+use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 
 use stord_aio::{Bh, Histogram, Interest, IoVecs, PollHandler};
@@ -76,23 +76,12 @@ struct AioRingHeader {
     header_length: u32,
 }
 
-/// Completions reaped per harvest, split by when the harvest ran.
-pub struct HarvestHistograms {
-    /// Harvests triggered by the eventfd or the ring's poll handler.
-    pub on_event: Histogram,
-    /// Harvests right after an io_submit.
-    pub after_submit: Histogram,
-}
-
-static HISTOGRAMS: LazyLock<HarvestHistograms> = LazyLock::new(|| HarvestHistograms {
-    on_event: Histogram::default(),
-    after_submit: Histogram::default(),
-});
-
-/// The process-wide harvest histograms (for the benchmark report and query commands).
-pub fn harvest_histograms() -> &'static HarvestHistograms {
-    &HISTOGRAMS
-}
+/// The loop histograms of completions reaped per harvest (query-iothreads x-stats), split by
+/// when the harvest ran: woken by the eventfd or the ring's poll handler, or right after an
+/// io_submit.
+pub const HARVEST_ON_EVENT: &str = "linux-aio.harvest-on-event";
+/// See [`HARVEST_ON_EVENT`].
+pub const HARVEST_AFTER_SUBMIT: &str = "linux-aio.harvest-after-submit";
 
 struct Req {
     buf: Option<IoVec>,
@@ -117,6 +106,9 @@ struct LinuxAio {
     submit_bh: RefCell<Option<Bh>>,
     /// Scratch array of iocb pointers for io_submit (kept to avoid an allocation per call).
     submit_ptrs: RefCell<Vec<*mut Iocb>>,
+    /// This loop's [`HARVEST_ON_EVENT`] and [`HARVEST_AFTER_SUBMIT`] histograms.
+    harvest_on_event: Arc<Histogram>,
+    harvest_after_submit: Arc<Histogram>,
 }
 
 thread_local! {
@@ -153,6 +145,13 @@ impl LinuxAio {
             let h = ctx as *const AioRingHeader;
             (*h).magic == AIO_RING_MAGIC && (*h).incompat_features == 0
         };
+        let (harvest_on_event, harvest_after_submit) = stord_aio::with_current_context(|c| {
+            (
+                c.histogram(HARVEST_ON_EVENT),
+                c.histogram(HARVEST_AFTER_SUBMIT),
+            )
+        })
+        .ok_or_else(|| io::Error::other("aio=native used outside an AioContext"))?;
         let aio = Rc::new(LinuxAio {
             ctx,
             eventfd,
@@ -165,6 +164,8 @@ impl LinuxAio {
             reap_after_submit: Cell::new(true),
             submit_bh: RefCell::new(None),
             submit_ptrs: RefCell::default(),
+            harvest_on_event,
+            harvest_after_submit,
         });
         let weak = Rc::downgrade(&aio);
         stord_aio::with_current_context(|ctx| -> io::Result<()> {
@@ -192,7 +193,7 @@ impl LinuxAio {
 
     fn on_event(&self) {
         let n = self.harvest();
-        HISTOGRAMS.on_event.record(n as u64);
+        self.harvest_on_event.record(n as u64);
         if !self.pending.borrow().is_empty() {
             self.submit();
         }
@@ -340,7 +341,7 @@ impl LinuxAio {
         }
         if self.in_flight.get() > 0 && self.reap_after_submit.get() {
             let n = self.harvest();
-            HISTOGRAMS.after_submit.record(n as u64);
+            self.harvest_after_submit.record(n as u64);
         }
     }
 

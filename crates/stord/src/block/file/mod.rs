@@ -18,7 +18,7 @@ mod range_lock;
 mod threads;
 mod uring;
 
-pub use linux_aio::{harvest_histograms, NativeTuning};
+pub use linux_aio::{NativeTuning, HARVEST_AFTER_SUBMIT, HARVEST_ON_EVENT};
 
 use std::fs::OpenOptions;
 use std::io;
