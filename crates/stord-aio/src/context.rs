@@ -10,6 +10,7 @@
 //! 6. let the policy learn from the wait (`block_ns` = polling + blocking);
 //! 7. run bottom halves, runnable tasks and expired timers.
 
+use std::any::{Any, TypeId};
 use std::cell::{Cell, RefCell};
 use std::future::Future;
 use std::io;
@@ -94,6 +95,8 @@ pub(crate) struct Inner {
     windows: RefCell<Vec<(Option<HandlerId>, u64)>>,
     windows_published: Cell<bool>,
     users: RefCell<UserHandlers>,
+    /// State the loop's users keep per context ([`AioContext::local`]), by type.
+    locals: RefCell<Vec<(TypeId, Rc<dyn Any>)>>,
 }
 
 type UserHandlers = Rc<[(HandlerId, Rc<dyn PollHandler>)]>;
@@ -203,10 +206,16 @@ impl AioContext {
             windows: RefCell::default(),
             windows_published: Cell::new(false),
             users: RefCell::new(Rc::new([])),
+            locals: RefCell::default(),
         });
         CURRENT.with(|c| *c.borrow_mut() = Some(inner.clone()));
         inner.publish_windows();
         Ok(Self { inner, owner: true })
+    }
+
+    /// The name it was created with.
+    pub fn name(&self) -> &str {
+        &self.inner.shared.name
     }
 
     /// A handle for other threads.
@@ -330,6 +339,33 @@ impl AioContext {
         self.inner.shared.stats.histogram(name)
     }
 
+    /// This context's instance of `T`, made by `init` the first time it is asked for: state
+    /// a user of the loop keeps per IoThread (a Linux AIO context, a thread pool). It lives
+    /// as long as the context and is dropped with it, after its tasks and handlers, so a
+    /// thread that runs one context after another never sees the previous one's state.
+    /// `init` may use the context (register handlers, even ask for other locals).
+    pub fn local<T: 'static, E>(
+        &self,
+        init: impl FnOnce(&AioContext) -> Result<T, E>,
+    ) -> Result<Rc<T>, E> {
+        let id = TypeId::of::<T>();
+        let found = self
+            .inner
+            .locals
+            .borrow()
+            .iter()
+            .find(|(t, _)| *t == id)
+            .map(|(_, v)| v.clone());
+        if let Some(v) = found {
+            return Ok(v
+                .downcast::<T>()
+                .unwrap_or_else(|_| unreachable!("keyed by type")));
+        }
+        let v = Rc::new(init(self)?);
+        self.inner.locals.borrow_mut().push((id, v.clone()));
+        Ok(v)
+    }
+
     /// Number of live tasks.
     pub fn task_count(&self) -> usize {
         self.inner.exec.len()
@@ -372,6 +408,11 @@ impl Drop for AioContext {
         drop(fds);
         let entries = std::mem::take(&mut *inner.poll_entries.borrow_mut());
         drop(entries);
+        // Users' per-context state, newest first (it may use what was made before it).
+        let mut locals = std::mem::take(&mut *inner.locals.borrow_mut());
+        while let Some(l) = locals.pop() {
+            drop(l);
+        }
         while let Some(msg) = inner.shared.queue.pop() {
             drop(msg);
         }
@@ -803,5 +844,38 @@ mod tests {
             .map(|Event::Fd { key, revents }| (key.index, *revents))
             .collect();
         assert_eq!(got, vec![(3, 9), (1, 5), (2, 1)]);
+    }
+
+    /// Per-context state: one instance per context, dropped with it, never seen by the
+    /// next context on the same thread.
+    #[test]
+    fn locals_live_and_die_with_their_context() {
+        struct Probe(u32, Rc<Cell<u32>>);
+        impl Drop for Probe {
+            fn drop(&mut self) {
+                self.1.set(self.1.get() + 1);
+            }
+        }
+        let drops = Rc::new(Cell::new(0));
+        let made = Cell::new(0);
+        let make = |_: &AioContext| -> Result<Probe, ()> {
+            made.set(made.get() + 1);
+            Ok(Probe(made.get(), drops.clone()))
+        };
+        let ctx = AioContext::new(AioContextOptions::default()).unwrap();
+        let a = ctx.local(make).unwrap();
+        let b = ctx.local(make).unwrap();
+        assert!(Rc::ptr_eq(&a, &b));
+        assert_eq!(made.get(), 1);
+        assert!(ctx.local(|_| Err::<u64, _>("refused")).is_err());
+        drop((a, b));
+        drop(ctx);
+        assert_eq!(drops.get(), 1, "the context's state outlived it");
+        let ctx = AioContext::new(AioContextOptions::default()).unwrap();
+        assert_eq!(
+            ctx.local(make).unwrap().0,
+            2,
+            "a new context got the old state"
+        );
     }
 }

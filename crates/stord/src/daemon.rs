@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use stord_aio::{AioContext, AioContextOptions, IoThread, PolicyKind, PollParams, ReactorKind};
 
-use crate::block::file::{FileDriver, FileOptions};
+use crate::block::file::FileOptions;
 use crate::block::null::NullDriver;
 use crate::block::raw::RawDriver;
 use crate::block::{BlockDriver, BlockNode};
@@ -193,8 +193,8 @@ impl State {
             "file" | "host_device" => {
                 let opts = FileOptions::from_opts(&mut kv, read_only)?;
                 let direct = opts.direct;
-                let f = FileDriver::open(opts).map_err(|e| format!("{}: {e}", kv.what))?;
-                (Box::new(f), read_only, direct)
+                let f = crate::block::file::open(opts).map_err(|e| format!("{}: {e}", kv.what))?;
+                (f, read_only, direct)
             }
             "raw" => {
                 let child = self.child_node(&mut kv, "file", &mut opened_children)?;

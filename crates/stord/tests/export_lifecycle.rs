@@ -108,3 +108,94 @@ fn exports_of_every_type_share_ids_resources_and_iothread_rules() {
     let _ = s.stop_and_stderr();
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Names of the daemon's threads.
+fn thread_names(pid: i32) -> Vec<String> {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .map(|c| c.trim().to_string())
+        .collect()
+}
+
+fn aio_nr() -> u64 {
+    std::fs::read_to_string("/proc/sys/fs/aio-nr")
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+#[test]
+fn an_iothreads_io_engines_go_with_it() {
+    let dir = tmpdir("engines-teardown");
+    let img = dir.join("disk.img");
+    // Data, not a hole: a sparse read would be answered without any I/O.
+    std::fs::write(&img, vec![0x5a; 16 << 20]).unwrap();
+    let qmp = dir.join("qmp.sock");
+    let mut args = common::rawqmp::monitor_args(&qmp);
+    args.extend([
+        "--object".into(),
+        "iothread,id=io0".into(),
+        "--blockdev".into(),
+        format!(
+            "driver=file,node-name=t,filename={},aio=threads",
+            img.display()
+        ),
+        "--blockdev".into(),
+        format!(
+            "driver=file,node-name=a,filename={},aio=native,cache.direct=on",
+            img.display()
+        ),
+        "--nbd-server".into(),
+        format!(
+            "addr.type=unix,addr.path={}",
+            dir.join("nbd.sock").display()
+        ),
+        "--export".into(),
+        "type=nbd,id=et,node-name=t,name=t,iothread=io0".into(),
+        "--export".into(),
+        "type=nbd,id=ea,node-name=a,name=a,iothread=io0".into(),
+    ]);
+    let aio_before = aio_nr();
+    let mut s = Stord::start(&dir, &args);
+    for name in ["t", "a"] {
+        let uri = format!(
+            "nbd+unix:///{name}?socket={}",
+            dir.join("nbd.sock").display()
+        );
+        common::run_ok("qemu-io", &["-f", "raw", "-r", "-c", "read 0 64k", &uri]);
+    }
+    let workers = |pid| {
+        thread_names(pid)
+            .into_iter()
+            .filter(|n| n.starts_with("io0-worker"))
+            .count()
+    };
+    assert!(
+        workers(s.pid()) > 0,
+        "no pool worker of io0: {:?}",
+        thread_names(s.pid())
+    );
+    assert!(aio_nr() > aio_before, "no Linux AIO context was set up");
+
+    let mut q = RawQmp::connect(&qmp);
+    for id in ["et", "ea"] {
+        ok(&q.send(&format!(
+            r#"{{"execute":"block-export-del","arguments":{{"id":"{id}"}}}}"#
+        )));
+        q.wait_event("BLOCK_EXPORT_DELETED", "id", id);
+    }
+    ok(&q.send(r#"{"execute":"object-del","arguments":{"id":"io0"}}"#));
+    let t = std::time::Instant::now();
+    while (workers(s.pid()) > 0 || aio_nr() > aio_before)
+        && t.elapsed() < std::time::Duration::from_secs(5)
+    {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    assert_eq!(workers(s.pid()), 0, "io0's workers outlived it");
+    assert_eq!(aio_nr(), aio_before, "io0's Linux AIO context outlived it");
+    drop(q);
+    let _ = s.stop_and_stderr();
+    let _ = std::fs::remove_dir_all(&dir);
+}

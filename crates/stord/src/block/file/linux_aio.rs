@@ -111,9 +111,11 @@ struct LinuxAio {
     harvest_after_submit: Arc<Histogram>,
 }
 
-thread_local! {
-    static CURRENT: RefCell<Option<Rc<LinuxAio>>> = const { RefCell::new(None) };
-}
+/// The IoThread's Linux AIO context, kept as its [`AioContext::local`] state so it is
+/// destroyed with the IoThread's context.
+///
+/// [`AioContext::local`]: stord_aio::AioContext::local
+struct PerContext(Rc<LinuxAio>);
 
 fn sys_io_setup(nr: u32) -> io::Result<u64> {
     let mut ctx: u64 = 0;
@@ -127,13 +129,11 @@ fn sys_io_setup(nr: u32) -> io::Result<u64> {
 }
 
 impl LinuxAio {
+    /// The calling IoThread's instance, made on first use.
     fn current() -> io::Result<Rc<LinuxAio>> {
-        if let Some(a) = CURRENT.with(|c| c.borrow().clone()) {
-            return Ok(a);
-        }
-        let a = Self::new()?;
-        CURRENT.with(|c| *c.borrow_mut() = Some(a.clone()));
-        Ok(a)
+        stord_aio::with_current_context(|c| c.local(|_| Self::new().map(PerContext)))
+            .ok_or_else(|| io::Error::other("aio=native used outside an AioContext"))?
+            .map(|l| l.0.clone())
     }
 
     fn new() -> io::Result<Rc<LinuxAio>> {
@@ -484,8 +484,26 @@ pub struct NativeTuning {
     pub reap_after_submit: bool,
 }
 
+/// The linux-aio engine (`aio=native`): io_submit on the IoThread's AIO context, completions
+/// harvested from its ring in userspace; flushes and fallocate on the worker pool.
+pub(crate) struct Native(pub NativeTuning);
+
+impl super::Engine for Native {
+    fn transfer(
+        &self,
+        fd: &std::sync::Arc<std::os::fd::OwnedFd>,
+        write: bool,
+        fua: bool,
+        iov: IoVec,
+        offset: u64,
+    ) -> impl Future<Output = (i32, IoVec)> {
+        use std::os::fd::AsRawFd;
+        transfer(fd.as_raw_fd(), write, fua, iov, offset, self.0)
+    }
+}
+
 /// One read or write of what `iov` shows at `offset`; the raw result.
-pub(super) async fn transfer(
+async fn transfer(
     fd: RawFd,
     write: bool,
     fua: bool,

@@ -1,10 +1,12 @@
-//! `file`: a regular file or block device, through one of three I/O backends.
+//! `file`: a regular file or block device, through one of three I/O engines, each an
+//! [`Engine`] the driver is generic over:
 //!
 //! - `aio=io_uring` ([`uring`]): requests go on the issuing IoThread's own ring and are
 //!   submitted with the rest of the loop iteration's batch.
-//! - `aio=native` ([`linux_aio`]): one Linux AIO context per IoThread, completions read
-//!   from the kernel's AIO ring in userspace.
-//! - `aio=threads` ([`threads`]): a small pool of workers doing preadv/pwritev.
+//! - `aio=native` ([`linux_aio`]): one Linux AIO context per IoThread (the context's local
+//!   state, destroyed with it), completions read from the kernel's AIO ring in userspace.
+//! - `aio=threads` ([`threads`]): a small pool of workers per IoThread doing
+//!   preadv/pwritev (also joined when the IoThread's context goes).
 //!
 //! Common to all three, here: EINTR/EAGAIN are resubmitted, short reads continue (and are
 //! zero-filled at end of file), short writes are ENOSPC, and with `cache.direct=on`
@@ -21,6 +23,7 @@ mod uring;
 pub use linux_aio::{NativeTuning, HARVEST_AFTER_SUBMIT, HARVEST_ON_EVENT};
 
 use std::fs::OpenOptions;
+use std::future::Future;
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
@@ -129,8 +132,9 @@ impl FileOptions {
     }
 }
 
-/// The file driver.
-pub struct FileDriver {
+/// The file driver, over one of the [`Engine`]s.
+pub(crate) struct FileDriver<E> {
+    engine: E,
     fd: Arc<OwnedFd>,
     opts: FileOptions,
     size: AtomicU64,
@@ -169,9 +173,55 @@ fn from_res(res: i32) -> io::Result<usize> {
     }
 }
 
-impl FileDriver {
+/// How the file driver's I/O reaches the kernel: one implementation per `aio=` mode
+/// ([`uring::Uring`], [`linux_aio::Native`], [`threads::Threads`]). The driver is generic
+/// over it, so the mode is chosen once, when the file is opened, and a request pays no
+/// dispatch. Each engine keeps what it needs per IoThread in that IoThread's context
+/// (`AioContext::local`): a Linux AIO context, a worker pool; the ring is the loop's own.
+pub(crate) trait Engine: Send + Sync + 'static {
+    /// One read or write of what `iov` shows at `offset`: the raw result (count or -errno).
+    fn transfer(
+        &self,
+        fd: &Arc<OwnedFd>,
+        write: bool,
+        fua: bool,
+        iov: IoVec,
+        offset: u64,
+    ) -> impl Future<Output = (i32, IoVec)>;
+
+    /// fdatasync: the raw result. On the worker pool unless the engine has better.
+    fn fsync(&self, fd: &Arc<OwnedFd>) -> impl Future<Output = i32> {
+        threads::fsync(fd.clone())
+    }
+
+    /// fallocate(2), off the loop thread. On the worker pool unless the engine has better.
+    fn fallocate(
+        &self,
+        fd: &Arc<OwnedFd>,
+        mode: i32,
+        offset: u64,
+        len: u64,
+    ) -> impl Future<Output = io::Result<()>> {
+        let fd = fd.clone();
+        threads::run(move || sys::fallocate(fd.as_raw_fd(), mode, offset, len))
+    }
+}
+
+/// Opens the file with the engine its `aio=` asks for.
+pub fn open(opts: FileOptions) -> io::Result<Box<dyn BlockDriver>> {
+    Ok(match opts.aio {
+        AioMode::IoUring => Box::new(FileDriver::open(opts, uring::Uring)?),
+        AioMode::Native => {
+            let engine = linux_aio::Native(opts.native);
+            Box::new(FileDriver::open(opts, engine)?)
+        }
+        AioMode::Threads => Box::new(FileDriver::open(opts, threads::Threads)?),
+    })
+}
+
+impl<E: Engine> FileDriver<E> {
     /// Opens the file.
-    pub fn open(opts: FileOptions) -> io::Result<Self> {
+    pub fn open(opts: FileOptions, engine: E) -> io::Result<Self> {
         let mut oo = OpenOptions::new();
         oo.read(true).write(!opts.read_only);
         let mut flags = libc::O_CLOEXEC;
@@ -197,6 +247,7 @@ impl FileDriver {
             1
         };
         Ok(Self {
+            engine,
             fd: Arc::new(fd),
             align,
             opts,
@@ -214,13 +265,9 @@ impl FileDriver {
     /// One backend transfer of what `iov` shows at `offset`: the raw result (count or
     /// -errno).
     async fn transfer(&self, write: bool, fua: bool, iov: IoVec, offset: u64) -> (i32, IoVec) {
-        match self.opts.aio {
-            AioMode::IoUring => uring::transfer(self.raw(), write, fua, iov, offset).await,
-            AioMode::Native => {
-                linux_aio::transfer(self.raw(), write, fua, iov, offset, self.opts.native).await
-            }
-            AioMode::Threads => threads::transfer(self.fd.clone(), write, fua, iov, offset).await,
-        }
+        self.engine
+            .transfer(&self.fd, write, fua, iov, offset)
+            .await
     }
 
     /// Reads or writes all of `iov` at `offset`, resubmitting as the rules say.
@@ -352,22 +399,14 @@ impl FileDriver {
     }
 
     async fn flush_impl(&self) -> io::Result<()> {
-        let res = match self.opts.aio {
-            AioMode::IoUring => uring::fsync(self.raw()).await,
-            _ => threads::fsync(self.fd.clone()).await,
-        };
-        from_res(res).map(|_| ())
+        from_res(self.engine.fsync(&self.fd).await).map(|_| ())
     }
 
     /// fallocate(2) off the loop thread: on the ring with the io_uring engine, on the pool
     /// otherwise. Anything it does may punch holes: the extent cache is dropped first.
     async fn fallocate(&self, mode: i32, offset: u64, len: u64) -> io::Result<()> {
         self.extents.invalidate();
-        if self.opts.aio == AioMode::IoUring {
-            return stord_aio::op::fallocate(self.raw(), mode, offset, len).await;
-        }
-        let fd = self.fd.clone();
-        threads::run(move || sys::fallocate(fd.as_raw_fd(), mode, offset, len)).await
+        self.engine.fallocate(&self.fd, mode, offset, len).await
     }
 
     async fn write_zeroes_impl(&self, offset: u64, len: u64, may_unmap: bool) -> io::Result<()> {
@@ -456,7 +495,7 @@ fn probe_extent(fd: RawFd, offset: u64, size: u64) -> (extent_cache::Extent, boo
     }
 }
 
-impl BlockDriver for FileDriver {
+impl<E: Engine> BlockDriver for FileDriver<E> {
     fn driver_name(&self) -> &'static str {
         if self.block_device {
             "host_device"

@@ -1,4 +1,5 @@
-//! `aio=threads`: a small pool of worker threads doing pread/pwrite.
+//! `aio=threads`: a small pool of worker threads per IoThread doing pread/pwrite (and the
+//! blocking calls nothing else can make without blocking the loop: lseek, fallocate).
 //!
 //! The request's buffer and a reference to the fd move into the job, so nothing the
 //! worker touches can go away under it. The worker wakes the request's task with its
@@ -9,49 +10,103 @@ use std::collections::VecDeque;
 use std::future::Future;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::pin::Pin;
-use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::sync::{Arc, Condvar, Mutex};
 use std::task::{Context, Poll, Waker};
 
 use stord_aio::IoVecs;
 
 use crate::block::IoVec;
 
-/// Workers in the pool (QEMU's pool grows to 64; a few suffice for 2 cores).
+/// Most workers a pool starts (QEMU's pool grows to 64; a few suffice for 2 cores).
 const WORKERS: usize = 8;
 
 type Job = Box<dyn FnOnce() + Send>;
 
+/// One IoThread's pool, its [`AioContext::local`] state: workers start when jobs wait and
+/// none is idle, and are joined when the IoThread's context goes (no thread outlives it).
+///
+/// [`AioContext::local`]: stord_aio::AioContext::local
 struct Pool {
-    queue: Mutex<VecDeque<Job>>,
-    cond: Condvar,
+    state: Arc<(Mutex<PoolState>, Condvar)>,
+    workers: std::cell::RefCell<Vec<std::thread::JoinHandle<()>>>,
+    name: String,
 }
 
-fn pool() -> &'static Pool {
-    static POOL: OnceLock<&'static Pool> = OnceLock::new();
-    POOL.get_or_init(|| {
-        let pool: &'static Pool = Box::leak(Box::new(Pool {
-            queue: Mutex::default(),
-            cond: Condvar::new(),
-        }));
-        for i in 0..WORKERS {
-            std::thread::Builder::new()
-                .name(format!("stord-worker{i}"))
-                .spawn(move || loop {
-                    let job = {
-                        let mut q = pool.queue.lock().unwrap_or_else(|e| e.into_inner());
-                        loop {
-                            if let Some(j) = q.pop_front() {
-                                break j;
-                            }
-                            q = pool.cond.wait(q).unwrap_or_else(|e| e.into_inner());
-                        }
-                    };
-                    job();
-                })
-                .expect("spawn worker thread");
+#[derive(Default)]
+struct PoolState {
+    queue: VecDeque<Job>,
+    idle: usize,
+    closed: bool,
+}
+
+impl Pool {
+    fn new(name: String) -> Self {
+        Pool {
+            state: Arc::default(),
+            workers: Default::default(),
+            name,
         }
-        pool
-    })
+    }
+
+    fn submit(&self, job: Job) {
+        let (lock, cond) = &*self.state;
+        let mut st = lock.lock().unwrap_or_else(|e| e.into_inner());
+        st.queue.push_back(job);
+        let spawn = st.idle == 0 && self.workers.borrow().len() < WORKERS;
+        drop(st);
+        cond.notify_one();
+        if spawn {
+            self.spawn_worker();
+        }
+    }
+
+    fn spawn_worker(&self) {
+        let state = self.state.clone();
+        let n = self.workers.borrow().len();
+        let w = std::thread::Builder::new()
+            .name(format!("{}-worker{n}", self.name))
+            .spawn(move || worker(&state));
+        match w {
+            Ok(w) => self.workers.borrow_mut().push(w),
+            // The queued job waits for a worker that exists; with none, the next submit
+            // tries again.
+            Err(e) => tracing::error!("cannot start a pool worker: {e}"),
+        }
+    }
+}
+
+fn worker(state: &(Mutex<PoolState>, Condvar)) {
+    let (lock, cond) = state;
+    loop {
+        let job = {
+            let mut st = lock.lock().unwrap_or_else(|e| e.into_inner());
+            loop {
+                if let Some(j) = st.queue.pop_front() {
+                    break j;
+                }
+                if st.closed {
+                    return;
+                }
+                st.idle += 1;
+                st = cond.wait(st).unwrap_or_else(|e| e.into_inner());
+                st.idle -= 1;
+            }
+        };
+        job();
+    }
+}
+
+impl Drop for Pool {
+    /// Jobs already queued still run (their requests' futures are gone; the results are
+    /// dropped), then the workers exit and are joined.
+    fn drop(&mut self) {
+        let (lock, cond) = &*self.state;
+        lock.lock().unwrap_or_else(|e| e.into_inner()).closed = true;
+        cond.notify_all();
+        for w in self.workers.take() {
+            let _ = w.join();
+        }
+    }
 }
 
 struct Shared<T> {
@@ -95,17 +150,35 @@ pub(super) fn run<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> 
             w.wake();
         }
     });
-    let p = pool();
-    p.queue
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .push_back(job);
-    p.cond.notify_one();
+    let pool = stord_aio::with_current_context(|c| {
+        c.local(|c| Ok::<_, std::convert::Infallible>(Pool::new(c.name().to_string())))
+    });
+    match pool {
+        Some(Ok(p)) => p.submit(job),
+        // No loop to come back to: run it here (the future is then ready at once).
+        _ => job(),
+    }
     PoolFuture { shared }
 }
 
+/// The thread-pool engine: preadv / pwritev2 on the IoThread's workers.
+pub(crate) struct Threads;
+
+impl super::Engine for Threads {
+    fn transfer(
+        &self,
+        fd: &Arc<OwnedFd>,
+        write: bool,
+        fua: bool,
+        iov: IoVec,
+        offset: u64,
+    ) -> impl std::future::Future<Output = (i32, IoVec)> {
+        transfer(fd.clone(), write, fua, iov, offset)
+    }
+}
+
 /// One preadv or pwritev2 (with RWF_DSYNC for FUA) of what `iov` shows.
-pub(super) async fn transfer(
+async fn transfer(
     fd: Arc<OwnedFd>,
     write: bool,
     fua: bool,

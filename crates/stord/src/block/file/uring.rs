@@ -4,7 +4,8 @@
 //! of the loop iteration's batch, so many requests cost one io_uring_enter.
 
 use std::io;
-use std::os::fd::RawFd;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::Arc;
 
 use stord_aio::op;
 
@@ -14,25 +15,40 @@ fn raw(r: io::Result<usize>) -> i32 {
     r.map_or_else(|e| -super::errno(&e), |n| n as i32)
 }
 
-/// One read or write of what `iov` shows at `offset`; the raw result.
-pub(super) async fn transfer(
-    fd: RawFd,
-    write: bool,
-    fua: bool,
-    iov: IoVec,
-    offset: u64,
-) -> (i32, IoVec) {
-    if write {
-        let flags = if fua { libc::RWF_DSYNC } else { 0 };
-        let (r, v) = op::write_iov(fd, iov, offset, flags).await;
-        (raw(r), v)
-    } else {
-        let (r, v) = op::read_iov(fd, iov, offset).await;
-        (raw(r), v)
-    }
-}
+/// The io_uring engine: requests, flushes and fallocate on the issuing IoThread's ring.
+pub(crate) struct Uring;
 
-/// fdatasync on the ring.
-pub(super) async fn fsync(fd: RawFd) -> i32 {
-    raw(op::fsync(fd, true).await.map(|()| 0))
+impl super::Engine for Uring {
+    async fn transfer(
+        &self,
+        fd: &Arc<OwnedFd>,
+        write: bool,
+        fua: bool,
+        iov: IoVec,
+        offset: u64,
+    ) -> (i32, IoVec) {
+        let fd = fd.as_raw_fd();
+        if write {
+            let flags = if fua { libc::RWF_DSYNC } else { 0 };
+            let (r, v) = op::write_iov(fd, iov, offset, flags).await;
+            (raw(r), v)
+        } else {
+            let (r, v) = op::read_iov(fd, iov, offset).await;
+            (raw(r), v)
+        }
+    }
+
+    async fn fsync(&self, fd: &Arc<OwnedFd>) -> i32 {
+        raw(op::fsync(fd.as_raw_fd(), true).await.map(|()| 0))
+    }
+
+    async fn fallocate(
+        &self,
+        fd: &Arc<OwnedFd>,
+        mode: i32,
+        offset: u64,
+        len: u64,
+    ) -> io::Result<()> {
+        op::fallocate(fd.as_raw_fd(), mode, offset, len).await
+    }
 }
