@@ -10,6 +10,7 @@
 //! remove sockets and the pidfile.
 
 use std::cell::{Cell, RefCell};
+use std::future::Future;
 use std::collections::{BTreeMap, BTreeSet};
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -48,6 +49,8 @@ pub struct State {
     pub exports: BTreeMap<String, Box<dyn Export>>,
     /// The exports the NBD server offers (shared with it, for the handshake).
     pub nbd_table: ExportTable,
+    /// Exports being removed: each task ends once its export has drained.
+    removals: Vec<stord_aio::JoinHandle<()>>,
     /// The NBD server, if started.
     pub nbd: Option<NbdServer>,
     /// `--chardev socket` paths by id, until a monitor takes them.
@@ -428,11 +431,12 @@ impl State {
         };
         e.begin_stop();
         let events = self.events.clone();
-        stord_aio::spawn_detached(async move {
+        self.removals.retain(|h| !h.is_finished());
+        self.removals.push(stord_aio::spawn(async move {
             std::future::poll_fn(|cx| e.poll_drained(cx)).await;
             events.emit("BLOCK_EXPORT_DELETED", serde_json::json!({ "id": e.id() }));
             drop(e);
-        });
+        }));
     }
 
     /// Deletes every export, disconnecting its clients and unmounting FUSE files.
@@ -586,18 +590,25 @@ impl Daemon {
             }
             st.drain_exports();
         }
-        // Let the disconnected clients' requests finish, bounded.
-        let deadline = Instant::now() + Duration::from_secs(5);
-        loop {
-            let busy = {
-                let st = self.state.borrow();
-                st.nodes.values().any(|n| st.users(n) > 0)
-            };
-            if !busy || Instant::now() >= deadline {
-                break;
-            }
-            self.ctx
-                .block_on(stord_aio::sleep(Duration::from_millis(5)));
+        // Let the disconnected clients' requests finish (each export wakes its removal
+        // task when it has drained), for at most 5 s.
+        let mut removals = std::mem::take(&mut self.state.borrow_mut().removals);
+        let drained = self.ctx.block_on(async move {
+            let mut limit = std::pin::pin!(stord_aio::sleep(Duration::from_secs(5)));
+            std::future::poll_fn(|cx| {
+                removals.retain_mut(|h| std::pin::Pin::new(h).poll(cx).is_pending());
+                if removals.is_empty() {
+                    std::task::Poll::Ready(true)
+                } else if limit.as_mut().poll(cx).is_ready() {
+                    std::task::Poll::Ready(false)
+                } else {
+                    std::task::Poll::Pending
+                }
+            })
+            .await
+        });
+        if !drained {
+            tracing::warn!("exports still had requests in flight after 5 s; flushing anyway");
         }
         let nodes: Vec<Arc<BlockNode>> = self.state.borrow().nodes.values().cloned().collect();
         for node in nodes {
