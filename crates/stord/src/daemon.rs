@@ -10,8 +10,8 @@
 //! remove sockets and the pidfile.
 
 use std::cell::{Cell, RefCell};
-use std::future::Future;
 use std::collections::{BTreeMap, BTreeSet};
+use std::future::Future;
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
@@ -25,7 +25,7 @@ use crate::block::file::FileOptions;
 use crate::block::null::NullDriver;
 use crate::block::raw::RawDriver;
 use crate::block::{BlockDriver, BlockNode};
-use crate::cli::keyval::KeyVal;
+use crate::cli::keyval::{KeyVal, OptionError};
 use crate::cli::{CommandLine, Item};
 use crate::export::nbd::{
     ExportTable, ListenAddr, NbdServer, NbdServerOpts, DEFAULT_HANDSHAKE_MAX_SECS,
@@ -33,6 +33,77 @@ use crate::export::nbd::{
 use crate::export::{Export, ExportEnv, EXPORT_TYPES};
 use crate::qmp::{Events, MonitorServer};
 use crate::sys;
+
+/// Why a command on the daemon's objects, nodes or exports failed: the daemon layer's
+/// error. QMP reports it with [`DaemonError::qmp_class`]; the texts are qsd's where it has
+/// one, so scripts that match them keep working.
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    /// A malformed option list.
+    #[error(transparent)]
+    Option(#[from] OptionError),
+    /// Options that parse but describe something we cannot build (a driver's or export's
+    /// own checks).
+    #[error("{0}")]
+    Invalid(String),
+    #[error("attempt to add duplicate property '{0}' to object (type 'container')")]
+    DuplicateObject(String),
+    #[error("object '{0}' not found")]
+    ObjectNotFound(String),
+    #[error("object '{0}' is in use and cannot be deleted")]
+    ObjectInUse(String),
+    #[error("cannot start iothread '{id}': {source}")]
+    IoThreadStart { id: String, source: io::Error },
+    #[error("Duplicate nodes with node-name='{0}'")]
+    DuplicateNode(String),
+    #[error("Failed to find node with node-name='{0}'")]
+    NodeNotFound(String),
+    #[error("Cannot find device='{0}' nor node-name='{0}'")]
+    ChildNotFound(String),
+    #[error("Block device {name} is in use (it is the '{role}' child of node '{parent}')")]
+    NodeIsChild {
+        name: String,
+        parent: String,
+        role: &'static str,
+    },
+    #[error("Node {0} is not owned by the monitor")]
+    NodeNotOwned(String),
+    #[error("Node {0} is in use")]
+    NodeInUse(String),
+    #[error("Block export id '{0}' is already in use")]
+    ExportIdTaken(String),
+    #[error("Export '{0}' is not found")]
+    ExportNotFound(String),
+    #[error("Export '{0}' is already shutting down")]
+    ExportShuttingDown(String),
+    #[error("export '{0}' still in use (use mode 'hard' to disconnect its clients)")]
+    ExportInUse(String),
+    #[error("NBD server already running")]
+    NbdServerRunning,
+    #[error("NBD server not running")]
+    NbdServerNotRunning,
+    #[error("cannot listen on {addr}: {source}")]
+    Listen { addr: String, source: io::Error },
+}
+
+impl DaemonError {
+    /// The QMP error class: qsd reports all of these as GenericError.
+    pub fn qmp_class(&self) -> &'static str {
+        "GenericError"
+    }
+}
+
+impl From<String> for DaemonError {
+    fn from(s: String) -> Self {
+        DaemonError::Invalid(s)
+    }
+}
+
+impl From<DaemonError> for String {
+    fn from(e: DaemonError) -> String {
+        e.to_string()
+    }
+}
 
 /// Everything the daemon has created (main thread only).
 #[derive(Default)]
@@ -118,19 +189,16 @@ pub fn iothread_params(kv: &mut KeyVal) -> Result<(PollParams, ReactorKind), Str
 
 impl State {
     /// `--object iothread,id=...` / `object-add`.
-    pub fn add_object(&mut self, mut kv: KeyVal) -> Result<(), String> {
+    pub fn add_object(&mut self, mut kv: KeyVal) -> Result<(), DaemonError> {
         let kind = kv.take_required("qom-type")?;
         if kind != "iothread" {
-            return Err(format!(
-                "{}: unsupported object type '{kind}' (supported: iothread)",
-                kv.what
-            ));
+            return Err(kv
+                .bad_value("qom-type", "a supported object type (iothread)", &kind)
+                .into());
         }
         let id = kv.take_required("id")?;
         if self.iothreads.contains_key(&id) {
-            return Err(format!(
-                "attempt to add duplicate property '{id}' to object (type 'container')"
-            ));
+            return Err(DaemonError::DuplicateObject(id));
         }
         let (poll, reactor) = iothread_params(&mut kv)?;
         kv.finish()?;
@@ -139,20 +207,23 @@ impl State {
             reactor,
             poll,
         })
-        .map_err(|e| format!("cannot start iothread '{id}': {e}"))?;
+        .map_err(|source| DaemonError::IoThreadStart {
+            id: id.clone(),
+            source,
+        })?;
         self.iothreads.insert(id, thread);
         Ok(())
     }
 
     /// `object-del`: fails while an export runs on the iothread.
-    pub fn del_object(&mut self, id: &str) -> Result<(), String> {
+    pub fn del_object(&mut self, id: &str) -> Result<(), DaemonError> {
         let Some(obj) = self.iothreads.get(id) else {
-            return Err(format!("object '{id}' not found"));
+            return Err(DaemonError::ObjectNotFound(id.into()));
         };
         let remote = obj.remote().clone();
         let in_use = self.exports.values().any(|e| e.runs_on(&remote));
         if in_use {
-            return Err(format!("object '{id}' is in use and cannot be deleted"));
+            return Err(DaemonError::ObjectInUse(id.into()));
         }
         if let Some(mut obj) = self.iothreads.remove(id) {
             obj.stop();
@@ -161,30 +232,29 @@ impl State {
     }
 
     /// `--blockdev` / `blockdev-add`.
-    pub fn add_blockdev(&mut self, kv: KeyVal) -> Result<(), String> {
+    pub fn add_blockdev(&mut self, kv: KeyVal) -> Result<(), DaemonError> {
         self.open_node(kv, false).map(|_| ())
     }
 
     /// Opens a node and, first, its inline children; a child given by name must exist.
     /// Inline children get a generated name (`#block0`, ...) and go when their parent goes.
-    fn open_node(&mut self, mut kv: KeyVal, implicit: bool) -> Result<Arc<BlockNode>, String> {
+    fn open_node(&mut self, mut kv: KeyVal, implicit: bool) -> Result<Arc<BlockNode>, DaemonError> {
         let driver = kv.take_required("driver")?;
         let name = match kv.take("node-name") {
             Some(n) => n,
             None if implicit => self.implicit_name(),
-            None => return Err(format!("{}: parameter 'node-name' is missing", kv.what)),
+            None => return Err(kv.take_required("node-name").unwrap_err().into()),
         };
         if self.nodes.contains_key(&name) {
-            return Err(format!("Duplicate nodes with node-name='{name}'"));
+            return Err(DaemonError::DuplicateNode(name));
         }
         let read_only = kv.take_bool("read-only", false)?;
         let _ = kv.take_bool("auto-read-only", false)?;
         if let Some(dz) = kv.take_choice("detect-zeroes", &["off", "on", "unmap"])? {
             if dz != "off" {
-                return Err(format!(
-                    "{}: detect-zeroes is not supported (only off)",
-                    kv.what
-                ));
+                return Err(kv
+                    .bad_value("detect-zeroes", "'off' (the only mode supported)", &dz)
+                    .into());
             }
         }
         let mut opened_children = Vec::new();
@@ -207,7 +277,7 @@ impl State {
                     Err(e) => {
                         drop(child);
                         self.drop_implicit(opened_children);
-                        return Err(e);
+                        return Err(e.into());
                     }
                 };
                 // A format node cannot write where its child cannot.
@@ -215,16 +285,15 @@ impl State {
                 (Box::new(raw), ro, child.direct)
             }
             other => {
-                return Err(format!(
-                    "{}: parameter 'driver' expects null-co, null, file or raw, got '{other}'",
-                    kv.what
-                ))
+                return Err(kv
+                    .bad_value("driver", "null-co, null, file or raw", other)
+                    .into())
             }
         };
         if let Err(e) = kv.finish() {
             drop(drv);
             self.drop_implicit(opened_children);
-            return Err(e);
+            return Err(e.into());
         }
         let node = Arc::new(BlockNode::new(name.clone(), drv, read_only, direct));
         self.nodes.insert(name.clone(), node.clone());
@@ -242,25 +311,23 @@ impl State {
         kv: &mut KeyVal,
         role: &str,
         opened: &mut Vec<String>,
-    ) -> Result<Arc<BlockNode>, String> {
+    ) -> Result<Arc<BlockNode>, DaemonError> {
         if let Some(inline) = kv.take_prefixed(role) {
             if kv.take(role).is_some() {
-                return Err(format!(
+                return Err(DaemonError::Invalid(format!(
                     "{}: '{role}' given both as a node name and inline",
                     kv.what
-                ));
+                )));
             }
             let node = self.open_node(inline, true)?;
             opened.push(node.name.clone());
             return Ok(node);
         }
-        let Some(name) = kv.take(role) else {
-            return Err(format!("{}: parameter '{role}' is missing", kv.what));
-        };
+        let name = kv.take_required(role)?;
         self.nodes
             .get(&name)
             .cloned()
-            .ok_or_else(|| format!("Cannot find device='{name}' nor node-name='{name}'"))
+            .ok_or(DaemonError::ChildNotFound(name))
     }
 
     /// A fresh name for an inline child, as qsd's `#blockNNN`.
@@ -315,21 +382,23 @@ impl State {
 
     /// `blockdev-del`: fails while a parent node or an export uses the node. Its inline
     /// children go with it.
-    pub fn del_blockdev(&mut self, name: &str) -> Result<(), String> {
+    pub fn del_blockdev(&mut self, name: &str) -> Result<(), DaemonError> {
         let Some(node) = self.nodes.get(name) else {
-            return Err(format!("Failed to find node with node-name='{name}'"));
+            return Err(DaemonError::NodeNotFound(name.into()));
         };
         if self.implicit.contains(name) {
             // qsd's words: the node was opened inline by its parent, not by blockdev-add.
-            return Err(format!("Node {name} is not owned by the monitor"));
+            return Err(DaemonError::NodeNotOwned(name.into()));
         }
         if let Some((parent, role)) = self.parents_of(name).into_iter().next() {
-            return Err(format!(
-                "Block device {name} is in use (it is the '{role}' child of node '{parent}')"
-            ));
+            return Err(DaemonError::NodeIsChild {
+                name: name.into(),
+                parent,
+                role,
+            });
         }
         if self.users(node) > 0 {
-            return Err(format!("Node {name} is in use"));
+            return Err(DaemonError::NodeInUse(name.into()));
         }
         let node = self.nodes.remove(name).expect("present");
         let children: Vec<String> = node
@@ -347,22 +416,26 @@ impl State {
         &mut self,
         ctx: &AioContext,
         opts: NbdServerOpts,
-    ) -> Result<(), String> {
+    ) -> Result<(), DaemonError> {
         if self.nbd.is_some() {
-            return Err("NBD server already running".into());
+            return Err(DaemonError::NbdServerRunning);
         }
         let addr = opts.addr.clone();
-        let server = NbdServer::start(ctx, opts, self.nbd_table.clone())
-            .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
+        let server = NbdServer::start(ctx, opts, self.nbd_table.clone()).map_err(|source| {
+            DaemonError::Listen {
+                addr: addr.to_string(),
+                source,
+            }
+        })?;
         self.nbd = Some(server);
         Ok(())
     }
 
     /// `nbd-server-stop`: stops listening; exports stay until deleted (as in QEMU, NBD
     /// exports are removed with the server).
-    pub fn stop_nbd_server(&mut self) -> Result<(), String> {
+    pub fn stop_nbd_server(&mut self) -> Result<(), DaemonError> {
         let Some(mut s) = self.nbd.take() else {
-            return Err("NBD server not running".into());
+            return Err(DaemonError::NbdServerNotRunning);
         };
         s.stop();
         let nbd: Vec<String> = self
@@ -378,19 +451,15 @@ impl State {
     }
 
     /// `--export` / `block-export-add`: the type's constructor from [`EXPORT_TYPES`].
-    pub fn add_export(&mut self, mut kv: KeyVal) -> Result<(), String> {
+    pub fn add_export(&mut self, mut kv: KeyVal) -> Result<(), DaemonError> {
         let kind = kv.take_required("type")?;
         let Some((_, create)) = EXPORT_TYPES.iter().find(|(k, _)| *k == kind) else {
             let names: Vec<&str> = EXPORT_TYPES.iter().map(|(k, _)| *k).collect();
-            return Err(format!(
-                "{}: parameter 'type' expects {}, got '{kind}'",
-                kv.what,
-                names.join(", ")
-            ));
+            return Err(kv.bad_value("type", &names.join(", "), &kind).into());
         };
         if let Some(id) = kv.get("id") {
             if self.exports.contains_key(id) {
-                return Err(format!("Block export id '{id}' is already in use"));
+                return Err(DaemonError::ExportIdTaken(id.into()));
             }
         }
         let env = ExportEnv {
@@ -407,17 +476,15 @@ impl State {
     /// `block-export-del`: with `hard`, clients are disconnected; without, the export must
     /// have none. The export is gone (and `BLOCK_EXPORT_DELETED` sent) once the last
     /// client's requests have finished.
-    pub fn del_export(&mut self, id: &str, hard: bool) -> Result<(), String> {
+    pub fn del_export(&mut self, id: &str, hard: bool) -> Result<(), DaemonError> {
         let Some(e) = self.exports.get(id) else {
-            return Err(format!("Export '{id}' is not found"));
+            return Err(DaemonError::ExportNotFound(id.into()));
         };
         if e.shutting_down() {
-            return Err(format!("Export '{id}' is already shutting down"));
+            return Err(DaemonError::ExportShuttingDown(id.into()));
         }
         if !hard && e.in_use() {
-            return Err(format!(
-                "export '{id}' still in use (use mode 'hard' to disconnect its clients)"
-            ));
+            return Err(DaemonError::ExportInUse(id.into()));
         }
         self.begin_export_removal(id);
         Ok(())
@@ -734,4 +801,58 @@ pub fn default_job(data_dir: &Path) -> io::Result<(CommandLine, String)> {
         },
         uri,
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kv(s: &str) -> KeyVal {
+        KeyVal::parse("--blockdev", s, None).unwrap()
+    }
+
+    /// The graph's rules, as typed errors (QMP and the command line show their texts).
+    #[test]
+    fn graph_errors_are_typed() {
+        let mut st = State::default();
+        st.add_blockdev(kv("driver=null-co,node-name=n,size=1M"))
+            .unwrap();
+        st.add_blockdev(kv("driver=raw,node-name=r,file=n"))
+            .unwrap();
+        assert!(matches!(
+            st.add_blockdev(kv("driver=null-co,node-name=n")),
+            Err(DaemonError::DuplicateNode(n)) if n == "n"
+        ));
+        assert!(matches!(
+            st.add_blockdev(kv("driver=raw,node-name=x,file=nope")),
+            Err(DaemonError::ChildNotFound(n)) if n == "nope"
+        ));
+        assert!(matches!(
+            st.add_blockdev(kv("driver=raw,node-name=x,file=n,bogus=1")),
+            Err(DaemonError::Option(OptionError::Unknown { key, .. })) if key == "bogus"
+        ));
+        assert!(matches!(
+            st.del_blockdev("n"),
+            Err(DaemonError::NodeIsChild { parent, role: "file", .. }) if parent == "r"
+        ));
+        assert!(matches!(
+            st.del_blockdev("zz"),
+            Err(DaemonError::NodeNotFound(_))
+        ));
+        st.add_blockdev(kv(
+            "driver=raw,node-name=i,file.driver=null-co,file.size=1M",
+        ))
+        .unwrap();
+        let child = st.implicit.iter().next().cloned().unwrap();
+        assert!(matches!(
+            st.del_blockdev(&child),
+            Err(DaemonError::NodeNotOwned(_))
+        ));
+        st.del_blockdev("i").unwrap();
+        assert!(st.implicit.is_empty() && !st.nodes.contains_key(&child));
+        st.del_blockdev("r").unwrap();
+        st.del_blockdev("n").unwrap();
+        let e = DaemonError::ExportInUse("e".into());
+        assert_eq!(e.qmp_class(), "GenericError");
+    }
 }

@@ -7,6 +7,38 @@
 
 use std::collections::BTreeMap;
 
+/// What is wrong with an option list: the cli layer's error. `what` names the list (e.g.
+/// "--blockdev"); the texts are qsd's where it has one.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum OptionError {
+    /// Not `key=value` syntax, or not a JSON object.
+    #[error("{what}: {detail}")]
+    Syntax { what: String, detail: String },
+    /// The same key twice.
+    #[error("{what}: option '{key}' given twice")]
+    Twice { what: String, key: String },
+    /// A required key is absent.
+    #[error("{what}: parameter '{key}' is missing")]
+    Missing { what: String, key: String },
+    /// A value of the wrong kind.
+    #[error("{what}: parameter '{key}' expects {expected}, got '{value}'")]
+    Value {
+        what: String,
+        key: String,
+        expected: String,
+        value: String,
+    },
+    /// A key nobody consumed.
+    #[error("{what}: invalid parameter '{key}'")]
+    Unknown { what: String, key: String },
+}
+
+impl From<OptionError> for String {
+    fn from(e: OptionError) -> String {
+        e.to_string()
+    }
+}
+
 /// Parsed options, in the order given; `take_*` consumes them.
 #[derive(Debug, Clone, Default)]
 pub struct KeyVal {
@@ -17,17 +49,21 @@ pub struct KeyVal {
 
 impl KeyVal {
     /// Parses `s`; `implied` names the key of a leading bare word, if allowed.
-    pub fn parse(what: &str, s: &str, implied: Option<&str>) -> Result<Self, String> {
+    pub fn parse(what: &str, s: &str, implied: Option<&str>) -> Result<Self, OptionError> {
+        let syntax = |detail: String| OptionError::Syntax {
+            what: what.to_string(),
+            detail,
+        };
         let mut kv = KeyVal {
             what: what.to_string(),
             map: BTreeMap::new(),
         };
         if s.trim_start().starts_with('{') {
             let v: serde_json::Value =
-                serde_json::from_str(s).map_err(|e| format!("{what}: invalid JSON: {e}"))?;
+                serde_json::from_str(s).map_err(|e| syntax(format!("invalid JSON: {e}")))?;
             let obj = v
                 .as_object()
-                .ok_or_else(|| format!("{what}: expected a JSON object"))?;
+                .ok_or_else(|| syntax("expected a JSON object".into()))?;
             flatten_json(&mut kv.map, "", obj);
             return Ok(kv);
         }
@@ -54,13 +90,16 @@ impl KeyVal {
             let (k, v) = match (item.split_once('='), implied) {
                 (Some((k, v)), _) => (k.to_string(), v.to_string()),
                 (None, Some(key)) if i == 0 => (key.to_string(), item.clone()),
-                (None, _) => return Err(format!("{what}: expected key=value, got '{item}'")),
+                (None, _) => return Err(syntax(format!("expected key=value, got '{item}'"))),
             };
             if k.is_empty() {
-                return Err(format!("{what}: empty key in '{item}'"));
+                return Err(syntax(format!("empty key in '{item}'")));
             }
             if kv.map.insert(k.clone(), v).is_some() {
-                return Err(format!("{what}: option '{k}' given twice"));
+                return Err(OptionError::Twice {
+                    what: what.to_string(),
+                    key: k,
+                });
             }
         }
         Ok(kv)
@@ -84,27 +123,36 @@ impl KeyVal {
         self.map.remove(key)
     }
 
+    /// The error for `key`'s `value`, which is not `expected`.
+    pub fn bad_value(&self, key: &str, expected: &str, value: &str) -> OptionError {
+        OptionError::Value {
+            what: self.what.clone(),
+            key: key.to_string(),
+            expected: expected.to_string(),
+            value: value.to_string(),
+        }
+    }
+
     /// A required string option.
-    pub fn take_required(&mut self, key: &str) -> Result<String, String> {
-        self.take(key)
-            .ok_or_else(|| format!("{}: parameter '{key}' is missing", self.what))
+    pub fn take_required(&mut self, key: &str) -> Result<String, OptionError> {
+        self.take(key).ok_or_else(|| OptionError::Missing {
+            what: self.what.clone(),
+            key: key.to_string(),
+        })
     }
 
     /// An `on|off` option (also `true|false|yes|no`).
-    pub fn take_bool(&mut self, key: &str, default: bool) -> Result<bool, String> {
+    pub fn take_bool(&mut self, key: &str, default: bool) -> Result<bool, OptionError> {
         match self.take(key).as_deref() {
             None => Ok(default),
             Some("on" | "true" | "yes") => Ok(true),
             Some("off" | "false" | "no") => Ok(false),
-            Some(v) => Err(format!(
-                "{}: parameter '{key}' expects 'on' or 'off', got '{v}'",
-                self.what
-            )),
+            Some(v) => Err(self.bad_value(key, "'on' or 'off'", v)),
         }
     }
 
     /// A number, with QEMU's size suffixes (k, M, G, T, in powers of 1024) when `size`.
-    pub fn take_u64(&mut self, key: &str, size: bool) -> Result<Option<u64>, String> {
+    pub fn take_u64(&mut self, key: &str, size: bool) -> Result<Option<u64>, OptionError> {
         let Some(v) = self.take(key) else {
             return Ok(None);
         };
@@ -114,20 +162,20 @@ impl KeyVal {
             } else {
                 "a non-negative integer"
             };
-            format!("{}: parameter '{key}' expects {kind}, got '{v}'", self.what)
+            self.bad_value(key, kind, &v)
         })
     }
 
     /// An option whose value is one of `allowed`.
-    pub fn take_choice(&mut self, key: &str, allowed: &[&str]) -> Result<Option<String>, String> {
+    pub fn take_choice(
+        &mut self,
+        key: &str,
+        allowed: &[&str],
+    ) -> Result<Option<String>, OptionError> {
         match self.take(key) {
             None => Ok(None),
             Some(v) if allowed.contains(&v.as_str()) => Ok(Some(v)),
-            Some(v) => Err(format!(
-                "{}: parameter '{key}' expects one of {}, got '{v}'",
-                self.what,
-                allowed.join(", ")
-            )),
+            Some(v) => Err(self.bad_value(key, &format!("one of {}", allowed.join(", ")), &v)),
         }
     }
 
@@ -168,10 +216,13 @@ impl KeyVal {
     }
 
     /// Fails naming the first option nobody consumed.
-    pub fn finish(self) -> Result<(), String> {
-        match self.map.keys().next() {
+    pub fn finish(self) -> Result<(), OptionError> {
+        match self.map.into_keys().next() {
             None => Ok(()),
-            Some(k) => Err(format!("{}: invalid parameter '{k}'", self.what)),
+            Some(key) => Err(OptionError::Unknown {
+                what: self.what,
+                key,
+            }),
         }
     }
 }
@@ -264,15 +315,26 @@ mod tests {
         .unwrap();
         assert_eq!(kv.take("filename").as_deref(), Some("a,b.img"));
         let e = kv.take_bool("cache.direct", false).unwrap_err();
-        assert!(e.contains("cache.direct") && e.contains("maybe"), "{e}");
+        assert!(
+            matches!(&e, OptionError::Value { key, value, .. } if key == "cache.direct" && value == "maybe"),
+            "{e:?}"
+        );
+        assert_eq!(
+            e.to_string(),
+            "--blockdev: parameter 'cache.direct' expects 'on' or 'off', got 'maybe'"
+        );
         let e = kv.finish().unwrap_err();
-        assert!(e.contains("'driver'"), "{e}");
-        assert!(KeyVal::parse("--export", "type=nbd,oops", None)
-            .unwrap_err()
-            .contains("oops"));
-        assert!(KeyVal::parse("--export", "a=1,a=2", None)
-            .unwrap_err()
-            .contains("twice"));
+        assert!(
+            matches!(&e, OptionError::Unknown { key, .. } if key == "driver"),
+            "{e:?}"
+        );
+        let e = KeyVal::parse("--export", "type=nbd,oops", None).unwrap_err();
+        assert!(matches!(&e, OptionError::Syntax { .. }) && e.to_string().contains("oops"));
+        let e = KeyVal::parse("--export", "a=1,a=2", None).unwrap_err();
+        assert!(
+            matches!(&e, OptionError::Twice { key, .. } if key == "a"),
+            "{e:?}"
+        );
     }
 
     #[test]

@@ -56,6 +56,21 @@ impl QmpError {
     }
 }
 
+impl From<crate::daemon::DaemonError> for QmpError {
+    fn from(e: crate::daemon::DaemonError) -> Self {
+        Self {
+            class: e.qmp_class(),
+            desc: e.to_string(),
+        }
+    }
+}
+
+impl From<crate::cli::keyval::OptionError> for QmpError {
+    fn from(e: crate::cli::keyval::OptionError) -> Self {
+        QmpError::generic(e.to_string())
+    }
+}
+
 impl From<String> for QmpError {
     fn from(s: String) -> Self {
         QmpError::generic(s)
