@@ -101,6 +101,33 @@ def ratio(a, b):
     return a / b
 
 
+def ratio_interval(a_row, b_row, field="iops"):
+    """The ratio a/b over the repetitions: (lowest, highest) from the runs' min and max, or
+    None without runs on both sides."""
+    a = runs_range(a_row or {}, field)
+    b = runs_range(b_row or {}, field)
+    if a is None or b is None or b[0] <= 0 or b[1] <= 0:
+        return None
+    return a[0] / b[1], a[1] / b[0]
+
+
+def verdict(iv, higher_is_better=True):
+    """'ahead' / 'behind' when the interval lies wholly above / below 1, else 'within
+    noise'; for CPU (lower is better) the words swap."""
+    if iv is None:
+        return NA
+    lo, hi = iv
+    if lo > 1:
+        return "ahead" if higher_is_better else "costlier"
+    if hi < 1:
+        return "behind" if higher_is_better else "cheaper"
+    return "within noise"
+
+
+def fmt_iv(iv):
+    return NA if iv is None else f"[{iv[0]:.2f}–{iv[1]:.2f}]"
+
+
 def fmt_int(x):
     x = num(x)
     return NA if x is None else f"{x:,.0f}"
@@ -333,7 +360,10 @@ def headline_section(m):
            "highest IOPS, its IOPS, and ratios against qemu-storage-daemon with default polling "
            "(\"qsd\") measured in the same run; \"× raw fio\" compares with fio on the image file "
            "directly (file backends only). Ratios above 1 mean more IOPS (or more CPU per I/O) "
-           "than the reference.", ""]
+           "than the reference. The interval runs from the lowest to the highest ratio the "
+           "repetitions allow (stord's slowest run against qsd's fastest, and the reverse); the "
+           "verdict is \"ahead\" or \"behind\" only when the whole interval lies above or "
+           "below 1, else \"within noise\".", ""]
     exports = m.exports()
     if not exports:
         return out + [NOT_MEASURED, ""]
@@ -345,16 +375,18 @@ def headline_section(m):
                 continue
             qsd = m.get(e, backend, case, "qsd") or {}
             raw = m.raw(backend, case, e) or {}
+            iv = ratio_interval(best, qsd) if qsd else None
             rows.append([f"{backend_label(backend)}, {case_label(case)}",
                          policy_name(best.get("daemon")),
                          fmt_int(best.get("iops")),
                          fmt_ratio(ratio(best.get("iops"), qsd.get("iops"))),
+                         fmt_iv(iv), verdict(iv),
                          fmt_ratio(ratio(best.get("iops"), raw.get("iops"))),
                          fmt_ratio(ratio(best.get("cpu_us_per_io"), qsd.get("cpu_us_per_io")))])
         out += [f"### {export_label(e)}", ""]
         if rows:
-            out += [md_table(["case", "best stord policy", "IOPS", "× qsd", "× raw fio",
-                              "CPU µs/IO × qsd"], rows, left=2), ""]
+            out += [md_table(["case", "best stord policy", "IOPS", "× qsd", "interval",
+                              "vs qsd", "× raw fio", "CPU µs/IO × qsd"], rows, left=2), ""]
         else:
             out += [NOT_MEASURED, ""]
     return out
@@ -438,8 +470,8 @@ def export_section(m, export, plots_dir, written, reps):
                 "virtual disk's speed swings within seconds), so file-backend ratios from short "
                 "runs are indicative only; the null backend measures the daemons themselves.",
                 ""]
-    headers = ["case", "daemon", "IOPS", "× qsd", "× raw fio", "MB/s", "p50 µs", "p99 µs",
-               "CPU µs/IO", "CPU × qsd", "spread %"]
+    headers = ["case", "daemon", "IOPS", "× qsd", "interval", "vs qsd", "× raw fio", "MB/s",
+               "p50 µs", "p99 µs", "CPU µs/IO", "CPU × qsd", "spread %"]
     for backend in m.backends(export):
         rows = []
         for c in m.cases(export, backend):
@@ -447,8 +479,10 @@ def export_section(m, export, plots_dir, written, reps):
             raw = m.raw(backend, c, export) or {}
             for d in m.daemons(export, backend, c):
                 r = m.get(export, backend, c, d)
+                iv = ratio_interval(r, qsd) if qsd and d != "qsd" else None
                 rows.append([case_label(c), d, fmt_int(r.get("iops")),
                              fmt_ratio(ratio(r.get("iops"), qsd.get("iops"))),
+                             fmt_iv(iv), verdict(iv) if iv else NA,
                              fmt_ratio(ratio(r.get("iops"), raw.get("iops"))),
                              fmt_val(r.get("mbps")), fmt_val(r.get("p50_us")),
                              fmt_val(r.get("p99_us")), fmt_val(r.get("cpu_us_per_io")),
@@ -767,6 +801,9 @@ def intro(data, docs_dir):
            "Every figure below comes from that run; ratios compare daemons measured in the "
            "same run (alternating), so compare ratios rather than absolute numbers across runs.",
            ""]
+    if params.get("quick"):
+        out += ["**A quick run (`--quick`): short runs and few repetitions, for checking a "
+                "change. Not for claims; the README headline was left as it was.**", ""]
     rp = data.get("results_path")
     if rp:
         link = os.path.relpath(os.path.join(REPO_ROOT, rp), docs_dir)
@@ -775,7 +812,8 @@ def intro(data, docs_dir):
     mrows = [[k, machine[k] if machine[k] is not None else NA] for k in
              ordered(machine.keys(), ["cpus", "kernel", "reactor", "qsd", "nbdkit", "fio"])]
     prow_names = {"runtime_s": "runtime per run (s)", "ramp_ms": "ramp before each run (ms)",
-                  "reps": "repetitions (medians reported)", "image_bytes": "image size"}
+                  "reps": "repetitions (medians reported)", "quick": "quick run",
+                  "image_bytes": "image size"}
     prows = []
     for k in ordered(params.keys(), list(prow_names)):
         v = params[k]
@@ -824,10 +862,13 @@ def headline_bullets(data, readme_path, doc_path):
                  f"{policy_name(best.get('daemon'))})")
             r_iops = ratio(best.get("iops"), qsd.get("iops"))
             r_cpu = ratio(best.get("cpu_us_per_io"), qsd.get("cpu_us_per_io"))
+            iv = ratio_interval(best, qsd) if qsd else None
             if r_iops is not None:
                 s += f" {r_iops:.2f}× qsd's IOPS"
+                if iv is not None:
+                    s += f" {fmt_iv(iv)}, {verdict(iv)}"
                 if r_cpu is not None:
-                    s += f" at {r_cpu:.2f}× its CPU per I/O"
+                    s += f", at {r_cpu:.2f}× its CPU per I/O"
             else:
                 s += f" {fmt_int(best.get('iops'))} IOPS"
             parts.append(s)
@@ -959,7 +1000,9 @@ def main():
         f.write(doc)
     written.append(doc_path)
 
-    if update_readme(args.readme, headline_bullets(data, args.readme, doc_path)):
+    if (data.get("params") or {}).get("quick"):
+        print("quick run: README headline left as it was", file=sys.stderr)
+    elif update_readme(args.readme, headline_bullets(data, args.readme, doc_path)):
         written.append(os.path.abspath(args.readme))
 
     for p in written:

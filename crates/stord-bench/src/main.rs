@@ -17,9 +17,10 @@
 //!   polling policy) and qemu-storage-daemon.
 //! - `fuse [--runtime S] [--reps N] [--backend null|file]... [--iothreads N]...
 //!   [--daemon stord|qsd]...`: fio through the FUSE-mounted image, stord vs qsd.
-//! - `report [--runtime-ms N] [--ramp-ms N] [--reps N] [--export nbd|fuse|vhost-user-blk|vhost-user-blk-libblkio|vhost-user-blk-libblkio-poll]...
-//!   [--extras on|off] [--docs on|off] [--out DIR]`: everything above side by side in one
-//!   run, then docs/benchmarks.md, its plots and the README headline regenerated.
+//! - `report [--quick on|off] [--runtime-ms N] [--ramp-ms N] [--reps N] [--export nbd|fuse|vhost-user-blk|vhost-user-blk-libblkio|vhost-user-blk-libblkio-poll]...
+//!   [--all-engines on|off] [--extras on|off] [--docs on|off] [--out DIR]`: everything
+//!   above side by side in one run (5 s x 3 by default; `--quick on`: 1 s x 2, for a look
+//!   only), then docs/benchmarks.md, its plots and the README headline regenerated.
 //! - `report-docs FILE.json`: regenerates the docs from an earlier report's JSON.
 
 mod aio;
@@ -46,7 +47,11 @@ fn usage() -> ! {
          \x20      stord-bench vhost [--runtime S] [--reps N] [--backend null|file]... \
          [--daemon stord-off|stord-classic|stord-weighted|stord-haltpoll|qsd]... [--workload RW:QD]... \
          [--client own|blkio|blkio-poll]... [--queues N] [--iothreads N] [--think-us N] [--think-spin on|off] [--out DIR]\n\
-         \x20      stord-bench idle [--seconds N] [--out DIR]"
+         \x20      stord-bench idle [--seconds N] [--out DIR]\n\
+         \x20      stord-bench report [--quick on|off] [--runtime-ms N] [--ramp-ms N] [--reps N] \
+         [--export nbd|fuse|vhost-user-blk|vhost-user-blk-libblkio|vhost-user-blk-libblkio-poll]... \
+         [--all-engines on|off] [--extras on|off] [--docs on|off] [--out DIR]\n\
+         \x20      stord-bench report-docs FILE.json"
     );
     std::process::exit(2);
 }
@@ -326,6 +331,15 @@ fn main() {
                         "vhost-user-blk-libblkio-poll" => report::Export::VhostBlkioPoll,
                         _ => usage(),
                     }),
+                    "--quick" => {
+                        if on_off(flag, v) {
+                            opts.quick = true;
+                            opts.timing.runtime = Duration::from_secs(1);
+                            opts.timing.ramp = Duration::from_millis(250);
+                            opts.reps = 2;
+                        }
+                    }
+                    "--all-engines" => opts.all_engines = on_off(flag, v),
                     "--extras" => opts.extras = on_off(flag, v),
                     "--docs" => opts.docs = on_off(flag, v),
                     "--out" => opts.out = Some(PathBuf::from(v)),

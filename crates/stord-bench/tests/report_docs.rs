@@ -82,6 +82,57 @@ fn generator_writes_page_plots_and_readme_headline() {
     let ratio = format!("{:.2}", iops("stord-classic") / iops("qsd"));
     assert!(page.contains(&ratio), "page lacks the ratio {ratio}");
 
+    // Its interval over the repetitions (stord's slowest run against qsd's fastest, and the
+    // reverse) and the verdict that follows from it.
+    let runs = |daemon: &str| -> (f64, f64) {
+        let r = data["matrix"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| {
+                r["export"] == "nbd"
+                    && r["backend"] == "null"
+                    && r["workload"] == "randread"
+                    && r["bs"] == "4k"
+                    && r["iodepth"] == 16
+                    && r["daemon"] == daemon
+            })
+            .unwrap();
+        let v: Vec<f64> = r["runs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x["iops"].as_f64().unwrap())
+            .collect();
+        (
+            v.iter().cloned().fold(f64::MAX, f64::min),
+            v.iter().cloned().fold(f64::MIN, f64::max),
+        )
+    };
+    let (s, q) = (runs("stord-classic"), runs("qsd"));
+    let (lo, hi) = (s.0 / q.1, s.1 / q.0);
+    let interval = format!("[{lo:.2}–{hi:.2}]");
+    assert!(
+        page.contains(&interval),
+        "page lacks the interval {interval}"
+    );
+    let verdict = if lo > 1.0 {
+        "ahead"
+    } else if hi < 1.0 {
+        "behind"
+    } else {
+        "within noise"
+    };
+    let line = page
+        .lines()
+        .find(|l| l.contains(&interval))
+        .unwrap()
+        .to_string();
+    assert!(
+        line.contains(verdict),
+        "{interval} should read {verdict}: {line}"
+    );
+
     let plots = tmp.join("docs/plots");
     for name in [
         "iops-nbd.png",
@@ -105,5 +156,29 @@ fn generator_writes_page_plots_and_readme_headline() {
     assert!(r.ends_with("<!-- /bench:headline -->\nafter\n"));
     assert!(!r.contains("old headline"), "headline block not replaced");
     assert!(r.contains("docs/benchmarks.md"));
+
+    // A quick run is labelled as such and leaves the README's headline alone.
+    let mut quick = data.clone();
+    quick["params"]["quick"] = true.into();
+    let quick_json = tmp.join("quick.json");
+    std::fs::write(&quick_json, quick.to_string()).unwrap();
+    std::fs::write(
+        &readme,
+        "<!-- bench:headline -->\nkept\n<!-- /bench:headline -->\n",
+    )
+    .unwrap();
+    let out = Command::new("/usr/bin/python3")
+        .arg(repo().join("scripts/bench_report.py"))
+        .arg(&quick_json)
+        .arg("--docs")
+        .arg(tmp.join("docs-quick"))
+        .arg("--readme")
+        .arg(&readme)
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let page = std::fs::read_to_string(tmp.join("docs-quick/benchmarks.md")).unwrap();
+    assert!(page.contains("quick run"), "a quick run is not labelled");
+    assert!(std::fs::read_to_string(&readme).unwrap().contains("kept"));
     let _ = std::fs::remove_dir_all(&tmp);
 }
