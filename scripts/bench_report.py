@@ -287,8 +287,9 @@ def save(fig, path, written):
 class Matrix:
     """Index over the matrix rows: lookups by (export, backend, case, daemon)."""
 
-    def __init__(self, rows):
-        self.rows = [r for r in rows or [] if isinstance(r, dict)]
+    def __init__(self, rows, pinned=False):
+        self.rows = [r for r in rows or []
+                     if isinstance(r, dict) and bool(r.get("pinned")) == pinned]
         self.by_key = {}
         for r in self.rows:
             key = (r.get("export"), r.get("backend"), case_of(r), r.get("daemon"))
@@ -389,6 +390,43 @@ def headline_section(m):
                               "vs qsd", "× raw fio", "CPU µs/IO × qsd"], rows, left=2), ""]
         else:
             out += [NOT_MEASURED, ""]
+    return out
+
+
+def placement_section(rows):
+    """The headline cases with daemon and client pinned to separate CPUs, beside the same
+    cases floating: each stord policy's ratio to qsd under both placements."""
+    pm = Matrix(rows, pinned=True)
+    if not pm.rows:
+        return []
+    fm = Matrix(rows)
+    out = ["## Placement: pinned and floating", "",
+           "On this 2-vCPU VM a wake-up across CPUs costs tens of µs, so where the scheduler "
+           "puts the daemon and the client moves the results. The headline cases were run "
+           "again with every daemon's threads on CPU 1 and the client on CPU 0 (taskset, "
+           "fio's cpus_allowed), every daemon alike; \"floating\" is the same case from the "
+           "tables above.", ""]
+    headers = ["case", "daemon", "floating × qsd", "interval", "verdict", "pinned IOPS",
+               "pinned × qsd", "interval", "verdict"]
+    for e in pm.exports():
+        table = []
+        for c in pm.cases(e, "null"):
+            fq = fm.get(e, "null", c, "qsd") or {}
+            pq = pm.get(e, "null", c, "qsd") or {}
+            for d in pm.daemons(e, "null", c):
+                if d == "qsd":
+                    continue
+                f = fm.get(e, "null", c, d) or {}
+                p_ = pm.get(e, "null", c, d) or {}
+                fiv = ratio_interval(f, fq) if f and fq else None
+                piv = ratio_interval(p_, pq) if p_ and pq else None
+                table.append([case_label(c), d,
+                              fmt_ratio(ratio(f.get("iops"), fq.get("iops"))), fmt_iv(fiv),
+                              verdict(fiv), fmt_int(p_.get("iops")),
+                              fmt_ratio(ratio(p_.get("iops"), pq.get("iops"))), fmt_iv(piv),
+                              verdict(piv)])
+        out += [f"### {export_label(e)}, null backend", "", md_table(headers, table, left=2),
+                ""]
     return out
 
 
@@ -837,6 +875,7 @@ def build_doc(data, docs_dir, plots_dir, written):
             lines += export_section(m, e, plots_dir, written, reps)
     else:
         lines += ["## Exports", "", NOT_MEASURED, ""]
+    lines += placement_section(data.get("matrix"))
     lines += raw_section(m)
     lines += curves_section(data.get("curves"), plots_dir, written)
     lines += window_section(data.get("window_trace"), plots_dir, written)

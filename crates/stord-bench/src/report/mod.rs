@@ -227,6 +227,8 @@ pub struct ReportRow {
     pub p99_us: f64,
     pub cpu_us_per_io: Option<f64>,
     pub iops_spread: f64,
+    /// Daemon and client pinned to separate CPUs (the placement pass).
+    pub pinned: bool,
     pub runs: Vec<RunResult>,
 }
 
@@ -259,6 +261,7 @@ fn summarize(key: &CaseKey, runs: Vec<RunResult>) -> ReportRow {
         p99_us: median(runs.iter().map(|r| r.fio.p99_us).collect()),
         cpu_us_per_io: (!cpu.is_empty()).then(|| median(cpu)),
         iops_spread: if med > 0.0 { (hi - lo) / med } else { 0.0 },
+        pinned: key.pinned,
         runs,
     }
 }
@@ -269,7 +272,14 @@ struct CaseKey {
     backend: &'static str,
     workload: usize,
     daemon: &'static str,
+    pinned: bool,
 }
+
+/// The placement pass: the headline cases again with daemon and client pinned to separate
+/// CPUs (every daemon alike), beside the unpinned rows. Exports, daemons, workloads.
+const PINNED_EXPORTS: [Export; 3] = [Export::Nbd, Export::Fuse, Export::VhostBlkio];
+const PINNED_DAEMONS: [&str; 3] = ["stord-classic", "stord-haltpoll", "qsd"];
+const PINNED_WORKLOADS: [usize; 2] = [2, 0];
 
 /// The wake-up scenario's targets: (label, export, daemon).
 const WAKEUP: [(&str, Export, &str); 5] = [
@@ -339,6 +349,14 @@ pub fn run(opts: &ReportOptions) -> PathBuf {
         })
         .sum::<usize>()
         * opts.reps;
+    let pinned_runs: usize = exports
+        .iter()
+        .filter(|e| PINNED_EXPORTS.contains(e))
+        .count()
+        * PINNED_DAEMONS.len()
+        * PINNED_WORKLOADS.len()
+        * opts.reps;
+    let matrix_runs = matrix_runs + pinned_runs;
     let (mut est, mut steps) = (matrix_runs as f64 * run_s, matrix_runs);
     if opts.extras {
         est += 3.0 * 1.9 + 2.0 * run_s + 30.0 * run_s + 10.0 * 2.0 + 11.0;
@@ -375,6 +393,7 @@ pub fn run(opts: &ReportOptions) -> PathBuf {
                             backend,
                             workload: wi,
                             daemon,
+                            pinned: false,
                         };
                         if !results.contains_key(&key) {
                             order.push(key.clone());
@@ -389,6 +408,42 @@ pub fn run(opts: &ReportOptions) -> PathBuf {
                             .entry(format!("{daemon} {} {backend}", export.name()))
                             .or_insert(0) += s.restarts;
                     }
+                }
+            }
+        }
+    }
+    for &export in exports.iter().filter(|e| PINNED_EXPORTS.contains(e)) {
+        for rep in 0..opts.reps {
+            for daemon in PINNED_DAEMONS {
+                let mut s = Session::start_pinned(export, "null", daemon, &paths);
+                for wi in PINNED_WORKLOADS {
+                    let w = &WORKLOADS[wi];
+                    prog.step(
+                        run_s,
+                        &format!(
+                            "{} null {} {daemon}, pinned (rep {}/{})",
+                            export.name(),
+                            w.label(),
+                            rep + 1,
+                            opts.reps
+                        ),
+                    );
+                    let (r, cpu_us, _) = s.run(w, &t, &paths, &[]);
+                    let ios = r.iops * (t.ramp + t.runtime).as_secs_f64();
+                    let key = CaseKey {
+                        export,
+                        backend: "null",
+                        workload: wi,
+                        daemon,
+                        pinned: true,
+                    };
+                    if !results.contains_key(&key) {
+                        order.push(key.clone());
+                    }
+                    results.entry(key).or_default().push(RunResult {
+                        fio: r,
+                        cpu_us_per_io: cpu_us.map(|c| c / ios.max(1.0)),
+                    });
                 }
             }
         }

@@ -168,6 +168,43 @@ pub struct Session {
     pub restarts: usize,
     /// Started by `start` (so `revive` knows how to start it again).
     revivable: bool,
+    /// Daemon on [`DAEMON_CPU`], client on [`CLIENT_CPU`] (else both float).
+    pinned: bool,
+}
+
+/// Where a pinned session's daemon runs (every thread, and those it starts later).
+pub const DAEMON_CPU: usize = 1;
+/// Where a pinned session's client runs.
+pub const CLIENT_CPU: usize = 0;
+
+/// Pins every thread of `pid` (and the threads they start later) to `cpu`.
+fn pin_process(pid: u32, cpu: usize) {
+    let st = std::process::Command::new("taskset")
+        .args(["-a", "-p", "-c", &cpu.to_string(), &pid.to_string()])
+        .stdout(std::process::Stdio::null())
+        .status()
+        .expect("run taskset (util-linux)");
+    assert!(st.success(), "taskset -a -p -c {cpu} {pid} failed");
+}
+
+/// Runs `f` with the calling thread (and the threads it starts) on `cpu`, then puts the
+/// thread's affinity back.
+fn on_cpu<T>(cpu: usize, f: impl FnOnce() -> T) -> T {
+    // SAFETY: cpu_set_t is plain data; the calls read and write only `old` and `set`, which
+    // live for the whole function, with their true size.
+    unsafe {
+        let mut old: libc::cpu_set_t = std::mem::zeroed();
+        let size = std::mem::size_of::<libc::cpu_set_t>();
+        let got = libc::sched_getaffinity(0, size, &mut old) == 0;
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(0, size, &set);
+        let r = f();
+        if got {
+            libc::sched_setaffinity(0, size, &old);
+        }
+        r
+    }
 }
 
 impl Session {
@@ -179,6 +216,22 @@ impl Session {
             daemon: daemon.to_string(),
             restarts: 0,
             revivable: true,
+            pinned: false,
+        }
+    }
+
+    /// As [`start`](Self::start), with the daemon on [`DAEMON_CPU`] and every client run on
+    /// [`CLIENT_CPU`]: placement as a measured variable.
+    pub fn start_pinned(export: Export, backend: &str, daemon: &str, p: &Paths) -> Session {
+        let mut s = Self::start(export, backend, daemon, p);
+        s.pinned = true;
+        s.pin();
+        s
+    }
+
+    fn pin(&self) {
+        if let (true, Some(pid)) = (self.pinned, self.pid()) {
+            pin_process(pid, DAEMON_CPU);
         }
     }
 
@@ -191,6 +244,7 @@ impl Session {
             daemon: "daemon".into(),
             restarts: 0,
             revivable: false,
+            pinned: false,
         }
     }
 
@@ -242,6 +296,7 @@ impl Session {
             // Drop the dead one first (unmount, remove the socket) before the new one.
             self.running = Running::Raw;
             self.running = Self::spawn(self.export, &self.backend, &self.daemon, p);
+            self.pin();
         }
     }
 
@@ -283,6 +338,9 @@ impl Session {
             ]),
             Running::Vhost(_) => unreachable!("vhost-user-blk is driven by our frontend"),
         }
+        if self.pinned {
+            a.push(format!("--cpus_allowed={CLIENT_CPU}"));
+        }
         a.extend_from_slice(extra);
         a
     }
@@ -318,7 +376,11 @@ impl Session {
                     Export::VhostBlkioPoll => "blkio-poll",
                     _ => "own",
                 };
-                drive_with(client, &p.sock, &spec, 1)
+                if self.pinned {
+                    on_cpu(CLIENT_CPU, || drive_with(client, &p.sock, &spec, 1))
+                } else {
+                    drive_with(client, &p.sock, &spec, 1)
+                }
             }
             _ => match try_run_fio(&self.fio_args(w, t, p, extra)) {
                 Ok(r) => r,
