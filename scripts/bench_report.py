@@ -128,6 +128,15 @@ def fmt_iv(iv):
     return NA if iv is None else f"[{iv[0]:.2f}–{iv[1]:.2f}]"
 
 
+def fmt_ratio_iv(a_row, b_row, field="iops"):
+    """The ratio of medians with its interval over the repetitions: "0.63× [0.55–0.70]"."""
+    r = ratio((a_row or {}).get(field), (b_row or {}).get(field))
+    if r is None:
+        return NA
+    iv = ratio_interval(a_row, b_row, field) if a_row and b_row else None
+    return fmt_ratio(r) + ("" if iv is None else " " + fmt_iv(iv))
+
+
 def fmt_int(x):
     x = num(x)
     return NA if x is None else f"{x:,.0f}"
@@ -382,8 +391,8 @@ def headline_section(m):
                          fmt_int(best.get("iops")),
                          fmt_ratio(ratio(best.get("iops"), qsd.get("iops"))),
                          fmt_iv(iv), verdict(iv),
-                         fmt_ratio(ratio(best.get("iops"), raw.get("iops"))),
-                         fmt_ratio(ratio(best.get("cpu_us_per_io"), qsd.get("cpu_us_per_io")))])
+                         fmt_ratio_iv(best, raw),
+                         fmt_ratio_iv(best, qsd, "cpu_us_per_io")])
         out += [f"### {export_label(e)}", ""]
         if rows:
             out += [md_table(["case", "best stord policy", "IOPS", "× qsd", "interval",
@@ -427,6 +436,85 @@ def placement_section(rows):
                               verdict(piv)])
         out += [f"### {export_label(e)}, null backend", "", md_table(headers, table, left=2),
                 ""]
+    return out
+
+
+def comparable(params):
+    """A full run (not --quick) of at least 5 s x 3, whose verdicts mean something."""
+    params = params or {}
+    return (not params.get("quick") and (num(params.get("runtime_s")) or 0) >= 5
+            and (num(params.get("reps")) or 0) >= 3)
+
+
+def previous_run(data, results_dir):
+    """The latest comparable run in `results_dir` before this one, or None."""
+    me = num(data.get("unix_time"))
+    best = None
+    try:
+        names = os.listdir(results_dir)
+    except OSError:
+        return None
+    for name in names:
+        if not name.endswith(".json"):
+            continue
+        try:
+            with open(os.path.join(results_dir, name), encoding="utf-8") as f:
+                other = json.load(f)
+        except (OSError, ValueError):
+            continue
+        t = num(other.get("unix_time"))
+        if t is None or (me is not None and t >= me) or not comparable(other.get("params")):
+            continue
+        if best is None or t > num(best.get("unix_time")):
+            best = other
+    return best
+
+
+def verdicts(data, pinned=False):
+    """{(export, backend, case, daemon): verdict against qsd} for every stord row."""
+    m = Matrix(data.get("matrix"), pinned=pinned)
+    out = {}
+    for r in m.rows:
+        d = str(r.get("daemon"))
+        if not d.startswith("stord"):
+            continue
+        key = (r.get("export"), r.get("backend"), case_of(r))
+        qsd = m.get(*key, "qsd")
+        iv = ratio_interval(r, qsd) if qsd else None
+        if iv is not None:
+            out[key + (d,)] = verdict(iv)
+    return out
+
+
+def comparison_section(data, results_dir):
+    """How this run's verdicts against qsd compare with the previous full run's."""
+    if not comparable(data.get("params")):
+        return []
+    prev = previous_run(data, results_dir)
+    out = ["## Against the previous full run", ""]
+    if prev is None:
+        return out + ["No earlier full run (5 s x 3 or longer) to compare with.", ""]
+    when = datetime.datetime.fromtimestamp(
+        num(prev["unix_time"]), datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    rows, same, total = [], 0, 0
+    for pinned in (False, True):
+        now, then = verdicts(data, pinned), verdicts(prev, pinned)
+        for key in sorted(set(now) & set(then), key=str):
+            total += 1
+            if now[key] == then[key]:
+                same += 1
+                continue
+            e, b, c, d = key
+            rows.append([export_label(e), backend_label(b), case_label(c), d,
+                         "pinned" if pinned else "floating", then[key], now[key]])
+    out += [f"Every verdict of a stord policy against qsd that both this run and the run of "
+            f"{when} (`{prev.get('results_path', '?')}`) made: {same} of {total} agree.", ""]
+    if rows:
+        out += ["The ones that changed. A change between \"within noise\" and a side means "
+                "the intervals grazed 1 in one of the runs; a change from one side to the "
+                "other would be a real disagreement.", "",
+                md_table(["export", "backend", "case", "daemon", "placement", "before", "now"],
+                         rows, left=5), ""]
     return out
 
 
@@ -521,9 +609,10 @@ def export_section(m, export, plots_dir, written, reps):
                 rows.append([case_label(c), d, fmt_int(r.get("iops")),
                              fmt_ratio(ratio(r.get("iops"), qsd.get("iops"))),
                              fmt_iv(iv), verdict(iv) if iv else NA,
-                             fmt_ratio(ratio(r.get("iops"), raw.get("iops"))),
+                             fmt_ratio_iv(r, raw),
                              fmt_val(r.get("mbps")), fmt_val(r.get("p50_us")),
                              fmt_val(r.get("p99_us")), fmt_val(r.get("cpu_us_per_io")),
+                             fmt_ratio_iv(r, qsd, "cpu_us_per_io") if d != "qsd" else
                              fmt_ratio(ratio(r.get("cpu_us_per_io"), qsd.get("cpu_us_per_io"))),
                              fmt_pct(r.get("iops_spread"))])
         out += [f"### {export_label(export)}, {backend_label(backend)} backend", "",
@@ -864,7 +953,7 @@ def intro(data, docs_dir):
     return out
 
 
-def build_doc(data, docs_dir, plots_dir, written):
+def build_doc(data, docs_dir, plots_dir, written, history=None):
     m = Matrix(data.get("matrix"))
     reps = (data.get("params") or {}).get("reps")
     lines = intro(data, docs_dir)
@@ -876,6 +965,7 @@ def build_doc(data, docs_dir, plots_dir, written):
     else:
         lines += ["## Exports", "", NOT_MEASURED, ""]
     lines += placement_section(data.get("matrix"))
+    lines += comparison_section(data, history or os.path.join(REPO_ROOT, "results", "report"))
     lines += raw_section(m)
     lines += curves_section(data.get("curves"), plots_dir, written)
     lines += window_section(data.get("window_trace"), plots_dir, written)
@@ -1024,6 +1114,9 @@ def main():
                     help="directory for benchmarks.md and plots/ (default: the repo's docs/)")
     ap.add_argument("--readme", default=os.path.join(REPO_ROOT, "README.md"),
                     help="README whose headline block to update (default: the repo's)")
+    ap.add_argument("--history", default=os.path.join(REPO_ROOT, "results", "report"),
+                    help="earlier runs' JSON, to compare verdicts with (default: "
+                         "results/report)")
     args = ap.parse_args()
 
     with open(args.results, encoding="utf-8") as f:
@@ -1033,7 +1126,7 @@ def main():
     os.makedirs(plots_dir, exist_ok=True)
 
     written = []
-    doc = build_doc(data, docs_dir, plots_dir, written)
+    doc = build_doc(data, docs_dir, plots_dir, written, args.history)
     doc_path = os.path.join(docs_dir, "benchmarks.md")
     with open(doc_path, "w", encoding="utf-8") as f:
         f.write(doc)

@@ -157,6 +157,60 @@ fn generator_writes_page_plots_and_readme_headline() {
     assert!(!r.contains("old headline"), "headline block not replaced");
     assert!(r.contains("docs/benchmarks.md"));
 
+    // A full run compares its verdicts with the previous full run's: here an earlier copy
+    // in which stord-classic lost NBD null 4k randread QD16 outright.
+    let mut full = data.clone();
+    full["params"]["runtime_s"] = 5.0.into();
+    full["params"]["reps"] = 3.into();
+    full["unix_time"] = 3000.into();
+    let mut old = full.clone();
+    old["unix_time"] = 2000.into();
+    for r in old["matrix"].as_array_mut().unwrap() {
+        if r["export"] == "nbd"
+            && r["backend"] == "null"
+            && r["workload"] == "randread"
+            && r["iodepth"] == 16
+            && r["daemon"] == "stord-classic"
+        {
+            for run in r["runs"].as_array_mut().unwrap() {
+                run["iops"] = 1.0.into();
+            }
+        }
+    }
+    let history = tmp.join("history");
+    std::fs::create_dir_all(&history).unwrap();
+    std::fs::write(history.join("2000.json"), old.to_string()).unwrap();
+    let full_json = tmp.join("full.json");
+    std::fs::write(&full_json, full.to_string()).unwrap();
+    let out = Command::new("/usr/bin/python3")
+        .arg(repo().join("scripts/bench_report.py"))
+        .arg(&full_json)
+        .arg("--docs")
+        .arg(tmp.join("docs-full"))
+        .arg("--readme")
+        .arg(&readme)
+        .arg("--history")
+        .arg(&history)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let page = std::fs::read_to_string(tmp.join("docs-full/benchmarks.md")).unwrap();
+    let section = &page[page
+        .find("## Against the previous full run")
+        .expect("no comparison with the previous run")..];
+    assert!(section.contains(" agree."), "{section}");
+    let changed = section
+        .lines()
+        .find(|l| {
+            l.contains("stord-classic") && l.contains("randread QD16") && l.contains("| behind |")
+        })
+        .unwrap_or_else(|| panic!("the changed verdict is not listed:\n{section}"));
+    assert!(changed.contains("NBD"), "{changed}");
+
     // A quick run is labelled as such and leaves the README's headline alone.
     let mut quick = data.clone();
     quick["params"]["quick"] = true.into();
