@@ -16,6 +16,16 @@ fn is_png(p: &Path) -> bool {
         .unwrap_or(false)
 }
 
+/// The fixture's row of `daemon` for the case the checks use: NBD, null, 4k randread QD16.
+fn is_case(r: &serde_json::Value, daemon: &str) -> bool {
+    r["export"] == "nbd"
+        && r["backend"] == "null"
+        && r["workload"] == "randread"
+        && r["bs"] == "4k"
+        && r["iodepth"] == 16
+        && r["daemon"] == daemon
+}
+
 #[test]
 fn generator_writes_page_plots_and_readme_headline() {
     let tmp = std::env::temp_dir().join(format!("stord-report-docs-{}", std::process::id()));
@@ -63,41 +73,22 @@ fn generator_writes_page_plots_and_readme_headline() {
     // One ratio recomputed here: NBD, null, 4k randread QD16, stord-classic over qsd.
     let data: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&fixture).unwrap()).unwrap();
-    let iops = |daemon: &str| {
+    let row = |daemon: &str| -> &serde_json::Value {
         data["matrix"]
             .as_array()
             .unwrap()
             .iter()
-            .find(|r| {
-                r["export"] == "nbd"
-                    && r["backend"] == "null"
-                    && r["workload"] == "randread"
-                    && r["bs"] == "4k"
-                    && r["iodepth"] == 16
-                    && r["daemon"] == daemon
-            })
-            .and_then(|r| r["iops"].as_f64())
+            .find(|r| is_case(r, daemon))
             .unwrap()
     };
+    let iops = |daemon: &str| row(daemon)["iops"].as_f64().unwrap();
     let ratio = format!("{:.2}", iops("stord-classic") / iops("qsd"));
     assert!(page.contains(&ratio), "page lacks the ratio {ratio}");
 
     // Its interval over the repetitions (stord's slowest run against qsd's fastest, and the
     // reverse) and the verdict that follows from it.
     let runs = |daemon: &str| -> (f64, f64) {
-        let r = data["matrix"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|r| {
-                r["export"] == "nbd"
-                    && r["backend"] == "null"
-                    && r["workload"] == "randread"
-                    && r["bs"] == "4k"
-                    && r["iodepth"] == 16
-                    && r["daemon"] == daemon
-            })
-            .unwrap();
+        let r = row(daemon);
         let v: Vec<f64> = r["runs"]
             .as_array()
             .unwrap()
@@ -166,12 +157,7 @@ fn generator_writes_page_plots_and_readme_headline() {
     let mut old = full.clone();
     old["unix_time"] = 2000.into();
     for r in old["matrix"].as_array_mut().unwrap() {
-        if r["export"] == "nbd"
-            && r["backend"] == "null"
-            && r["workload"] == "randread"
-            && r["iodepth"] == 16
-            && r["daemon"] == "stord-classic"
-        {
+        if is_case(r, "stord-classic") {
             for run in r["runs"].as_array_mut().unwrap() {
                 run["iops"] = 1.0.into();
             }

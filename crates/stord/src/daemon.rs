@@ -243,7 +243,13 @@ impl State {
         let name = match kv.take("node-name") {
             Some(n) => n,
             None if implicit => self.implicit_name(),
-            None => return Err(kv.take_required("node-name").unwrap_err().into()),
+            None => {
+                return Err(OptionError::Missing {
+                    what: kv.what.clone(),
+                    key: "node-name".into(),
+                }
+                .into())
+            }
         };
         if self.nodes.contains_key(&name) {
             return Err(DaemonError::DuplicateNode(name));

@@ -199,3 +199,47 @@ fn an_iothreads_io_engines_go_with_it() {
     let _ = s.stop_and_stderr();
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A hard block-export-del of a vhost-user-blk export with a frontend connected completes
+/// (the removal is woken when the frontend's control thread ends) and announces itself.
+#[test]
+fn hard_delete_of_a_connected_vhost_export_completes() {
+    let dir = tmpdir("vhost-hard-del");
+    let vsock = dir.join("vhost.sock");
+    let qmp = dir.join("qmp.sock");
+    let mut args = common::rawqmp::monitor_args(&qmp);
+    args.extend([
+        "--object".into(),
+        "iothread,id=io0".into(),
+        "--blockdev".into(),
+        "driver=null-co,node-name=n,size=64M".into(),
+        "--export".into(),
+        format!(
+            "type=vhost-user-blk,id=v,node-name=n,addr.type=unix,addr.path={},iothread=io0",
+            vsock.display()
+        ),
+    ]);
+    let mut s = Stord::start(&dir, &args);
+    let mut b = blkio::Blkio::new("virtio-blk-vhost-user").unwrap();
+    b.set_str("path", &vsock.display().to_string()).unwrap();
+    b.set_bool("read-only", true).unwrap();
+    b.connect()
+        .unwrap_or_else(|e| panic!("connect: {}", e.message()));
+    b.set_i32("num-queues", 1).unwrap();
+    let _started = b
+        .start()
+        .unwrap_or_else(|e| panic!("start: {}", e.message()));
+
+    let mut q = RawQmp::connect(&qmp);
+    let e = q.send(r#"{"execute":"block-export-del","arguments":{"id":"v"}}"#);
+    assert!(err(&e).contains("still in use"), "{e}");
+    ok(&q.send(r#"{"execute":"block-export-del","arguments":{"id":"v","mode":"hard"}}"#));
+    // RawQmp reads with a 10 s timeout: a removal that is never woken fails here.
+    q.wait_event("BLOCK_EXPORT_DELETED", "id", "v");
+    let list = q.send(r#"{"execute":"query-block-exports"}"#);
+    assert_eq!(list["return"], serde_json::json!([]));
+    drop(q);
+    drop(b);
+    let _ = s.stop_and_stderr();
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -266,6 +266,16 @@ fn summarize(key: &CaseKey, runs: Vec<RunResult>) -> ReportRow {
     }
 }
 
+/// One block of the run: these daemons take turns on one export and backend, each serving
+/// these workloads, pinned or floating.
+struct Block {
+    export: Export,
+    backend: &'static str,
+    daemons: Vec<&'static str>,
+    workloads: Vec<usize>,
+    pinned: bool,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 struct CaseKey {
     export: Export,
@@ -337,26 +347,38 @@ pub fn run(opts: &ReportOptions) -> PathBuf {
     let t = opts.timing;
     let run_s = (t.ramp + t.runtime).as_secs_f64() + 0.35;
 
-    // The plan, for the progress bar.
+    // The plan: the matrix, then the placement pass over the headline cases.
     let exports = opts.exports.clone();
     let all = opts.all_engines;
-    let matrix_runs: usize = exports
+    let mut blocks: Vec<Block> = exports
         .iter()
         .flat_map(|&e| {
-            backends(e, all)
-                .into_iter()
-                .map(move |b| daemons(e, b).len() * workloads(b).len())
+            backends(e, all).into_iter().map(move |b| Block {
+                export: e,
+                backend: b,
+                daemons: daemons(e, b),
+                workloads: workloads(b),
+                pinned: false,
+            })
         })
+        .collect();
+    blocks.extend(
+        exports
+            .iter()
+            .filter(|e| PINNED_EXPORTS.contains(e))
+            .map(|&e| Block {
+                export: e,
+                backend: "null",
+                daemons: PINNED_DAEMONS.to_vec(),
+                workloads: PINNED_WORKLOADS.to_vec(),
+                pinned: true,
+            }),
+    );
+    let matrix_runs: usize = blocks
+        .iter()
+        .map(|b| b.daemons.len() * b.workloads.len())
         .sum::<usize>()
         * opts.reps;
-    let pinned_runs: usize = exports
-        .iter()
-        .filter(|e| PINNED_EXPORTS.contains(e))
-        .count()
-        * PINNED_DAEMONS.len()
-        * PINNED_WORKLOADS.len()
-        * opts.reps;
-    let matrix_runs = matrix_runs + pinned_runs;
     let (mut est, mut steps) = (matrix_runs as f64 * run_s, matrix_runs);
     if opts.extras {
         est += 3.0 * 1.9 + 2.0 * run_s + 30.0 * run_s + 10.0 * 2.0 + 11.0;
@@ -368,62 +390,30 @@ pub fn run(opts: &ReportOptions) -> PathBuf {
     let mut results: HashMap<CaseKey, Vec<RunResult>> = HashMap::new();
     let mut restarts: HashMap<String, usize> = HashMap::new();
     let mut order: Vec<CaseKey> = Vec::new();
-    for &export in &exports {
-        for backend in backends(export, all) {
-            let names = daemons(export, backend);
-            for rep in 0..opts.reps {
-                for &daemon in &names {
-                    let mut s = Session::start(export, backend, daemon, &paths);
-                    for wi in workloads(backend) {
-                        let w = &WORKLOADS[wi];
-                        prog.step(
-                            run_s,
-                            &format!(
-                                "{} {backend} {} {daemon} (rep {}/{})",
-                                export.name(),
-                                w.label(),
-                                rep + 1,
-                                opts.reps
-                            ),
-                        );
-                        let (r, cpu_us, _) = s.run(w, &t, &paths, &[]);
-                        let ios = r.iops * (t.ramp + t.runtime).as_secs_f64();
-                        let key = CaseKey {
-                            export,
-                            backend,
-                            workload: wi,
-                            daemon,
-                            pinned: false,
-                        };
-                        if !results.contains_key(&key) {
-                            order.push(key.clone());
-                        }
-                        results.entry(key).or_default().push(RunResult {
-                            fio: r,
-                            cpu_us_per_io: cpu_us.map(|c| c / ios.max(1.0)),
-                        });
-                    }
-                    if s.restarts > 0 {
-                        *restarts
-                            .entry(format!("{daemon} {} {backend}", export.name()))
-                            .or_insert(0) += s.restarts;
-                    }
-                }
-            }
-        }
-    }
-    for &export in exports.iter().filter(|e| PINNED_EXPORTS.contains(e)) {
+    for Block {
+        export,
+        backend,
+        daemons: names,
+        workloads: wls,
+        pinned,
+    } in blocks
+    {
         for rep in 0..opts.reps {
-            for daemon in PINNED_DAEMONS {
-                let mut s = Session::start_pinned(export, "null", daemon, &paths);
-                for wi in PINNED_WORKLOADS {
+            for &daemon in &names {
+                let mut s = if pinned {
+                    Session::start_pinned(export, backend, daemon, &paths)
+                } else {
+                    Session::start(export, backend, daemon, &paths)
+                };
+                for &wi in &wls {
                     let w = &WORKLOADS[wi];
                     prog.step(
                         run_s,
                         &format!(
-                            "{} null {} {daemon}, pinned (rep {}/{})",
+                            "{} {backend} {} {daemon}{} (rep {}/{})",
                             export.name(),
                             w.label(),
+                            if pinned { ", pinned" } else { "" },
                             rep + 1,
                             opts.reps
                         ),
@@ -432,10 +422,10 @@ pub fn run(opts: &ReportOptions) -> PathBuf {
                     let ios = r.iops * (t.ramp + t.runtime).as_secs_f64();
                     let key = CaseKey {
                         export,
-                        backend: "null",
+                        backend,
                         workload: wi,
                         daemon,
-                        pinned: true,
+                        pinned,
                     };
                     if !results.contains_key(&key) {
                         order.push(key.clone());
@@ -444,6 +434,11 @@ pub fn run(opts: &ReportOptions) -> PathBuf {
                         fio: r,
                         cpu_us_per_io: cpu_us.map(|c| c / ios.max(1.0)),
                     });
+                }
+                if s.restarts > 0 {
+                    *restarts
+                        .entry(format!("{daemon} {} {backend}", export.name()))
+                        .or_insert(0) += s.restarts;
                 }
             }
         }

@@ -13,6 +13,7 @@ pub mod nbd;
 pub mod vhost_user_blk;
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
 
@@ -105,20 +106,25 @@ pub const EXPORT_TYPES: &[(&str, ExportConstructor)] = &[
 ];
 
 /// A drain wake-up: whoever finishes the last request calls [`wake`](Self::wake) (from
-/// any thread); the daemon's removal task registers its waker and re-checks.
+/// any thread); the daemon's removal task registers its waker and re-checks. Until a task
+/// waits, `wake` is one atomic load: it runs whenever a count reaches zero, which for a
+/// QD1 client is after every request.
 #[derive(Default)]
 pub struct DrainSignal {
     waker: Mutex<Option<Waker>>,
+    armed: AtomicBool,
 }
 
 impl DrainSignal {
     /// Ready if `drained()` holds; else registers the task's waker and checks again, so a
-    /// wake between the first check and the registration is not lost.
+    /// wake between the first check and the registration is not lost (the waker side
+    /// updates its count before it looks at `armed`; both sides are SeqCst).
     pub fn poll(&self, cx: &mut Context<'_>, drained: impl Fn() -> bool) -> Poll<()> {
         if drained() {
             return Poll::Ready(());
         }
         *self.waker.lock().unwrap_or_else(|e| e.into_inner()) = Some(cx.waker().clone());
+        self.armed.store(true, Ordering::SeqCst);
         if drained() {
             Poll::Ready(())
         } else {
@@ -128,6 +134,9 @@ impl DrainSignal {
 
     /// Wakes the task waiting for the drain, if any.
     pub fn wake(&self) {
+        if !self.armed.load(Ordering::SeqCst) {
+            return;
+        }
         if let Some(w) = self.waker.lock().unwrap_or_else(|e| e.into_inner()).take() {
             w.wake();
         }

@@ -165,6 +165,7 @@ pub(super) fn run<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> 
 pub(crate) struct Threads;
 
 impl super::Engine for Threads {
+    /// One preadv or pwritev2 (with RWF_DSYNC for FUA) of what `iov` shows.
     fn transfer(
         &self,
         fd: &Arc<OwnedFd>,
@@ -173,31 +174,20 @@ impl super::Engine for Threads {
         iov: IoVec,
         offset: u64,
     ) -> impl std::future::Future<Output = (i32, IoVec)> {
-        transfer(fd.clone(), write, fua, iov, offset)
+        let fd = fd.clone();
+        run(move || {
+            let raw = fd.as_raw_fd();
+            let res = if write {
+                let flags = if fua { libc::RWF_DSYNC } else { 0 };
+                // SAFETY: the iovecs name memory `iov` keeps valid; this closure owns `iov`.
+                unsafe { stord_aio::sys::blocking::pwritev(raw, iov.iovecs(), offset, flags) }
+            } else {
+                // SAFETY: as above, and the memory is writable (IoVecsMut).
+                unsafe { stord_aio::sys::blocking::preadv(raw, iov.iovecs(), offset, 0) }
+            };
+            (res, iov)
+        })
     }
-}
-
-/// One preadv or pwritev2 (with RWF_DSYNC for FUA) of what `iov` shows.
-async fn transfer(
-    fd: Arc<OwnedFd>,
-    write: bool,
-    fua: bool,
-    iov: IoVec,
-    offset: u64,
-) -> (i32, IoVec) {
-    run(move || {
-        let raw = fd.as_raw_fd();
-        let res = if write {
-            let flags = if fua { libc::RWF_DSYNC } else { 0 };
-            // SAFETY: the iovecs name memory `iov` keeps valid; this closure owns `iov`.
-            unsafe { stord_aio::sys::blocking::pwritev(raw, iov.iovecs(), offset, flags) }
-        } else {
-            // SAFETY: as above, and the memory is writable (IoVecsMut).
-            unsafe { stord_aio::sys::blocking::preadv(raw, iov.iovecs(), offset, 0) }
-        };
-        (res, iov)
-    })
-    .await
 }
 
 /// fdatasync on a worker.

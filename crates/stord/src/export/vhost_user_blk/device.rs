@@ -37,6 +37,8 @@ pub struct BlkDevice {
     pub writeback: AtomicBool,
     /// Requests served, per queue.
     pub requests: Vec<AtomicU64>,
+    /// Control threads still serving a frontend (counted down as each ends).
+    pub serving: std::sync::atomic::AtomicUsize,
     /// Woken when a frontend's connection has ended (its queues stopped).
     pub drain: crate::export::DrainSignal,
 }
@@ -57,6 +59,7 @@ impl BlkDevice {
             num_queues,
             writeback: AtomicBool::new(true),
             requests: (0..num_queues).map(|_| AtomicU64::new(0)).collect(),
+            serving: Default::default(),
             drain: Default::default(),
         }
     }

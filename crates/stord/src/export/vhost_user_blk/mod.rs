@@ -271,7 +271,8 @@ impl Export for VhostUserBlkExport {
         self.halt();
     }
     fn poll_drained(&self, cx: &mut Context<'_>) -> Poll<()> {
-        self.dev.drain.poll(cx, || !self.connected())
+        let serving = || self.dev.serving.load(std::sync::atomic::Ordering::SeqCst);
+        self.dev.drain.poll(cx, || serving() == 0)
     }
     fn log_statistics(&self) {
         tracing::info!(
@@ -319,11 +320,18 @@ fn accept(
         }
     };
     let (dev, remotes) = (dev.clone(), remotes.to_vec());
+    dev.serving
+        .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    let dev2 = dev.clone();
     let thread = std::thread::Builder::new()
         .name(format!("vhost-user-{}", dev.id))
         .spawn(move || {
             serve(ctl, dev.clone(), remotes);
             drop(done_tx);
+            // Counted down before the wake, so a removal that wakes sees it (the thread
+            // itself is finished only a little later).
+            dev.serving
+                .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
             dev.drain.wake();
         });
     match thread {
@@ -337,7 +345,11 @@ fn accept(
                 acceptor.resume();
             });
         }
-        Err(e) => tracing::error!("vhost-user-blk: cannot start a control thread: {e}"),
+        Err(e) => {
+            dev2.serving
+                .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+            tracing::error!("vhost-user-blk: cannot start a control thread: {e}")
+        }
     }
 }
 
