@@ -44,6 +44,7 @@ mod reactor;
 mod remote;
 mod slab;
 mod stats;
+mod sync;
 pub mod sys;
 mod task;
 mod timer;
@@ -57,6 +58,7 @@ pub use poll::{PolicyKind, PollParams};
 pub use reactor::{ReactorInfo, ReactorKind};
 pub use remote::Remote;
 pub use stats::{Counter, HandlerWindow, Histogram, StatsSnapshot};
+pub use sync::{AsyncMutex, AsyncMutexGuard};
 pub use task::JoinHandle;
 pub use timer::{Sleep, TimerId};
 

@@ -23,6 +23,7 @@ use stord_aio::{AioContext, AioContextOptions, IoThread, PolicyKind, PollParams,
 
 use crate::block::file::FileOptions;
 use crate::block::null::NullDriver;
+use crate::block::qcow2::{Image, Qcow2Driver, Qcow2Options};
 use crate::block::raw::RawDriver;
 use crate::block::{BlockDriver, BlockNode};
 use crate::cli::keyval::{KeyVal, OptionError};
@@ -116,6 +117,8 @@ pub struct State {
     pub implicit: BTreeSet<String>,
     /// The next `#blockNNN` number.
     implicit_seq: u32,
+    /// Backing files being opened, one inside the other.
+    backing_depth: u32,
     /// Exports by id, whatever their type.
     pub exports: BTreeMap<String, Box<dyn Export>>,
     /// The exports the NBD server offers (shared with it, for the handshake).
@@ -290,9 +293,19 @@ impl State {
                 let ro = read_only || child.read_only;
                 (Box::new(raw), ro, child.direct)
             }
+            "qcow2" => {
+                let child = self.child_node(&mut kv, "file", &mut opened_children)?;
+                match self.open_qcow2(&mut kv, child, read_only, &mut opened_children) {
+                    Ok(opened) => opened,
+                    Err(e) => {
+                        self.drop_implicit(opened_children);
+                        return Err(e);
+                    }
+                }
+            }
             other => {
                 return Err(kv
-                    .bad_value("driver", "null-co, null, file or raw", other)
+                    .bad_value("driver", "null-co, null, file, raw or qcow2", other)
                     .into())
             }
         };
@@ -306,6 +319,112 @@ impl State {
         if implicit {
             self.implicit.insert(name);
         }
+        Ok(node)
+    }
+
+    /// A qcow2 driver over `file`: its backing node is `backing=NAME`, inline
+    /// `backing.driver=...`, none with `backing=null`, else the one the image names
+    /// (opened read-only, relative to the image's directory, as QEMU does).
+    fn open_qcow2(
+        &mut self,
+        kv: &mut KeyVal,
+        file: Arc<BlockNode>,
+        read_only: bool,
+        opened: &mut Vec<String>,
+    ) -> Result<(Box<dyn BlockDriver>, bool, bool), DaemonError> {
+        let opts = Qcow2Options::from_opts(kv)?;
+        let ro = read_only || file.read_only;
+        let given = if let Some(inline) = kv.take_prefixed("backing") {
+            let node = self.open_node(inline, true)?;
+            opened.push(node.name.clone());
+            Some(Some(node))
+        } else {
+            match kv.take("backing").as_deref() {
+                None => None,
+                Some("null" | "") => Some(None),
+                Some(name) => Some(Some(
+                    self.nodes
+                        .get(name)
+                        .cloned()
+                        .ok_or_else(|| DaemonError::ChildNotFound(name.into()))?,
+                )),
+            }
+        };
+        let f = file.clone();
+        let image =
+            crate::block::block_on_helper(move || async move { Image::load(&f, !ro).await })
+                .and_then(|r| r.map_err(io::Error::other))
+                .map_err(|e| DaemonError::Invalid(format!("{}: {e}", kv.what)))?;
+        let backing = match given {
+            Some(b) => b,
+            None => match image.header.backing_file.clone() {
+                Some(name) => {
+                    let fmt = image.header.backing_format.clone();
+                    Some(self.open_backing(&file, &name, fmt, opened)?)
+                }
+                None => None,
+            },
+        };
+        let direct = file.direct;
+        let drv = Qcow2Driver::new(file, backing, image, &opts);
+        Ok((Box::new(drv), ro, direct))
+    }
+
+    /// Opens the backing file an image names: read-only, its format from the image or
+    /// probed, a chain at most 64 deep.
+    fn open_backing(
+        &mut self,
+        image: &BlockNode,
+        name: &str,
+        format: Option<String>,
+        opened: &mut Vec<String>,
+    ) -> Result<Arc<BlockNode>, DaemonError> {
+        let path = if name.starts_with('/') {
+            PathBuf::from(name)
+        } else {
+            let Some(dir) = image
+                .filename()
+                .and_then(|f| Path::new(&f).parent().map(Path::to_path_buf))
+            else {
+                return Err(DaemonError::Invalid(format!(
+                    "Cannot use relative backing file name '{name}' for an image without a file name"
+                )));
+            };
+            dir.join(name)
+        };
+        if self.backing_depth >= 64 {
+            return Err(DaemonError::Invalid(format!(
+                "Backing chain too deep (or a loop) at '{}'",
+                path.display()
+            )));
+        }
+        let format = match format {
+            Some(f) => f,
+            None => {
+                // No backing_fmt: probe, as QEMU does (qcow2 by its magic, else raw).
+                let mut magic = [0u8; 4];
+                let is_qcow2 = std::fs::File::open(&path)
+                    .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic))
+                    .is_ok()
+                    && magic == *b"QFI\xfb";
+                if is_qcow2 { "qcow2" } else { "raw" }.to_string()
+            }
+        };
+        let mut pairs = vec![
+            ("driver".to_string(), format),
+            ("read-only".into(), "on".into()),
+            ("file.driver".into(), "file".into()),
+            ("file.filename".into(), path.display().to_string()),
+        ];
+        if image.direct {
+            pairs.push(("file.cache.direct".into(), "on".into()));
+        }
+        let kv = KeyVal::from_pairs(&format!("backing file '{}'", path.display()), pairs);
+        self.backing_depth += 1;
+        let r = self.open_node(kv, true);
+        self.backing_depth -= 1;
+        let node = r?;
+        opened.push(node.name.clone());
         Ok(node)
     }
 

@@ -8,6 +8,8 @@
 pub mod file;
 pub mod iov;
 pub mod null;
+pub mod qcow2;
+pub mod range_lock;
 pub mod raw;
 
 pub use iov::IoVec;
@@ -47,6 +49,24 @@ pub fn request_buf(len: usize) -> Buf {
 /// to or from the memory it came in (`block.bounced` in the current loop's statistics).
 pub(crate) fn count_bounce() {
     stord_aio::with_current_context(|c| c.counter("block.bounced").add(1));
+}
+
+/// Runs a block request future to completion from code that is not on a loop, or
+/// that may not wait inside its own (a node being opened reads its image): on a short-lived
+/// thread with a loop of its own, as every driver can serve requests from any thread.
+pub fn block_on_helper<T, F>(make: impl FnOnce() -> F + Send + 'static) -> io::Result<T>
+where
+    T: Send + 'static,
+    F: Future<Output = T> + 'static,
+{
+    std::thread::Builder::new()
+        .name("stord-open".into())
+        .spawn(move || {
+            let ctx = stord_aio::AioContext::new(Default::default())?;
+            Ok(ctx.block_on(make()))
+        })?
+        .join()
+        .map_err(|_| io::Error::other("the open thread panicked"))?
 }
 
 /// The allocation status of a range's first extent.
@@ -112,6 +132,10 @@ pub trait BlockDriver: Send + Sync {
     fn resize(&self, size: u64) -> BoxFut<'_, io::Result<()>>;
     /// Extra description for query commands (e.g. the file name).
     fn filename(&self) -> Option<String> {
+        None
+    }
+    /// Bytes of storage the node takes on its host (st_blocks of the image file), if known.
+    fn allocated_bytes(&self) -> Option<u64> {
         None
     }
     /// The child nodes, each with its role (`file`), for the graph's bookkeeping.
@@ -186,6 +210,11 @@ impl BlockNode {
     /// checks and accounting: the parent's node did them).
     pub fn driver(&self) -> &dyn BlockDriver {
         &*self.driver
+    }
+
+    /// Bytes of host storage the node takes, if known.
+    pub fn allocated_bytes(&self) -> Option<u64> {
+        self.driver.allocated_bytes()
     }
 
     /// The child nodes with their roles.

@@ -131,6 +131,9 @@ impl BlockDriver for RawDriver {
         }
         Some(format!("json:{o}"))
     }
+    fn allocated_bytes(&self) -> Option<u64> {
+        self.child.allocated_bytes()
+    }
     fn children(&self) -> Vec<(&'static str, &Arc<BlockNode>)> {
         vec![("file", &self.child)]
     }

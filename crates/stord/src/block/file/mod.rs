@@ -16,7 +16,6 @@
 
 mod extent_cache;
 mod linux_aio;
-mod range_lock;
 mod threads;
 mod uring;
 
@@ -142,7 +141,7 @@ pub(crate) struct FileDriver<E> {
     align: u64,
     block_device: bool,
     /// Write serialisation for read-modify-write (only used when `align > 1`).
-    write_locks: range_lock::RangeLocks,
+    write_locks: crate::block::range_lock::RangeLocks,
     /// The last extent block status found.
     extents: extent_cache::ExtentCache,
 }
@@ -253,7 +252,7 @@ impl<E: Engine> FileDriver<E> {
             opts,
             size: AtomicU64::new(size),
             block_device,
-            write_locks: range_lock::RangeLocks::default(),
+            write_locks: crate::block::range_lock::RangeLocks::default(),
             extents: extent_cache::ExtentCache::default(),
         })
     }
@@ -508,6 +507,15 @@ impl<E: Engine> BlockDriver for FileDriver<E> {
     }
     fn filename(&self) -> Option<String> {
         Some(self.opts.filename.clone())
+    }
+    fn allocated_bytes(&self) -> Option<u64> {
+        use std::os::unix::fs::MetadataExt;
+        // Through the descriptor, not the name: a FUSE export may be mounted on the name
+        // (stat would then ask this very daemon, from the thread that must answer).
+        std::fs::metadata(format!("/proc/self/fd/{}", self.fd.as_raw_fd()))
+            .ok()
+            .filter(|m| m.file_type().is_file())
+            .map(|m| m.blocks() * 512)
     }
     fn read(&self, offset: u64, buf: Buf) -> BoxFut<'_, (io::Result<()>, Buf)> {
         Box::pin(self.read_impl(offset, buf))

@@ -116,10 +116,7 @@ impl FuseShared {
 
     fn allocated_bytes(&self) -> u64 {
         self.node
-            .filename()
-            .and_then(|f| std::fs::metadata(f).ok())
-            .filter(|m| m.file_type().is_file())
-            .map(|m| m.blocks() * 512)
+            .allocated_bytes()
             .unwrap_or_else(|| self.node.size())
     }
 }

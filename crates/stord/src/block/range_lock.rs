@@ -1,10 +1,9 @@
-//! Serialises overlapping writes when O_DIRECT forces read-modify-write.
-//!
-//! An unaligned write under O_DIRECT reads the covering aligned blocks, patches them and
-//! writes them back. Two such writes into the same block, or one of them and a plain
-//! aligned write, would otherwise lose one update. Every write therefore holds a lock on
-//! its aligned span for its duration; writes that do not overlap never wait. Waiters may
-//! be on any IoThread: their wakers hand the wake-up to their own loop.
+//! Locks on byte ranges, for writers that must not overlap: the file driver's
+//! read-modify-write under O_DIRECT (an unaligned write patches the covering aligned
+//! blocks; two such writes into one block would lose an update) and qcow2's cluster
+//! allocation (two writes into one unallocated cluster must not both allocate it).
+//! Ranges that do not overlap never wait. Waiters may be on any IoThread: their wakers
+//! hand the wake-up to their own loop.
 
 use std::future::poll_fn;
 use std::sync::Mutex;

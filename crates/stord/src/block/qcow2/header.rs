@@ -1,0 +1,425 @@
+//! The qcow2 header and its extensions: parsed from bytes and checked, with no I/O, so the
+//! checks can be driven by tests (and fuzzers) on their own.
+//!
+//! Everything an image says about itself is untrusted: sizes and offsets are checked
+//! against the limits QEMU applies before any of them is used to size an allocation.
+
+use thiserror::Error;
+
+/// "QFI\xfb".
+pub const MAGIC: u32 = 0x5146_49fb;
+/// Length of a version 2 header (and the part version 3 shares with it).
+const V2_HEADER_LEN: usize = 72;
+/// Shortest version 3 header.
+const V3_HEADER_LEN: usize = 104;
+/// The largest L1 table QEMU opens (32 MiB).
+const MAX_L1_BYTES: u64 = 32 << 20;
+/// The largest refcount table QEMU opens (8 MiB).
+const MAX_REFTABLE_BYTES: u64 = 8 << 20;
+/// The longest backing file name QEMU accepts.
+const MAX_BACKING_NAME: u32 = 1023;
+
+/// Incompatible feature bits.
+pub mod incompat {
+    /// Refcounts may be stale (lazy refcounts were on when the image was last open).
+    pub const DIRTY: u64 = 1 << 0;
+    /// Metadata is known to be corrupt.
+    pub const CORRUPT: u64 = 1 << 1;
+    /// Guest data lives in an external data file.
+    pub const DATA_FILE: u64 = 1 << 2;
+    /// `compression_type` is not zlib.
+    pub const COMPRESSION: u64 = 1 << 3;
+    /// Extended L2 entries (subclusters).
+    pub const EXTL2: u64 = 1 << 4;
+    /// Every bit this driver knows.
+    pub const KNOWN: u64 = DIRTY | CORRUPT | DATA_FILE | COMPRESSION | EXTL2;
+}
+
+/// Header extension types.
+mod ext {
+    pub const END: u32 = 0;
+    pub const BACKING_FORMAT: u32 = 0xe279_2aca;
+    pub const DATA_FILE: u32 = 0x4441_5441;
+}
+
+/// Byte offsets of fields written back by the driver.
+pub mod field {
+    /// `autoclear_features` (u64, version 3).
+    pub const AUTOCLEAR: u64 = 88;
+}
+
+/// How compressed clusters are compressed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Compression {
+    /// Raw deflate (QEMU's default).
+    Zlib,
+    /// Zstandard.
+    Zstd,
+}
+
+/// Why an image cannot be opened.
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum HeaderError {
+    /// Not a qcow2 image.
+    #[error("Image is not in qcow2 format")]
+    NotQcow2,
+    /// The header is shorter than its version needs.
+    #[error("qcow2 header truncated ({0} bytes)")]
+    Truncated(usize),
+    /// Version 1 or something newer than 3.
+    #[error("Unsupported qcow2 version {0}")]
+    Version(u32),
+    /// A field is out of range.
+    #[error("qcow2: {0}")]
+    Invalid(String),
+    /// A feature the driver does not implement (it is never served wrongly).
+    #[error("qcow2: {0} is not supported by stord")]
+    Unsupported(String),
+}
+
+/// A parsed, checked header.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Header {
+    /// 2 or 3.
+    pub version: u32,
+    /// log2 of the cluster size (9..=21).
+    pub cluster_bits: u32,
+    /// Virtual disk size in bytes.
+    pub size: u64,
+    /// Entries in the L1 table.
+    pub l1_size: u32,
+    /// Where the L1 table is.
+    pub l1_table_offset: u64,
+    /// Where the refcount table is.
+    pub refcount_table_offset: u64,
+    /// Its length in clusters.
+    pub refcount_table_clusters: u32,
+    /// Internal snapshots.
+    pub nb_snapshots: u32,
+    /// Incompatible feature bits (version 2: none).
+    pub incompatible: u64,
+    /// Compatible feature bits.
+    pub compatible: u64,
+    /// Autoclear feature bits.
+    pub autoclear: u64,
+    /// log2 of the refcount width in bits (0..=6).
+    pub refcount_order: u32,
+    /// Length of the header proper; extensions follow it.
+    pub header_length: u32,
+    /// Compression of compressed clusters.
+    pub compression: Compression,
+    /// The backing file's name, as stored.
+    pub backing_file: Option<String>,
+    /// The backing file's format (`backing_fmt`), if the image names it.
+    pub backing_format: Option<String>,
+}
+
+fn be32(b: &[u8], at: usize) -> u32 {
+    u32::from_be_bytes(b[at..at + 4].try_into().expect("4 bytes"))
+}
+
+fn be64(b: &[u8], at: usize) -> u64 {
+    u64::from_be_bytes(b[at..at + 8].try_into().expect("8 bytes"))
+}
+
+fn invalid(s: impl Into<String>) -> HeaderError {
+    HeaderError::Invalid(s.into())
+}
+
+impl Header {
+    /// The bytes to read to parse the header with its extensions: the first cluster (as
+    /// far as the cluster size can be told from `first`, the file's first bytes).
+    pub fn bytes_needed(first: &[u8]) -> Result<usize, HeaderError> {
+        if first.len() < V2_HEADER_LEN {
+            return Err(HeaderError::Truncated(first.len()));
+        }
+        let bits = be32(first, 20);
+        if !(9..=21).contains(&bits) {
+            return Err(invalid(format!(
+                "Cluster size must be a power of two between 512 and 2048k (cluster_bits {bits})"
+            )));
+        }
+        Ok(1 << bits)
+    }
+
+    /// Parses and checks a header from the image's first cluster (`buf` may be shorter
+    /// when the file is).
+    pub fn parse(buf: &[u8]) -> Result<Header, HeaderError> {
+        if buf.len() < 4 || be32(buf, 0) != MAGIC {
+            return Err(HeaderError::NotQcow2);
+        }
+        if buf.len() < V2_HEADER_LEN {
+            return Err(HeaderError::Truncated(buf.len()));
+        }
+        let version = be32(buf, 4);
+        if version != 2 && version != 3 {
+            return Err(HeaderError::Version(version));
+        }
+        let cluster_bits = be32(buf, 20);
+        if !(9..=21).contains(&cluster_bits) {
+            return Err(invalid(format!(
+                "Cluster size must be a power of two between 512 and 2048k (cluster_bits {cluster_bits})"
+            )));
+        }
+        let cluster_size = 1u64 << cluster_bits;
+        let mut h = Header {
+            version,
+            cluster_bits,
+            size: be64(buf, 24),
+            l1_size: be32(buf, 36),
+            l1_table_offset: be64(buf, 40),
+            refcount_table_offset: be64(buf, 48),
+            refcount_table_clusters: be32(buf, 56),
+            nb_snapshots: be32(buf, 60),
+            incompatible: 0,
+            compatible: 0,
+            autoclear: 0,
+            refcount_order: 4,
+            header_length: V2_HEADER_LEN as u32,
+            compression: Compression::Zlib,
+            backing_file: None,
+            backing_format: None,
+        };
+        if be32(buf, 32) != 0 {
+            return Err(HeaderError::Unsupported("Encryption".into()));
+        }
+        if version == 3 {
+            if buf.len() < V3_HEADER_LEN {
+                return Err(HeaderError::Truncated(buf.len()));
+            }
+            h.incompatible = be64(buf, 72);
+            h.compatible = be64(buf, 80);
+            h.autoclear = be64(buf, 88);
+            h.refcount_order = be32(buf, 96);
+            h.header_length = be32(buf, 100);
+            let hl = h.header_length as u64;
+            if hl < V3_HEADER_LEN as u64 || hl > cluster_size || hl > buf.len() as u64 {
+                return Err(invalid(format!("Invalid header length {hl}")));
+            }
+            if hl > 104 {
+                h.compression = match buf[104] {
+                    0 => Compression::Zlib,
+                    1 => Compression::Zstd,
+                    t => return Err(invalid(format!("Unknown compression type {t}"))),
+                };
+            }
+        }
+        if h.refcount_order > 6 {
+            return Err(invalid(
+                "Reference count entry width too large; may not exceed 64 bits",
+            ));
+        }
+        let unknown = h.incompatible & !incompat::KNOWN;
+        if unknown != 0 {
+            return Err(HeaderError::Unsupported(format!(
+                "Incompatible feature bits {unknown:#x}"
+            )));
+        }
+        if h.incompatible & incompat::DATA_FILE != 0 {
+            return Err(HeaderError::Unsupported("An external data file".into()));
+        }
+        if h.incompatible & incompat::EXTL2 != 0 {
+            return Err(HeaderError::Unsupported(
+                "Extended L2 entries (subclusters)".into(),
+            ));
+        }
+        if (h.incompatible & incompat::COMPRESSION != 0) != (h.compression != Compression::Zlib) {
+            return Err(invalid(
+                "the compression type bit and the compression_type field disagree",
+            ));
+        }
+        h.check_tables(cluster_size)?;
+        h.parse_extensions(buf, cluster_size)?;
+        h.parse_backing_name(buf, cluster_size)?;
+        Ok(h)
+    }
+
+    fn check_tables(&self, cluster_size: u64) -> Result<(), HeaderError> {
+        let mask = cluster_size - 1;
+        if self.l1_table_offset & mask != 0 || self.l1_table_offset == 0 && self.l1_size > 0 {
+            return Err(invalid("L1 table offset invalid"));
+        }
+        if self.l1_size as u64 * 8 > MAX_L1_BYTES {
+            return Err(invalid("Active L1 table too large"));
+        }
+        if self.refcount_table_offset & mask != 0 || self.refcount_table_offset == 0 {
+            return Err(invalid("Refcount table offset invalid"));
+        }
+        if self.refcount_table_clusters as u64 * cluster_size > MAX_REFTABLE_BYTES {
+            return Err(invalid("Reference count table too large"));
+        }
+        // Every guest cluster must have an L1 entry.
+        let l2_coverage = cluster_size * (cluster_size / 8);
+        let needed = self.size.div_ceil(l2_coverage);
+        if needed > self.l1_size as u64 {
+            return Err(invalid(format!(
+                "L1 table too small for the image size ({} entries, {needed} needed)",
+                self.l1_size
+            )));
+        }
+        if self.size > (1u64 << 62) {
+            return Err(invalid("Image size too large"));
+        }
+        Ok(())
+    }
+
+    fn parse_extensions(&mut self, buf: &[u8], cluster_size: u64) -> Result<(), HeaderError> {
+        let end = (cluster_size as usize).min(buf.len());
+        let mut at = self.header_length as usize;
+        while at + 8 <= end {
+            let ty = be32(buf, at);
+            let len = be32(buf, at + 4) as usize;
+            at += 8;
+            if ty == ext::END {
+                break;
+            }
+            if len > end - at {
+                return Err(invalid(format!(
+                    "header extension {ty:#x} runs past the first cluster"
+                )));
+            }
+            let data = &buf[at..at + len];
+            match ty {
+                ext::BACKING_FORMAT => {
+                    let s = std::str::from_utf8(data)
+                        .map_err(|_| invalid("backing format name is not UTF-8"))?;
+                    self.backing_format = Some(s.trim_end_matches('\0').to_string());
+                }
+                ext::DATA_FILE => {
+                    return Err(HeaderError::Unsupported("An external data file".into()));
+                }
+                // Feature names, bitmaps, encryption, unknown: nothing to act on.
+                _ => {}
+            }
+            at += len.div_ceil(8) * 8;
+        }
+        Ok(())
+    }
+
+    fn parse_backing_name(&mut self, buf: &[u8], cluster_size: u64) -> Result<(), HeaderError> {
+        let off = be64(buf, 8);
+        let len = be32(buf, 16);
+        if off == 0 {
+            return Ok(());
+        }
+        if len > MAX_BACKING_NAME
+            || off
+                .checked_add(len as u64)
+                .is_none_or(|e| e > cluster_size.min(buf.len() as u64))
+        {
+            return Err(invalid(
+                "Backing file name too long or outside the first cluster",
+            ));
+        }
+        let name = &buf[off as usize..off as usize + len as usize];
+        let name =
+            std::str::from_utf8(name).map_err(|_| invalid("backing file name is not UTF-8"))?;
+        if !name.is_empty() {
+            self.backing_file = Some(name.to_string());
+        }
+        Ok(())
+    }
+
+    /// Cluster size in bytes.
+    pub fn cluster_size(&self) -> u64 {
+        1 << self.cluster_bits
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A minimal version 3 header (64 KiB clusters, 1 GiB) with room for extensions.
+    fn v3() -> Vec<u8> {
+        let mut b = vec![0u8; 65536];
+        b[0..4].copy_from_slice(&MAGIC.to_be_bytes());
+        b[4..8].copy_from_slice(&3u32.to_be_bytes());
+        b[20..24].copy_from_slice(&16u32.to_be_bytes());
+        b[24..32].copy_from_slice(&(1u64 << 30).to_be_bytes());
+        b[36..40].copy_from_slice(&2u32.to_be_bytes());
+        b[40..48].copy_from_slice(&(3u64 << 16).to_be_bytes());
+        b[48..56].copy_from_slice(&(1u64 << 16).to_be_bytes());
+        b[56..60].copy_from_slice(&1u32.to_be_bytes());
+        b[96..100].copy_from_slice(&4u32.to_be_bytes());
+        b[100..104].copy_from_slice(&112u32.to_be_bytes());
+        b
+    }
+
+    #[test]
+    fn a_plain_v3_header_parses() {
+        let h = Header::parse(&v3()).unwrap();
+        assert_eq!((h.version, h.cluster_size(), h.size), (3, 65536, 1 << 30));
+        assert_eq!((h.l1_size, h.refcount_order), (2, 4));
+        assert_eq!(h.backing_file, None);
+    }
+
+    #[test]
+    fn backing_name_and_format_are_read() {
+        let mut b = v3();
+        // Backing format extension, then the end marker, then the name.
+        b[112..116].copy_from_slice(&ext::BACKING_FORMAT.to_be_bytes());
+        b[116..120].copy_from_slice(&5u32.to_be_bytes());
+        b[120..125].copy_from_slice(b"qcow2");
+        b[8..16].copy_from_slice(&200u64.to_be_bytes());
+        b[16..20].copy_from_slice(&8u32.to_be_bytes());
+        b[200..208].copy_from_slice(b"base.img");
+        let h = Header::parse(&b).unwrap();
+        assert_eq!(h.backing_file.as_deref(), Some("base.img"));
+        assert_eq!(h.backing_format.as_deref(), Some("qcow2"));
+    }
+
+    #[test]
+    fn bad_headers_are_refused_with_a_reason() {
+        let set32 = |at: usize, v: u32| {
+            let mut b = v3();
+            b[at..at + 4].copy_from_slice(&v.to_be_bytes());
+            Header::parse(&b).unwrap_err()
+        };
+        let set64 = |at: usize, v: u64| {
+            let mut b = v3();
+            b[at..at + 8].copy_from_slice(&v.to_be_bytes());
+            Header::parse(&b).unwrap_err()
+        };
+        assert_eq!(set32(0, 0), HeaderError::NotQcow2);
+        assert_eq!(set32(4, 1), HeaderError::Version(1));
+        assert!(matches!(set32(20, 8), HeaderError::Invalid(_)));
+        assert!(matches!(set32(20, 22), HeaderError::Invalid(_)));
+        assert!(matches!(set32(32, 1), HeaderError::Unsupported(_)));
+        // The L1 table cannot map the whole disk.
+        assert!(matches!(set32(36, 1), HeaderError::Invalid(_)));
+        assert!(matches!(set32(36, u32::MAX), HeaderError::Invalid(_)));
+        assert!(matches!(set64(40, 4096), HeaderError::Invalid(_)));
+        assert!(matches!(set64(48, 0), HeaderError::Invalid(_)));
+        assert!(matches!(set32(56, 1 << 20), HeaderError::Invalid(_)));
+        assert!(matches!(set32(96, 7), HeaderError::Invalid(_)));
+        assert!(matches!(set32(100, 200_000), HeaderError::Invalid(_)));
+        assert!(matches!(
+            set64(72, incompat::EXTL2),
+            HeaderError::Unsupported(_)
+        ));
+        assert!(matches!(
+            set64(72, incompat::DATA_FILE),
+            HeaderError::Unsupported(_)
+        ));
+        assert!(matches!(set64(72, 1 << 40), HeaderError::Unsupported(_)));
+        assert!(matches!(
+            set64(72, incompat::COMPRESSION),
+            HeaderError::Invalid(_)
+        ));
+        // A backing name outside the first cluster.
+        let mut b = v3();
+        b[8..16].copy_from_slice(&65530u64.to_be_bytes());
+        b[16..20].copy_from_slice(&100u32.to_be_bytes());
+        assert!(matches!(Header::parse(&b), Err(HeaderError::Invalid(_))));
+        // An extension longer than the cluster.
+        let mut b = v3();
+        b[112..116].copy_from_slice(&ext::BACKING_FORMAT.to_be_bytes());
+        b[116..120].copy_from_slice(&u32::MAX.to_be_bytes());
+        assert!(matches!(Header::parse(&b), Err(HeaderError::Invalid(_))));
+        assert!(matches!(
+            Header::parse(&v3()[..80]),
+            Err(HeaderError::Truncated(80))
+        ));
+    }
+}

@@ -1,0 +1,335 @@
+//! The image's metadata: the L1 table, cached L2 tables, the refcount table and cached
+//! refcount blocks, with the cluster allocator over them, and their write-back.
+//!
+//! ## Crash safety
+//! Metadata is written back, never through: a guest write that allocates changes only
+//! cached tables, and the next flush (or a cache full of dirty tables) writes them in an
+//! order that leaves the image consistent at every step, with an fsync between steps:
+//! refcount blocks, then refcount table entries, then L2 tables, then L1 entries. So an
+//! on-disk reference never points at a cluster whose refcount or table is not yet on disk;
+//! a crash can leave clusters counted but unreferenced (leaks, which `qemu-img check -r
+//! leaks` repairs), never referenced but uncounted (corruption).
+//!
+//! Freeing goes the other way (reference gone before the count drops), so freed clusters
+//! wait in `pending_free` until a flush has made the tables that dropped them durable,
+//! and until no request that looked up a mapping before then is still doing I/O.
+
+use std::collections::BTreeSet;
+use std::io;
+
+use super::table::{EntryCodec, Mapping, RefcountCodec, TableCache, COPIED, OFFSET_MASK};
+use super::Qcow2Driver;
+use crate::block::request_buf;
+
+/// Entries written per L1 / refcount table write-back unit (one 4 KiB page).
+const PAGE_ENTRIES: usize = 512;
+
+/// Mutable metadata, behind the driver's async mutex.
+pub(super) struct Meta {
+    pub l1: Vec<u64>,
+    pub l1_dirty: BTreeSet<usize>,
+    pub l2: TableCache<Vec<u64>>,
+    pub reftable: Vec<u64>,
+    pub reftable_dirty: BTreeSet<usize>,
+    pub refblocks: TableCache<Vec<u8>>,
+    /// The first cluster index that may be free.
+    pub free_hint: u64,
+    /// End of the host file as far as anything was ever written or allocated: clusters
+    /// allocated at or past it read as zeroes until written.
+    pub file_end: u64,
+    /// Host clusters whose refcount drops once the tables that referenced them are
+    /// durable (see the module docs).
+    pub pending_free: Vec<u64>,
+    /// Metadata was written since the last fsync.
+    pub needs_sync: bool,
+}
+
+/// An I/O error for metadata that makes no sense (the image is corrupt there).
+pub(super) fn corrupt(what: String) -> io::Error {
+    tracing::error!("qcow2: {what}");
+    io::Error::from_raw_os_error(libc::EIO)
+}
+
+fn decode_be64(b: &[u8]) -> Vec<u64> {
+    b.chunks_exact(8)
+        .map(|c| u64::from_be_bytes(c.try_into().expect("8 bytes")))
+        .collect()
+}
+
+impl Qcow2Driver {
+    pub(super) fn l1_index(&self, guest: u64) -> usize {
+        (guest >> (self.cluster_bits + self.l2_bits)) as usize
+    }
+
+    pub(super) fn l2_index(&self, guest: u64) -> usize {
+        ((guest >> self.cluster_bits) & ((1 << self.l2_bits) - 1)) as usize
+    }
+
+    fn entries(&self) -> EntryCodec {
+        EntryCodec::new(self.cluster_bits, self.version)
+    }
+
+    fn refcounts(&self) -> RefcountCodec {
+        RefcountCodec::new(self.refcount_order)
+    }
+
+    /// log2 of the refcounts per refcount block.
+    fn refblock_bits(&self) -> u32 {
+        self.cluster_bits + 3 - self.refcount_order
+    }
+
+    pub(super) async fn file_read(&self, offset: u64, len: usize) -> io::Result<crate::block::Buf> {
+        let (r, buf) = self.file.driver().read(offset, request_buf(len)).await;
+        r.map(|_| buf)
+    }
+
+    pub(super) async fn file_write(&self, offset: u64, data: &[u8]) -> io::Result<()> {
+        let mut buf = request_buf(data.len());
+        buf.copy_from_slice(data);
+        self.file.driver().write(offset, buf, false).await.0
+    }
+
+    /// The L2 table at `l2_off`, read into the cache if it is not there.
+    async fn load_l2(&self, m: &mut Meta, l2_off: u64) -> io::Result<()> {
+        if m.l2.contains(l2_off) {
+            return Ok(());
+        }
+        if l2_off & (self.cluster_size - 1) != 0 {
+            return Err(corrupt(format!("L2 table offset {l2_off:#x} unaligned")));
+        }
+        if m.l2.full_of_dirty() {
+            self.write_back(m).await?;
+        }
+        let buf = self.file_read(l2_off, self.cluster_size as usize).await?;
+        m.l2.insert(l2_off, decode_be64(&buf), false);
+        Ok(())
+    }
+
+    async fn load_refblock(&self, m: &mut Meta, off: u64) -> io::Result<()> {
+        if m.refblocks.contains(off) {
+            return Ok(());
+        }
+        if off & (self.cluster_size - 1) != 0 {
+            return Err(corrupt(format!("refcount block offset {off:#x} unaligned")));
+        }
+        if m.refblocks.full_of_dirty() {
+            self.write_back(m).await?;
+        }
+        let buf = self.file_read(off, self.cluster_size as usize).await?;
+        m.refblocks.insert(off, buf.to_vec(), false);
+        Ok(())
+    }
+
+    /// What the image says about the guest cluster containing `guest`.
+    pub(super) async fn lookup(&self, m: &mut Meta, guest: u64) -> io::Result<Mapping> {
+        let l2_off = m.l1[self.l1_index(guest)] & OFFSET_MASK;
+        if l2_off == 0 {
+            return Ok(Mapping::Unallocated);
+        }
+        self.load_l2(m, l2_off).await?;
+        let e = m.l2.get(l2_off).expect("just loaded")[self.l2_index(guest)];
+        self.entries().decode(e).map_err(corrupt)
+    }
+
+    /// Sets the L2 entry of the guest cluster containing `guest`, allocating its L2 table
+    /// if it has none.
+    pub(super) async fn set_l2(&self, m: &mut Meta, guest: u64, entry: u64) -> io::Result<()> {
+        let i1 = self.l1_index(guest);
+        let mut l2_off = m.l1[i1] & OFFSET_MASK;
+        if l2_off == 0 {
+            let (table, _) = self.alloc_cluster(m).await?;
+            if m.l2.full_of_dirty() {
+                self.write_back(m).await?;
+            }
+            m.l2.insert(table, vec![0; 1 << self.l2_bits], true);
+            m.l1[i1] = table | COPIED;
+            m.l1_dirty.insert(i1);
+            l2_off = table;
+        } else {
+            self.load_l2(m, l2_off).await?;
+        }
+        m.l2.get_mut(l2_off).expect("just loaded")[self.l2_index(guest)] = entry;
+        Ok(())
+    }
+
+    /// Allocates one cluster (refcount 1): its host offset, and whether it lies past
+    /// everything ever written (so it reads as zeroes).
+    pub(super) async fn alloc_cluster(&self, m: &mut Meta) -> io::Result<(u64, bool)> {
+        let bits = self.refblock_bits();
+        let per_block = 1u64 << bits;
+        let rc = self.refcounts();
+        loop {
+            let c = m.free_hint;
+            let bi = (c >> bits) as usize;
+            let idx = (c & (per_block - 1)) as usize;
+            if bi >= m.reftable.len() {
+                return Err(io::Error::new(
+                    io::ErrorKind::StorageFull,
+                    "qcow2: the refcount table is full (growing it is not supported yet)",
+                ));
+            }
+            let rb_off = m.reftable[bi] & OFFSET_MASK;
+            if rb_off == 0 {
+                // No block counts this range yet, so all of it is free: the new refcount
+                // block takes the range's first free cluster and counts itself.
+                if m.refblocks.full_of_dirty() {
+                    self.write_back(m).await?;
+                }
+                let mut block = vec![0u8; self.cluster_size as usize];
+                rc.set(&mut block, idx, 1);
+                let host = c << self.cluster_bits;
+                m.refblocks.insert(host, block, true);
+                m.reftable[bi] = host;
+                m.reftable_dirty.insert(bi);
+                m.file_end = m.file_end.max(host + self.cluster_size);
+                m.free_hint = c + 1;
+                continue;
+            }
+            self.load_refblock(m, rb_off).await?;
+            let block = m.refblocks.get(rb_off).expect("just loaded");
+            match (idx..per_block as usize).find(|&i| rc.get(block, i) == 0) {
+                None => m.free_hint = (bi as u64 + 1) << bits,
+                Some(i) => {
+                    let c = ((bi as u64) << bits) + i as u64;
+                    let block = m.refblocks.get_mut(rb_off).expect("loaded");
+                    rc.set(block, i, 1);
+                    m.free_hint = c + 1;
+                    let host = c << self.cluster_bits;
+                    let fresh = host >= m.file_end;
+                    m.file_end = m.file_end.max(host + self.cluster_size);
+                    return Ok((host, fresh));
+                }
+            }
+        }
+    }
+
+    /// Adds `delta` (+1 or -1) to the refcount of the host cluster at `host`.
+    pub(super) async fn change_refcount(
+        &self,
+        m: &mut Meta,
+        host: u64,
+        delta: i64,
+    ) -> io::Result<()> {
+        let bits = self.refblock_bits();
+        let c = host >> self.cluster_bits;
+        let bi = (c >> bits) as usize;
+        let idx = (c & ((1 << bits) - 1)) as usize;
+        let rb_off = m.reftable.get(bi).map_or(0, |e| e & OFFSET_MASK);
+        if rb_off == 0 {
+            return Err(corrupt(format!("cluster {host:#x} has no refcount block")));
+        }
+        self.load_refblock(m, rb_off).await?;
+        let rc = self.refcounts();
+        let block = m.refblocks.get_mut(rb_off).expect("just loaded");
+        let v = rc.get(block, idx);
+        let new = match v.checked_add_signed(delta) {
+            Some(n) if n <= rc.max() => n,
+            _ => {
+                return Err(corrupt(format!(
+                    "refcount of cluster {host:#x} out of range"
+                )))
+            }
+        };
+        rc.set(block, idx, new);
+        if new == 0 && c < m.free_hint {
+            m.free_hint = c;
+        }
+        Ok(())
+    }
+
+    /// Queues the host clusters behind a mapping that is being replaced for freeing.
+    pub(super) fn release(&self, m: &mut Meta, old: Mapping) {
+        match old {
+            Mapping::Data { host, .. } => m.pending_free.push(host),
+            Mapping::Zero {
+                host: Some(host), ..
+            } => m.pending_free.push(host),
+            Mapping::Compressed { offset, len } => {
+                let mask = !(self.cluster_size - 1);
+                let mut c = offset & mask;
+                while c < offset + len {
+                    m.pending_free.push(c);
+                    c += self.cluster_size;
+                }
+            }
+            Mapping::Unallocated | Mapping::Zero { host: None, .. } => {}
+        }
+    }
+
+    /// Drops the refcounts of freed clusters whose references are durable; called right
+    /// after an fsync that followed a write-back. Returns the clusters freed (for a
+    /// discard to pass down).
+    pub(super) async fn apply_frees(&self, m: &mut Meta) -> io::Result<Vec<u64>> {
+        if m.pending_free.is_empty()
+            || self.io_inflight.load(std::sync::atomic::Ordering::Acquire) != 0
+        {
+            return Ok(Vec::new());
+        }
+        let frees = std::mem::take(&mut m.pending_free);
+        for &host in &frees {
+            self.change_refcount(m, host, -1).await?;
+        }
+        Ok(frees)
+    }
+
+    async fn sync_if_needed(&self, m: &mut Meta) -> io::Result<()> {
+        if m.needs_sync {
+            self.file.driver().flush().await?;
+            m.needs_sync = false;
+        }
+        Ok(())
+    }
+
+    /// Writes every dirty table back, in the order the module docs give.
+    pub(super) async fn write_back(&self, m: &mut Meta) -> io::Result<()> {
+        for off in m.refblocks.dirty() {
+            let block = m.refblocks.peek(off).expect("dirty is cached").clone();
+            self.file_write(off, &block).await?;
+            m.refblocks.mark_clean(off);
+            m.needs_sync = true;
+        }
+        if !m.reftable_dirty.is_empty() {
+            self.sync_if_needed(m).await?;
+            let pages: BTreeSet<usize> =
+                m.reftable_dirty.iter().map(|i| i / PAGE_ENTRIES).collect();
+            for p in pages {
+                self.write_entries(self.reftable_offset, &m.reftable, p)
+                    .await?;
+            }
+            m.reftable_dirty.clear();
+            m.needs_sync = true;
+        }
+        let dirty_l2 = m.l2.dirty();
+        if !dirty_l2.is_empty() {
+            self.sync_if_needed(m).await?;
+            for off in dirty_l2 {
+                let table = m.l2.peek(off).expect("dirty is cached");
+                let bytes: Vec<u8> = table.iter().flat_map(|e| e.to_be_bytes()).collect();
+                self.file_write(off, &bytes).await?;
+                m.l2.mark_clean(off);
+            }
+            m.needs_sync = true;
+        }
+        if !m.l1_dirty.is_empty() {
+            self.sync_if_needed(m).await?;
+            let pages: BTreeSet<usize> = m.l1_dirty.iter().map(|i| i / PAGE_ENTRIES).collect();
+            for p in pages {
+                self.write_entries(self.l1_offset, &m.l1, p).await?;
+            }
+            m.l1_dirty.clear();
+            m.needs_sync = true;
+        }
+        Ok(())
+    }
+
+    /// Writes page `page` of a table of big-endian entries that starts at `base`.
+    async fn write_entries(&self, base: u64, table: &[u64], page: usize) -> io::Result<()> {
+        let start = page * PAGE_ENTRIES;
+        let end = (start + PAGE_ENTRIES).min(table.len());
+        let bytes: Vec<u8> = table[start..end]
+            .iter()
+            .flat_map(|e| e.to_be_bytes())
+            .collect();
+        self.file_write(base + start as u64 * 8, &bytes).await
+    }
+}

@@ -1,0 +1,810 @@
+//! The `qcow2` format driver: QEMU's copy-on-write image format (versions 2 and 3) over a
+//! child node (its `file`), with an optional `backing` node read through where a cluster
+//! is not allocated.
+//!
+//! A request maps its guest range cluster by cluster through the L1 and L2 tables
+//! ([`metadata`]). In steady state (tables cached, clusters allocated) a read or write is
+//! one lookup under the metadata lock and one request to the child, with the caller's
+//! buffer passed straight through when the range is contiguous on the host. A write into
+//! a cluster that is unallocated, zero, compressed or shared allocates a new cluster under
+//! a lock on that guest cluster (concurrent writers of one cluster allocate it once),
+//! copies what it does not overwrite from the old content (backing file, compressed
+//! data) and then points the L2 entry at it; metadata changes reach the disk in the
+//! crash-safe order [`metadata`] describes, at the next flush.
+//!
+//! Not supported, and refused at open with a clear error rather than served wrongly:
+//! encryption, external data files, extended L2 entries, zstd compression; writing to
+//! images with internal snapshots, or marked dirty or corrupt.
+
+mod header;
+mod metadata;
+mod table;
+
+pub use header::{Compression, Header, HeaderError};
+
+use std::io;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use stord_aio::AsyncMutex;
+
+use self::metadata::{corrupt, Meta};
+use self::table::{Mapping, TableCache, COPIED, OFFSET_MASK, ZERO};
+use crate::block::range_lock::RangeLocks;
+use crate::block::{request_buf, BlockDriver, BlockNode, BlockStatus, BoxFut, Buf, IoVec};
+use crate::cli::keyval::KeyVal;
+use crate::cli::keyval::OptionError;
+
+/// QEMU's cap on the default L2 cache (32 MiB).
+const DEFAULT_L2_CACHE_MAX: u64 = 32 << 20;
+
+/// `--blockdev driver=qcow2` options beyond the children.
+#[derive(Debug, Clone, Default)]
+pub struct Qcow2Options {
+    /// `l2-cache-size` in bytes.
+    pub l2_cache: Option<u64>,
+    /// `refcount-cache-size` in bytes.
+    pub refcount_cache: Option<u64>,
+    /// `cache-size`: both caches together.
+    pub cache: Option<u64>,
+    /// `discard=unmap`: guest discards free clusters (the default, `ignore`, drops them).
+    pub discard: bool,
+}
+
+impl Qcow2Options {
+    /// Takes the options from a `--blockdev` / `blockdev-add`.
+    pub fn from_opts(kv: &mut KeyVal) -> Result<Self, OptionError> {
+        let o = Self {
+            l2_cache: kv.take_u64("l2-cache-size", true)?,
+            refcount_cache: kv.take_u64("refcount-cache-size", true)?,
+            cache: kv.take_u64("cache-size", true)?,
+            discard: matches!(
+                kv.take_choice("discard", &["ignore", "off", "unmap", "on"])?
+                    .as_deref(),
+                Some("unmap" | "on")
+            ),
+        };
+        // Accepted as QEMU does; stord keeps refcounts exact, so lazy ones change nothing.
+        let _ = kv.take_bool("lazy-refcounts", false)?;
+        let _ = kv.take_bool("pass-discard-request", true)?;
+        let _ = kv.take_u64("cache-clean-interval", false)?;
+        Ok(o)
+    }
+
+    /// Tables in the L2 and refcount caches, for an image of `size` bytes.
+    fn cache_tables(&self, size: u64, cluster_size: u64) -> (usize, usize) {
+        let whole_disk = size.div_ceil(cluster_size * (cluster_size / 8)) * cluster_size;
+        let (l2, rc) = match (self.l2_cache, self.refcount_cache, self.cache) {
+            (Some(l2), Some(rc), _) => (l2, rc),
+            (Some(l2), None, _) => (l2, (l2 / 4).max(4 * cluster_size)),
+            (None, rc, Some(total)) => {
+                let rc = rc.unwrap_or((total / 4).max(4 * cluster_size).min(total / 2));
+                (total - rc, rc)
+            }
+            (None, rc, None) => {
+                let l2 = whole_disk.min(DEFAULT_L2_CACHE_MAX);
+                (l2, rc.unwrap_or((l2 / 4).max(4 * cluster_size)))
+            }
+        };
+        (
+            (l2 / cluster_size).max(2) as usize,
+            (rc / cluster_size).max(2) as usize,
+        )
+    }
+}
+
+/// Why a qcow2 node could not be opened.
+#[derive(Debug, thiserror::Error)]
+pub enum Qcow2Error {
+    /// The header says no.
+    #[error(transparent)]
+    Header(#[from] HeaderError),
+    /// Reading or updating the image failed.
+    #[error("qcow2: {0}")]
+    Io(#[from] io::Error),
+    /// Opening read-write is not possible.
+    #[error("qcow2: {0}")]
+    NotWritable(&'static str),
+}
+
+/// What `open` reads from the image before the driver exists.
+pub struct Image {
+    /// The header.
+    pub header: Header,
+    l1: Vec<u64>,
+    reftable: Vec<u64>,
+    file_end: u64,
+}
+
+impl Image {
+    /// Reads and checks the header and the tables every request needs (on a loop of the
+    /// calling thread's: see [`crate::block::block_on_helper`]). With `writable`, images
+    /// this driver must not write are refused, and autoclear bits are cleared on disk
+    /// (stord does not keep bitmaps up to date).
+    pub async fn load(file: &BlockNode, writable: bool) -> Result<Image, Qcow2Error> {
+        let f = file.driver();
+        let (r, first) = f.read(0, request_buf(4096)).await;
+        r?;
+        if first[..4] != header::MAGIC.to_be_bytes() {
+            return Err(HeaderError::NotQcow2.into());
+        }
+        let need = Header::bytes_needed(&first)?;
+        let (r, buf) = f.read(0, request_buf(need)).await;
+        r?;
+        let header = Header::parse(&buf)?;
+        if header.compression == Compression::Zstd {
+            return Err(HeaderError::Unsupported("zstd compression".into()).into());
+        }
+        let read_table = |off: u64, n: usize| async move {
+            if n == 0 {
+                return Ok(Vec::new());
+            }
+            let (r, b) = f.read(off, request_buf(n * 8)).await;
+            r.map(|_| {
+                b.chunks_exact(8)
+                    .map(|c| u64::from_be_bytes(c.try_into().expect("8")))
+                    .collect::<Vec<u64>>()
+            })
+        };
+        let l1 = read_table(header.l1_table_offset, header.l1_size as usize).await?;
+        let reftable = read_table(
+            header.refcount_table_offset,
+            (header.refcount_table_clusters as u64 * header.cluster_size() / 8) as usize,
+        )
+        .await?;
+        if writable {
+            if header.incompatible & header::incompat::CORRUPT != 0 {
+                return Err(Qcow2Error::NotWritable(
+                    "Image is corrupt; cannot be opened read/write",
+                ));
+            }
+            if header.incompatible & header::incompat::DIRTY != 0 {
+                return Err(Qcow2Error::NotWritable(
+                    "Image is marked dirty (lazy refcounts); repair it with 'qemu-img check -r all' \
+                     or open it read-only",
+                ));
+            }
+            if header.nb_snapshots > 0 {
+                return Err(Qcow2Error::NotWritable(
+                    "Writing to an image with internal snapshots is not supported; open it read-only",
+                ));
+            }
+            if header.version >= 3 && header.autoclear != 0 {
+                let mut b = request_buf(8);
+                b.fill(0);
+                let (r, _) = f.write(header::field::AUTOCLEAR, b, false).await;
+                r?;
+                f.flush().await?;
+            }
+        }
+        let cs = header.cluster_size();
+        Ok(Image {
+            file_end: f.size().div_ceil(cs) * cs,
+            header,
+            l1,
+            reftable,
+        })
+    }
+}
+
+/// See the module docs.
+pub struct Qcow2Driver {
+    file: Arc<BlockNode>,
+    backing: Option<Arc<BlockNode>>,
+    header: Header,
+    version: u32,
+    cluster_bits: u32,
+    cluster_size: u64,
+    /// log2 of the entries per L2 table.
+    l2_bits: u32,
+    refcount_order: u32,
+    l1_offset: u64,
+    reftable_offset: u64,
+    size: u64,
+    discard: bool,
+    meta: AsyncMutex<Meta>,
+    /// Guest clusters being allocated.
+    alloc_locks: RangeLocks,
+    /// Requests doing data I/O at host offsets they looked up (freed clusters are not
+    /// reused under them).
+    io_inflight: AtomicUsize,
+}
+
+/// Counts a request in `io_inflight` until dropped.
+struct Inflight<'a>(&'a AtomicUsize);
+
+impl<'a> Inflight<'a> {
+    fn new(n: &'a AtomicUsize) -> Self {
+        n.fetch_add(1, Ordering::AcqRel);
+        Self(n)
+    }
+}
+
+impl Drop for Inflight<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Where a piece of a read comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Source {
+    Host(u64),
+    Zero,
+    Backing,
+    /// A compressed cluster; the piece starts `within` bytes into it.
+    Compressed {
+        offset: u64,
+        len: u64,
+        within: u64,
+    },
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Piece {
+    guest: u64,
+    len: u64,
+    src: Source,
+}
+
+fn enotsup() -> io::Error {
+    io::Error::from_raw_os_error(libc::ENOTSUP)
+}
+
+impl Qcow2Driver {
+    /// A driver for a loaded image over `file`, reading through to `backing`.
+    pub fn new(
+        file: Arc<BlockNode>,
+        backing: Option<Arc<BlockNode>>,
+        image: Image,
+        opts: &Qcow2Options,
+    ) -> Self {
+        let h = image.header;
+        let cs = h.cluster_size();
+        let (l2_tables, rc_tables) = opts.cache_tables(h.size, cs);
+        let meta = Meta {
+            l1: image.l1,
+            l1_dirty: Default::default(),
+            l2: TableCache::new(l2_tables),
+            reftable: image.reftable.iter().map(|e| e & !511).collect(),
+            reftable_dirty: Default::default(),
+            refblocks: TableCache::new(rc_tables),
+            free_hint: 0,
+            file_end: image.file_end,
+            pending_free: Vec::new(),
+            needs_sync: false,
+        };
+        Self {
+            file,
+            backing,
+            version: h.version,
+            cluster_bits: h.cluster_bits,
+            cluster_size: cs,
+            l2_bits: h.cluster_bits - 3,
+            refcount_order: h.refcount_order,
+            l1_offset: h.l1_table_offset,
+            reftable_offset: h.refcount_table_offset,
+            size: h.size,
+            discard: opts.discard,
+            header: h,
+            meta: AsyncMutex::new(meta),
+            alloc_locks: RangeLocks::default(),
+            io_inflight: AtomicUsize::new(0),
+        }
+    }
+
+    /// The header as opened.
+    pub fn header(&self) -> &Header {
+        &self.header
+    }
+
+    fn cluster_start(&self, off: u64) -> u64 {
+        off & !(self.cluster_size - 1)
+    }
+
+    /// Maps `[offset, offset + len)` to pieces, merging neighbours from one source.
+    async fn map_range(&self, offset: u64, len: u64) -> io::Result<(Vec<Piece>, Inflight<'_>)> {
+        let mut m = self.meta.lock().await;
+        let mut pieces: Vec<Piece> = Vec::with_capacity(1);
+        let end = offset + len;
+        let mut pos = offset;
+        while pos < end {
+            let cstart = self.cluster_start(pos);
+            let n = (cstart + self.cluster_size).min(end) - pos;
+            let within = pos - cstart;
+            let src = match self.lookup(&mut m, pos).await? {
+                Mapping::Data { host, .. } => Source::Host(host + within),
+                Mapping::Zero { .. } => Source::Zero,
+                Mapping::Unallocated if self.backing.is_some() => Source::Backing,
+                Mapping::Unallocated => Source::Zero,
+                Mapping::Compressed { offset, len } => Source::Compressed {
+                    offset,
+                    len,
+                    within,
+                },
+            };
+            match (pieces.last_mut(), src) {
+                (Some(last), Source::Host(h)) if matches!(last.src, Source::Host(lh) if lh + last.len == h) => {
+                    last.len += n
+                }
+                (Some(last), Source::Zero | Source::Backing) if last.src == src => last.len += n,
+                _ => pieces.push(Piece {
+                    guest: pos,
+                    len: n,
+                    src,
+                }),
+            }
+            pos += n;
+        }
+        let inflight = Inflight::new(&self.io_inflight);
+        drop(m);
+        Ok((pieces, inflight))
+    }
+
+    /// Reads `dst.len()` bytes of the backing node at `guest` (zeroes past its end).
+    async fn read_backing(&self, guest: u64, dst: &mut [u8]) -> io::Result<()> {
+        let n = match &self.backing {
+            Some(b) => (dst.len() as u64).min(b.size().saturating_sub(guest)) as usize,
+            None => 0,
+        };
+        if n > 0 {
+            let b = self.backing.as_ref().expect("n > 0");
+            let (r, buf) = b.driver().read(guest, request_buf(n)).await;
+            r?;
+            dst[..n].copy_from_slice(&buf);
+        }
+        dst[n..].fill(0);
+        Ok(())
+    }
+
+    /// A compressed cluster, inflated.
+    async fn decompress(&self, offset: u64, len: u64) -> io::Result<Vec<u8>> {
+        if len > 2 * self.cluster_size {
+            return Err(corrupt(format!(
+                "compressed cluster at {offset:#x} too long"
+            )));
+        }
+        let data = self.file_read(offset, len as usize).await?;
+        let mut out = vec![0u8; self.cluster_size as usize];
+        let mut z = flate2::Decompress::new(false);
+        match z.decompress(&data, &mut out, flate2::FlushDecompress::Finish) {
+            Ok(_) if z.total_out() == self.cluster_size => Ok(out),
+            // QEMU accepts a stream that filled the cluster without its end marker.
+            Ok(_) | Err(_) if z.total_out() == self.cluster_size => Ok(out),
+            _ => Err(corrupt(format!(
+                "compressed cluster at {offset:#x} does not inflate to a cluster"
+            ))),
+        }
+    }
+
+    /// Fills `buf` (the guest range at `offset`) from its pieces.
+    async fn read_pieces(&self, offset: u64, pieces: &[Piece], buf: &mut [u8]) -> io::Result<()> {
+        for p in pieces {
+            let at = (p.guest - offset) as usize;
+            let dst = &mut buf[at..at + p.len as usize];
+            match p.src {
+                Source::Zero => dst.fill(0),
+                Source::Backing => self.read_backing(p.guest, dst).await?,
+                Source::Host(h) => {
+                    let b = self.file_read(h, dst.len()).await?;
+                    dst.copy_from_slice(&b);
+                }
+                Source::Compressed {
+                    offset,
+                    len,
+                    within,
+                } => {
+                    let c = self.decompress(offset, len).await?;
+                    dst.copy_from_slice(&c[within as usize..within as usize + dst.len()]);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn read_impl(&self, offset: u64, mut buf: Buf) -> (io::Result<()>, Buf) {
+        let (pieces, inflight) = match self.map_range(offset, buf.len() as u64).await {
+            Ok(p) => p,
+            Err(e) => return (Err(e), buf),
+        };
+        if let [Piece {
+            src: Source::Host(h),
+            ..
+        }] = pieces[..]
+        {
+            let r = self.file.driver().read(h, buf).await;
+            drop(inflight);
+            return r;
+        }
+        let r = self.read_pieces(offset, &pieces, &mut buf).await;
+        drop(inflight);
+        (r, buf)
+    }
+
+    /// Where a write of `[offset, offset + len)` can go in place: one host range, every
+    /// cluster allocated with refcount one.
+    async fn in_place(&self, offset: u64, len: u64) -> io::Result<Option<(u64, Inflight<'_>)>> {
+        let mut m = self.meta.lock().await;
+        let mut start = None;
+        let mut pos = offset;
+        let end = offset + len;
+        while pos < end {
+            let cstart = self.cluster_start(pos);
+            let Mapping::Data { host, copied: true } = self.lookup(&mut m, pos).await? else {
+                return Ok(None);
+            };
+            let h = host + (pos - cstart);
+            match start {
+                None => start = Some(h),
+                Some(s) if s + (pos - offset) == h => {}
+                Some(_) => return Ok(None),
+            }
+            pos = (cstart + self.cluster_size).min(end);
+        }
+        let inflight = Inflight::new(&self.io_inflight);
+        drop(m);
+        Ok(start.map(|s| (s, inflight)))
+    }
+
+    /// The content of a guest cluster as `old` maps it; None when it reads as zeroes.
+    async fn cluster_content(&self, cstart: u64, old: Mapping) -> io::Result<Option<Vec<u8>>> {
+        let cs = self.cluster_size as usize;
+        match old {
+            Mapping::Zero { .. } => Ok(None),
+            Mapping::Unallocated => match &self.backing {
+                Some(b) if cstart < b.size() => {
+                    let mut v = vec![0u8; cs];
+                    self.read_backing(cstart, &mut v).await?;
+                    Ok(Some(v))
+                }
+                _ => Ok(None),
+            },
+            Mapping::Data { host, .. } => Ok(Some(self.file_read(host, cs).await?.to_vec())),
+            Mapping::Compressed { offset, len } => Ok(Some(self.decompress(offset, len).await?)),
+        }
+    }
+
+    /// Writes `data` at `within` bytes into the guest cluster at `cstart`, mapped by `old`
+    /// (anything but an in-place cluster): onto a new cluster holding the rest of the old
+    /// content, then pointed at by the L2 entry.
+    async fn allocating_write(
+        &self,
+        cstart: u64,
+        within: u64,
+        data: &[u8],
+        old: Mapping,
+    ) -> io::Result<()> {
+        let cs = self.cluster_size;
+        // A preallocated zero cluster of ours is reused; anything else gets a new one.
+        let (host, fresh) = match old {
+            Mapping::Zero {
+                host: Some(h),
+                copied: true,
+            } => (h, false),
+            _ => {
+                let mut m = self.meta.lock().await;
+                self.alloc_cluster(&mut m).await?
+            }
+        };
+        let r = async {
+            if within == 0 && data.len() as u64 == cs {
+                return self.file_write(host, data).await;
+            }
+            match self.cluster_content(cstart, old).await? {
+                // Untouched bytes of a fresh cluster already read as zeroes.
+                None if fresh => self.file_write(host + within, data).await,
+                content => {
+                    let mut c = content.unwrap_or_else(|| vec![0u8; cs as usize]);
+                    c[within as usize..within as usize + data.len()].copy_from_slice(data);
+                    self.file_write(host, &c).await
+                }
+            }
+        }
+        .await;
+        let mut m = self.meta.lock().await;
+        if let Err(e) = r {
+            if host != old_host(old) {
+                // Nothing references the new cluster: give it back now.
+                self.change_refcount(&mut m, host, -1).await?;
+            }
+            return Err(e);
+        }
+        self.set_l2(&mut m, cstart, host | COPIED).await?;
+        if host != old_host(old) {
+            self.release(&mut m, old);
+        }
+        Ok(())
+    }
+
+    async fn write_slow(&self, offset: u64, data: &[u8], fua: bool) -> io::Result<()> {
+        let end = offset + data.len() as u64;
+        let span_end = self.cluster_start(end + self.cluster_size - 1);
+        let _lock = self
+            .alloc_locks
+            .lock(self.cluster_start(offset), span_end)
+            .await;
+        let mut allocated = false;
+        let mut pos = offset;
+        while pos < end {
+            let cstart = self.cluster_start(pos);
+            let chunk_end = (cstart + self.cluster_size).min(end);
+            let chunk = &data[(pos - offset) as usize..(chunk_end - offset) as usize];
+            let old = {
+                let mut m = self.meta.lock().await;
+                self.lookup(&mut m, pos).await?
+            };
+            match old {
+                Mapping::Data { host, copied: true } => {
+                    self.file_write(host + (pos - cstart), chunk).await?;
+                }
+                _ => {
+                    self.allocating_write(cstart, pos - cstart, chunk, old)
+                        .await?;
+                    allocated = true;
+                }
+            }
+            pos = chunk_end;
+        }
+        if fua {
+            if allocated {
+                self.flush_impl().await?;
+            } else {
+                self.file.driver().flush().await?;
+            }
+        }
+        Ok(())
+    }
+
+    async fn write_impl(&self, offset: u64, buf: Buf, fua: bool) -> (io::Result<()>, Buf) {
+        match self.in_place(offset, buf.len() as u64).await {
+            Err(e) => return (Err(e), buf),
+            Ok(Some((host, inflight))) => {
+                let r = self.file.driver().write(host, buf, fua).await;
+                drop(inflight);
+                return r;
+            }
+            Ok(None) => {}
+        }
+        let r = self.write_slow(offset, &buf, fua).await;
+        (r, buf)
+    }
+
+    async fn flush_impl(&self) -> io::Result<()> {
+        let mut m = self.meta.lock().await;
+        self.write_back(&mut m).await?;
+        self.file.driver().flush().await?;
+        m.needs_sync = false;
+        let freed = self.apply_frees(&mut m).await?;
+        drop(m);
+        if self.discard {
+            for host in freed {
+                // The child may drop the data now; it decides whether discards do anything.
+                let _ = self.file.driver().discard(host, self.cluster_size).await;
+            }
+        }
+        Ok(())
+    }
+
+    /// Sets whole clusters of `[start, end)` to read as zeroes (`zero`) or to be
+    /// unallocated, freeing what they held (kept with `keep` where it is ours).
+    async fn unmap_clusters(
+        &self,
+        start: u64,
+        end: u64,
+        entry_for: impl Fn(Mapping) -> Option<u64>,
+    ) -> io::Result<()> {
+        if start >= end {
+            return Ok(());
+        }
+        let _lock = self.alloc_locks.lock(start, end).await;
+        let mut pos = start;
+        while pos < end {
+            let mut m = self.meta.lock().await;
+            let old = self.lookup(&mut m, pos).await?;
+            if let Some(entry) = entry_for(old) {
+                self.set_l2(&mut m, pos, entry).await?;
+                if entry & OFFSET_MASK != old_host(old) || old_host(old) == 0 {
+                    self.release(&mut m, old);
+                }
+            }
+            pos += self.cluster_size;
+        }
+        Ok(())
+    }
+
+    async fn discard_impl(&self, offset: u64, len: u64) -> io::Result<()> {
+        if !self.discard {
+            return Ok(());
+        }
+        // Only whole clusters; the rest of the range keeps its data, as discard allows.
+        let start = self.cluster_start(offset + self.cluster_size - 1);
+        let end = self.cluster_start(offset + len).max(start);
+        let backing = self.backing.is_some();
+        let v3 = self.version >= 3;
+        self.unmap_clusters(start, end, |old| match old {
+            Mapping::Unallocated if !backing => None,
+            Mapping::Zero { host: None, .. } => None,
+            // With a backing file a discarded cluster must not show the backing's data.
+            _ if backing && v3 => Some(ZERO),
+            // Version 2 cannot say "zero" over a backing file: keep the data.
+            _ if backing => None,
+            _ => Some(0),
+        })
+        .await
+    }
+
+    async fn write_zeroes_impl(&self, offset: u64, len: u64, may_unmap: bool) -> io::Result<()> {
+        let end = offset + len;
+        let mut start = self.cluster_start(offset + self.cluster_size - 1);
+        let mut whole_end = self.cluster_start(end);
+        if self.version < 3 || whole_end <= start {
+            start = end;
+            whole_end = end;
+        }
+        // Partial clusters (and everything on version 2) get zeroes written.
+        for (a, b) in [(offset, start.min(end)), (whole_end.max(start), end)] {
+            let mut pos = a;
+            while pos < b {
+                let n = (b - pos).min(1 << 20);
+                let z = vec![0u8; n as usize];
+                self.write_slow(pos, &z, false).await?;
+                pos += n;
+            }
+        }
+        self.unmap_clusters(start, whole_end, |old| match old {
+            Mapping::Zero { .. } if !may_unmap => None,
+            Mapping::Data { host, copied: true } if !may_unmap => Some(host | COPIED | ZERO),
+            _ => Some(ZERO),
+        })
+        .await
+    }
+
+    async fn block_status_impl(&self, offset: u64, len: u64) -> io::Result<BlockStatus> {
+        let (pieces, inflight) = self
+            .map_range(offset, len.min(self.cluster_size << self.l2_bits))
+            .await?;
+        drop(inflight);
+        let first = pieces[0];
+        let class = |s: Source| match s {
+            Source::Host(_) | Source::Compressed { .. } => 0,
+            Source::Zero => 1,
+            Source::Backing => 2,
+        };
+        let run: u64 = pieces
+            .iter()
+            .take_while(|p| class(p.src) == class(first.src))
+            .map(|p| p.len)
+            .sum();
+        match first.src {
+            Source::Host(_) | Source::Compressed { .. } => Ok(BlockStatus {
+                len: run,
+                allocated: true,
+                zero: false,
+            }),
+            Source::Zero => Ok(BlockStatus {
+                len: run,
+                allocated: false,
+                zero: true,
+            }),
+            Source::Backing => {
+                let b = self
+                    .backing
+                    .as_ref()
+                    .expect("a backing piece has a backing node");
+                let bsize = b.size();
+                if offset >= bsize {
+                    return Ok(BlockStatus {
+                        len: run,
+                        allocated: false,
+                        zero: true,
+                    });
+                }
+                let n = run.min(bsize - offset);
+                let mut st = match b.driver().block_status_cached(offset, n) {
+                    Some(st) => st,
+                    None => b.driver().block_status(offset, n).await?,
+                };
+                st.len = st.len.clamp(1, n);
+                Ok(st)
+            }
+        }
+    }
+}
+
+/// The host cluster a mapping holds, 0 for none.
+fn old_host(m: Mapping) -> u64 {
+    match m {
+        Mapping::Data { host, .. }
+        | Mapping::Zero {
+            host: Some(host), ..
+        } => host,
+        _ => 0,
+    }
+}
+
+impl BlockDriver for Qcow2Driver {
+    fn driver_name(&self) -> &'static str {
+        "qcow2"
+    }
+    fn size(&self) -> u64 {
+        self.size
+    }
+    fn read(&self, offset: u64, buf: Buf) -> BoxFut<'_, (io::Result<()>, Buf)> {
+        Box::pin(self.read_impl(offset, buf))
+    }
+    fn write(&self, offset: u64, buf: Buf, fua: bool) -> BoxFut<'_, (io::Result<()>, Buf)> {
+        Box::pin(self.write_impl(offset, buf, fua))
+    }
+    fn readv(&self, offset: u64, iov: IoVec) -> BoxFut<'_, (io::Result<()>, IoVec)> {
+        Box::pin(async move {
+            let (pieces, inflight) = match self.map_range(offset, iov.len() as u64).await {
+                Ok(p) => p,
+                Err(e) => return (Err(e), iov),
+            };
+            if let [Piece {
+                src: Source::Host(h),
+                ..
+            }] = pieces[..]
+            {
+                let r = self.file.driver().readv(h, iov).await;
+                drop(inflight);
+                return r;
+            }
+            crate::block::count_bounce();
+            let mut buf = request_buf(iov.len());
+            let r = self.read_pieces(offset, &pieces, &mut buf).await;
+            drop(inflight);
+            let mut iov = iov;
+            if r.is_ok() {
+                iov.copy_in(0, &buf);
+            }
+            (r, iov)
+        })
+    }
+    fn writev(&self, offset: u64, iov: IoVec, fua: bool) -> BoxFut<'_, (io::Result<()>, IoVec)> {
+        Box::pin(async move {
+            match self.in_place(offset, iov.len() as u64).await {
+                Err(e) => return (Err(e), iov),
+                Ok(Some((host, inflight))) => {
+                    let r = self.file.driver().writev(host, iov, fua).await;
+                    drop(inflight);
+                    return r;
+                }
+                Ok(None) => {}
+            }
+            crate::block::count_bounce();
+            let mut buf = request_buf(iov.len());
+            iov.copy_out(0, &mut buf);
+            let r = self.write_slow(offset, &buf, fua).await;
+            (r, iov)
+        })
+    }
+    fn flush(&self) -> BoxFut<'_, io::Result<()>> {
+        Box::pin(self.flush_impl())
+    }
+    fn discard(&self, offset: u64, len: u64) -> BoxFut<'_, io::Result<()>> {
+        Box::pin(self.discard_impl(offset, len))
+    }
+    fn write_zeroes(&self, offset: u64, len: u64, may_unmap: bool) -> BoxFut<'_, io::Result<()>> {
+        Box::pin(self.write_zeroes_impl(offset, len, may_unmap))
+    }
+    fn block_status(&self, offset: u64, len: u64) -> BoxFut<'_, io::Result<BlockStatus>> {
+        Box::pin(self.block_status_impl(offset, len))
+    }
+    fn resize(&self, _size: u64) -> BoxFut<'_, io::Result<()>> {
+        Box::pin(std::future::ready(Err(enotsup())))
+    }
+    fn filename(&self) -> Option<String> {
+        self.file.filename()
+    }
+    fn allocated_bytes(&self) -> Option<u64> {
+        self.file.allocated_bytes()
+    }
+    fn children(&self) -> Vec<(&'static str, &Arc<BlockNode>)> {
+        let mut v = vec![("file", &self.file)];
+        if let Some(b) = &self.backing {
+            v.push(("backing", b));
+        }
+        v
+    }
+}
