@@ -106,6 +106,23 @@ pub(crate) fn prepare_image(path: &Path) {
     assert!(st.success());
 }
 
+/// The qcow2 image of backend `qcow2-KIND` (see [`crate::report::session::qcow2_image`]),
+/// made with qemu-img: `full` converted from the raw image once, `empty` created afresh.
+fn prepare_qcow2(img: &Path, kind: &str) {
+    let q = crate::report::session::qcow2_image(img, kind);
+    let (q, raw) = (q.display().to_string(), img.display().to_string());
+    let args: Vec<&str> = match kind {
+        "full" if Path::new(&q).exists() => return,
+        "full" => vec!["convert", "-O", "qcow2", &raw, &q],
+        _ => vec!["create", "-q", "-f", "qcow2", &q, "1G"],
+    };
+    let st = Command::new("qemu-img")
+        .args(&args)
+        .status()
+        .expect("qemu-img");
+    assert!(st.success(), "qemu-img {args:?}");
+}
+
 pub(crate) fn which(cmd: &str) -> PathBuf {
     let out = Command::new("sh")
         .args(["-c", &format!("command -v {cmd}")])
@@ -185,8 +202,11 @@ pub fn run(opts: &NbdOptions) -> Vec<Row> {
     let dir = bench_dir();
     let img = dir.join("nbd-bench.img");
     let sock = dir.join("nbd-bench.sock");
-    if opts.backends.iter().any(|b| b == "file") {
+    if opts.backends.iter().any(|b| b != "null") {
         prepare_image(&img);
+    }
+    if opts.backends.iter().any(|b| b == "qcow2-full") {
+        prepare_qcow2(&img, "full");
     }
     for d in &opts.daemons {
         if !d.starts_with("stord") {
@@ -232,6 +252,10 @@ pub fn run(opts: &NbdOptions) -> Vec<Row> {
                         "file" => format!("file-{}", opts.file_aio),
                         other => other.to_string(),
                     };
+                    if backend == "qcow2-empty" {
+                        // Every run allocates from nothing.
+                        prepare_qcow2(&img, "empty");
+                    }
                     let paths = Paths {
                         img: img.clone(),
                         sock: sock.clone(),

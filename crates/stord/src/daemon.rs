@@ -25,6 +25,7 @@ use crate::block::file::FileOptions;
 use crate::block::null::NullDriver;
 use crate::block::qcow2::{Image, Qcow2Driver, Qcow2Options};
 use crate::block::raw::RawDriver;
+use crate::block::throttle::{ThrottleDriver, ThrottleGroup};
 use crate::block::{BlockDriver, BlockNode};
 use crate::cli::keyval::{KeyVal, OptionError};
 use crate::cli::{CommandLine, Item};
@@ -111,6 +112,8 @@ impl From<DaemonError> for String {
 pub struct State {
     /// `--object iothread` by id.
     pub iothreads: BTreeMap<String, IoThread>,
+    /// `--object throttle-group` by id.
+    pub throttle_groups: BTreeMap<String, Arc<ThrottleGroup>>,
     /// Block nodes by node-name.
     pub nodes: BTreeMap<String, Arc<BlockNode>>,
     /// Nodes opened inline as another node's child (removed with their parent).
@@ -194,14 +197,24 @@ impl State {
     /// `--object iothread,id=...` / `object-add`.
     pub fn add_object(&mut self, mut kv: KeyVal) -> Result<(), DaemonError> {
         let kind = kv.take_required("qom-type")?;
-        if kind != "iothread" {
+        if kind != "iothread" && kind != "throttle-group" {
             return Err(kv
-                .bad_value("qom-type", "a supported object type (iothread)", &kind)
+                .bad_value(
+                    "qom-type",
+                    "a supported object type (iothread, throttle-group)",
+                    &kind,
+                )
                 .into());
         }
         let id = kv.take_required("id")?;
-        if self.iothreads.contains_key(&id) {
+        if self.iothreads.contains_key(&id) || self.throttle_groups.contains_key(&id) {
             return Err(DaemonError::DuplicateObject(id));
+        }
+        if kind == "throttle-group" {
+            let group = ThrottleGroup::from_opts(id.clone(), &mut kv)?;
+            kv.finish()?;
+            self.throttle_groups.insert(id, Arc::new(group));
+            return Ok(());
         }
         let (poll, reactor) = iothread_params(&mut kv)?;
         kv.finish()?;
@@ -220,6 +233,14 @@ impl State {
 
     /// `object-del`: fails while an export runs on the iothread.
     pub fn del_object(&mut self, id: &str) -> Result<(), DaemonError> {
+        if let Some(group) = self.throttle_groups.get(id) {
+            // Held by the table and by each throttle node in the group.
+            if Arc::strong_count(group) > 1 {
+                return Err(DaemonError::ObjectInUse(id.into()));
+            }
+            self.throttle_groups.remove(id);
+            return Ok(());
+        }
         let Some(obj) = self.iothreads.get(id) else {
             return Err(DaemonError::ObjectNotFound(id.into()));
         };
@@ -293,6 +314,18 @@ impl State {
                 let ro = read_only || child.read_only;
                 (Box::new(raw), ro, child.direct)
             }
+            "throttle" => {
+                let group = kv.take_required("throttle-group")?;
+                let Some(group) = self.throttle_groups.get(&group).cloned() else {
+                    return Err(DaemonError::Invalid(format!(
+                        "{}: throttle group '{group}' does not exist",
+                        kv.what
+                    )));
+                };
+                let child = self.child_node(&mut kv, "file", &mut opened_children)?;
+                let (ro, direct) = (read_only || child.read_only, child.direct);
+                (Box::new(ThrottleDriver::new(child, group)), ro, direct)
+            }
             "qcow2" => {
                 let child = self.child_node(&mut kv, "file", &mut opened_children)?;
                 match self.open_qcow2(&mut kv, child, read_only, &mut opened_children) {
@@ -305,7 +338,11 @@ impl State {
             }
             other => {
                 return Err(kv
-                    .bad_value("driver", "null-co, null, file, raw or qcow2", other)
+                    .bad_value(
+                        "driver",
+                        "null-co, null, file, raw, qcow2 or throttle",
+                        other,
+                    )
                     .into())
             }
         };
@@ -526,6 +563,15 @@ impl State {
             return Err(DaemonError::NodeInUse(name.into()));
         }
         let node = self.nodes.remove(name).expect("present");
+        // What a format node still caches (qcow2's tables) goes to disk before it closes,
+        // as QEMU's bdrv_close flushes.
+        if !node.read_only {
+            let n = node.clone();
+            match crate::block::block_on_helper(move || async move { n.flush().await }) {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) | Err(e) => tracing::warn!("blockdev-del {name}: flush failed: {e}"),
+            }
+        }
         let children: Vec<String> = node
             .children()
             .iter()

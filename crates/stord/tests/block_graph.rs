@@ -4,13 +4,11 @@
 
 mod common;
 
-use std::mem::MaybeUninit;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
-use blkio::{Blkio, Completion, ReqFlags};
 use common::rawqmp::RawQmp;
-use common::{run, run_ok, sparse_image, tmpdir, Stord};
+use common::{blkio_read, run, run_ok, sparse_image, tmpdir, Stord};
 
 const MIB: u64 = 1 << 20;
 
@@ -39,33 +37,6 @@ fn nbd_size(uri: &str) -> u64 {
     let out = run_ok("qemu-img", &["info", "--output=json", uri]);
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     v["virtual-size"].as_u64().unwrap()
-}
-
-/// Reads `len` bytes at `offset` through libblkio from a read-only vhost-user-blk socket, and the
-/// device's capacity.
-fn blkio_read(sock: &Path, offset: u64, len: usize) -> (u64, Vec<u8>) {
-    let mut b = Blkio::new("virtio-blk-vhost-user").unwrap();
-    b.set_str("path", &sock.display().to_string()).unwrap();
-    b.set_bool("read-only", true).unwrap();
-    b.connect()
-        .unwrap_or_else(|e| panic!("connect: {}", e.message()));
-    b.set_i32("num-queues", 1).unwrap();
-    let mut started = b
-        .start()
-        .unwrap_or_else(|e| panic!("start: {}", e.message()));
-    let capacity = b.get_u64("capacity").unwrap();
-    let region = b.alloc_mem_region(len).unwrap();
-    b.map_mem_region(&region).unwrap();
-    let q = &mut started.queues[0];
-    q.read(offset, region.addr as *mut u8, len, 1, ReqFlags::empty());
-    let mut c: [MaybeUninit<Completion>; 1] = [MaybeUninit::uninit()];
-    assert_eq!(q.do_io(&mut c, 1, None, None).unwrap(), 1);
-    // SAFETY: do_io initialised the first completion.
-    let c = unsafe { c[0].assume_init_read() };
-    assert_eq!(c.ret, 0, "libblkio read failed");
-    // SAFETY: the region is mapped for `len` bytes and no request uses it any more.
-    let data = unsafe { std::slice::from_raw_parts(region.addr as *const u8, len) }.to_vec();
-    (capacity, data)
 }
 
 #[test]

@@ -388,3 +388,45 @@ fn unsupported_images_are_refused_and_named() {
     );
     drop(s);
 }
+
+#[test]
+fn qsd_manual_examples_run_unchanged() {
+    let dir = tmpdir("qcow2-manual");
+    let (_, top) = chain(&dir);
+    let nbd = dir.join("nbd.sock").display().to_string();
+    let vhost = dir.join("vhost-user-blk.sock").display().to_string();
+    // qemu-storage-daemon(1): "Export a qcow2 image file disk.qcow2 as a vhost-user-blk
+    // device over UNIX domain socket", and as an NBD export with an IoThread, together.
+    let args: Vec<String> = [
+        "--object",
+        "iothread,id=iothread0",
+        "--blockdev",
+        &format!("driver=file,node-name=file,filename={top}"),
+        "--blockdev",
+        "driver=qcow2,node-name=qcow2,file=file",
+        "--export",
+        &format!("type=vhost-user-blk,id=export,addr.type=unix,addr.path={vhost},node-name=qcow2,writable=on"),
+        "--nbd-server",
+        &format!("addr.type=unix,addr.path={nbd}"),
+        "--export",
+        "type=nbd,id=export2,node-name=qcow2,writable=on,iothread=iothread0",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let s = Stord::start(&dir, &args);
+    let uri = format!("nbd+unix:///qcow2?socket={nbd}");
+    qemu_io(
+        "raw",
+        &uri,
+        &["write -P 0x42 5M 64k", "read -P 0x11 512k 4k"],
+    );
+    let (capacity, data) = common::blkio_read(Path::new(&vhost), 5 * MIB, 65536);
+    assert_eq!(capacity, 64 * MIB);
+    assert!(data.iter().all(|&b| b == 0x42));
+    let (_, data) = common::blkio_read(Path::new(&vhost), 20 * MIB, 4096);
+    assert!(data.iter().all(|&b| b == 0xcc));
+    drop(s);
+    check_clean(&top);
+    qemu_io("qcow2", &top, &["read -P 0x42 5M 64k"]);
+}

@@ -74,6 +74,13 @@ pub struct Paths {
 
 /// `--blockdev` for `backend`: null, or file-<aio mode> with O_DIRECT.
 pub fn blockdev(backend: &str, img: &Path) -> String {
+    if let Some(kind) = backend.strip_prefix("qcow2-") {
+        return format!(
+            "driver=qcow2,node-name=disk,file.driver=file,file.filename={},file.aio=io_uring,\
+             file.cache.direct=on",
+            qcow2_image(img, kind).display()
+        );
+    }
     match backend.strip_prefix("file-") {
         None => format!("driver=null-co,node-name=disk,size={IMAGE_SIZE},read-zeroes=on"),
         Some(aio) => format!(
@@ -81,6 +88,12 @@ pub fn blockdev(backend: &str, img: &Path) -> String {
             img.display()
         ),
     }
+}
+
+/// The qcow2 image of a `qcow2-KIND` backend, beside the raw one (`full`: every cluster
+/// allocated with the raw image's data; `empty`: nothing allocated).
+pub fn qcow2_image(img: &Path, kind: &str) -> PathBuf {
+    img.with_file_name(format!("nbd-bench-{kind}.qcow2"))
 }
 
 /// The binary and the `--object iothread` of a stord-POLICY, base-POLICY, qsd or qsd-poll0

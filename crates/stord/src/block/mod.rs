@@ -11,6 +11,7 @@ pub mod null;
 pub mod qcow2;
 pub mod range_lock;
 pub mod raw;
+pub mod throttle;
 
 pub use iov::IoVec;
 

@@ -247,3 +247,36 @@ pub fn fio_write_and_verify(target: &[&str], size: &str) {
         "verify read nothing: {job}"
     );
 }
+
+/// Reads `len` bytes at `offset` through libblkio from a read-only vhost-user-blk socket, and the
+/// device's capacity.
+pub fn blkio_read(sock: &Path, offset: u64, len: usize) -> (u64, Vec<u8>) {
+    let mut b = blkio::Blkio::new("virtio-blk-vhost-user").unwrap();
+    b.set_str("path", &sock.display().to_string()).unwrap();
+    b.set_bool("read-only", true).unwrap();
+    b.connect()
+        .unwrap_or_else(|e| panic!("connect: {}", e.message()));
+    b.set_i32("num-queues", 1).unwrap();
+    let mut started = b
+        .start()
+        .unwrap_or_else(|e| panic!("start: {}", e.message()));
+    let capacity = b.get_u64("capacity").unwrap();
+    let region = b.alloc_mem_region(len).unwrap();
+    b.map_mem_region(&region).unwrap();
+    let q = &mut started.queues[0];
+    q.read(
+        offset,
+        region.addr as *mut u8,
+        len,
+        1,
+        blkio::ReqFlags::empty(),
+    );
+    let mut c: [std::mem::MaybeUninit<blkio::Completion>; 1] = [std::mem::MaybeUninit::uninit()];
+    assert_eq!(q.do_io(&mut c, 1, None, None).unwrap(), 1);
+    // SAFETY: do_io initialised the first completion.
+    let c = unsafe { c[0].assume_init_read() };
+    assert_eq!(c.ret, 0, "libblkio read failed");
+    // SAFETY: the region is mapped for `len` bytes and no request uses it any more.
+    let data = unsafe { std::slice::from_raw_parts(region.addr as *const u8, len) }.to_vec();
+    (capacity, data)
+}
