@@ -66,8 +66,17 @@ With no options, serves data/default.img (created sparse, 1 GiB) over NBD on a u
              [,cache.direct=on|off][,aio-max-batch=<n>][,x-reap-after-submit=on|off][,discard=unmap|ignore][,read-only=on|off]
   --blockdev driver=raw,node-name=<name>,file=<node> | ,file.driver=<driver>,file.<option>=...
              [,offset=<bytes>][,size=<bytes>]
-                            a block node (also as a JSON object); raw is a format node
-                            over its child `file`, named or inline
+  --blockdev driver=qcow2,node-name=<name>,file=<node> | ,file.driver=...
+             [,backing=<node>|null | ,backing.driver=...][,l2-cache-size=<size>]
+             [,refcount-cache-size=<size>][,cache-size=<size>][,discard=unmap|ignore]
+  --blockdev driver=throttle,node-name=<name>,throttle-group=<id>,file=<node>
+                            a block node (also as a JSON object); raw and qcow2 are format
+                            nodes over their child `file`, named or inline; a qcow2 image's
+                            backing file opens by itself unless `backing` says otherwise
+  --object throttle-group,id=<id>[,x-iops-total=<n>][,x-iops-read=<n>][,x-iops-write=<n>]
+           [,x-bps-total=<n>][,x-bps-read=<n>][,x-bps-write=<n>][,x-<limit>-max=<n>]
+           [,x-<limit>-max-length=<s>][,x-iops-size=<bytes>] (also limits.<limit>=...)
+                            limits shared by the throttle nodes of the group
   --nbd-server addr.type=unix,addr.path=<path> | addr.type=inet,addr.host=<host>,addr.port=<port>
                [,max-connections=<n>][,handshake-max-seconds=<s>]
                             the NBD server
