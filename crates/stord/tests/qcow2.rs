@@ -430,3 +430,57 @@ fn qsd_manual_examples_run_unchanged() {
     check_clean(&top);
     qemu_io("qcow2", &top, &["read -P 0x42 5M 64k"]);
 }
+
+#[test]
+fn allocation_depth_matches_qsd_over_a_backing_chain() {
+    let dir = tmpdir("qcow2-depth");
+    let (_, top) = chain(&dir);
+    qemu_io("qcow2", &top, &["write -z 2M 64k"]);
+    let map = |program: &str, sock: &Path, depth: bool| {
+        let mut child = std::process::Command::new(program)
+            .args([
+                "--blockdev",
+                &format!("driver=file,node-name=f,filename={top},read-only=on"),
+                "--blockdev",
+                "driver=qcow2,node-name=q,file=f,read-only=on",
+                "--nbd-server",
+                &format!("addr.type=unix,addr.path={}", sock.display()),
+                "--export",
+                &format!(
+                    "type=nbd,id=e,node-name=q,name=q,allocation-depth={}",
+                    if depth { "on" } else { "off" }
+                ),
+            ])
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let start = std::time::Instant::now();
+        while !sock.exists() {
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "{program} did not start"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let uri = format!("nbd+unix:///q?socket={}", sock.display());
+        let out = if depth {
+            run_ok("nbdinfo", &["--map=qemu:allocation-depth", &uri])
+        } else {
+            run_ok("nbdinfo", &["--list", "--content", &uri])
+        };
+        child.kill().unwrap();
+        child.wait().unwrap();
+        let _ = std::fs::remove_file(sock);
+        out
+    };
+    let ours = map(env!("CARGO_BIN_EXE_stord"), &dir.join("s.sock"), true);
+    let qsd = map("qemu-storage-daemon", &dir.join("q.sock"), true);
+    assert_eq!(ours, qsd);
+    // Local data, a local zero cluster, the backing file's data two deep, and nothing.
+    for want in ["local", "backing depth 2", "absent"] {
+        assert!(ours.contains(want), "{ours}");
+    }
+    // Offered only when asked for, as qsd.
+    let listed = map(env!("CARGO_BIN_EXE_stord"), &dir.join("s.sock"), false);
+    assert!(listed.contains("base:allocation") && !listed.contains("qemu:allocation-depth"));
+}

@@ -129,6 +129,13 @@ pub trait BlockDriver: Send + Sync {
     fn block_status_cached(&self, _offset: u64, _len: u64) -> Option<BlockStatus> {
         None
     }
+    /// How deep in the backing chain the first extent of `[offset, offset+len)` is
+    /// allocated: its length, and 1 for this node, 2 for its backing node, ..., 0 for
+    /// nowhere (NBD's `qemu:allocation-depth`). Nodes without a backing chain are allocated
+    /// here everywhere, as QEMU counts protocol nodes.
+    fn allocation_depth(&self, _offset: u64, len: u64) -> BoxFut<'_, io::Result<(u64, u32)>> {
+        Box::pin(std::future::ready(Ok((len, 1))))
+    }
     /// Changes the size.
     fn resize(&self, size: u64) -> BoxFut<'_, io::Result<()>>;
     /// Extra description for query commands (e.g. the file name).
@@ -371,6 +378,17 @@ impl BlockNode {
         };
         st.len = st.len.clamp(1, len);
         Ok(st)
+    }
+
+    /// The allocation depth of the first extent of a range (see
+    /// [`BlockDriver::allocation_depth`]).
+    pub async fn allocation_depth(&self, offset: u64, len: u64) -> io::Result<(u64, u32)> {
+        self.check_range(offset, len)?;
+        if len == 0 {
+            return Err(einval("empty block-status request"));
+        }
+        let (n, depth) = self.driver.allocation_depth(offset, len).await?;
+        Ok((n.clamp(1, len), depth))
     }
 
     /// Resizes.

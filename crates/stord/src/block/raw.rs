@@ -104,6 +104,10 @@ impl BlockDriver for RawDriver {
         self.child_driver()
             .block_status_cached(self.offset + offset, len)
     }
+    fn allocation_depth(&self, offset: u64, len: u64) -> BoxFut<'_, io::Result<(u64, u32)>> {
+        self.child_driver()
+            .allocation_depth(self.offset + offset, len)
+    }
     fn resize(&self, size: u64) -> BoxFut<'_, io::Result<()>> {
         if self.size.is_some() {
             // A window keeps its size, as in QEMU.

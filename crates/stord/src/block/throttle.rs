@@ -210,6 +210,9 @@ impl BlockDriver for ThrottleDriver {
     fn block_status_cached(&self, offset: u64, len: u64) -> Option<BlockStatus> {
         self.child.driver().block_status_cached(offset, len)
     }
+    fn allocation_depth(&self, offset: u64, len: u64) -> BoxFut<'_, io::Result<(u64, u32)>> {
+        self.child.driver().allocation_depth(offset, len)
+    }
     fn resize(&self, size: u64) -> BoxFut<'_, io::Result<()>> {
         self.child.driver().resize(size)
     }

@@ -230,7 +230,10 @@ impl Drop for Inflight<'_> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Source {
     Host(u64),
+    /// A zero cluster.
     Zero,
+    /// Unallocated, no backing file: zeroes too, but not this image's.
+    Unmapped,
     Backing,
     /// A compressed cluster; the piece starts `within` bytes into it.
     Compressed {
@@ -316,7 +319,7 @@ impl Qcow2Driver {
                 Mapping::Data { host, .. } => Source::Host(host + within),
                 Mapping::Zero { .. } => Source::Zero,
                 Mapping::Unallocated if self.backing.is_some() => Source::Backing,
-                Mapping::Unallocated => Source::Zero,
+                Mapping::Unallocated => Source::Unmapped,
                 Mapping::Compressed { offset, len } => Source::Compressed {
                     offset,
                     len,
@@ -327,7 +330,11 @@ impl Qcow2Driver {
                 (Some(last), Source::Host(h)) if matches!(last.src, Source::Host(lh) if lh + last.len == h) => {
                     last.len += n
                 }
-                (Some(last), Source::Zero | Source::Backing) if last.src == src => last.len += n,
+                (Some(last), Source::Zero | Source::Unmapped | Source::Backing)
+                    if last.src == src =>
+                {
+                    last.len += n
+                }
                 _ => pieces.push(Piece {
                     guest: pos,
                     len: n,
@@ -383,7 +390,7 @@ impl Qcow2Driver {
             let at = (p.guest - offset) as usize;
             let dst = &mut buf[at..at + p.len as usize];
             match p.src {
-                Source::Zero => dst.fill(0),
+                Source::Zero | Source::Unmapped => dst.fill(0),
                 Source::Backing => self.read_backing(p.guest, dst).await?,
                 Source::Host(h) => {
                     let b = self.file_read(h, dst.len()).await?;
@@ -659,6 +666,32 @@ impl Qcow2Driver {
         .await
     }
 
+    async fn allocation_depth_impl(&self, offset: u64, len: u64) -> io::Result<(u64, u32)> {
+        let (pieces, inflight) = self
+            .map_range(offset, len.min(self.cluster_size << self.l2_bits))
+            .await?;
+        drop(inflight);
+        // Everything but an unallocated cluster is this image's (zero clusters too).
+        let here = |p: &Piece| !matches!(p.src, Source::Backing | Source::Unmapped);
+        let first_here = here(&pieces[0]);
+        let run: u64 = pieces
+            .iter()
+            .take_while(|p| here(p) == first_here)
+            .map(|p| p.len)
+            .sum();
+        if first_here {
+            return Ok((run, 1));
+        }
+        match &self.backing {
+            Some(b) if offset < b.size() => {
+                let n = run.min(b.size() - offset);
+                let (n, d) = b.driver().allocation_depth(offset, n).await?;
+                Ok((n.clamp(1, run), if d == 0 { 0 } else { d + 1 }))
+            }
+            _ => Ok((run, 0)),
+        }
+    }
+
     async fn block_status_impl(&self, offset: u64, len: u64) -> io::Result<BlockStatus> {
         let (pieces, inflight) = self
             .map_range(offset, len.min(self.cluster_size << self.l2_bits))
@@ -667,7 +700,7 @@ impl Qcow2Driver {
         let first = pieces[0];
         let class = |s: Source| match s {
             Source::Host(_) | Source::Compressed { .. } => 0,
-            Source::Zero => 1,
+            Source::Zero | Source::Unmapped => 1,
             Source::Backing => 2,
         };
         let run: u64 = pieces
@@ -681,7 +714,7 @@ impl Qcow2Driver {
                 allocated: true,
                 zero: false,
             }),
-            Source::Zero => Ok(BlockStatus {
+            Source::Zero | Source::Unmapped => Ok(BlockStatus {
                 len: run,
                 allocated: false,
                 zero: true,
@@ -790,6 +823,9 @@ impl BlockDriver for Qcow2Driver {
     }
     fn block_status(&self, offset: u64, len: u64) -> BoxFut<'_, io::Result<BlockStatus>> {
         Box::pin(self.block_status_impl(offset, len))
+    }
+    fn allocation_depth(&self, offset: u64, len: u64) -> BoxFut<'_, io::Result<(u64, u32)>> {
+        Box::pin(self.allocation_depth_impl(offset, len))
     }
     fn resize(&self, _size: u64) -> BoxFut<'_, io::Result<()>> {
         Box::pin(std::future::ready(Err(enotsup())))

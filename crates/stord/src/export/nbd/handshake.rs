@@ -26,10 +26,39 @@ pub struct Negotiated {
     pub export: Arc<NbdExport>,
     /// Structured replies are on.
     pub structured: bool,
-    /// base:allocation was selected for this export.
-    pub base_allocation: bool,
+    /// The metadata contexts selected for this export.
+    pub meta: MetaContexts,
     /// Bytes the client already sent past the negotiation.
     pub pending: Vec<u8>,
+}
+
+/// Metadata contexts a connection selected (NBD_OPT_SET_META_CONTEXT).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MetaContexts {
+    /// base:allocation.
+    pub base_allocation: bool,
+    /// qemu:allocation-depth (offered when the export has `allocation-depth=on`).
+    pub allocation_depth: bool,
+}
+
+impl MetaContexts {
+    /// Whether BLOCK_STATUS has anything to report.
+    pub fn any(&self) -> bool {
+        self.base_allocation || self.allocation_depth
+    }
+}
+
+/// The contexts of `export` a query matches: an exact name, or for LIST a namespace
+/// (`base:`, `qemu:`) or nothing at all (every context).
+fn matching_contexts(export: &NbdExport, queries: &[String], list: bool) -> MetaContexts {
+    let matches = |name: &str| {
+        let ns = &name[..name.find(':').map_or(0, |i| i + 1)];
+        (list && queries.is_empty()) || queries.iter().any(|q| q == name || (list && q == ns))
+    };
+    MetaContexts {
+        base_allocation: matches(META_BASE_ALLOCATION),
+        allocation_depth: export.allocation_depth && matches(META_ALLOCATION_DEPTH),
+    }
 }
 
 fn invalid(msg: &str) -> io::Error {
@@ -120,18 +149,19 @@ fn export_info(e: &NbdExport, structured: bool) -> Vec<u8> {
 fn settle(
     export: Arc<NbdExport>,
     structured: bool,
-    meta: &Option<(String, bool)>,
+    meta: &Option<(String, MetaContexts)>,
     exports: &ExportTable,
     name: &str,
     rd: SockReader,
 ) -> Negotiated {
-    let base_allocation = meta
-        .as_ref()
-        .is_some_and(|(n, sel)| *sel && exports.same(n, name));
+    let meta = match meta {
+        Some((n, sel)) if exports.same(n, name) => *sel,
+        _ => MetaContexts::default(),
+    };
     Negotiated {
         export,
         structured,
-        base_allocation,
+        meta,
         pending: rd.into_pending(),
     }
 }
@@ -156,7 +186,7 @@ pub async fn negotiate(fd: RawFd, exports: &ExportTable) -> io::Result<Option<Ne
     let fixed = cflags & FLAG_C_FIXED_NEWSTYLE != 0;
     let mut structured = false;
     // (export name, selected) of the last SET_META_CONTEXT.
-    let mut meta: Option<(String, bool)> = None;
+    let mut meta: Option<(String, MetaContexts)> = None;
 
     loop {
         rd.ensure(16).await?;
@@ -328,32 +358,42 @@ pub async fn negotiate(fd: RawFd, exports: &ExportTable) -> io::Result<Option<Ne
                             replies =
                                 opt_error(opt, REP_ERR_INVALID, "malformed meta context request")
                         }
-                        Some((name, qs)) if exports.find(&name).is_none() => {
-                            replies = opt_error(
-                                opt,
-                                REP_ERR_UNKNOWN,
-                                &format!("export '{}' not found", sanitize(&name)),
-                            );
-                            let _ = qs;
-                        }
-                        Some((name, qs)) => {
-                            let matches = if qs.is_empty() {
-                                !set
-                            } else {
-                                qs.iter()
-                                    .any(|q| q == META_BASE_ALLOCATION || (!set && q == "base:"))
-                            };
-                            if matches {
-                                let id = if set { META_BASE_ALLOCATION_ID } else { 0 };
-                                let mut d = id.to_be_bytes().to_vec();
-                                d.extend_from_slice(META_BASE_ALLOCATION.as_bytes());
-                                replies.extend(opt_reply(opt, REP_META_CONTEXT, &d));
+                        Some((name, qs)) => match exports.find(&name) {
+                            None => {
+                                replies = opt_error(
+                                    opt,
+                                    REP_ERR_UNKNOWN,
+                                    &format!("export '{}' not found", sanitize(&name)),
+                                );
+                                let _ = qs;
                             }
-                            replies.extend(opt_reply(opt, REP_ACK, &[]));
-                            if set {
-                                meta = Some((name, matches));
+                            Some(export) => {
+                                let sel = matching_contexts(&export, &qs, !set);
+                                for (on, id, ctx) in [
+                                    (
+                                        sel.base_allocation,
+                                        META_BASE_ALLOCATION_ID,
+                                        META_BASE_ALLOCATION,
+                                    ),
+                                    (
+                                        sel.allocation_depth,
+                                        META_ALLOCATION_DEPTH_ID,
+                                        META_ALLOCATION_DEPTH,
+                                    ),
+                                ] {
+                                    if on {
+                                        let id = if set { id } else { 0 };
+                                        let mut d = id.to_be_bytes().to_vec();
+                                        d.extend_from_slice(ctx.as_bytes());
+                                        replies.extend(opt_reply(opt, REP_META_CONTEXT, &d));
+                                    }
+                                }
+                                replies.extend(opt_reply(opt, REP_ACK, &[]));
+                                if set {
+                                    meta = Some((name, sel));
+                                }
                             }
-                        }
+                        },
                     }
                 }
             }

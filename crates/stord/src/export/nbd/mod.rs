@@ -52,6 +52,8 @@ pub struct NbdExport {
     load: Vec<AtomicUsize>,
     /// Advertise NBD_FLAG_CAN_MULTI_CONN.
     pub multi_conn: bool,
+    /// Offer the qemu:allocation-depth metadata context (`allocation-depth=on`).
+    pub allocation_depth: bool,
     /// Sockets of the connections in transmission phase now.
     pub clients: Mutex<Vec<RawFd>>,
     /// Deleted: new connections are refused, existing ones are being closed.
@@ -81,6 +83,7 @@ impl NbdExport {
             iothreads,
             load,
             multi_conn,
+            allocation_depth: false,
             clients: Mutex::default(),
             shutting_down: AtomicBool::new(false),
             drain: DrainSignal::default(),
@@ -231,7 +234,7 @@ pub fn create(env: &ExportEnv<'_>, mut kv: KeyVal) -> Result<Box<dyn Export>, St
     let writable = kv.take_bool("writable", false)?;
     let _ = kv.take_bool("writethrough", false)?;
     let _ = kv.take_bool("fixed-iothread", false)?;
-    let _ = kv.take_bool("allocation-depth", false)?;
+    let allocation_depth = kv.take_bool("allocation-depth", false)?;
     let names = kv.take_list("iothread");
     // multi-conn is safe whenever it is asked for or left to us: every connection reaches
     // the same node, and a flush (fdatasync of the one file) covers every write completed
@@ -252,15 +255,9 @@ pub fn create(env: &ExportEnv<'_>, mut kv: KeyVal) -> Result<Box<dyn Export>, St
     let Some(table) = env.nbd else {
         return Err("NBD server not running".into());
     };
-    let export = Arc::new(NbdExport::new(
-        id,
-        name,
-        description,
-        node,
-        writable,
-        iothreads,
-        multi_conn,
-    ));
+    let mut export = NbdExport::new(id, name, description, node, writable, iothreads, multi_conn);
+    export.allocation_depth = allocation_depth;
+    let export = Arc::new(export);
     table
         .add(export.clone())
         .map_err(|e| format!("{what}: {e}"))?;
@@ -448,14 +445,13 @@ async fn handle_connection(conn: OwnedFd, exports: ExportTable, handshake_ns: u6
         Some((remote, placement)) if !remote.is_current() => {
             remote.call(move || {
                 stord_aio::spawn(async move {
-                    transmission::serve(conn, n.export, n.structured, n.base_allocation, n.pending)
-                        .await;
+                    transmission::serve(conn, n.export, n.structured, n.meta, n.pending).await;
                     drop(placement);
                 });
             });
         }
         placed => {
-            transmission::serve(conn, n.export, n.structured, n.base_allocation, n.pending).await;
+            transmission::serve(conn, n.export, n.structured, n.meta, n.pending).await;
             drop(placed);
         }
     }

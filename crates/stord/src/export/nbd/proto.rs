@@ -79,6 +79,10 @@ pub const STATE_ZERO: u32 = 1 << 1;
 /// The one metadata context we offer, and its id.
 pub const META_BASE_ALLOCATION: &str = "base:allocation";
 pub const META_BASE_ALLOCATION_ID: u32 = 1;
+/// qemu:allocation-depth: for each extent, how deep in the backing chain it is allocated.
+pub const META_ALLOCATION_DEPTH: &str = "qemu:allocation-depth";
+/// The context id stord gives qemu:allocation-depth.
+pub const META_ALLOCATION_DEPTH_ID: u32 = 2;
 
 // Errors on the wire.
 pub const EPERM: u32 = 1;

@@ -27,6 +27,7 @@ use std::rc::Rc;
 use std::sync::Arc;
 use std::task::{Poll, Waker};
 
+use super::handshake::MetaContexts;
 use super::io::{send_all, OutChunk, SockReader};
 use super::proto::*;
 use super::NbdExport;
@@ -91,7 +92,7 @@ struct Conn {
     fd: OwnedFd,
     export: Arc<NbdExport>,
     structured: bool,
-    base_allocation: bool,
+    meta: MetaContexts,
     out: RefCell<Vec<OutChunk>>,
     /// Requests and bytes whose replies are in `out`.
     out_held: Cell<(usize, usize)>,
@@ -247,14 +248,14 @@ pub async fn serve(
     fd: OwnedFd,
     export: Arc<NbdExport>,
     structured: bool,
-    base_allocation: bool,
+    meta: MetaContexts,
     pending: Vec<u8>,
 ) {
     let conn = Rc::new(Conn {
         fd,
         export,
         structured,
-        base_allocation,
+        meta,
         out: RefCell::default(),
         out_held: Cell::new((0, 0)),
         writer_waker: RefCell::default(),
@@ -410,7 +411,7 @@ fn check(conn: &Conn, req: &Request) -> Result<(), u32> {
     if req.kind == CMD_READ && req.len > MAX_PAYLOAD {
         return Err(EOVERFLOW);
     }
-    if req.kind == CMD_BLOCK_STATUS && !conn.base_allocation {
+    if req.kind == CMD_BLOCK_STATUS && !conn.meta.any() {
         return Err(EINVAL);
     }
     if req.kind != CMD_FLUSH {
@@ -508,22 +509,71 @@ async fn read_hole(conn: &Conn, req: &Request) -> bool {
 
 async fn block_status(conn: &Conn, req: &Request) {
     let node = &conn.export.node;
-    let end = req.offset + req.len as u64;
     let one = req.flags & CMD_FLAG_REQ_ONE != 0;
+    let mut chunks: Vec<Vec<u8>> = Vec::new();
+    for (on, id) in [
+        (conn.meta.base_allocation, META_BASE_ALLOCATION_ID),
+        (conn.meta.allocation_depth, META_ALLOCATION_DEPTH_ID),
+    ] {
+        if !on {
+            continue;
+        }
+        let extents = extents(req, one, |off, len| async move {
+            if id == META_BASE_ALLOCATION_ID {
+                let st = node.block_status(off, len).await?;
+                let flags = (if st.allocated { 0 } else { STATE_HOLE })
+                    | (if st.zero { STATE_ZERO } else { 0 });
+                Ok((st.len, flags))
+            } else {
+                node.allocation_depth(off, len).await
+            }
+        })
+        .await;
+        let extents = match extents {
+            Ok(e) => e,
+            Err(e) => return conn.error_reply(req, wire_errno(&e)),
+        };
+        let mut payload = id.to_be_bytes().to_vec();
+        for (len, flags) in &extents {
+            payload.extend_from_slice(&len.to_be_bytes());
+            payload.extend_from_slice(&flags.to_be_bytes());
+        }
+        chunks.push(payload);
+    }
+    let last = chunks.len() - 1;
+    for (i, payload) in chunks.iter().enumerate() {
+        let flags = if i == last { REPLY_FLAG_DONE } else { 0 };
+        let h = Conn::chunk_header(
+            req.handle,
+            flags,
+            REPLY_TYPE_BLOCK_STATUS,
+            payload.len() as u32,
+        );
+        conn.queue(req, &[&h, payload], None);
+    }
+}
+
+/// The extents of one metadata context over a request's range: `status(offset, len)` gives
+/// the first extent's length and flags; neighbours with equal flags merge. An error before
+/// the first extent fails the request; a later one ends the list.
+async fn extents<F, Fut>(req: &Request, one: bool, status: F) -> io::Result<Vec<(u32, u32)>>
+where
+    F: Fn(u64, u64) -> Fut,
+    Fut: std::future::Future<Output = io::Result<(u64, u32)>>,
+{
+    let end = req.offset + req.len as u64;
     let mut extents: Vec<(u32, u32)> = Vec::new();
     let mut off = req.offset;
     while off < end && extents.len() < MAX_EXTENTS {
-        match node.block_status(off, end - off).await {
-            Ok(st) => {
-                let flags = (if st.allocated { 0 } else { STATE_HOLE })
-                    | (if st.zero { STATE_ZERO } else { 0 });
+        match status(off, end - off).await {
+            Ok((len, flags)) => {
                 match extents.last_mut() {
-                    Some((len, f)) if *f == flags => *len += st.len as u32,
-                    _ => extents.push((st.len as u32, flags)),
+                    Some((l, f)) if *f == flags => *l += len as u32,
+                    _ => extents.push((len as u32, flags)),
                 }
-                off += st.len;
+                off += len;
             }
-            Err(e) if extents.is_empty() => return conn.error_reply(req, wire_errno(&e)),
+            Err(e) if extents.is_empty() => return Err(e),
             Err(_) => break,
         }
         if one {
@@ -533,16 +583,5 @@ async fn block_status(conn: &Conn, req: &Request) {
     if one {
         extents.truncate(1);
     }
-    let mut payload = META_BASE_ALLOCATION_ID.to_be_bytes().to_vec();
-    for (len, flags) in &extents {
-        payload.extend_from_slice(&len.to_be_bytes());
-        payload.extend_from_slice(&flags.to_be_bytes());
-    }
-    let h = Conn::chunk_header(
-        req.handle,
-        REPLY_FLAG_DONE,
-        REPLY_TYPE_BLOCK_STATUS,
-        payload.len() as u32,
-    );
-    conn.queue(req, &[&h, &payload], None);
+    Ok(extents)
 }
