@@ -81,7 +81,8 @@ With no options, serves data/default.img (created sparse, 1 GiB) over NBD on a u
                [,max-connections=<n>][,handshake-max-seconds=<s>]
                             the NBD server
   --export type=nbd,id=<id>,node-name=<name>[,name=<export name>][,description=<text>]
-           [,writable=on|off][,multi-conn=on|off|auto][,iothread=<id> | ,iothread.0=<id>,iothread.1=<id>...]
+           [,writable=on|off][,multi-conn=on|off|auto][,allocation-depth=on|off]
+           [,iothread=<id> | ,iothread.0=<id>,iothread.1=<id>...]
                             export a node over NBD
   --export type=fuse,id=<id>,node-name=<name>,mountpoint=<file>[,writable=on|off][,growable=on|off]
            [,allow-other=on|off|auto][,io-uring=on|off|auto][,iothread=<id> | ,iothread.0=<id>...]
