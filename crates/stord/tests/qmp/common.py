@@ -83,7 +83,8 @@ def sparse(name, size):
 
 
 def fio(*args, check=True):
-    out = subprocess.run(["fio", "--output-format=json"] + list(args),
+    # --verify_state_save=0: no *-verify.state files left in the working directory.
+    out = subprocess.run(["fio", "--output-format=json", "--verify_state_save=0"] + list(args),
                          capture_output=True, text=True)
     if check:
         assert out.returncode == 0, f"fio failed: {out.stdout}{out.stderr}"
