@@ -72,11 +72,6 @@ impl<T> AsyncMutex<T> {
         s.locked = true;
         Some(AsyncMutexGuard { mutex: self })
     }
-
-    /// The value, when nobody else can hold the mutex.
-    pub fn get_mut(&mut self) -> &mut T {
-        self.value.get_mut()
-    }
 }
 
 impl<T> Deref for AsyncMutexGuard<'_, T> {

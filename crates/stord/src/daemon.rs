@@ -443,7 +443,7 @@ impl State {
                 let is_qcow2 = std::fs::File::open(&path)
                     .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic))
                     .is_ok()
-                    && magic == *b"QFI\xfb";
+                    && crate::block::qcow2::has_magic(&magic);
                 if is_qcow2 { "qcow2" } else { "raw" }.to_string()
             }
         };

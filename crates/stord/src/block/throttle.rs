@@ -131,7 +131,8 @@ impl ThrottleGroup {
     }
 
     /// Whether the group limits anything.
-    pub fn is_unlimited(&self) -> bool {
+    #[cfg(test)]
+    fn is_unlimited(&self) -> bool {
         self.buckets.lock().map(|b| b.is_empty()).unwrap_or(false)
     }
 }
@@ -146,11 +147,6 @@ impl ThrottleDriver {
     /// A filter over `child` in `group`.
     pub fn new(child: Arc<BlockNode>, group: Arc<ThrottleGroup>) -> Self {
         Self { child, group }
-    }
-
-    /// The group.
-    pub fn group(&self) -> &Arc<ThrottleGroup> {
-        &self.group
     }
 }
 

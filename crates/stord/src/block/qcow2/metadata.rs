@@ -131,6 +131,17 @@ impl Qcow2Driver {
         self.entries().decode(e).map_err(corrupt)
     }
 
+    /// As [`lookup`](Self::lookup), from cached tables only: None when the L2 table is not
+    /// in the cache.
+    pub(super) fn lookup_cached(&self, m: &mut Meta, guest: u64) -> Option<io::Result<Mapping>> {
+        let l2_off = m.l1[self.l1_index(guest)] & OFFSET_MASK;
+        if l2_off == 0 {
+            return Some(Ok(Mapping::Unallocated));
+        }
+        let e = m.l2.get(l2_off)?[self.l2_index(guest)];
+        Some(self.entries().decode(e).map_err(corrupt))
+    }
+
     /// Sets the L2 entry of the guest cluster containing `guest`, allocating its L2 table
     /// if it has none.
     pub(super) async fn set_l2(&self, m: &mut Meta, guest: u64, entry: u64) -> io::Result<()> {
@@ -283,8 +294,8 @@ impl Qcow2Driver {
     /// Writes every dirty table back, in the order the module docs give.
     pub(super) async fn write_back(&self, m: &mut Meta) -> io::Result<()> {
         for off in m.refblocks.dirty() {
-            let block = m.refblocks.peek(off).expect("dirty is cached").clone();
-            self.file_write(off, &block).await?;
+            self.file_write(off, m.refblocks.peek(off).expect("dirty is cached"))
+                .await?;
             m.refblocks.mark_clean(off);
             m.needs_sync = true;
         }

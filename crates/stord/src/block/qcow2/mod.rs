@@ -22,6 +22,12 @@ mod table;
 
 pub use header::{Compression, Header, HeaderError};
 
+/// Whether `first`, a file's first bytes, starts like a qcow2 image (for probing a backing
+/// file whose format the image does not name).
+pub fn has_magic(first: &[u8]) -> bool {
+    first.starts_with(&header::MAGIC.to_be_bytes())
+}
+
 use std::io;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -125,7 +131,7 @@ impl Image {
         let f = file.driver();
         let (r, first) = f.read(0, request_buf(4096)).await;
         r?;
-        if first[..4] != header::MAGIC.to_be_bytes() {
+        if !has_magic(&first) {
             return Err(HeaderError::NotQcow2.into());
         }
         let need = Header::bytes_needed(&first)?;
@@ -191,7 +197,6 @@ impl Image {
 pub struct Qcow2Driver {
     file: Arc<BlockNode>,
     backing: Option<Arc<BlockNode>>,
-    header: Header,
     version: u32,
     cluster_bits: u32,
     cluster_size: u64,
@@ -250,6 +255,9 @@ struct Piece {
     src: Source,
 }
 
+/// A request's pieces: one, mostly (no allocation then).
+type Pieces = smallvec::SmallVec<[Piece; 2]>;
+
 fn enotsup() -> io::Error {
     io::Error::from_raw_os_error(libc::ENOTSUP)
 }
@@ -289,16 +297,10 @@ impl Qcow2Driver {
             reftable_offset: h.refcount_table_offset,
             size: h.size,
             discard: opts.discard,
-            header: h,
             meta: AsyncMutex::new(meta),
             alloc_locks: RangeLocks::default(),
             io_inflight: AtomicUsize::new(0),
         }
-    }
-
-    /// The header as opened.
-    pub fn header(&self) -> &Header {
-        &self.header
     }
 
     fn cluster_start(&self, off: u64) -> u64 {
@@ -306,9 +308,9 @@ impl Qcow2Driver {
     }
 
     /// Maps `[offset, offset + len)` to pieces, merging neighbours from one source.
-    async fn map_range(&self, offset: u64, len: u64) -> io::Result<(Vec<Piece>, Inflight<'_>)> {
+    async fn map_range(&self, offset: u64, len: u64) -> io::Result<(Pieces, Inflight<'_>)> {
         let mut m = self.meta.lock().await;
-        let mut pieces: Vec<Piece> = Vec::with_capacity(1);
+        let mut pieces = Pieces::new();
         let end = offset + len;
         let mut pos = offset;
         while pos < end {
@@ -374,14 +376,14 @@ impl Qcow2Driver {
         let data = self.file_read(offset, len as usize).await?;
         let mut out = vec![0u8; self.cluster_size as usize];
         let mut z = flate2::Decompress::new(false);
-        match z.decompress(&data, &mut out, flate2::FlushDecompress::Finish) {
-            Ok(_) if z.total_out() == self.cluster_size => Ok(out),
-            // QEMU accepts a stream that filled the cluster without its end marker.
-            Ok(_) | Err(_) if z.total_out() == self.cluster_size => Ok(out),
-            _ => Err(corrupt(format!(
+        // A full cluster is enough: QEMU too accepts a stream without its end marker.
+        let _ = z.decompress(&data, &mut out, flate2::FlushDecompress::Finish);
+        if z.total_out() != self.cluster_size {
+            return Err(corrupt(format!(
                 "compressed cluster at {offset:#x} does not inflate to a cluster"
-            ))),
+            )));
         }
+        Ok(out)
     }
 
     /// Fills `buf` (the guest range at `offset`) from its pieces.
@@ -592,8 +594,9 @@ impl Qcow2Driver {
         Ok(())
     }
 
-    /// Sets whole clusters of `[start, end)` to read as zeroes (`zero`) or to be
-    /// unallocated, freeing what they held (kept with `keep` where it is ours).
+    /// Gives the whole clusters of `[start, end)` the L2 entry `entry_for(old mapping)`
+    /// picks (None: leave the cluster as it is), freeing the host clusters the new entry
+    /// no longer holds.
     async fn unmap_clusters(
         &self,
         start: u64,
@@ -690,6 +693,34 @@ impl Qcow2Driver {
             }
             _ => Ok((run, 0)),
         }
+    }
+
+    /// Block status from cached tables, without a future: the first cluster's kind and
+    /// the run of clusters of the same kind after it (within one L2 table's reach). None
+    /// when a table is not cached, the metadata is busy, or the backing node must answer.
+    fn block_status_from_cache(&self, offset: u64, len: u64) -> Option<BlockStatus> {
+        let mut m = self.meta.try_lock()?;
+        let no_backing = self.backing.is_none();
+        // (allocated, zero) of a mapping; None for one the backing node answers for.
+        let kind = |mp: Mapping| match mp {
+            Mapping::Data { .. } | Mapping::Compressed { .. } => Some((true, false)),
+            Mapping::Zero { .. } => Some((false, true)),
+            Mapping::Unallocated => no_backing.then_some((false, true)),
+        };
+        let first = kind(self.lookup_cached(&mut m, offset)?.ok()?)?;
+        let reach = len.min(self.cluster_size << self.l2_bits);
+        let mut run = self.cluster_start(offset) + self.cluster_size - offset;
+        while run < reach {
+            match self.lookup_cached(&mut m, offset + run) {
+                Some(Ok(mp)) if kind(mp) == Some(first) => run += self.cluster_size,
+                _ => break,
+            }
+        }
+        Some(BlockStatus {
+            len: run.min(len),
+            allocated: first.0,
+            zero: first.1,
+        })
     }
 
     async fn block_status_impl(&self, offset: u64, len: u64) -> io::Result<BlockStatus> {
@@ -823,6 +854,9 @@ impl BlockDriver for Qcow2Driver {
     }
     fn block_status(&self, offset: u64, len: u64) -> BoxFut<'_, io::Result<BlockStatus>> {
         Box::pin(self.block_status_impl(offset, len))
+    }
+    fn block_status_cached(&self, offset: u64, len: u64) -> Option<BlockStatus> {
+        self.block_status_from_cache(offset, len)
     }
     fn allocation_depth(&self, offset: u64, len: u64) -> BoxFut<'_, io::Result<(u64, u32)>> {
         Box::pin(self.allocation_depth_impl(offset, len))
