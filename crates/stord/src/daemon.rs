@@ -34,7 +34,9 @@ use crate::export::nbd::{
 };
 use crate::export::{Export, ExportEnv, EXPORT_TYPES};
 use crate::qmp::{Events, MonitorServer};
+use crate::secret::{Secret, SecretError};
 use crate::sys;
+use crate::tls::{AuthzSimple, TlsCreds, TlsError, TlsServer};
 
 /// Why a command on the daemon's objects, nodes or exports failed: the daemon layer's
 /// error. QMP reports it with [`DaemonError::qmp_class`]; the texts are qsd's where it has
@@ -86,6 +88,14 @@ pub enum DaemonError {
     NbdServerNotRunning,
     #[error("cannot listen on {addr}: {source}")]
     Listen { addr: String, source: io::Error },
+    #[error(transparent)]
+    Tls(#[from] TlsError),
+    #[error(transparent)]
+    Secret(#[from] SecretError),
+    #[error("No TLS credentials with id '{0}'")]
+    NoTlsCreds(String),
+    #[error("No authorization object with id '{0}'")]
+    NoAuthz(String),
 }
 
 impl DaemonError {
@@ -114,6 +124,8 @@ pub struct State {
     pub iothreads: BTreeMap<String, IoThread>,
     /// `--object throttle-group` by id.
     pub throttle_groups: BTreeMap<String, Arc<ThrottleGroup>>,
+    /// `--object tls-creds-x509|tls-creds-psk|authz-simple|secret` by id.
+    pub objects: BTreeMap<String, UserObject>,
     /// Block nodes by node-name.
     pub nodes: BTreeMap<String, Arc<BlockNode>>,
     /// Nodes opened inline as another node's child (removed with their parent).
@@ -141,6 +153,34 @@ pub struct State {
     /// The SHUTDOWN event has been sent (by `quit`).
     pub shutdown_announced: Cell<bool>,
 }
+
+/// An object from `--object`/`object-add` that is data, not a thread or a group.
+pub enum UserObject {
+    TlsCreds(Arc<TlsCreds>),
+    Authz(Arc<AuthzSimple>),
+    Secret(Secret),
+}
+
+impl UserObject {
+    /// Whether something (the NBD server) holds it.
+    fn in_use(&self) -> bool {
+        match self {
+            UserObject::TlsCreds(c) => Arc::strong_count(c) > 1,
+            UserObject::Authz(a) => Arc::strong_count(a) > 1,
+            UserObject::Secret(_) => false,
+        }
+    }
+}
+
+/// The `qom-type`s `--object` and `object-add` take.
+pub const OBJECT_TYPES: &[&str] = &[
+    "iothread",
+    "throttle-group",
+    "tls-creds-x509",
+    "tls-creds-psk",
+    "authz-simple",
+    "secret",
+];
 
 /// Shared handle to the state.
 pub type SharedState = Rc<RefCell<State>>;
@@ -197,18 +237,42 @@ impl State {
     /// `--object iothread,id=...` / `object-add`.
     pub fn add_object(&mut self, mut kv: KeyVal) -> Result<(), DaemonError> {
         let kind = kv.take_required("qom-type")?;
-        if kind != "iothread" && kind != "throttle-group" {
+        if !OBJECT_TYPES.contains(&kind.as_str()) {
             return Err(kv
                 .bad_value(
                     "qom-type",
-                    "a supported object type (iothread, throttle-group)",
+                    &format!("a supported object type ({})", OBJECT_TYPES.join(", ")),
                     &kind,
                 )
                 .into());
         }
         let id = kv.take_required("id")?;
-        if self.iothreads.contains_key(&id) || self.throttle_groups.contains_key(&id) {
+        if self.iothreads.contains_key(&id)
+            || self.throttle_groups.contains_key(&id)
+            || self.objects.contains_key(&id)
+        {
             return Err(DaemonError::DuplicateObject(id));
+        }
+        let object = match kind.as_str() {
+            "tls-creds-x509" | "tls-creds-psk" => {
+                let secret = |id: &str| match self.objects.get(id) {
+                    Some(UserObject::Secret(s)) => Some(s.bytes().to_vec()),
+                    _ => None,
+                };
+                Some(UserObject::TlsCreds(Arc::new(TlsCreds::from_object(
+                    &kind, &mut kv, &secret,
+                )?)))
+            }
+            "authz-simple" => Some(UserObject::Authz(Arc::new(AuthzSimple::from_object(
+                &mut kv,
+            )?))),
+            "secret" => Some(UserObject::Secret(Secret::from_object(&mut kv)?)),
+            _ => None,
+        };
+        if let Some(object) = object {
+            kv.finish()?;
+            self.objects.insert(id, object);
+            return Ok(());
         }
         if kind == "throttle-group" {
             let group = ThrottleGroup::from_opts(id.clone(), &mut kv)?;
@@ -233,6 +297,13 @@ impl State {
 
     /// `object-del`: fails while an export runs on the iothread.
     pub fn del_object(&mut self, id: &str) -> Result<(), DaemonError> {
+        if let Some(obj) = self.objects.get(id) {
+            if obj.in_use() {
+                return Err(DaemonError::ObjectInUse(id.into()));
+            }
+            self.objects.remove(id);
+            return Ok(());
+        }
         if let Some(group) = self.throttle_groups.get(id) {
             // Held by the table and by each throttle node in the group.
             if Arc::strong_count(group) > 1 {
@@ -591,13 +662,39 @@ impl State {
         if self.nbd.is_some() {
             return Err(DaemonError::NbdServerRunning);
         }
-        let addr = opts.addr.clone();
-        let server = NbdServer::start(ctx, opts, self.nbd_table.clone()).map_err(|source| {
-            DaemonError::Listen {
-                addr: addr.to_string(),
-                source,
+        let tls = match &opts.tls_creds {
+            None => None,
+            Some(id) => {
+                let Some(UserObject::TlsCreds(creds)) = self.objects.get(id) else {
+                    return Err(DaemonError::NoTlsCreds(id.clone()));
+                };
+                let authz = match &opts.tls_authz {
+                    None => None,
+                    Some(a) => match self.objects.get(a) {
+                        Some(UserObject::Authz(z)) => Some((a.clone(), z.clone())),
+                        _ => return Err(DaemonError::NoAuthz(a.clone())),
+                    },
+                };
+                Some(Arc::new(TlsServer {
+                    creds_id: id.clone(),
+                    creds: creds.clone(),
+                    authz,
+                }))
             }
-        })?;
+        };
+        if opts.tls_authz.is_some() && tls.is_none() {
+            return Err(DaemonError::Invalid(
+                "tls-authz is only useful together with tls-creds".into(),
+            ));
+        }
+        let addr = opts.addr.clone();
+        let server =
+            NbdServer::start(ctx, opts, tls, self.nbd_table.clone()).map_err(|source| {
+                DaemonError::Listen {
+                    addr: addr.to_string(),
+                    source,
+                }
+            })?;
         self.nbd = Some(server);
         Ok(())
     }
@@ -920,14 +1017,15 @@ pub fn nbd_server_opts(mut kv: KeyVal) -> Result<NbdServerOpts, String> {
         .map_or(DEFAULT_HANDSHAKE_MAX_SECS, |s| {
             s.min(u64::from(u32::MAX)) as u32
         });
-    if kv.take("tls-creds").is_some() {
-        return Err(format!("{}: tls-creds is not supported", kv.what));
-    }
+    let tls_creds = kv.take("tls-creds");
+    let tls_authz = kv.take("tls-authz");
     kv.finish()?;
     Ok(NbdServerOpts {
         addr,
         max_connections,
         handshake_max_secs,
+        tls_creds,
+        tls_authz,
     })
 }
 

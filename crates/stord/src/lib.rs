@@ -8,6 +8,8 @@
 //! - [`qmp`]: the QMP monitor.
 //! - [`accept`]: listening sockets that survive descriptor exhaustion.
 //! - [`log`]: the tracing subscriber and rate-limited events.
+//! - [`secret`]: `--object secret`.
+//! - [`tls`]: TLS credentials and sessions for the NBD server.
 //! - [`daemon`]: wiring: iothreads, nodes, exports, the main loop and the default job.
 
 pub mod accept;
@@ -17,4 +19,6 @@ pub mod daemon;
 pub mod export;
 pub mod log;
 pub mod qmp;
+pub mod secret;
 pub mod sys;
+pub mod tls;

@@ -229,10 +229,8 @@ pub async fn execute(
                 .map_or(DEFAULT_HANDSHAKE_MAX_SECS, |s| {
                     s.min(u64::from(u32::MAX)) as u32
                 });
-            if a.str_opt("tls-creds")?.is_some() {
-                return Err(QmpError::generic("tls-creds is not supported"));
-            }
-            let _ = a.str_opt("tls-authz")?;
+            let tls_creds = a.str_opt("tls-creds")?;
+            let tls_authz = a.str_opt("tls-authz")?;
             a.finish()?;
             stord_aio::with_current_context(|ctx| {
                 state.borrow_mut().start_nbd_server(
@@ -241,6 +239,8 @@ pub async fn execute(
                         addr,
                         max_connections,
                         handshake_max_secs,
+                        tls_creds,
+                        tls_authz,
                     },
                 )
             })

@@ -11,14 +11,22 @@
 //! (bad magic, unknown client flags, an option too large to skip, any option but
 //! EXPORT_NAME from a client that did not ask for fixed newstyle). Names echoed in error
 //! messages are cut short and stripped of control characters.
+//!
+//! With TLS configured (`tls-creds`), the client must send STARTTLS first: any other option
+//! gets NBD_REP_ERR_TLS_REQD (EXPORT_NAME, which cannot be refused, closes), as in qemu.
+//! After the TLS handshake (and the `tls-authz` check) the negotiation starts over inside
+//! the session.
 
+use std::cell::RefCell;
 use std::io;
 use std::os::fd::RawFd;
+use std::rc::Rc;
 use std::sync::Arc;
 
-use super::io::{send_all, OutChunk, SockReader};
+use super::io::{send, OutChunk, SharedTls, SockReader};
 use super::proto::*;
 use super::{ExportTable, NbdExport};
+use crate::tls::{TlsServer, TlsSession};
 
 /// What the negotiation settled.
 pub struct Negotiated {
@@ -28,8 +36,12 @@ pub struct Negotiated {
     pub structured: bool,
     /// The metadata contexts selected for this export.
     pub meta: MetaContexts,
-    /// Bytes the client already sent past the negotiation.
+    /// Bytes the client already sent past the negotiation (decrypted, with TLS).
     pub pending: Vec<u8>,
+    /// The TLS session, if the client started one.
+    pub tls: Option<Box<dyn TlsSession>>,
+    /// Ciphertext received past the negotiation, not yet decrypted.
+    pub cipher: Vec<u8>,
 }
 
 /// Metadata contexts a connection selected (NBD_OPT_SET_META_CONTEXT).
@@ -153,26 +165,100 @@ fn settle(
     exports: &ExportTable,
     name: &str,
     rd: SockReader,
+    sess: Option<SharedTls>,
 ) -> Negotiated {
     let meta = match meta {
         Some((n, sel)) if exports.same(n, name) => *sel,
         _ => MetaContexts::default(),
     };
+    let (pending, cipher) = rd.into_parts();
     Negotiated {
         export,
         structured,
         meta,
-        pending: rd.into_pending(),
+        pending,
+        // The reader, the session's only other holder, is gone.
+        tls: sess.map(|s| match Rc::try_unwrap(s) {
+            Ok(s) => s.into_inner(),
+            Err(_) => unreachable!("the session has one owner after the reader"),
+        }),
+        cipher,
     }
 }
 
+/// Answers an option that arrived before STARTTLS on a server that requires TLS: `Ok(true)`
+/// when the client asked to abort.
+async fn refuse_before_tls(fd: RawFd, rd: &mut SockReader, opt: u32, len: u32) -> io::Result<bool> {
+    if opt == OPT_EXPORT_NAME {
+        // No error reply exists for EXPORT_NAME: close.
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            "EXPORT_NAME before STARTTLS on a server that requires TLS",
+        ));
+    }
+    if len > MAX_SKIP {
+        return Err(invalid("option payload too large"));
+    }
+    rd.discard(len as usize).await?;
+    let reply = opt_error(
+        opt,
+        REP_ERR_TLS_REQD,
+        "TLS is required: send STARTTLS first",
+    );
+    let sent = send(fd, None, vec![OutChunk::Bytes(reply)]).await;
+    if opt == OPT_ABORT {
+        // The client may hang up before reading the reply: that is fine.
+        return Ok(true);
+    }
+    sent.map(|()| false)
+}
+
+/// STARTTLS accepted: acknowledges it, runs the TLS handshake and the `tls-authz` check.
+async fn start_tls(fd: RawFd, rd: &mut SockReader, tls: &TlsServer) -> io::Result<SharedTls> {
+    let sess = tls
+        .creds
+        .new_session()
+        .map_err(|e| io::Error::other(e.to_string()))?;
+    send(
+        fd,
+        None,
+        vec![OutChunk::Bytes(opt_reply(OPT_STARTTLS, REP_ACK, &[]))],
+    )
+    .await?;
+    let sess: SharedTls = Rc::new(RefCell::new(sess));
+    rd.start_tls(sess.clone());
+    rd.tls_handshake().await?;
+    let identity = sess.borrow().peer_identity();
+    if let Some((id, authz)) = &tls.authz {
+        if !authz.allows(identity.as_deref()) {
+            return Err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                format!(
+                    "TLS client '{}' is not allowed by authz object '{id}'",
+                    identity.as_deref().map_or("(no identity)".into(), sanitize)
+                ),
+            ));
+        }
+    }
+    tracing::debug!(
+        "nbd: TLS session ({}) with '{}'",
+        sess.borrow().describe(),
+        identity.as_deref().map_or("(anonymous)".into(), sanitize)
+    );
+    Ok(sess)
+}
+
 /// Runs the negotiation on `fd`. `Ok(None)`: the client ended it cleanly.
-pub async fn negotiate(fd: RawFd, exports: &ExportTable) -> io::Result<Option<Negotiated>> {
+pub async fn negotiate(
+    fd: RawFd,
+    exports: &ExportTable,
+    tls: Option<&TlsServer>,
+) -> io::Result<Option<Negotiated>> {
     let mut hello = Vec::with_capacity(18);
     hello.extend_from_slice(&NBDMAGIC.to_be_bytes());
     hello.extend_from_slice(&IHAVEOPT.to_be_bytes());
     hello.extend_from_slice(&(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES).to_be_bytes());
-    send_all(fd, vec![OutChunk::Bytes(hello)]).await?;
+    send(fd, None, vec![OutChunk::Bytes(hello)]).await?;
 
     let mut rd = SockReader::new(fd, Vec::new());
     rd.ensure(4).await?;
@@ -187,6 +273,13 @@ pub async fn negotiate(fd: RawFd, exports: &ExportTable) -> io::Result<Option<Ne
     let mut structured = false;
     // (export name, selected) of the last SET_META_CONTEXT.
     let mut meta: Option<(String, MetaContexts)> = None;
+    // The TLS session, once STARTTLS has succeeded.
+    let mut sess: Option<SharedTls> = None;
+    if tls.is_some() && !fixed {
+        return Err(invalid(
+            "TLS is required but the client does not speak fixed newstyle",
+        ));
+    }
 
     loop {
         rd.ensure(16).await?;
@@ -202,6 +295,12 @@ pub async fn negotiate(fd: RawFd, exports: &ExportTable) -> io::Result<Option<Ne
                 "option other than EXPORT_NAME from a client without fixed newstyle",
             ));
         }
+        if tls.is_some() && sess.is_none() && opt != OPT_STARTTLS {
+            if refuse_before_tls(fd, &mut rd, opt, len).await? {
+                return Ok(None);
+            }
+            continue;
+        }
         if opt == OPT_EXPORT_NAME && len as usize > MAX_STRING {
             // No error reply exists for EXPORT_NAME: close.
             return Err(invalid("EXPORT_NAME longer than 4096 bytes"));
@@ -214,7 +313,8 @@ pub async fn negotiate(fd: RawFd, exports: &ExportTable) -> io::Result<Option<Ne
             rd.discard(len as usize).await?;
             let reply = match opt {
                 OPT_ABORT => {
-                    let _ = send_all(fd, vec![OutChunk::Bytes(opt_reply(opt, REP_ACK, &[]))]).await;
+                    let ack = opt_reply(opt, REP_ACK, &[]);
+                    let _ = send(fd, sess.as_ref(), vec![OutChunk::Bytes(ack)]).await;
                     return Ok(None);
                 }
                 OPT_LIST
@@ -229,7 +329,7 @@ pub async fn negotiate(fd: RawFd, exports: &ExportTable) -> io::Result<Option<Ne
             if opt == OPT_SET_META_CONTEXT {
                 meta = None;
             }
-            send_all(fd, vec![OutChunk::Bytes(reply)]).await?;
+            send(fd, sess.as_ref(), vec![OutChunk::Bytes(reply)]).await?;
             continue;
         }
         let data = rd.read_vec(len as usize).await?;
@@ -249,11 +349,14 @@ pub async fn negotiate(fd: RawFd, exports: &ExportTable) -> io::Result<Option<Ne
                 if !no_zeroes {
                     v.extend_from_slice(&[0u8; 124]);
                 }
-                send_all(fd, vec![OutChunk::Bytes(v)]).await?;
-                return Ok(Some(settle(export, structured, &meta, exports, &name, rd)));
+                send(fd, sess.as_ref(), vec![OutChunk::Bytes(v)]).await?;
+                return Ok(Some(settle(
+                    export, structured, &meta, exports, &name, rd, sess,
+                )));
             }
             OPT_ABORT => {
-                let _ = send_all(fd, vec![OutChunk::Bytes(opt_reply(opt, REP_ACK, &[]))]).await;
+                let ack = opt_reply(opt, REP_ACK, &[]);
+                let _ = send(fd, sess.as_ref(), vec![OutChunk::Bytes(ack)]).await;
                 return Ok(None);
             }
             OPT_LIST => {
@@ -273,7 +376,19 @@ pub async fn negotiate(fd: RawFd, exports: &ExportTable) -> io::Result<Option<Ne
             OPT_STARTTLS if !data.is_empty() => {
                 replies = opt_error(opt, REP_ERR_INVALID, "STARTTLS takes no data")
             }
-            OPT_STARTTLS => replies = opt_error(opt, REP_ERR_POLICY, "TLS is not configured"),
+            OPT_STARTTLS => match tls {
+                None => replies = opt_error(opt, REP_ERR_POLICY, "TLS is not configured"),
+                Some(_) if sess.is_some() => {
+                    replies = opt_error(opt, REP_ERR_INVALID, "TLS is already on")
+                }
+                Some(tls) => {
+                    sess = Some(start_tls(fd, &mut rd, tls).await?);
+                    // The negotiation starts over inside the session.
+                    structured = false;
+                    meta = None;
+                    continue;
+                }
+            },
             OPT_STRUCTURED_REPLY => {
                 if !data.is_empty() {
                     replies = opt_error(opt, REP_ERR_INVALID, "STRUCTURED_REPLY takes no data");
@@ -329,8 +444,8 @@ pub async fn negotiate(fd: RawFd, exports: &ExportTable) -> io::Result<Option<Ne
                             replies.extend(opt_reply(opt, REP_INFO, &d));
                             replies.extend(opt_reply(opt, REP_ACK, &[]));
                             if opt == OPT_GO {
-                                send_all(fd, vec![OutChunk::Bytes(replies)]).await?;
-                                let n = settle(export, structured, &meta, exports, &name, rd);
+                                send(fd, sess.as_ref(), vec![OutChunk::Bytes(replies)]).await?;
+                                let n = settle(export, structured, &meta, exports, &name, rd, sess);
                                 return Ok(Some(n));
                             }
                         }
@@ -399,6 +514,6 @@ pub async fn negotiate(fd: RawFd, exports: &ExportTable) -> io::Result<Option<Ne
             }
             _ => replies = opt_error(opt, REP_ERR_UNSUP, "unsupported option"),
         }
-        send_all(fd, vec![OutChunk::Bytes(replies)]).await?;
+        send(fd, sess.as_ref(), vec![OutChunk::Bytes(replies)]).await?;
     }
 }

@@ -1,11 +1,21 @@
 //! Buffered socket input and gathered output for one NBD connection, on stord-aio ops.
+//!
+//! After STARTTLS the same reader and sender carry a [`TlsSession`]: ciphertext is
+//! received as before and decrypted into the reader's buffer; replies are encrypted as one
+//! batch and the records written straight to the socket.
 
+use std::cell::RefCell;
 use std::io;
 use std::os::fd::RawFd;
+use std::rc::Rc;
 
 use stord_aio::{op, Interest, IoBuf, Slice};
 
 use crate::block::{request_buf, Buf};
+use crate::tls::TlsSession;
+
+/// A connection's TLS session, shared by its reader and its writer (one thread).
+pub type SharedTls = Rc<RefCell<Box<dyn TlsSession>>>;
 
 const READ_BUF: usize = 256 << 10;
 
@@ -42,6 +52,75 @@ pub struct SockReader {
     buf: Option<Vec<u8>>,
     start: usize,
     end: usize,
+    tls: Option<TlsRx>,
+}
+
+/// The receiving side of a TLS session: ciphertext received but not yet taken.
+struct TlsRx {
+    sess: SharedTls,
+    cbuf: Option<Vec<u8>>,
+    start: usize,
+    end: usize,
+}
+
+/// Ciphertext received per recv: a few full records.
+const TLS_READ_BUF: usize = 64 << 10;
+
+fn tls_failed(e: crate::tls::TlsError) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, e.to_string())
+}
+
+impl TlsRx {
+    /// Decrypted bytes into `dst` (non-empty), receiving ciphertext as needed.
+    async fn read_plain(
+        &mut self,
+        fd: RawFd,
+        counters: &Option<IoCounters>,
+        dst: &mut [u8],
+    ) -> io::Result<usize> {
+        loop {
+            match self.sess.borrow_mut().read_plain(dst) {
+                Ok(0) => return Err(eof()),
+                Ok(n) => return Ok(n),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(e) => return Err(e),
+            }
+            self.feed(fd, counters).await?;
+        }
+    }
+
+    /// Hands the session more ciphertext (receiving it if none is buffered) and lets it
+    /// process what it got.
+    async fn feed(&mut self, fd: RawFd, counters: &Option<IoCounters>) -> io::Result<()> {
+        if self.start == self.end {
+            self.start = 0;
+            self.end = 0;
+            let buf = self.cbuf.take().expect("buffer");
+            let cap = buf.len();
+            let (r, slice) = op::recv(fd, Slice::new(buf, 0, cap), 0).await;
+            self.cbuf = Some(slice.into_inner());
+            if let Some(c) = counters {
+                c.recvs.add(1);
+            }
+            match r {
+                Ok(0) => return Err(eof()),
+                Ok(n) => self.end = n,
+                Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => {
+                    if let Some(c) = counters {
+                        c.recv_empty.add(1);
+                    }
+                    op::poll_add(fd, Interest::READABLE).await?;
+                    return Ok(());
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        let mut sess = self.sess.borrow_mut();
+        let mut have = &self.cbuf.as_ref().expect("buffer")[self.start..self.end];
+        let n = sess.read_tls(&mut have)?;
+        self.start += n;
+        sess.process_new_packets().map_err(tls_failed)
+    }
 }
 
 impl SockReader {
@@ -55,7 +134,61 @@ impl SockReader {
             buf: Some(buf),
             start: 0,
             end: pending.len(),
+            tls: None,
         }
+    }
+
+    /// Switches to TLS: from now on what arrives is ciphertext for `sess`, starting with
+    /// whatever is buffered.
+    pub fn start_tls(&mut self, sess: SharedTls) {
+        let pending = self.buffered().to_vec();
+        self.start = 0;
+        self.end = 0;
+        self.set_tls(sess, pending);
+    }
+
+    /// A reader for a connection already in TLS: `cipher` is ciphertext received but not
+    /// yet handed to `sess`.
+    pub fn with_tls(mut self, sess: SharedTls, cipher: Vec<u8>) -> Self {
+        self.set_tls(sess, cipher);
+        self
+    }
+
+    fn set_tls(&mut self, sess: SharedTls, cipher: Vec<u8>) {
+        let mut cbuf = vec![0u8; TLS_READ_BUF.max(cipher.len())];
+        cbuf[..cipher.len()].copy_from_slice(&cipher);
+        self.tls = Some(TlsRx {
+            sess,
+            cbuf: Some(cbuf),
+            start: 0,
+            end: cipher.len(),
+        });
+    }
+
+    /// Runs the TLS handshake to its end (after `start_tls`).
+    pub async fn tls_handshake(&mut self) -> io::Result<()> {
+        let rx = self.tls.as_mut().expect("start_tls first");
+        loop {
+            flush_tls(self.fd, &rx.sess).await?;
+            if !rx.sess.borrow().is_handshaking() {
+                return Ok(());
+            }
+            if let Err(e) = rx.feed(self.fd, &self.counters).await {
+                // Tell the client why (the session queued an alert), if it still listens.
+                let _ = flush_tls(self.fd, &rx.sess).await;
+                return Err(e);
+            }
+        }
+    }
+
+    /// Gives back the unconsumed bytes: decrypted bytes, and ciphertext not yet decrypted.
+    pub fn into_parts(self) -> (Vec<u8>, Vec<u8>) {
+        let plain = self.buffered().to_vec();
+        let cipher = match &self.tls {
+            Some(rx) => rx.cbuf.as_ref().expect("buffer")[rx.start..rx.end].to_vec(),
+            None => Vec::new(),
+        };
+        (plain, cipher)
     }
 
     /// Counts receives in `c`.
@@ -67,11 +200,6 @@ impl SockReader {
     /// Bytes read but not consumed.
     pub fn buffered(&self) -> &[u8] {
         &self.buf.as_ref().expect("buffer")[self.start..self.end]
-    }
-
-    /// Gives back the unconsumed bytes.
-    pub fn into_pending(self) -> Vec<u8> {
-        self.buffered().to_vec()
     }
 
     /// Reads more from the socket (at least one byte, or an error at end of stream).
@@ -86,6 +214,14 @@ impl SockReader {
             self.start = 0;
         }
         let cap = buf.len();
+        if let Some(rx) = &mut self.tls {
+            let r = rx
+                .read_plain(self.fd, &self.counters, &mut buf[self.end..])
+                .await;
+            self.buf = Some(buf);
+            self.end += r?;
+            return Ok(());
+        }
         let (r, slice) = op::recv(self.fd, Slice::new(buf, self.end, cap), 0).await;
         self.buf = Some(slice.into_inner());
         if let Some(c) = &self.counters {
@@ -143,6 +279,14 @@ impl SockReader {
         let have = (self.end - self.start).min(n);
         buf[..have].copy_from_slice(self.consume(have));
         let mut got = have;
+        if let Some(rx) = &mut self.tls {
+            while got < n {
+                got += rx
+                    .read_plain(self.fd, &self.counters, &mut buf[got..n])
+                    .await?;
+            }
+            return Ok(buf);
+        }
         while got < n {
             let (r, slice) = op::recv(self.fd, Slice::new(buf, got, n), 0).await;
             buf = slice.into_inner();
@@ -205,6 +349,57 @@ impl std::ops::Deref for OutChunk {
         match self {
             OutChunk::Bytes(v) => v,
             OutChunk::Data(b) => b,
+        }
+    }
+}
+
+/// Sends `chunks` in order: through the TLS session if there is one, else as they are.
+pub async fn send(fd: RawFd, tls: Option<&SharedTls>, chunks: Vec<OutChunk>) -> io::Result<()> {
+    let Some(tls) = tls else {
+        return send_all(fd, chunks).await;
+    };
+    {
+        let views: Vec<io::IoSlice<'_>> = chunks.iter().map(|c| io::IoSlice::new(c)).collect();
+        tls.borrow_mut().write_plain(&views)?;
+    }
+    drop(chunks);
+    flush_tls(fd, tls).await
+}
+
+/// A non-blocking socket as `io::Write`, for the session to write its records into.
+struct FdWriter(RawFd);
+
+impl io::Write for FdWriter {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        stord_aio::sys::writev_now(self.0, &[buf])
+    }
+    fn write_vectored(&mut self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
+        let views: Vec<&[u8]> = bufs.iter().map(|b| &b[..]).collect();
+        stord_aio::sys::writev_now(self.0, &views)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Sends every record the session has waiting, waiting for room in the socket as needed.
+pub async fn flush_tls(fd: RawFd, tls: &SharedTls) -> io::Result<()> {
+    loop {
+        let r = {
+            let mut s = tls.borrow_mut();
+            if !s.wants_write() {
+                return Ok(());
+            }
+            s.write_tls(&mut FdWriter(fd))
+        };
+        match r {
+            Ok(0) => return Err(io::Error::from_raw_os_error(libc::EPIPE)),
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                op::poll_add(fd, Interest::WRITABLE).await?;
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
         }
     }
 }

@@ -6,6 +6,9 @@
 //! ([`transmission`]). Several IoThreads let a multi-connection client (nbdcopy, fio with
 //! several jobs, the kernel client) use several cores; qsd 10 serves all of an export's
 //! connections on one thread.
+//!
+//! With `tls-creds`, every client must start TLS (STARTTLS) before anything else; the
+//! session moves with the connection to its IoThread.
 
 mod handshake;
 mod io;
@@ -31,6 +34,7 @@ use crate::accept::Acceptor;
 use crate::block::BlockNode;
 use crate::cli::keyval::KeyVal;
 use crate::export::{DrainSignal, Export, ExportEnv};
+use crate::tls::TlsServer;
 use proto::*;
 
 /// One exported node.
@@ -328,6 +332,10 @@ pub struct NbdServerOpts {
     /// Time a client has to finish the handshake (0: no limit), as qsd's
     /// `handshake-max-seconds` (default 10).
     pub handshake_max_secs: u32,
+    /// The id of the `tls-creds-*` object clients must use, if any.
+    pub tls_creds: Option<String>,
+    /// The id of the `authz-simple` object that admits TLS clients, if any.
+    pub tls_authz: Option<String>,
 }
 
 /// qsd's default for `handshake-max-seconds`.
@@ -345,6 +353,7 @@ impl NbdServer {
     pub fn start(
         ctx: &AioContext,
         opts: NbdServerOpts,
+        tls: Option<Arc<TlsServer>>,
         exports: ExportTable,
     ) -> std::io::Result<Self> {
         let (fd, tcp): (OwnedFd, bool) = match &opts.addr {
@@ -373,9 +382,9 @@ impl NbdServer {
             if tcp {
                 let s = std::net::TcpStream::from(conn);
                 let _ = s.set_nodelay(true);
-                return start_connection(s.into(), &live, &exports, handshake_ns);
+                return start_connection(s.into(), &live, &exports, &tls, handshake_ns);
             }
-            start_connection(conn, &live, &exports, handshake_ns)
+            start_connection(conn, &live, &exports, &tls, handshake_ns)
         })?;
         Ok(Self {
             addr: opts.addr,
@@ -392,17 +401,29 @@ impl NbdServer {
     }
 }
 
-fn start_connection(conn: OwnedFd, live: &Rc<Cell<u32>>, exports: &ExportTable, handshake_ns: u64) {
+fn start_connection(
+    conn: OwnedFd,
+    live: &Rc<Cell<u32>>,
+    exports: &ExportTable,
+    tls: &Option<Arc<TlsServer>>,
+    handshake_ns: u64,
+) {
     live.set(live.get() + 1);
     let live = live.clone();
     let exports = exports.clone();
+    let tls = tls.clone();
     stord_aio::spawn(async move {
-        handle_connection(conn, exports, handshake_ns).await;
+        handle_connection(conn, exports, tls, handshake_ns).await;
         live.set(live.get() - 1);
     });
 }
 
-async fn handle_connection(conn: OwnedFd, exports: ExportTable, handshake_ns: u64) {
+async fn handle_connection(
+    conn: OwnedFd,
+    exports: ExportTable,
+    tls: Option<Arc<TlsServer>>,
+    handshake_ns: u64,
+) {
     let fd = conn.as_raw_fd();
     // A client that does not finish the handshake in time is cut off: shutting the socket
     // down makes the negotiation's next read or write fail.
@@ -417,7 +438,7 @@ async fn handle_connection(conn: OwnedFd, exports: ExportTable, handshake_ns: u6
         })
         .expect("main loop")
     });
-    let result = handshake::negotiate(fd, &exports).await;
+    let result = handshake::negotiate(fd, &exports, tls.as_deref()).await;
     if let Some(t) = timer {
         stord_aio::with_current_context(|ctx| ctx.cancel_timer(t));
     }
@@ -445,13 +466,13 @@ async fn handle_connection(conn: OwnedFd, exports: ExportTable, handshake_ns: u6
         Some((remote, placement)) if !remote.is_current() => {
             remote.call(move || {
                 stord_aio::spawn(async move {
-                    transmission::serve(conn, n.export, n.structured, n.meta, n.pending).await;
+                    transmission::serve(conn, n).await;
                     drop(placement);
                 });
             });
         }
         placed => {
-            transmission::serve(conn, n.export, n.structured, n.meta, n.pending).await;
+            transmission::serve(conn, n).await;
             drop(placed);
         }
     }

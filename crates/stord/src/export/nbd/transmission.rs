@@ -27,8 +27,8 @@ use std::rc::Rc;
 use std::sync::Arc;
 use std::task::{Poll, Waker};
 
-use super::handshake::MetaContexts;
-use super::io::{send_all, OutChunk, SockReader};
+use super::handshake::{MetaContexts, Negotiated};
+use super::io::{send, OutChunk, SharedTls, SockReader};
 use super::proto::*;
 use super::NbdExport;
 use crate::block::Buf;
@@ -90,6 +90,8 @@ const MAX_EXTENTS: usize = 128;
 
 struct Conn {
     fd: OwnedFd,
+    /// The TLS session, if the client started one.
+    tls: Option<SharedTls>,
     export: Arc<NbdExport>,
     structured: bool,
     meta: MetaContexts,
@@ -244,15 +246,18 @@ impl Request {
 }
 
 /// Serves one negotiated connection until it ends. Runs on the export's IoThread.
-pub async fn serve(
-    fd: OwnedFd,
-    export: Arc<NbdExport>,
-    structured: bool,
-    meta: MetaContexts,
-    pending: Vec<u8>,
-) {
+pub async fn serve(fd: OwnedFd, n: Negotiated) {
+    let Negotiated {
+        export,
+        structured,
+        meta,
+        pending,
+        tls,
+        cipher,
+    } = n;
     let conn = Rc::new(Conn {
         fd,
+        tls: tls.map(|s| Rc::new(RefCell::new(s))),
         export,
         structured,
         meta,
@@ -280,7 +285,7 @@ pub async fn serve(
         crate::sys::shutdown(fd_raw);
     }
     let writer = stord_aio::spawn(write_loop(conn.clone()));
-    if let Err(e) = read_loop(&conn, pending).await {
+    if let Err(e) = read_loop(&conn, pending, cipher).await {
         use io::ErrorKind::*;
         if !matches!(e.kind(), UnexpectedEof | BrokenPipe | ConnectionReset) {
             log_close(&conn, &e);
@@ -322,7 +327,7 @@ async fn write_loop(conn: Rc<Conn>) {
             break;
         };
         conn.sends.add(1);
-        let sent = !conn.broken.get() && send_all(conn.raw(), batch).await.is_ok();
+        let sent = !conn.broken.get() && send(conn.raw(), conn.tls.as_ref(), batch).await.is_ok();
         conn.release(n, bytes);
         if !sent && !conn.broken.get() {
             conn.break_off();
@@ -330,10 +335,13 @@ async fn write_loop(conn: Rc<Conn>) {
     }
 }
 
-async fn read_loop(conn: &Rc<Conn>, pending: Vec<u8>) -> io::Result<()> {
+async fn read_loop(conn: &Rc<Conn>, pending: Vec<u8>, cipher: Vec<u8>) -> io::Result<()> {
     let counters = super::io::IoCounters::current();
     let requests = counters.requests.clone();
     let mut rd = SockReader::new(conn.raw(), pending).with_counters(counters);
+    if let Some(tls) = &conn.tls {
+        rd = rd.with_tls(tls.clone(), cipher);
+    }
     let mut coalesce = Coalescer::new();
     loop {
         if rd.buffered().is_empty() {
