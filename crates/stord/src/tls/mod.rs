@@ -131,7 +131,8 @@ impl TlsCreds {
 }
 
 /// `--object authz-simple,id=...,identity=...`: the one client identity allowed (the
-/// certificate's distinguished name in RFC 4514 form, `CN=...,O=...`, or the PSK username).
+/// certificate's distinguished name as QEMU writes it, `C=GB,O=...,CN=...`, or the PSK
+/// username).
 #[derive(Debug)]
 pub struct AuthzSimple {
     pub identity: String,

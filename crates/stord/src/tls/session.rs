@@ -27,7 +27,7 @@ pub trait TlsSession: Send {
     fn write_tls(&mut self, wr: &mut dyn io::Write) -> io::Result<usize>;
     /// The handshake is still going on.
     fn is_handshaking(&self) -> bool;
-    /// The identity the peer proved: its certificate's distinguished name (RFC 4514) or
+    /// The identity the peer proved: its certificate's distinguished name (as QEMU writes it) or
     /// its PSK username.
     fn peer_identity(&self) -> Option<String>;
     /// The protocol version and cipher suite agreed, for logs.

@@ -113,8 +113,10 @@ impl X509Creds {
     }
 }
 
-/// A certificate's subject as RFC 4514 writes it (and GnuTLS, so QEMU's `authz-simple`
-/// identities match): the last RDN first, `,` between RDNs, `+` inside one.
+/// A certificate's subject as QEMU names TLS clients for `authz-simple` (GnuTLS's
+/// `gnutls_x509_crt_get_dn`): the RDNs in certificate order (`C=GB,O=Example Org,CN=...`,
+/// not RFC 4514's reversed order), `,` between RDNs, `+` inside one, values escaped as RFC
+/// 4514 says.
 pub fn distinguished_name(der: &[u8]) -> Option<String> {
     let (_, cert) = x509_parser::parse_x509_certificate(der).ok()?;
     let registry = x509_parser::objects::oid_registry();
@@ -130,7 +132,6 @@ pub fn distinguished_name(der: &[u8]) -> Option<String> {
         }
         rdns.push(parts.join("+"));
     }
-    rdns.reverse();
     Some(rdns.join(","))
 }
 
