@@ -41,7 +41,7 @@ fn usage() -> ! {
         "usage: stord-bench aio [--duration-ms N] [--reactor io_uring|epoll] \
          [--policy off|classic|weighted|haltpoll]... [--think-us N]... [--out DIR]\n\
          \x20      stord-bench nbd [--runtime S] [--reps N] [--backend null|file]... \
-         [--daemon stord|stord-base|qsd|nbdkit]... [--workload RW:QD]... [--stord-policy P] [--file-aio MODE] [--jobs N] [--iothreads N] [--out DIR]\n\
+         [--daemon stord|stord-base|qsd|nbdkit]... [--workload RW:QD]... [--stord-policy P] [--file-aio MODE] [--jobs N] [--iothreads N] [--tcp on|off] [--tls on|off] [--out DIR]\n\
          \x20      stord-bench fuse [--runtime S] [--reps N] [--backend null|file]... \
          [--iothreads N]... [--daemon stord|stord-uring|qsd]... [--out DIR]\n\
          \x20      stord-bench vhost [--runtime S] [--reps N] [--backend null|file]... \
@@ -214,6 +214,8 @@ fn main() {
                     "--file-aio" => opts.file_aio = v.to_string(),
                     "--jobs" => opts.jobs = parse(flag, v),
                     "--iothreads" => opts.iothreads = parse(flag, v),
+                    "--tls" => opts.tls = v == "on",
+                    "--tcp" => opts.tcp = v == "on",
                     _ => usage(),
                 }
             }
@@ -230,6 +232,8 @@ fn main() {
                 "reps": opts.reps,
                 "stord_policy": opts.stord_policy,
                 "file_aio": opts.file_aio,
+                "tls": opts.tls,
+                "tcp": opts.tcp,
             });
             write_rows(out, "nbd", "nbd-fio", &rows, doc);
         }

@@ -6,6 +6,11 @@
 //! starts a fresh daemon with one IoThread. Reported: median IOPS, mean/p50/p99 latency,
 //! the daemon's CPU time per I/O (utime+stime from /proc/PID/stat over the run), spread
 //! across repetitions, and the ratios to qsd.
+//!
+//! `--tcp on` serves on TCP loopback (127.0.0.1:10809) instead of a unix socket.
+//! `--tls on` puts every daemon behind TLS (x509, the server's certificate only, as
+//! `verify-peer=off`): certificates are made once under results/tmp/tls-pki with the openssl
+//! command, and fio's libnbd finds the CA in `$HOME/.pki/libnbd`, with HOME pointed there.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -28,7 +33,14 @@ pub struct NbdOptions {
     pub jobs: u32,
     /// IoThreads serving stord's export (connections spread over them); qsd 10.0 takes one.
     pub iothreads: usize,
+    /// Every daemon serves through TLS.
+    pub tls: bool,
+    /// Serve on TCP loopback rather than a unix socket.
+    pub tcp: bool,
 }
+
+/// The port of `--tcp on`.
+const TCP_PORT: u16 = 10809;
 
 impl Default for NbdOptions {
     fn default() -> Self {
@@ -42,6 +54,8 @@ impl Default for NbdOptions {
             file_aio: "io_uring".into(),
             jobs: 1,
             iothreads: 1,
+            tls: false,
+            tcp: false,
         }
     }
 }
@@ -197,6 +211,92 @@ fn spread_over_iothreads(args: &mut Vec<String>, n: usize) {
     }
 }
 
+/// A CA and a server certificate for `localhost` (made once), and a HOME whose
+/// `.pki/libnbd` holds the CA for libnbd. Returns the server's credentials directory.
+fn tls_setup(dir: &Path) -> PathBuf {
+    let pki = dir.join("tls-pki");
+    let server = pki.join("server");
+    let home = pki.join("home");
+    if !server.join("server-key.pem").exists() {
+        std::fs::create_dir_all(&server).unwrap();
+        let script = format!(
+            "set -e; cd {}; \
+             openssl req -x509 -newkey rsa:2048 -nodes -days 3650 -keyout ca-key.pem \
+               -out server/ca-cert.pem -subj '/CN=stord-bench CA' \
+               -addext basicConstraints=critical,CA:TRUE \
+               -addext keyUsage=critical,keyCertSign,cRLSign; \
+             printf 'subjectAltName=DNS:localhost\nextendedKeyUsage=serverAuth\n' > ext; \
+             openssl req -newkey rsa:2048 -nodes -keyout server/server-key.pem -out s.csr \
+               -subj /CN=localhost; \
+             openssl x509 -req -in s.csr -CA server/ca-cert.pem -CAkey ca-key.pem \
+               -CAcreateserial -out server/server-cert.pem -days 3650 -extfile ext",
+            pki.display()
+        );
+        let st = Command::new("sh")
+            .args(["-c", &script])
+            .stderr(std::process::Stdio::null())
+            .status()
+            .expect("run openssl");
+        assert!(st.success(), "making the benchmark's certificates failed");
+    }
+    let libnbd = home.join(".pki/libnbd");
+    std::fs::create_dir_all(&libnbd).unwrap();
+    std::fs::copy(server.join("ca-cert.pem"), libnbd.join("ca-cert.pem")).unwrap();
+    // Only fio (and the libnbd in it) runs with this HOME.
+    let _ = crate::peers::FIO_HOME.set(home);
+    server
+}
+
+/// Moves a daemon's command line (from `nbd_args`) from its unix socket to TCP loopback,
+/// and returns the URI to use.
+fn use_tcp(d: &str, args: &mut [String]) -> String {
+    for a in args.iter_mut() {
+        if a.starts_with("addr.type=unix,") {
+            // "addr.type=unix,addr.path=P[,more]": keep "more".
+            let rest = a.splitn(3, ',').nth(2).unwrap_or("").to_string();
+            *a = format!("addr.type=inet,addr.host=127.0.0.1,addr.port={TCP_PORT}");
+            if !rest.is_empty() {
+                a.push(',');
+                a.push_str(&rest);
+            }
+        }
+    }
+    if d == "nbdkit" {
+        // "-f -U SOCK ...": listen on the port instead.
+        if let Some(i) = args.iter().position(|a| a == "-U") {
+            args[i] = "-p".into();
+            args[i + 1] = TCP_PORT.to_string();
+        }
+        return format!("nbd://localhost:{TCP_PORT}/");
+    }
+    format!("nbd://localhost:{TCP_PORT}/disk")
+}
+
+/// Puts a daemon's command line (from `nbd_args`) behind TLS with the credentials in
+/// `creds`, and returns the URI to use.
+fn add_tls(d: &str, args: &mut Vec<String>, uri: &str, creds: &Path) -> String {
+    if d == "nbdkit" {
+        args.insert(1, "--tls=require".into());
+        args.insert(2, format!("--tls-certificates={}", creds.display()));
+    } else {
+        args.insert(0, "--object".into());
+        args.insert(
+            1,
+            format!(
+                "tls-creds-x509,id=tls0,endpoint=server,dir={},verify-peer=off",
+                creds.display()
+            ),
+        );
+        for a in args.iter_mut() {
+            if a.starts_with("addr.type=") {
+                a.push_str(",tls-creds=tls0");
+            }
+        }
+    }
+    uri.replacen("nbd+unix://", "nbds+unix://", 1)
+        .replacen("nbd://", "nbds://", 1)
+}
+
 /// Runs the matrix; prints progress and returns the rows.
 pub fn run(opts: &NbdOptions) -> Vec<Row> {
     let dir = bench_dir();
@@ -208,6 +308,7 @@ pub fn run(opts: &NbdOptions) -> Vec<Row> {
     if opts.backends.iter().any(|b| b == "qcow2-full") {
         prepare_qcow2(&img, "full");
     }
+    let tls = opts.tls.then(|| tls_setup(&dir));
     for d in &opts.daemons {
         if !d.starts_with("stord") {
             which(if d == "qsd" { "qemu-storage-daemon" } else { d });
@@ -261,11 +362,21 @@ pub fn run(opts: &NbdOptions) -> Vec<Row> {
                         sock: sock.clone(),
                         mnt: PathBuf::new(),
                     };
-                    let (bin, mut args, uri) = nbd_args(&daemon, &backend, &paths);
+                    let (bin, mut args, mut uri) = nbd_args(&daemon, &backend, &paths);
+                    if opts.tcp {
+                        uri = use_tcp(d, &mut args);
+                    }
+                    if let Some(creds) = &tls {
+                        uri = add_tls(d, &mut args, &uri, creds);
+                    }
                     if opts.iothreads > 1 && d.starts_with("stord") {
                         spread_over_iothreads(&mut args, opts.iothreads);
                     }
-                    let daemon = Daemon::start(d, &bin, &args, &sock);
+                    let daemon = if opts.tcp {
+                        Daemon::start_tcp(d, &bin, &args, TCP_PORT)
+                    } else {
+                        Daemon::start(d, &bin, &args, &sock)
+                    };
                     fio.extend(["--ioengine=nbd".into(), format!("--uri={uri}")]);
                     let cpu0 = daemon.cpu_ns();
                     let r = run_fio(&fio);

@@ -44,15 +44,31 @@ impl Daemon {
     }
 
     /// Spawns a prepared command and waits until `sock` accepts connections.
-    pub fn start_cmd(name: &str, mut cmd: Command, sock: &Path) -> Daemon {
+    pub fn start_cmd(name: &str, cmd: Command, sock: &Path) -> Daemon {
         let _ = std::fs::remove_file(sock);
+        Self::start_until(name, cmd, &|| {
+            std::os::unix::net::UnixStream::connect(sock).is_ok()
+        })
+    }
+
+    /// Starts `cmd args` and waits until 127.0.0.1:`port` accepts connections.
+    pub fn start_tcp(name: &str, cmd: &Path, args: &[String], port: u16) -> Daemon {
+        let mut c = Command::new(cmd);
+        c.args(args).stdout(Stdio::null()).stderr(Stdio::inherit());
+        Self::start_until(name, c, &|| {
+            std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+        })
+    }
+
+    /// Spawns a prepared command and waits until `ready` says it listens.
+    fn start_until(name: &str, mut cmd: Command, ready: &dyn Fn() -> bool) -> Daemon {
         let child = cmd
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start {name}: {e}"));
         let mut d = Daemon { child };
         let start = Instant::now();
         loop {
-            if std::os::unix::net::UnixStream::connect(sock).is_ok() {
+            if ready() {
                 break;
             }
             if let Ok(Some(st)) = d.child.try_wait() {
@@ -124,9 +140,16 @@ pub fn run_fio(args: &[String]) -> FioResult {
     try_run_fio(args).unwrap_or_else(|e| panic!("{e}"))
 }
 
+/// The HOME fio runs with, if set (libnbd looks for TLS certificates under it).
+pub static FIO_HOME: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+
 /// [`run_fio`], but a failed fio is an error rather than a panic.
 pub fn try_run_fio(args: &[String]) -> Result<FioResult, String> {
-    let out = Command::new("fio")
+    let mut cmd = Command::new("fio");
+    if let Some(home) = FIO_HOME.get() {
+        cmd.env("HOME", home);
+    }
+    let out = cmd
         .args(args)
         .arg("--output-format=json")
         .arg("--verify_state_save=0")

@@ -382,7 +382,7 @@ impl State {
                     }
                 };
                 // A format node cannot write where its child cannot.
-                let ro = read_only || child.read_only;
+                let ro = read_only || child.is_read_only();
                 (Box::new(raw), ro, child.direct)
             }
             "throttle" => {
@@ -394,7 +394,7 @@ impl State {
                     )));
                 };
                 let child = self.child_node(&mut kv, "file", &mut opened_children)?;
-                let (ro, direct) = (read_only || child.read_only, child.direct);
+                let (ro, direct) = (read_only || child.is_read_only(), child.direct);
                 (Box::new(ThrottleDriver::new(child, group)), ro, direct)
             }
             "qcow2" => {
@@ -441,7 +441,7 @@ impl State {
         opened: &mut Vec<String>,
     ) -> Result<(Box<dyn BlockDriver>, bool, bool), DaemonError> {
         let opts = Qcow2Options::from_opts(kv)?;
-        let ro = read_only || file.read_only;
+        let ro = read_only || file.is_read_only();
         let given = if let Some(inline) = kv.take_prefixed("backing") {
             let node = self.open_node(inline, true)?;
             opened.push(node.name.clone());
@@ -636,7 +636,7 @@ impl State {
         let node = self.nodes.remove(name).expect("present");
         // What a format node still caches (qcow2's tables) goes to disk before it closes,
         // as QEMU's bdrv_close flushes.
-        if !node.read_only {
+        if !node.is_read_only() {
             let n = node.clone();
             match crate::block::block_on_helper(move || async move { n.flush().await }) {
                 Ok(Ok(())) => {}
@@ -650,6 +650,68 @@ impl State {
             .collect();
         drop(node);
         self.drop_implicit(children);
+        Ok(())
+    }
+
+    /// `blockdev-reopen` of one node's `read-only` state. A node goes read-only only when
+    /// no writable export or writable parent uses it (after a flush), and writable again
+    /// only if it was opened writable: stord does not reopen files with other flags.
+    pub fn reopen_read_only(&mut self, name: &str, read_only: bool) -> Result<(), DaemonError> {
+        let Some(node) = self.nodes.get(name).cloned() else {
+            return Err(DaemonError::NodeNotFound(name.into()));
+        };
+        if node.is_read_only() == read_only {
+            return Ok(());
+        }
+        if !read_only {
+            if !node.can_write() {
+                return Err(DaemonError::Invalid(format!(
+                    "Cannot make node '{name}' writable: it was opened read-only (stord \
+                     cannot reopen its file read-write; blockdev-add it writable)"
+                )));
+            }
+            node.set_read_only(false);
+            return Ok(());
+        }
+        // Every node at or above this one, for the writers among their users.
+        let mut above = vec![name.to_string()];
+        let mut i = 0;
+        while i < above.len() {
+            for (parent, _) in self.parents_of(&above[i].clone()) {
+                if !above.contains(&parent) {
+                    above.push(parent);
+                }
+            }
+            i += 1;
+        }
+        if let Some(e) = self
+            .exports
+            .values()
+            .find(|e| e.writable() && above.contains(&e.node().name))
+        {
+            return Err(DaemonError::Invalid(format!(
+                "Cannot make node '{name}' read-only: writable export '{}' uses it",
+                e.id()
+            )));
+        }
+        if let Some(p) = above[1..]
+            .iter()
+            .find(|p| self.nodes.get(*p).is_some_and(|n| !n.is_read_only()))
+        {
+            return Err(DaemonError::Invalid(format!(
+                "Cannot make node '{name}' read-only: writable node '{p}' uses it"
+            )));
+        }
+        let n = node.clone();
+        match crate::block::block_on_helper(move || async move { n.flush().await }) {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) | Err(e) => {
+                return Err(DaemonError::Invalid(format!(
+                    "Cannot make node '{name}' read-only: flush failed: {e}"
+                )))
+            }
+        }
+        node.set_read_only(true);
         Ok(())
     }
 
@@ -947,7 +1009,7 @@ impl Daemon {
         }
         let nodes: Vec<Arc<BlockNode>> = self.state.borrow().nodes.values().cloned().collect();
         for node in nodes {
-            if !node.read_only {
+            if !node.is_read_only() {
                 let n = node.clone();
                 if let Err(e) = self.ctx.block_on(async move { n.flush().await }) {
                     tracing::error!("flushing node '{}' failed: {e}", node.name);

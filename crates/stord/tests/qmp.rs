@@ -49,3 +49,8 @@ fn qmp_deletes_an_export_under_load() {
 fn qmp_query_shapes_match_qemu_storage_daemon() {
     run_script("compare_qsd.py");
 }
+
+#[test]
+fn qmp_reopen_and_transaction_answer_as_qsd() {
+    run_script("reopen_transaction.py");
+}

@@ -179,8 +179,10 @@ pub struct NodeStats {
 pub struct BlockNode {
     /// `node-name`.
     pub name: String,
-    /// Refuse writes.
-    pub read_only: bool,
+    /// Refuse writes (changes with `blockdev-reopen`).
+    read_only: std::sync::atomic::AtomicBool,
+    /// Opened for writing: whether it may be made writable again.
+    opened_writable: bool,
     /// Opened with O_DIRECT.
     pub direct: bool,
     /// Counters.
@@ -197,11 +199,29 @@ impl BlockNode {
     pub fn new(name: String, driver: Box<dyn BlockDriver>, read_only: bool, direct: bool) -> Self {
         Self {
             name,
-            read_only,
+            read_only: std::sync::atomic::AtomicBool::new(read_only),
+            opened_writable: !read_only,
             direct,
             stats: NodeStats::default(),
             driver,
         }
+    }
+
+    /// Whether writes are refused.
+    pub fn is_read_only(&self) -> bool {
+        self.read_only.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Whether the node can be made writable: it was opened for writing (stord does not
+    /// reopen a read-only file read-write).
+    pub fn can_write(&self) -> bool {
+        self.opened_writable
+    }
+
+    /// `blockdev-reopen` of `read-only`: the caller checked `can_write` and the users.
+    pub fn set_read_only(&self, ro: bool) {
+        self.read_only
+            .store(ro, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// The driver's name.
@@ -243,7 +263,7 @@ impl BlockNode {
     }
 
     fn check_writable(&self) -> io::Result<()> {
-        if self.read_only {
+        if self.is_read_only() {
             Err(io::Error::from_raw_os_error(libc::EPERM))
         } else {
             Ok(())

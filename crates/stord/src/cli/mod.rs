@@ -77,9 +77,20 @@ With no options, serves data/default.img (created sparse, 1 GiB) over NBD on a u
            [,x-bps-total=<n>][,x-bps-read=<n>][,x-bps-write=<n>][,x-<limit>-max=<n>]
            [,x-<limit>-max-length=<s>][,x-iops-size=<bytes>] (also limits.<limit>=...)
                             limits shared by the throttle nodes of the group
+  --object tls-creds-x509,id=<id>,endpoint=server,dir=<dir>[,verify-peer=on|off][,passwordid=<secret id>]
+                            TLS certificates: <dir>/ca-cert.pem, server-cert.pem, server-key.pem
+                            (ca-crl.pem if present); verify-peer=on (the default) requires
+                            clients to present a certificate the CA signed
+  --object tls-creds-psk,id=<id>,endpoint=server,dir=<dir>
+                            TLS pre-shared keys: <dir>/keys.psk, username:hexkey per line
+  --object authz-simple,id=<id>,identity=<name>
+                            the one TLS client admitted: its certificate's name as QEMU writes
+                            it (C=GB,,O=Example,,CN=client: commas doubled) or its PSK username
+  --object secret,id=<id>,data=<text>|file=<path>[,format=raw|base64]
+                            a secret (the passphrase of an encrypted server-key.pem)
   --nbd-server addr.type=unix,addr.path=<path> | addr.type=inet,addr.host=<host>,addr.port=<port>
-               [,max-connections=<n>][,handshake-max-seconds=<s>]
-                            the NBD server
+               [,max-connections=<n>][,handshake-max-seconds=<s>][,tls-creds=<id>[,tls-authz=<id>]]
+                            the NBD server; with tls-creds every client must use TLS
   --export type=nbd,id=<id>,node-name=<name>[,name=<export name>][,description=<text>]
            [,writable=on|off][,multi-conn=on|off|auto][,allocation-depth=on|off]
            [,iothread=<id> | ,iothread.0=<id>,iothread.1=<id>...]

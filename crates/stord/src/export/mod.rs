@@ -30,6 +30,8 @@ pub trait Export {
     fn kind(&self) -> &'static str;
     /// The node served.
     fn node(&self) -> &Arc<BlockNode>;
+    /// Whether clients may write (the node must stay writable).
+    fn writable(&self) -> bool;
     /// Whether it serves on the IoThread `thread` (which then cannot be deleted).
     fn runs_on(&self, thread: &Remote) -> bool;
     /// A resource only one export may hold (a mountpoint, a socket path), if any.

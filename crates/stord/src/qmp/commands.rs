@@ -27,7 +27,25 @@ pub const COMMANDS: &[&str] = &[
     "block-export-add",
     "block-export-del",
     "query-block-exports",
+    "blockdev-reopen",
+    "transaction",
     "quit",
+];
+
+/// Options `blockdev-reopen` takes besides `node-name` and `read-only`: they describe the
+/// node as it is (libvirt repeats them); stord changes none of them.
+const REOPEN_KEPT: &[&str] = &[
+    "driver",
+    "filename",
+    "file",
+    "backing",
+    "auto-read-only",
+    "discard",
+    "detect-zeroes",
+    "cache",
+    "aio",
+    "locking",
+    "throttle-group",
 ];
 
 /// Typed access to a command's arguments, with QEMU's error texts.
@@ -333,6 +351,76 @@ pub async fn execute(
                 .collect();
             Ok(Value::Array(v))
         }
+        "blockdev-reopen" => {
+            let list = match a.map.remove("options") {
+                Some(Value::Array(l)) => l,
+                Some(_) => return Err(Args::type_error("options", "array")),
+                None => return Err(QmpError::generic("Parameter 'options' is missing")),
+            };
+            a.finish()?;
+            // Checked whole before anything changes.
+            let mut todo = Vec::new();
+            for o in list {
+                let Value::Object(o) = o else {
+                    return Err(Args::type_error("options", "object"));
+                };
+                let mut o = Args { map: o };
+                let name = o.str_req("node-name")?;
+                // As QEMU: options left out take their defaults, so no read-only is rw.
+                let ro = o.bool_opt("read-only")?.unwrap_or(false);
+                let st = state.borrow();
+                let Some(node) = st.nodes.get(&name) else {
+                    return Err(QmpError::generic(format!(
+                        "Cannot find node named '{name}'"
+                    )));
+                };
+                if let Some(Value::String(d)) = o.map.get("driver") {
+                    if d != node.driver_name() {
+                        return Err(QmpError::generic(format!(
+                            "Cannot change the option 'driver' of node '{name}'"
+                        )));
+                    }
+                }
+                if let Some(k) = o.map.keys().find(|k| !REOPEN_KEPT.contains(&k.as_str())) {
+                    return Err(QmpError::generic(format!(
+                        "blockdev-reopen: stord can change only 'read-only' (got '{k}')"
+                    )));
+                }
+                todo.push((name, ro));
+            }
+            let mut st = state.borrow_mut();
+            for (name, ro) in todo {
+                st.reopen_read_only(&name, ro)?;
+            }
+            Ok(json!({}))
+        }
+        "transaction" => {
+            // QEMU's actions are backups, snapshots and dirty bitmaps, none of which stord
+            // has; `abort` (which fails the transaction) is the one it can honour.
+            let actions = match a.map.remove("actions") {
+                Some(Value::Array(l)) => l,
+                Some(_) => return Err(Args::type_error("actions", "array")),
+                None => return Err(QmpError::generic("Parameter 'actions' is missing")),
+            };
+            let _ = a.map.remove("properties");
+            a.finish()?;
+            let mut abort = false;
+            for act in &actions {
+                match act.get("type").and_then(Value::as_str) {
+                    Some("abort") => abort = true,
+                    Some(t) => {
+                        return Err(QmpError::generic(format!(
+                            "transaction: action '{t}' is not supported by stord (supported: abort)"
+                        )))
+                    }
+                    None => return Err(QmpError::generic("Parameter 'type' is missing")),
+                }
+            }
+            if abort {
+                return Err(QmpError::generic("Transaction aborted using Abort action"));
+            }
+            Ok(json!({}))
+        }
         "quit" => {
             a.finish()?;
             let st = state.borrow();
@@ -520,7 +608,7 @@ fn query_named_block_nodes(st: &State) -> Value {
                 json!({
                     "node-name": n.name,
                     "drv": n.driver_name(),
-                    "ro": n.read_only,
+                    "ro": n.is_read_only(),
                     "file": file,
                     "encrypted": false,
                     "active": true,

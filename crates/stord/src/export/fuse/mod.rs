@@ -223,7 +223,7 @@ impl FuseExport {
                 opts.mountpoint.display()
             ));
         }
-        if (opts.writable || opts.growable) && node.read_only {
+        if (opts.writable || opts.growable) && node.is_read_only() {
             return Err(format!("{what}: node '{}' is read-only", node.name));
         }
         let dev = OpenOptions::new()
@@ -463,6 +463,9 @@ impl Export for FuseExport {
     }
     fn kind(&self) -> &'static str {
         "fuse"
+    }
+    fn writable(&self) -> bool {
+        self.shared.writable
     }
     fn node(&self) -> &Arc<BlockNode> {
         &self.node

@@ -251,7 +251,7 @@ pub fn create(env: &ExportEnv<'_>, mut kv: KeyVal) -> Result<Box<dyn Export>, St
     let what = kv.what.clone();
     let iothreads = env.remotes(&what, &names)?;
     kv.finish()?;
-    if writable && node.read_only {
+    if writable && node.is_read_only() {
         return Err(format!(
             "{what}: node '{node_name}' is read-only, cannot export it writable"
         ));
@@ -277,6 +277,9 @@ impl Export for NbdExportHandle {
     }
     fn kind(&self) -> &'static str {
         "nbd"
+    }
+    fn writable(&self) -> bool {
+        self.export.writable
     }
     fn node(&self) -> &Arc<BlockNode> {
         &self.export.node

@@ -103,6 +103,8 @@ pub struct VhostUserBlkExport {
     pub id: String,
     pub node: Arc<BlockNode>,
     pub path: PathBuf,
+    /// Guests may write.
+    writable: bool,
     dev: Arc<BlkDevice>,
     acceptor: Option<Acceptor>,
     conns: Arc<Mutex<Vec<Connection>>>,
@@ -120,7 +122,7 @@ impl VhostUserBlkExport {
         mut remotes: Vec<Remote>,
     ) -> Result<Self, String> {
         let what = format!("vhost-user-blk export '{}'", opts.id);
-        if opts.writable && node.read_only {
+        if opts.writable && node.is_read_only() {
             return Err(format!("{what}: node '{}' is read-only", node.name));
         }
         if !node
@@ -171,6 +173,7 @@ impl VhostUserBlkExport {
             id: opts.id,
             node,
             path: opts.path,
+            writable: opts.writable,
             dev,
             acceptor: Some(acceptor),
             conns,
@@ -246,6 +249,9 @@ impl Export for VhostUserBlkExport {
     }
     fn kind(&self) -> &'static str {
         "vhost-user-blk"
+    }
+    fn writable(&self) -> bool {
+        self.writable
     }
     fn node(&self) -> &Arc<BlockNode> {
         &self.node
