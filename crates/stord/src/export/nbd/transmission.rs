@@ -549,16 +549,27 @@ async fn block_status(conn: &Conn, req: &Request) {
         chunks.push(payload);
     }
     let last = chunks.len() - 1;
-    for (i, payload) in chunks.iter().enumerate() {
-        let flags = if i == last { REPLY_FLAG_DONE } else { 0 };
-        let h = Conn::chunk_header(
-            req.handle,
-            flags,
-            REPLY_TYPE_BLOCK_STATUS,
-            payload.len() as u32,
-        );
-        conn.queue(req, &[&h, payload], None);
-    }
+    let headers: Vec<[u8; 20]> = chunks
+        .iter()
+        .enumerate()
+        .map(|(i, payload)| {
+            let flags = if i == last { REPLY_FLAG_DONE } else { 0 };
+            Conn::chunk_header(
+                req.handle,
+                flags,
+                REPLY_TYPE_BLOCK_STATUS,
+                payload.len() as u32,
+            )
+        })
+        .collect();
+    // All chunks in one `queue`: it is the request's one reply (each call gives back the
+    // request's budget once; a call per chunk gave it back twice).
+    let parts: Vec<&[u8]> = headers
+        .iter()
+        .zip(&chunks)
+        .flat_map(|(h, p)| [&h[..], &p[..]])
+        .collect();
+    conn.queue(req, &parts, None);
 }
 
 /// The extents of one metadata context over a request's range: `status(offset, len)` gives
