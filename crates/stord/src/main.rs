@@ -20,6 +20,10 @@ fn main() -> ExitCode {
         print!("{USAGE}");
         return ExitCode::SUCCESS;
     }
+    if let Some(text) = cl.object_help.take() {
+        print!("{text}");
+        return ExitCode::SUCCESS;
+    }
     if cl.version {
         println!("stord {}", env!("CARGO_PKG_VERSION"));
         return ExitCode::SUCCESS;

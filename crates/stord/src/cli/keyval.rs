@@ -253,6 +253,28 @@ fn flatten_json(
     }
 }
 
+/// Fuzz entry (`fuzz/fuzz_targets/keyval.rs`): `data` as an option list with an implied
+/// key, then consumed the ways the daemon consumes options.
+#[doc(hidden)]
+pub fn fuzz(data: &[u8]) {
+    let Ok(s) = std::str::from_utf8(data) else {
+        return;
+    };
+    let Ok(mut kv) = KeyVal::parse("--fuzz", s, Some("driver")) else {
+        return;
+    };
+    let _ = kv.take_bool("read-only", false);
+    let _ = kv.take_u64("size", true);
+    let _ = kv.take_u64("poll-max-ns", false);
+    let _ = kv.take_choice("aio", &["io_uring", "native", "threads"]);
+    let _ = kv.take_list("iothread");
+    if let Some(child) = kv.take_prefixed("file") {
+        let _ = child.finish();
+    }
+    let _ = kv.take_required("driver");
+    let _ = kv.finish();
+}
+
 /// Parses a number; with `size`, accepts k/M/G/T/P/E suffixes (powers of 1024).
 pub fn parse_u64(v: &str, size: bool) -> Option<u64> {
     let v = v.trim();

@@ -45,6 +45,56 @@ pub struct CommandLine {
     pub version: bool,
     /// `--daemonize`.
     pub daemonize: bool,
+    /// `--object help` or `--object TYPE,help`: what to print instead of running.
+    pub object_help: Option<String>,
+}
+
+/// The `--object` types the help text describes, in its order.
+pub fn object_types() -> Vec<&'static str> {
+    let mut v: Vec<&str> = USAGE
+        .lines()
+        .filter_map(|l| l.trim_start().strip_prefix("--object "))
+        .filter_map(|rest| rest.split(',').next())
+        .collect();
+    v.dedup();
+    v
+}
+
+/// What `--object help` (the types) or `--object TYPE,help` (that type's properties, from
+/// the help text) prints, as qsd answers them; None for any other `--object` value.
+pub fn object_help(value: &str) -> Option<Result<String, String>> {
+    let parts: Vec<&str> = value.split(',').collect();
+    let kind = match parts.as_slice() {
+        ["help"] | ["qom-type=help"] => {
+            let mut out = String::from("List of user creatable objects:\n");
+            for t in object_types() {
+                out.push_str(&format!("  {t}\n"));
+            }
+            return Some(Ok(out));
+        }
+        [t, "help"] => t.strip_prefix("qom-type=").unwrap_or(t),
+        _ => return None,
+    };
+    let mut out = String::new();
+    let mut inside = false;
+    for line in USAGE.lines() {
+        let trimmed = line.trim_start();
+        if trimmed.starts_with("--") {
+            inside = trimmed.starts_with(&format!("--object {kind},"));
+        }
+        if inside {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    Some(if out.is_empty() {
+        Err(format!(
+            "--object: unknown object type '{kind}' (supported: {})",
+            object_types().join(", ")
+        ))
+    } else {
+        Ok(format!("{kind} options:\n{out}"))
+    })
 }
 
 /// The help text.
@@ -148,7 +198,13 @@ pub fn parse(args: &[String]) -> Result<CommandLine, String> {
         match name {
             "-h" | "--help" => cl.help = true,
             "-V" | "--version" => cl.version = true,
-            "--object" => cl.items.push(Item::Object(value.expect("value"))),
+            "--object" => {
+                let v = value.expect("value");
+                match object_help(&v) {
+                    Some(text) => cl.object_help = Some(text?),
+                    None => cl.items.push(Item::Object(v)),
+                }
+            }
             "--blockdev" => cl.items.push(Item::Blockdev(value.expect("value"))),
             "--nbd-server" => cl.items.push(Item::NbdServer(value.expect("value"))),
             "--export" => cl.items.push(Item::Export(value.expect("value"))),
@@ -205,5 +261,24 @@ mod tests {
             .unwrap_err()
             .contains("--blockdev"));
         assert!(parse(&args(&["--help=x"])).unwrap_err().contains("--help"));
+        let types = parse(&args(&["--object", "help"]))
+            .unwrap()
+            .object_help
+            .unwrap();
+        assert!(
+            types.contains("tls-creds-x509") && types.contains("iothread"),
+            "{types}"
+        );
+        let x509 = parse(&args(&["--object", "tls-creds-x509,help"]))
+            .unwrap()
+            .object_help
+            .unwrap();
+        assert!(
+            x509.contains("verify-peer") && !x509.contains("poll-max-ns"),
+            "{x509}"
+        );
+        assert!(parse(&args(&["--object", "nope,help"]))
+            .unwrap_err()
+            .contains("unknown object type 'nope'"));
     }
 }
