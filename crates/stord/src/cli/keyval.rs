@@ -284,8 +284,11 @@ pub fn parse_u64(v: &str, size: bool) -> Option<u64> {
     if !size || v.is_empty() {
         return None;
     }
-    let (num, suffix) = v.split_at(v.len() - 1);
-    let shift = match suffix {
+    // The suffix is one character, which need not be one byte ("1é" must not panic).
+    let mut chars = v.chars();
+    let suffix = chars.next_back()?.to_string();
+    let num = chars.as_str();
+    let shift = match suffix.as_str() {
         "k" | "K" => 10,
         "M" | "m" => 20,
         "G" | "g" => 30,
@@ -301,6 +304,16 @@ pub fn parse_u64(v: &str, size: bool) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Found by the keyval fuzz target: a multi-byte last character panicked in split_at.
+    #[test]
+    fn sizes_with_a_multibyte_suffix_are_errors_not_panics() {
+        assert_eq!(parse_u64("0\u{a6}", true), None);
+        assert_eq!(parse_u64("\u{e9}", true), None);
+        assert_eq!(parse_u64("4k", true), Some(4096));
+        let mut kv = KeyVal::parse("--blockdev", "driver=null-co,size=1\u{e9}", None).unwrap();
+        assert!(kv.take_u64("size", true).is_err());
+    }
 
     #[test]
     fn list_options_take_one_value_or_an_indexed_list() {

@@ -109,6 +109,34 @@ impl JsonStream {
     }
 }
 
+/// Fuzz entry (`fuzz/fuzz_targets/qmp_stream.rs`): the rest of `data` pushed in chunks of
+/// `data[0]` bytes; every text cut out is parsed as JSON. What comes out never exceeds what
+/// went in.
+#[doc(hidden)]
+pub fn fuzz(data: &[u8]) {
+    let Some((&step, rest)) = data.split_first() else {
+        return;
+    };
+    let mut s = JsonStream::default();
+    let mut out = 0;
+    for chunk in rest.chunks(usize::from(step).max(1)) {
+        for p in s.push(chunk) {
+            match p {
+                Piece::Json(t) => {
+                    out += t.len();
+                    let _ = serde_json::from_slice::<serde_json::Value>(&t);
+                }
+                Piece::Garbage(g) => out += g.len(),
+                Piece::TooDeep => return,
+            }
+        }
+    }
+    assert!(
+        out + s.pending() <= rest.len(),
+        "pieces larger than the input"
+    );
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -878,3 +878,24 @@ impl BlockDriver for Qcow2Driver {
         v
     }
 }
+
+/// Fuzz entry (`fuzz/fuzz_targets/qcow2_header.rs`): `data` as the start of an image; if
+/// its header parses, every 8 bytes of it decoded as an L2 entry and all of it read as a
+/// refcount block, with the header's geometry.
+#[doc(hidden)]
+pub fn fuzz(data: &[u8]) {
+    let _ = header::Header::bytes_needed(data);
+    let Ok(h) = header::Header::parse(data) else {
+        return;
+    };
+    assert!((9..=21).contains(&h.cluster_bits) && h.refcount_order <= 6);
+    let codec = table::EntryCodec::new(h.cluster_bits, h.version);
+    for w in data.chunks_exact(8) {
+        let _ = codec.decode(u64::from_be_bytes(w.try_into().expect("8 bytes")));
+    }
+    let rc = table::RefcountCodec::new(h.refcount_order);
+    let entries = (data.len() * 8) >> h.refcount_order;
+    for i in 0..entries {
+        assert!(rc.get(data, i) <= rc.max());
+    }
+}

@@ -10,6 +10,8 @@
 //! With `tls-creds`, every client must start TLS (STARTTLS) before anything else; the
 //! session moves with the connection to its IoThread.
 
+#[doc(hidden)]
+pub mod fuzz;
 mod handshake;
 mod io;
 pub mod proto;
