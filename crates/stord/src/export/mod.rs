@@ -9,6 +9,8 @@
 //! finished, after which the daemon sends BLOCK_EXPORT_DELETED and drops the export.
 
 pub mod fuse;
+#[doc(hidden)]
+pub mod fuzz_loop;
 pub mod nbd;
 pub mod vhost_user_blk;
 

@@ -6,6 +6,8 @@
 //! handler (never a poll handler: reading /dev/fuse is a syscall). A watchdog process
 //! unmounts if the daemon dies without doing so (kill -9).
 
+#[doc(hidden)]
+pub mod fuzz;
 mod handler;
 mod proto;
 mod session;

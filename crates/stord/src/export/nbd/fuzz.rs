@@ -5,13 +5,12 @@
 //! Not part of the API: hidden from the docs, used by `fuzz/fuzz_targets/nbd_*.rs` and by
 //! the seed-replay tests below.
 
-use std::cell::Cell;
 use std::io::Write;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 
-use stord_aio::{op, AioContext, Slice};
+use stord_aio::{op, Slice};
 
 use super::{ExportTable, NbdExport};
 use crate::block::null::NullDriver;
@@ -20,25 +19,6 @@ use crate::block::BlockNode;
 /// At most this much client input per run: the whole of it fits in the socket's buffer, so
 /// writing it never waits for the server.
 pub const MAX_INPUT: usize = 64 << 10;
-
-thread_local! {
-    // Leaked: one loop per thread for all runs (dropping it in a thread-local destructor
-    // would touch thread-locals already gone).
-    static CTX: Cell<Option<&'static AioContext>> = const { Cell::new(None) };
-}
-
-fn with_ctx<T>(f: impl FnOnce(&AioContext) -> T) -> T {
-    let ctx = CTX.with(|c| match c.get() {
-        Some(ctx) => ctx,
-        None => {
-            let ctx: &'static AioContext =
-                Box::leak(Box::new(AioContext::new(Default::default()).expect("loop")));
-            c.set(Some(ctx));
-            ctx
-        }
-    });
-    f(ctx)
-}
 
 /// A table with one export, `disk`: a 1 MiB null node, writable, with allocation-depth.
 fn table() -> ExportTable {
@@ -108,7 +88,7 @@ async fn drain(fd: OwnedFd) -> Vec<u8> {
 pub fn handshake(input: &[u8]) -> bool {
     let (server, client) = client(input);
     let exports = table();
-    with_ctx(|ctx| {
+    crate::export::fuzz_loop::with_loop(|ctx| {
         ctx.block_on(async move {
             let drainer = stord_aio::spawn(drain(client));
             let r = super::handshake::negotiate(server.as_raw_fd(), &exports, None).await;
@@ -140,7 +120,7 @@ pub fn transmission(input: &[u8]) -> Vec<u8> {
         tls: None,
         cipher: Vec::new(),
     };
-    with_ctx(|ctx| {
+    crate::export::fuzz_loop::with_loop(|ctx| {
         ctx.block_on(async move {
             let drainer = stord_aio::spawn(drain(client));
             super::transmission::serve(server, n).await;

@@ -13,6 +13,8 @@
 
 mod backend;
 mod device;
+#[doc(hidden)]
+pub mod fuzz;
 mod inflight;
 mod request;
 mod vring;

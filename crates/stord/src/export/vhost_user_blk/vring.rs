@@ -599,8 +599,12 @@ pub fn walk_chain(
             return Err("descriptor chain loops".into());
         }
         budget -= 1;
+        let at = table
+            .0
+            .checked_add(16 * u64::from(next))
+            .ok_or_else(|| format!("descriptor {next} beyond the address space"))?;
         let d: Descriptor = mem
-            .read_obj(GuestAddress(table.0 + 16 * u64::from(next)))
+            .read_obj(GuestAddress(at))
             .map_err(|e| format!("descriptor {next} unreadable: {e}"))?;
         if d.flags() & VRING_DESC_F_INDIRECT as u16 != 0 {
             if indirect || chain.out.len() + chain.inn.len() > 0 {

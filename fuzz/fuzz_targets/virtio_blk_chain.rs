@@ -1,0 +1,6 @@
+//! A virtio-blk descriptor chain (direct or indirect) walked over fuzzed guest memory with
+//! a hole, and executed against a null disk.
+#![no_main]
+libfuzzer_sys::fuzz_target!(|data: &[u8]| {
+    stord::export::vhost_user_blk::fuzz::chain(data);
+});
