@@ -316,9 +316,12 @@ fn storage_that_vanishes_under_a_file_gives_io_errors_and_the_daemon_serves_on()
     assert!(out.contains("write failed"), "{out}");
     // The other export, on healthy storage, is unaffected.
     let ok_uri = format!("nbd+unix:///ok?socket={}", sock.display());
-    let out = run("qemu-io", &["-r", "-f", "raw", "-c", "read -P 0x44 0 1M", &ok_uri]);
-    let text = String::from_utf8_lossy(&out.stdout).to_string()
-        + &String::from_utf8_lossy(&out.stderr);
+    let out = run(
+        "qemu-io",
+        &["-r", "-f", "raw", "-c", "read -P 0x44 0 1M", &ok_uri],
+    );
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
     assert!(text.contains("read") && !text.contains("failed"), "{text}");
     drop(b);
 }

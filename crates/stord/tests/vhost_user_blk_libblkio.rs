@@ -371,3 +371,90 @@ fn aligned_buffers_are_not_copied_and_unaligned_ones_are_on_every_engine() {
         );
     }
 }
+
+/// Set for the helper below: the socket it hammers.
+const CHILD_SOCK: &str = "STORD_TEST_BLKIO_CHILD_SOCK";
+
+/// Helper, not a test of its own: run by
+/// `a_libblkio_client_killed_mid_io_leaves_the_export_serving` in a child process, which it
+/// kills with SIGKILL while requests are in flight.
+#[test]
+#[ignore = "helper process for a_libblkio_client_killed_mid_io_leaves_the_export_serving"]
+fn blkio_child_writes_until_killed() {
+    let sock = std::env::var(CHILD_SOCK).expect("run by the parent test");
+    let mut c = connect(Path::new(&sock), 1, false);
+    let base = c.region.addr;
+    let q = &mut c.queues[0];
+    let mut i = 0u64;
+    loop {
+        // Eight writes in flight, then wait for them: the kill lands mid-batch.
+        for k in 0..8usize {
+            let off = ((i * 8 + k as u64) % 256) * BS as u64;
+            q.write(off, (base + k * BS) as *const u8, BS, k, ReqFlags::empty());
+        }
+        let mut done: [MaybeUninit<Completion>; 8] = [const { MaybeUninit::uninit() }; 8];
+        q.do_io(&mut done, 8, None, None).expect("do_io");
+        i += 1;
+    }
+}
+
+#[test]
+fn a_libblkio_client_killed_mid_io_leaves_the_export_serving() {
+    let dir = tmpdir("blkio-killed");
+    let img = dir.join("disk.img");
+    common::sparse_image(&img, IMAGE);
+    let sock = dir.join("vhost.sock");
+    let peer = Peer::start(false, &dir, &img, &sock, ",writable=on", 1);
+    let Peer::Stord(s) = &peer else {
+        unreachable!("stord")
+    };
+    // One client first, so what the first I/O sets up for good (the IoThread's ring and
+    // its engine's descriptors) counts in the baseline.
+    let mut c = connect(&sock, 1, false);
+    write_and_verify(&mut c);
+    drop(c);
+    std::thread::sleep(Duration::from_millis(300));
+    let fds = s.fd_count();
+    for round in 0..3 {
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "blkio_child_writes_until_killed",
+                "--ignored",
+                "--nocapture",
+            ])
+            .env(CHILD_SOCK, &sock)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(200 + 100 * round));
+        if child.try_wait().unwrap().is_some() {
+            let out = child.wait_with_output().unwrap();
+            panic!(
+                "the client died by itself: {}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+    // A new client connects and its data round-trips.
+    let mut c = connect(&sock, 1, false);
+    write_and_verify(&mut c);
+    drop(c);
+    // The killed clients' connections are gone: descriptors back to what they were.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while s.fd_count() > fds {
+        if Instant::now() > deadline {
+            let list: Vec<String> = std::fs::read_dir(format!("/proc/{}/fd", s.pid()))
+                .unwrap()
+                .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+                .map(|p| p.display().to_string())
+                .collect();
+            panic!("descriptors {} -> {}: {list:?}", fds, s.fd_count());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
