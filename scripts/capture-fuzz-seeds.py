@@ -81,6 +81,44 @@ class Relay:
         return out
 
 
+class FdRelay(Relay):
+    """A relay that also forwards descriptors (SCM_RIGHTS), for vhost-user."""
+
+    @staticmethod
+    def pump(src, dst, rec):
+        try:
+            while True:
+                data, fds, _, _ = socket.recv_fds(src, 65536, 64)
+                if not data:
+                    break
+                if rec is not None:
+                    rec.extend(data)
+                socket.send_fds(dst, [data], fds)
+                for fd in fds:
+                    os.close(fd)
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+def libblkio_helper():
+    """The libblkio client helper of the vhost-user-blk tests (built if needed)."""
+    out = subprocess.run(["cargo", "test", "-p", "stord", "--test", "vhost_user_blk_libblkio",
+                          "--no-run", "--message-format=json"], cwd=ROOT, check=True,
+                         capture_output=True, text=True).stdout
+    import json
+    for line in out.splitlines():
+        m = json.loads(line)
+        if m.get("reason") == "compiler-artifact" and m.get("executable") and \
+                "vhost_user_blk_libblkio" in m["executable"]:
+            return m["executable"]
+    raise SystemExit("no vhost_user_blk_libblkio test binary")
+
+
 def split_handshake(stream):
     """(negotiation bytes, transmission bytes): options until GO or EXPORT_NAME."""
     pos = 4
@@ -159,6 +197,60 @@ def main():
     finally:
         daemon.terminate()
         daemon.wait()
+
+    # vhost-user: what libblkio sends (connect, memory regions, vrings, then requests),
+    # through a relay that forwards its descriptors, for half a second.
+    img = os.path.join(tmp, "vhost.img")
+    with open(img, "wb") as f:
+        f.truncate(64 << 20)
+    vsock = os.path.join(tmp, "vhost.sock")
+    daemon = subprocess.Popen([
+        stord, "--object", "iothread,id=io0",
+        "--blockdev", f"driver=file,node-name=disk,filename={img}",
+        "--export", f"type=vhost-user-blk,id=v,node-name=disk,addr.type=unix,"
+                    f"addr.path={vsock},writable=on,iothread=io0",
+    ], stderr=subprocess.DEVNULL)
+    try:
+        while not os.path.exists(vsock):
+            time.sleep(0.01)
+        vfront = os.path.join(tmp, "vfront.sock")
+        vrelay = FdRelay(vfront, vsock)
+        child = subprocess.Popen(
+            [libblkio_helper(), "--exact", "blkio_child_writes_until_killed", "--ignored"],
+            env=dict(os.environ, STORD_TEST_BLKIO_CHILD_SOCK=vfront),
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(0.5)
+        child.kill()
+        child.wait()
+        for i, stream in enumerate(vrelay.take()):
+            save("vhost_user_messages", stream[:60000], f"libblkio{i}")
+    finally:
+        daemon.terminate()
+        daemon.wait()
+
+    # virtio-blk chains and FUSE requests: made here (no capture point between a guest or
+    # the kernel and stord), in the layouts the fuzz entries take.
+    def desc(addr, length, flags, nxt):
+        return (addr.to_bytes(8, "little") + length.to_bytes(4, "little")
+                + flags.to_bytes(2, "little") + nxt.to_bytes(2, "little"))
+
+    for name, kind, data_flags in [("read", 0, 3), ("write", 1, 1), ("flush", 4, 1)]:
+        mem = bytearray(32 << 10)
+        table = 0x100
+        mem[table:table + 48] = (desc(0x1000, 16, 1, 1) + desc(0x2000, 4096, data_flags, 2)
+                                 + desc(0x4000, 1, 2, 0))
+        mem[0x1000:0x1010] = kind.to_bytes(4, "little") + bytes(4) + (8).to_bytes(8, "little")
+        save("virtio_blk_chain", (0).to_bytes(2, "little") + (8).to_bytes(2, "little")
+             + table.to_bytes(4, "little") + bytes(mem), name)
+
+    def fuse(opcode, unique, body):
+        return ((40 + len(body)).to_bytes(4, "little") + opcode.to_bytes(4, "little")
+                + unique.to_bytes(8, "little") + (1).to_bytes(8, "little") + bytes(16) + body)
+
+    init = (7).to_bytes(4, "little") + (31).to_bytes(4, "little") + bytes(56)
+    rw = (0).to_bytes(8, "little") + (4096).to_bytes(8, "little") + (4096).to_bytes(4, "little")
+    save("fuse_requests", fuse(26, 1, init) + fuse(3, 2, bytes(16)) + fuse(15, 3, rw + bytes(20))
+         + fuse(16, 4, rw + bytes(20) + b"\xab" * 4096) + fuse(20, 5, bytes(16)), "session")
 
     # qcow2 headers as qemu-img writes them.
     for name, opts in [("v3", []), ("v2", ["-o", "compat=0.10"]),
