@@ -80,10 +80,9 @@ impl TlsSession for RustlsSession {
     }
 
     fn describe(&self) -> String {
-        format!(
-            "{:?} {:?}",
-            self.0.protocol_version(),
-            self.0.negotiated_cipher_suite().map(|s| s.suite())
-        )
+        match (self.0.protocol_version(), self.0.negotiated_cipher_suite()) {
+            (Some(v), Some(s)) => format!("{v:?} {:?}", s.suite()),
+            _ => "handshake not finished".into(),
+        }
     }
 }

@@ -241,8 +241,9 @@ async fn start_tls(fd: RawFd, rd: &mut SockReader, tls: &TlsServer) -> io::Resul
         }
     }
     tracing::debug!(
-        "nbd: TLS session ({}) with '{}'",
+        "nbd: TLS session ({}, credentials '{}') with '{}'",
         sess.borrow().describe(),
+        tls.creds_id,
         identity.as_deref().map_or("(anonymous)".into(), sanitize)
     );
     Ok(sess)
