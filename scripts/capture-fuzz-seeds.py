@@ -194,6 +194,7 @@ def main():
         q.close()
         for i, stream in enumerate(qrelay.take()):
             save("qmp_stream", b"\x40" + stream, f"qemu-qmp{i}")
+            save("qmp_commands", stream, f"qemu-qmp{i}")
     finally:
         daemon.terminate()
         daemon.wait()

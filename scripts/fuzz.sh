@@ -19,11 +19,12 @@ flags+=" -Cllvm-args=-sanitizer-coverage-pc-table"
 flags+=" -Cllvm-args=-sanitizer-coverage-trace-compares"
 flags+=" --cfg fuzzing -Cdebug-assertions -Coverflow-checks -Cforce-frame-pointers"
 export RUSTFLAGS="$flags"
-export CARGO_TARGET_DIR="$PWD/target"
+# FUZZ_TARGET_DIR: build elsewhere (e.g. while a long run uses the default one).
+export CARGO_TARGET_DIR="${FUZZ_TARGET_DIR:-$PWD/target}"
 # An explicit --target keeps RUSTFLAGS off build scripts, which must not be instrumented.
 triple=$(rustc -vV | sed -n 's/^host: //p')
 cargo build --release --quiet --bins --target "$triple"
-bin="target/$triple/release"
+bin="$CARGO_TARGET_DIR/$triple/release"
 if [ "$target" = all ]; then
     targets=$(sed -n 's/^name = "\(.*\)"$/\1/p' Cargo.toml | grep -v '^stord-fuzz$')
 else

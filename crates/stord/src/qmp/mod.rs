@@ -362,6 +362,57 @@ async fn serve(conn: OwnedFd, state: SharedState) {
     drop(conn);
 }
 
+/// Commands the QMP fuzz target does not run: they listen on or remove paths the input
+/// names (`nbd-server-start`, `block-export-add`), start threads (`object-add` of an
+/// iothread) or stop the process. Everything else runs against a daemon state of its own.
+const FUZZ_SKIPPED: &[&str] = &["nbd-server-start", "block-export-add", "quit"];
+
+/// Fuzz entry (`fuzz/fuzz_targets/qmp_commands.rs`): `data` as what a monitor client sends,
+/// cut into texts by the real splitter, parsed and dispatched by the real request handler
+/// and commands to a fresh daemon state (capabilities negotiation included). Each reply
+/// must be a `return` or an `error` object.
+#[doc(hidden)]
+pub fn fuzz_commands(data: &[u8]) {
+    let state: SharedState = Rc::new(RefCell::new(crate::daemon::State::default()));
+    let Ok((ours, _theirs)) = std::os::unix::net::UnixStream::pair() else {
+        return;
+    };
+    let out = Rc::new(Outbox::new(ours.as_raw_fd()));
+    let mut stream = JsonStream::default();
+    let mut msgs = Vec::new();
+    for piece in stream.push(data) {
+        let Piece::Json(text) = piece else { continue };
+        let Ok(v) = serde_json::from_slice::<Value>(&text) else {
+            continue;
+        };
+        let cmd = v.get("execute").and_then(Value::as_str).unwrap_or("");
+        let iothread = v
+            .get("arguments")
+            .and_then(|a| a.get("qom-type"))
+            .and_then(Value::as_str)
+            == Some("iothread");
+        if FUZZ_SKIPPED.contains(&cmd) || iothread {
+            continue;
+        }
+        msgs.push(v);
+    }
+    crate::export::fuzz_loop::with_loop(|ctx| {
+        ctx.block_on(async move {
+            for v in msgs {
+                let Some(reply) = handle(&state, &out, v).await else {
+                    continue;
+                };
+                assert!(
+                    reply.get("return").is_some() != reply.get("error").is_some(),
+                    "a reply is a return or an error: {reply}"
+                );
+            }
+            // Nodes and objects go as the daemon's shutdown would drop them.
+            drop(state);
+        })
+    });
+}
+
 fn error_reply(id: Option<&Value>, e: &QmpError) -> Value {
     let mut v = json!({ "error": { "class": e.class, "desc": e.desc } });
     if let Some(id) = id {
@@ -437,4 +488,22 @@ async fn handle(state: &SharedState, out: &Rc<Outbox>, msg: Value) -> Option<Val
         })));
     }
     Some(reply(commands::execute(state, &cmd, args).await))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_fuzzed_session_replies_with_returns_and_errors() {
+        super::fuzz_commands(
+            br#"{"execute":"query-version"}
+            {"execute":"qmp_capabilities"}
+            {"execute":"blockdev-add","arguments":{"driver":"null-co","node-name":"n","size":1048576}}
+            {"execute":"blockdev-add","arguments":{"driver":"null-co","node-name":"n","size":"x"}}
+            {"execute":"object-add","arguments":{"qom-type":"secret","id":"s","data":"x"}}
+            {"execute":"blockdev-reopen","arguments":{"options":[{"node-name":"n","read-only":true}]}}
+            {"execute":"transaction","arguments":{"actions":[{"type":"abort"}]}}
+            {"execute":"blockdev-del","arguments":{"node-name":"n"}}
+            {"execute":["not a string"]} [1,2] {"id":7}"#,
+        );
+    }
 }
