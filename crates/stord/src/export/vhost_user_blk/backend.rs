@@ -30,6 +30,25 @@ fn fail(msg: impl Into<String>) -> VuError {
 /// Memory regions one frontend may map (GET_MAX_MEM_SLOTS; libvhost-user's figure).
 pub const MAX_MEM_SLOTS: usize = 509;
 
+/// Checks that `len` bytes at `offset` of a frontend's file exist. A mapping past the end
+/// of its file maps pages that fault with SIGBUS when touched (vm-memory does not check),
+/// so a region larger than the frontend's file would kill the daemon at the first access
+/// (found by the vhost_user_messages fuzz target). Shared memory comes as regular files
+/// (memfd, hugetlbfs, /dev/shm), which have a size to check against. (A frontend that
+/// shrinks its file afterwards can still fault us, as it can QEMU's vhost-user servers.)
+pub(super) fn within_file(f: &File, offset: u64, len: u64) -> Result<(), String> {
+    let meta = f
+        .metadata()
+        .map_err(|e| format!("memory region's file: {e}"))?;
+    if meta.is_file() && offset.checked_add(len).is_none_or(|end| end > meta.len()) {
+        return Err(format!(
+            "memory region of {len} bytes at offset {offset} runs past its file's {} bytes",
+            meta.len()
+        ));
+    }
+    Ok(())
+}
+
 /// One mapped region of guest memory.
 struct MemSlot {
     /// Frontend virtual address, guest physical address, size.
@@ -64,6 +83,7 @@ impl MemTable {
             .ok()
             .filter(|&s| s > 0)
             .ok_or_else(|| fail(format!("memory region of {bytes} bytes")))?;
+        within_file(&f, r.mmap_offset, bytes).map_err(fail)?;
         let map = MmapRegion::from_file(FileOffset::new(f, r.mmap_offset), size)
             .map_err(|e| fail(format!("cannot map guest memory: {e}")))?;
         let region = GuestRegionMmap::new(map, GuestAddress(r.guest_phys_addr))
@@ -504,6 +524,21 @@ mod tests {
         let f = crate::sys::memfd_create("stord-test-mem").unwrap();
         f.set_len(size).unwrap();
         (VhostUserMemoryRegion::new(gpa, size, user, 0), f)
+    }
+
+    #[test]
+    fn a_region_past_the_end_of_its_file_is_refused() {
+        let f = crate::sys::memfd_create("stord-test-mem").unwrap();
+        f.set_len(0x1_0000).unwrap();
+        let r = VhostUserMemoryRegion::new(0, 0x2_0000, 0x7f00_0000, 0);
+        let e = MemTable::map(&r, f.try_clone().unwrap()).err().unwrap();
+        assert!(e.to_string().contains("runs past"), "{e}");
+        let r = VhostUserMemoryRegion::new(0, 0x1_0000, 0x7f00_0000, 0x1000);
+        assert!(MemTable::map(&r, f.try_clone().unwrap()).is_err());
+        let r = VhostUserMemoryRegion::new(0, 0x1_0000, 0x7f00_0000, u64::MAX);
+        assert!(MemTable::map(&r, f.try_clone().unwrap()).is_err());
+        let r = VhostUserMemoryRegion::new(0, 0x1_0000, 0x7f00_0000, 0);
+        assert!(MemTable::map(&r, f).is_ok());
     }
 
     #[test]
