@@ -344,12 +344,20 @@ fn accept(
         });
     match thread {
         Ok(thread) => {
+            let fd = stream.as_raw_fd();
             list.push(Connection { stream, thread });
             acceptor.pause();
             let acceptor = acceptor.clone();
+            let conns = conns.clone();
             stord_aio::spawn(async move {
                 let _ = stord_aio::op::poll_add(done_rx.as_raw_fd(), Interest::READABLE).await;
                 drop(done_rx);
+                // The connection is over: its socket closes now, not at the next accept
+                // (the thread itself only has its counters left to update).
+                conns
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .retain(|c| c.stream.as_raw_fd() != fd);
                 acceptor.resume();
             });
         }
