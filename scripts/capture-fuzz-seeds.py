@@ -56,15 +56,21 @@ class Relay:
             threading.Thread(target=self.pump, args=(s, c, None), daemon=True).start()
 
     @staticmethod
-    def pump(src, dst, rec):
+    def forward(src, dst):
+        """Moves one read's worth from `src` to `dst`; returns the bytes (empty at end)."""
+        b = src.recv(65536)
+        if b:
+            dst.sendall(b)
+        return b
+
+    def pump(self, src, dst, rec):
         try:
             while True:
-                b = src.recv(65536)
+                b = self.forward(src, dst)
                 if not b:
                     break
                 if rec is not None:
                     rec.extend(b)
-                dst.sendall(b)
         except OSError:
             pass
         for s in (src, dst):
@@ -85,24 +91,13 @@ class FdRelay(Relay):
     """A relay that also forwards descriptors (SCM_RIGHTS), for vhost-user."""
 
     @staticmethod
-    def pump(src, dst, rec):
-        try:
-            while True:
-                data, fds, _, _ = socket.recv_fds(src, 65536, 64)
-                if not data:
-                    break
-                if rec is not None:
-                    rec.extend(data)
-                socket.send_fds(dst, [data], fds)
-                for fd in fds:
-                    os.close(fd)
-        except OSError:
-            pass
-        for s in (src, dst):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+    def forward(src, dst):
+        data, fds, _, _ = socket.recv_fds(src, 65536, 64)
+        if data:
+            socket.send_fds(dst, [data], fds)
+        for fd in fds:
+            os.close(fd)
+        return data
 
 
 def libblkio_helper():

@@ -9,37 +9,9 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use common::rawnbd::{RawNbd, CMD_FLUSH, CMD_WRITE};
+use common::crash::{block_of, flushed_writes_then_kill, Rng, BLOCK};
+use common::rawnbd::RawNbd;
 use common::*;
-
-struct Rng(u64);
-
-impl Rng {
-    fn new() -> Rng {
-        let seed = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_nanos() as u64
-            | 1;
-        eprintln!("seed {seed}");
-        Rng(seed)
-    }
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-}
-
-const BLOCK: u64 = 4096;
-
-/// A block written by write `id`: the id in every word.
-fn block_of(id: u64) -> Vec<u8> {
-    std::iter::repeat_n(id.to_le_bytes(), (BLOCK / 8) as usize)
-        .flatten()
-        .collect()
-}
 
 /// Rounds of: batches of 8 random 4 KiB writes, each batch flushed, the last batch still
 /// in flight when stord is killed with SIGKILL. After each round every flushed block holds
@@ -65,39 +37,13 @@ fn kill_9_rounds(name: &str, objects: &[&str], blockdev: &str, rounds: usize) {
         "--export".into(),
         "type=nbd,id=exp0,node-name=disk,name=disk,writable=on".into(),
     ]);
-    let mut rng = Rng::new();
+    let mut rng = Rng::from_clock();
     let mut expect: std::collections::HashMap<u64, u64> = Default::default();
     let mut id = 0u64;
     for round in 0..rounds {
         let mut s = Stord::start(&dir, &args);
-        let mut c = RawNbd::connect(&s.sock, "disk");
-        let batches = 1 + rng.next() % 6;
-        let mut unflushed: Vec<(u64, u64)> = Vec::new();
-        for b in 0..=batches {
-            let mut batch: Vec<(u64, u64)> = Vec::new();
-            while batch.len() < 8 {
-                let off = rng.next() % (SIZE / BLOCK) * BLOCK;
-                if batch.iter().all(|&(o, _)| o != off) {
-                    id += 1;
-                    batch.push((off, id));
-                }
-            }
-            for &(off, id) in &batch {
-                c.send_request(CMD_WRITE, 0, id, off, BLOCK as u32, &block_of(id));
-            }
-            if b == batches {
-                unflushed = batch;
-                std::thread::sleep(Duration::from_micros(rng.next() % 1500));
-                s.kill9();
-                break;
-            }
-            for _ in 0..8 {
-                assert_eq!(c.read_reply(0).0, 0, "{name}: write failed");
-            }
-            c.send_request(CMD_FLUSH, 0, 0, 0, 0, &[]);
-            assert_eq!(c.read_reply(0).0, 0, "{name}: flush failed");
-            expect.extend(batch);
-        }
+        let (flushed, unflushed) = flushed_writes_then_kill(&mut s, &mut rng, SIZE, &mut id);
+        expect.extend(flushed);
         let f = std::fs::File::open(&img).unwrap();
         let read = |off: u64| {
             let mut b = vec![0u8; BLOCK as usize];
@@ -123,15 +69,9 @@ fn kill_9_rounds(name: &str, objects: &[&str], blockdev: &str, rounds: usize) {
                 got == old || got == block_of(new),
                 "{name} round {round}: block at {off} is neither old nor new"
             );
-            // Whatever it holds now is what later rounds must find.
+            // Whatever it holds now is what later rounds must find (old: already expected).
             if got == block_of(new) {
                 expect.insert(off, new);
-            } else {
-                expect.remove(&off);
-                if old.iter().any(|&b| b != 0) {
-                    let old_id = u64::from_le_bytes(old[..8].try_into().unwrap());
-                    expect.insert(off, old_id);
-                }
             }
         }
     }

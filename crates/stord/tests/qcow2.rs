@@ -10,7 +10,7 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::time::Duration;
 
-use common::rawnbd::RawNbd;
+use common::crash::{flushed_writes_then_kill, Rng, BLOCK};
 use common::rawqmp::RawQmp;
 use common::{fio_write_and_verify, run, run_ok, tmpdir, Stord};
 
@@ -161,21 +161,8 @@ fn fio_verify_onto_an_overlay_then_qemu_img_check() {
     );
 }
 
-/// A tiny xorshift generator (no crate needed for test offsets).
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-}
-
 #[test]
 fn kill_9_during_allocating_writes_loses_no_flushed_write() {
-    const BLOCK: u64 = 4096;
     const SIZE: u64 = 64 * MIB;
     let dir = tmpdir("qcow2-kill9");
     let base = dir.join("base.raw");
@@ -197,50 +184,15 @@ fn kill_9_during_allocating_writes_loses_no_flushed_write() {
             &SIZE.to_string(),
         ],
     );
-    let seed = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos() as u64
-        | 1;
-    eprintln!("seed {seed}");
-    let mut rng = Rng(seed);
+    let mut rng = Rng::from_clock();
+    let seed = rng.0;
     // What each written block must hold (a write's id in every word).
     let mut expect: std::collections::HashMap<u64, u64> = Default::default();
     let mut id = 0u64;
     for round in 0..10 {
         let mut s = Stord::with_node(&dir, &qcow2_node(&top, ""), true);
-        let mut c = RawNbd::connect(&s.sock, "disk");
-        let batches = 2 + rng.next() % 10;
-        let mut unflushed: Vec<(u64, u64)> = Vec::new();
-        for b in 0..=batches {
-            let mut batch: Vec<(u64, u64)> = Vec::new();
-            while batch.len() < 8 {
-                let off = rng.next() % (SIZE / BLOCK) * BLOCK;
-                if batch.iter().all(|&(o, _)| o != off) {
-                    id += 1;
-                    batch.push((off, id));
-                }
-            }
-            for &(off, id) in &batch {
-                let data: Vec<u8> = std::iter::repeat_n(id.to_le_bytes(), 512)
-                    .flatten()
-                    .collect();
-                c.send_request(1, 0, id, off, BLOCK as u32, &data);
-            }
-            if b == batches {
-                // The last batch is in flight when the daemon dies.
-                unflushed = batch;
-                std::thread::sleep(Duration::from_micros(rng.next() % 2000));
-                s.kill9();
-                break;
-            }
-            for _ in 0..8 {
-                assert_eq!(c.read_reply(0).0, 0, "write failed");
-            }
-            c.send_request(3, 0, 0, 0, 0, &[]);
-            assert_eq!(c.read_reply(0).0, 0, "flush failed");
-            expect.extend(batch);
-        }
+        let (flushed, unflushed) = flushed_writes_then_kill(&mut s, &mut rng, SIZE, &mut id);
+        expect.extend(flushed);
         // No corruption; leaks (counted, unreferenced clusters) are allowed and repaired.
         let out = run("qemu-img", &["check", "-r", "leaks", &top]);
         let text = String::from_utf8_lossy(&out.stdout).to_string()

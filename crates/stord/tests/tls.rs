@@ -233,18 +233,13 @@ fn x509_reads_and_writes_with_real_clients_and_refuses_the_rest() {
         "tls-creds-x509,id=tls0,endpoint=server,dir={}",
         pki.dir("server")
     );
-    let mut stord = Stord::start(
+    let mut stord = start_daemon(
+        env!("CARGO_BIN_EXE_stord"),
         &dir,
-        &[
-            "--object".into(),
-            creds,
-            "--blockdev".into(),
-            format!("driver=file,node-name=disk,filename={}", image.display()),
-            "--nbd-server".into(),
-            format!("addr.type=unix,addr.path={},tls-creds=tls0", sock.display()),
-            "--export".into(),
-            "type=nbd,id=exp0,node-name=disk,name=disk,writable=on".into(),
-        ],
+        &sock,
+        &[creds],
+        ",tls-creds=tls0",
+        &image,
     );
 
     // qemu-img writes 4 MiB of random data through TLS, then compares it through TLS.
@@ -335,7 +330,8 @@ fn x509_reads_and_writes_with_real_clients_and_refuses_the_rest() {
         nbdinfo(&tls_uri(&sock, &pki.dir("client"))).unwrap(),
         "16777216"
     );
-    assert!(stord.is_running());
+    assert!(stord.try_wait().unwrap().is_none(), "stord died");
+    stop(stord);
 }
 
 #[test]

@@ -53,9 +53,6 @@ pub enum TlsCreds {
     Psk(psk::PskCreds),
 }
 
-/// The object types this module builds.
-pub const OBJECT_TYPES: &[&str] = &["tls-creds-x509", "tls-creds-psk", "authz-simple"];
-
 impl TlsCreds {
     /// Builds `kind` (`tls-creds-x509` or `tls-creds-psk`) from its options, reading the
     /// files in `dir` now, so a bad file fails `--object`/`object-add`, as in qsd.

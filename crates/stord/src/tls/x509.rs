@@ -14,9 +14,8 @@ use super::TlsError;
 
 /// Loaded x509 server credentials.
 pub struct X509Creds {
+    /// Requires client certificates when `verify-peer=on`.
     config: Arc<ServerConfig>,
-    /// Clients must present a certificate the CA signed.
-    pub verify_peer: bool,
 }
 
 fn read(what: &str, path: &Path) -> Result<Vec<u8>, TlsError> {
@@ -101,7 +100,6 @@ impl X509Creds {
         config.send_tls13_tickets = 0;
         Ok(Self {
             config: Arc::new(config),
-            verify_peer,
         })
     }
 

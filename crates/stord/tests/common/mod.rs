@@ -2,6 +2,7 @@
 
 #![allow(dead_code)]
 
+pub mod crash;
 pub mod rawnbd;
 pub mod rawqmp;
 
