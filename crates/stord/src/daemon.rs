@@ -89,6 +89,8 @@ pub enum DaemonError {
     #[error("cannot listen on {addr}: {source}")]
     Listen { addr: String, source: io::Error },
     #[error(transparent)]
+    Perm(#[from] crate::block::perm::PermError),
+    #[error(transparent)]
     Tls(#[from] TlsError),
     #[error(transparent)]
     Secret(#[from] SecretError),
@@ -136,6 +138,8 @@ pub struct State {
     backing_depth: u32,
     /// Exports by id, whatever their type.
     pub exports: BTreeMap<String, Box<dyn Export>>,
+    /// Each export's permissions on its node (given back once it has drained).
+    export_claims: BTreeMap<String, crate::block::perm::Claim>,
     /// The exports the NBD server offers (shared with it, for the handshake).
     pub nbd_table: ExportTable,
     /// Exports being removed: each task ends once its export has drained.
@@ -231,6 +235,79 @@ pub fn iothread_params(kv: &mut KeyVal) -> Result<(PollParams, ReactorKind), Str
         kv.take_u64(k, false)?;
     }
     Ok((p, reactor))
+}
+
+/// What an export takes of its node, as QEMU's `blk_exp_add`: reads, writes when
+/// writable, resizes when growable (FUSE); others may do anything but, for NBD, resize (its
+/// clients were told the size).
+fn export_perms(
+    kind: &str,
+    writable: bool,
+    growable: bool,
+) -> (crate::block::perm::Perm, crate::block::perm::Perm) {
+    use crate::block::perm::Perm;
+    let mut perm = Perm::CONSISTENT_READ;
+    if writable {
+        perm = perm | Perm::WRITE;
+    }
+    if growable {
+        perm = perm | Perm::RESIZE;
+    }
+    let shared = if kind == "nbd" {
+        Perm::ALL & Perm::RESIZE.complement()
+    } else {
+        Perm::ALL
+    };
+    (perm, shared)
+}
+
+/// The options every node takes ([`crate::block::CommonOptions`]), with QEMU's rules and
+/// messages. `discard` is only looked at for drivers that take it themselves (file,
+/// qcow2).
+fn common_options(
+    kv: &mut KeyVal,
+    driver: &str,
+    read_only: bool,
+) -> Result<crate::block::CommonOptions, DaemonError> {
+    use crate::block::DetectZeroes;
+    let detect_zeroes = match kv
+        .take_choice("detect-zeroes", &["off", "on", "unmap"])?
+        .as_deref()
+    {
+        Some("on") => DetectZeroes::On,
+        Some("unmap") => DetectZeroes::Unmap,
+        _ => DetectZeroes::Off,
+    };
+    const DISCARD: &[&str] = &["ignore", "off", "unmap", "on"];
+    let discard = if matches!(driver, "file" | "host_device" | "qcow2") {
+        let v = kv.get("discard").map(str::to_string);
+        if let Some(v) = &v {
+            if !DISCARD.contains(&v.as_str()) {
+                return Err(kv.bad_value("discard", "'ignore' or 'unmap'", v).into());
+            }
+        }
+        v
+    } else {
+        kv.take_choice("discard", DISCARD)?
+    };
+    let unmap = matches!(discard.as_deref(), Some("unmap" | "on"));
+    if detect_zeroes == DetectZeroes::Unmap && !unmap {
+        return Err(DaemonError::Invalid(
+            "setting detect-zeroes to unmap is not allowed without setting discard operation to unmap"
+                .into(),
+        ));
+    }
+    let force_share = kv.take_bool("force-share", false)?;
+    if force_share && !read_only {
+        return Err(DaemonError::Invalid(
+            "force-share=on can only be used with read-only images".into(),
+        ));
+    }
+    Ok(crate::block::CommonOptions {
+        detect_zeroes,
+        unmap,
+        force_share,
+    })
 }
 
 impl State {
@@ -351,19 +428,27 @@ impl State {
         }
         let read_only = kv.take_bool("read-only", false)?;
         let _ = kv.take_bool("auto-read-only", false)?;
-        if let Some(dz) = kv.take_choice("detect-zeroes", &["off", "on", "unmap"])? {
-            if dz != "off" {
-                return Err(kv
-                    .bad_value("detect-zeroes", "'off' (the only mode supported)", &dz)
-                    .into());
+        let common = common_options(&mut kv, &driver, read_only)?;
+        // What inline children inherit, as QEMU's do: the cache mode, read-only,
+        // force-share, and
+        // discard=unmap (a child passes on what its parent decided to discard).
+        let mut inherit = vec![("discard", "unmap".to_string())];
+        if driver != "file" && driver != "host_device" {
+            for key in ["cache.direct", "cache.no-flush"] {
+                if let Some(v) = kv.take(key) {
+                    inherit.push((key, v));
+                }
             }
+        }
+        if read_only {
+            inherit.push(("read-only", "on".into()));
+        }
+        if common.force_share {
+            inherit.push(("force-share", "on".into()));
         }
         let mut opened_children = Vec::new();
         let (drv, read_only, direct): (Box<dyn BlockDriver>, bool, bool) = match driver.as_str() {
-            "null" | "null-co" => {
-                let _ = kv.take_bool("cache.direct", false)?;
-                (Box::new(NullDriver::from_opts(&mut kv)?), read_only, false)
-            }
+            "null" | "null-co" => (Box::new(NullDriver::from_opts(&mut kv)?), read_only, false),
             "file" | "host_device" => {
                 let opts = FileOptions::from_opts(&mut kv, read_only)?;
                 let direct = opts.direct;
@@ -371,7 +456,7 @@ impl State {
                 (f, read_only, direct)
             }
             "raw" => {
-                let child = self.child_node(&mut kv, "file", &mut opened_children)?;
+                let child = self.child_node(&mut kv, "file", &inherit, &mut opened_children)?;
                 let raw = RawDriver::from_opts(&mut kv, child.clone());
                 let raw = match raw {
                     Ok(r) => r,
@@ -393,13 +478,13 @@ impl State {
                         kv.what
                     )));
                 };
-                let child = self.child_node(&mut kv, "file", &mut opened_children)?;
+                let child = self.child_node(&mut kv, "file", &inherit, &mut opened_children)?;
                 let (ro, direct) = (read_only || child.is_read_only(), child.direct);
                 (Box::new(ThrottleDriver::new(child, group)), ro, direct)
             }
             "qcow2" => {
-                let child = self.child_node(&mut kv, "file", &mut opened_children)?;
-                match self.open_qcow2(&mut kv, child, read_only, &mut opened_children) {
+                let child = self.child_node(&mut kv, "file", &inherit, &mut opened_children)?;
+                match self.open_qcow2(&mut kv, child, read_only, &inherit, &mut opened_children) {
                     Ok(opened) => opened,
                     Err(e) => {
                         self.drop_implicit(opened_children);
@@ -422,7 +507,15 @@ impl State {
             self.drop_implicit(opened_children);
             return Err(e.into());
         }
-        let node = Arc::new(BlockNode::new(name.clone(), drv, read_only, direct));
+        let node =
+            Arc::new(BlockNode::new(name.clone(), drv, read_only, direct).with_options(common));
+        // What the node needs of its children (a format node: its file), as locks where
+        // they are files: refused here if another user or process is in the way.
+        if let Err(e) = node.refresh_perms() {
+            drop(node);
+            self.drop_implicit(opened_children);
+            return Err(e.into());
+        }
         self.nodes.insert(name.clone(), node.clone());
         if implicit {
             self.implicit.insert(name);
@@ -438,11 +531,15 @@ impl State {
         kv: &mut KeyVal,
         file: Arc<BlockNode>,
         read_only: bool,
+        inherit: &[(&str, String)],
         opened: &mut Vec<String>,
     ) -> Result<(Box<dyn BlockDriver>, bool, bool), DaemonError> {
         let opts = Qcow2Options::from_opts(kv)?;
         let ro = read_only || file.is_read_only();
-        let given = if let Some(inline) = kv.take_prefixed("backing") {
+        let given = if let Some(mut inline) = kv.take_prefixed("backing") {
+            for (k, v) in inherit {
+                inline.inherit(k, v);
+            }
             let node = self.open_node(inline, true)?;
             opened.push(node.name.clone());
             Some(Some(node))
@@ -543,9 +640,13 @@ impl State {
         &mut self,
         kv: &mut KeyVal,
         role: &str,
+        inherit: &[(&str, String)],
         opened: &mut Vec<String>,
     ) -> Result<Arc<BlockNode>, DaemonError> {
-        if let Some(inline) = kv.take_prefixed(role) {
+        if let Some(mut inline) = kv.take_prefixed(role) {
+            for (k, v) in inherit {
+                inline.inherit(k, v);
+            }
             if kv.take(role).is_some() {
                 return Err(DaemonError::Invalid(format!(
                     "{}: '{role}' given both as a node name and inline",
@@ -792,6 +893,18 @@ impl State {
                 return Err(DaemonError::ExportIdTaken(id.into()));
             }
         }
+        // The export's permissions on its node come first, so a conflict refuses it before
+        // it listens or mounts anything.
+        let claim = match kv.get("node-name").and_then(|n| self.nodes.get(n)) {
+            Some(node) => {
+                let writable = matches!(kv.get("writable"), Some("on" | "true" | "yes"));
+                let growable = matches!(kv.get("growable"), Some("on" | "true" | "yes"));
+                let (perm, shared) = export_perms(&kind, writable, growable);
+                let user = format!("block export '{}'", kv.get("id").unwrap_or(&kind));
+                Some(node.claim(&user, "root", perm, shared)?)
+            }
+            None => None,
+        };
         let env = ExportEnv {
             nodes: &self.nodes,
             iothreads: &self.iothreads,
@@ -799,6 +912,9 @@ impl State {
             claimed: self.exports.values().filter_map(|e| e.claim()).collect(),
         };
         let export = create(&env, kv)?;
+        if let Some(c) = claim {
+            self.export_claims.insert(export.id().to_string(), c);
+        }
         self.exports.insert(export.id().to_string(), export);
         Ok(())
     }
@@ -827,12 +943,14 @@ impl State {
             return;
         };
         e.begin_stop();
+        let claim = self.export_claims.remove(id);
         let events = self.events.clone();
         self.removals.retain(|h| !h.is_finished());
         self.removals.push(stord_aio::spawn(async move {
             std::future::poll_fn(|cx| e.poll_drained(cx)).await;
             events.emit("BLOCK_EXPORT_DELETED", serde_json::json!({ "id": e.id() }));
             drop(e);
+            drop(claim);
         }));
     }
 
@@ -905,9 +1023,13 @@ impl Daemon {
                 Item::Chardev(s) => {
                     add_chardev(&mut st, KeyVal::parse("--chardev", &s, Some("backend"))?)?
                 }
-                Item::Blockdev(s) => {
-                    st.add_blockdev(KeyVal::parse("--blockdev", &s, Some("driver"))?)?
-                }
+                Item::Blockdev(s) => st
+                    .add_blockdev(KeyVal::parse("--blockdev", &s, Some("driver"))?)
+                    .map_err(|e| match e {
+                        // Where qsd says it too: the option list that met the lock.
+                        DaemonError::Perm(e) => format!("--blockdev {s}: {e}"),
+                        e => e.to_string(),
+                    })?,
                 Item::NbdServer(s) => {
                     let opts = nbd_server_opts(KeyVal::parse("--nbd-server", &s, None)?)?;
                     st.start_nbd_server(&self.ctx, opts)

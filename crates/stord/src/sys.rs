@@ -270,3 +270,31 @@ pub fn direct_read(fd: RawFd, len: usize, offset: u64) -> i32 {
     // SAFETY: the buffer is ours, aligned, and `len` bytes long.
     unsafe { stord_aio::sys::blocking::pread(fd, buf.stable_mut_ptr(), len, offset) }
 }
+
+/// One byte of an open file description's OFD lock: takes a shared (read) lock at
+/// `offset` (`lock`), or drops it. Fails with EAGAIN/EACCES when another description
+/// holds a conflicting lock.
+pub fn ofd_lock_byte(fd: RawFd, offset: u64, lock: bool) -> io::Result<()> {
+    // SAFETY: flock is plain data; all-zero is a valid value before we set its fields.
+    let mut fl: libc::flock = unsafe { std::mem::zeroed() };
+    fl.l_type = if lock { libc::F_RDLCK } else { libc::F_UNLCK } as i16;
+    fl.l_whence = libc::SEEK_SET as i16;
+    fl.l_start = offset as i64;
+    fl.l_len = 1;
+    // SAFETY: fcntl(F_OFD_SETLK) reads the flock we pass, which outlives the call.
+    check(unsafe { libc::fcntl(fd, libc::F_OFD_SETLK, &fl) })
+}
+
+/// Whether another open file description holds a lock on the byte at `offset` that a
+/// write lock would conflict with (any lock: QEMU's test).
+pub fn ofd_byte_locked_elsewhere(fd: RawFd, offset: u64) -> io::Result<bool> {
+    // SAFETY: as above.
+    let mut fl: libc::flock = unsafe { std::mem::zeroed() };
+    fl.l_type = libc::F_WRLCK as i16;
+    fl.l_whence = libc::SEEK_SET as i16;
+    fl.l_start = offset as i64;
+    fl.l_len = 1;
+    // SAFETY: fcntl(F_OFD_GETLK) fills the flock we pass, which outlives the call.
+    check(unsafe { libc::fcntl(fd, libc::F_OFD_GETLK, &mut fl) })?;
+    Ok(fl.l_type != libc::F_UNLCK as i16)
+}

@@ -96,7 +96,7 @@ fn reads_what_qemu_wrote_through_a_backing_chain() {
     // Every byte, as QEMU itself reads the chain.
     run_ok(
         "qemu-img",
-        &["compare", "-f", "raw", "-F", "qcow2", &s.uri(), &top],
+        &["compare", "-U", "-f", "raw", "-F", "qcow2", &s.uri(), &top],
     );
     // Block status: the compressed cluster is data, the unallocated middle a hole.
     let out = run_ok("nbdinfo", &["--map", &s.uri()]);
@@ -157,7 +157,7 @@ fn fio_verify_onto_an_overlay_then_qemu_img_check() {
     let s = Stord::with_node(&dir, &qcow2_node(&top, ""), false);
     run_ok(
         "qemu-img",
-        &["compare", "-f", "raw", "-F", "qcow2", &s.uri(), &top],
+        &["compare", "-U", "-f", "raw", "-F", "qcow2", &s.uri(), &top],
     );
 }
 

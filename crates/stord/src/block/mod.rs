@@ -8,6 +8,7 @@
 pub mod file;
 pub mod iov;
 pub mod null;
+pub mod perm;
 pub mod qcow2;
 pub mod range_lock;
 pub mod raw;
@@ -150,6 +151,23 @@ pub trait BlockDriver: Send + Sync {
     fn children(&self) -> Vec<(&'static str, &Arc<BlockNode>)> {
         Vec::new()
     }
+    /// What this node takes of its child `role` (and lets others hold) when its users
+    /// together take `perm` and share `shared`, and the node is `writable`. The default
+    /// passes them through, as QEMU's filters do; format nodes need more of their file.
+    fn child_perms(
+        &self,
+        _role: &'static str,
+        perm: perm::Perm,
+        shared: perm::Perm,
+        _writable: bool,
+    ) -> (perm::Perm, perm::Perm) {
+        (perm, shared)
+    }
+    /// The node's users now take `perm` and share `shared`: a driver with storage other
+    /// processes can open (a file) makes that visible to them, or refuses.
+    fn set_perm(&self, _perm: perm::Perm, _shared: perm::Perm) -> Result<(), perm::PermError> {
+        Ok(())
+    }
 }
 
 /// Per-node counters (read from any thread).
@@ -175,6 +193,40 @@ pub struct NodeStats {
     pub latency_ns: Histogram,
 }
 
+/// `detect-zeroes`: what a node does with writes whose data is all zeroes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum DetectZeroes {
+    /// Writes them as they are.
+    #[default]
+    Off,
+    /// Turns them into write-zeroes requests.
+    On,
+    /// Into write-zeroes that may leave holes (needs `discard=unmap` on the node).
+    Unmap,
+}
+
+/// Options every node takes, whatever its driver (QEMU's generic block options).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CommonOptions {
+    /// `detect-zeroes`.
+    pub detect_zeroes: DetectZeroes,
+    /// `discard=unmap|on`: discards reach the driver (QEMU's default, `ignore`, drops
+    /// them at the node).
+    pub unmap: bool,
+    /// `force-share=on`.
+    pub force_share: bool,
+}
+
+/// Whether every byte of `b` is zero (16 bytes at a time).
+pub fn is_zero(b: &[u8]) -> bool {
+    let chunks = b.chunks_exact(16);
+    let tail = chunks.remainder();
+    chunks
+        .map(|c| u128::from_ne_bytes(c.try_into().expect("16 bytes")))
+        .all(|w| w == 0)
+        && tail.iter().all(|&x| x == 0)
+}
+
 /// A named block node.
 pub struct BlockNode {
     /// `node-name`.
@@ -187,6 +239,14 @@ pub struct BlockNode {
     pub direct: bool,
     /// Counters.
     pub stats: NodeStats,
+    /// `force-share=on`: every user of the node shares everything (read-only nodes only).
+    pub(crate) force_share: bool,
+    /// `detect-zeroes`.
+    detect_zeroes: DetectZeroes,
+    /// Discards go to the driver (`discard=unmap`); else the node drops them.
+    unmap: bool,
+    /// Who uses the node with which permissions ([`perm`]).
+    users: std::sync::Mutex<perm::Users>,
     driver: Box<dyn BlockDriver>,
 }
 
@@ -203,7 +263,28 @@ impl BlockNode {
             opened_writable: !read_only,
             direct,
             stats: NodeStats::default(),
+            force_share: false,
+            detect_zeroes: DetectZeroes::Off,
+            unmap: true,
+            users: Default::default(),
             driver,
+        }
+    }
+
+    /// With the generic options (set before the node is shared).
+    pub fn with_options(mut self, o: CommonOptions) -> Self {
+        self.force_share = o.force_share;
+        self.detect_zeroes = o.detect_zeroes;
+        self.unmap = o.unmap;
+        self
+    }
+
+    /// The write-zeroes an all-zero write of `len` bytes becomes under `detect-zeroes`, if
+    /// any: its `may_unmap`.
+    fn zero_write(&self, data_is_zero: impl FnOnce() -> bool) -> Option<bool> {
+        match self.detect_zeroes {
+            DetectZeroes::Off => None,
+            mode => data_is_zero().then_some(mode == DetectZeroes::Unmap && self.unmap),
         }
     }
 
@@ -304,7 +385,14 @@ impl BlockNode {
             self.stats.errors.fetch_add(1, Relaxed);
             return (Err(e), buf);
         }
-        let (r, buf) = self.driver.write(offset, buf, fua).await;
+        let (r, buf) = match self.zero_write(|| is_zero(&buf)) {
+            Some(may_unmap) => (
+                self.zeroes_then_fua(offset, buf.len() as u64, may_unmap, fua)
+                    .await,
+                buf,
+            ),
+            None => self.driver.write(offset, buf, fua).await,
+        };
         if r.is_ok() {
             self.stats.wr_bytes.fetch_add(buf.len() as u64, Relaxed);
         }
@@ -339,12 +427,40 @@ impl BlockNode {
             self.stats.errors.fetch_add(1, Relaxed);
             return (Err(e), iov);
         }
-        let (r, iov) = self.driver.writev(offset, iov, fua).await;
+        let zero = self.zero_write(|| {
+            let mut b = request_buf(iov.len());
+            iov.copy_out(0, &mut b);
+            is_zero(&b)
+        });
+        let (r, iov) = match zero {
+            Some(may_unmap) => (
+                self.zeroes_then_fua(offset, iov.len() as u64, may_unmap, fua)
+                    .await,
+                iov,
+            ),
+            None => self.driver.writev(offset, iov, fua).await,
+        };
         if r.is_ok() {
             self.stats.wr_bytes.fetch_add(iov.len() as u64, Relaxed);
         }
         self.account(start, &r);
         (r, iov)
+    }
+
+    /// A write turned into write-zeroes by `detect-zeroes`, durable if it was FUA.
+    async fn zeroes_then_fua(
+        &self,
+        offset: u64,
+        len: u64,
+        may_unmap: bool,
+        fua: bool,
+    ) -> io::Result<()> {
+        self.stats.zero_ops.fetch_add(1, Relaxed);
+        self.driver.write_zeroes(offset, len, may_unmap).await?;
+        if fua {
+            self.driver.flush().await?;
+        }
+        Ok(())
     }
 
     /// Flushes.
@@ -364,6 +480,7 @@ impl BlockNode {
             .check_writable()
             .and_then(|_| self.check_range(offset, len))
         {
+            Ok(()) if !self.unmap => Ok(()),
             Ok(()) => self.driver.discard(offset, len).await,
             Err(e) => Err(e),
         };
@@ -379,7 +496,11 @@ impl BlockNode {
             .check_writable()
             .and_then(|_| self.check_range(offset, len))
         {
-            Ok(()) => self.driver.write_zeroes(offset, len, may_unmap).await,
+            Ok(()) => {
+                self.driver
+                    .write_zeroes(offset, len, may_unmap && self.unmap)
+                    .await
+            }
             Err(e) => Err(e),
         };
         self.account(start, &r);

@@ -118,6 +118,14 @@ impl KeyVal {
         self.map.get(key).map(String::as_str)
     }
 
+    /// Sets `key` to `value` unless it is given (an option a child inherits from its
+    /// parent, as QEMU's inline children do).
+    pub fn inherit(&mut self, key: &str, value: &str) {
+        self.map
+            .entry(key.to_string())
+            .or_insert_with(|| value.to_string());
+    }
+
     /// Removes and returns a string option.
     pub fn take(&mut self, key: &str) -> Option<String> {
         self.map.remove(key)

@@ -16,6 +16,7 @@
 
 mod extent_cache;
 mod linux_aio;
+mod lock;
 mod threads;
 mod uring;
 
@@ -80,6 +81,11 @@ pub struct FileOptions {
     pub discard: DiscardMode,
     /// Open read-only.
     pub read_only: bool,
+    /// `locking=auto|on` (QEMU's image locks; `off` takes none).
+    pub locking: bool,
+    /// `cache.no-flush=on`: flushes succeed without reaching the disk (QEMU's
+    /// `cache=unsafe`).
+    pub no_flush: bool,
 }
 
 impl FileOptions {
@@ -96,10 +102,7 @@ impl FileOptions {
             Some(_) => unreachable!(),
         };
         let direct = opts.take_bool("cache.direct", false)?;
-        // qsd accepts cache.no-flush; we always honour flushes, so only "off" is valid.
-        if opts.take_bool("cache.no-flush", false)? {
-            return Err(format!("{}: cache.no-flush=on is not supported", opts.what));
-        }
+        let no_flush = opts.take_bool("cache.no-flush", false)?;
         let native = NativeTuning {
             max_batch: opts.take_u64("aio-max-batch", false)?.unwrap_or(0) as u32,
             reap_after_submit: opts.take_bool("x-reap-after-submit", true)?,
@@ -111,8 +114,11 @@ impl FileOptions {
             Some("unmap" | "on") => DiscardMode::Unmap,
             _ => DiscardMode::Ignore,
         };
-        // Accepted for compatibility, with qsd's defaults only.
-        let _ = opts.take_choice("locking", &["auto", "on", "off"])?;
+        // auto: on, as OFD locks are always there on Linux.
+        let locking = opts
+            .take_choice("locking", &["auto", "on", "off"])?
+            .as_deref()
+            != Some("off");
         if aio == AioMode::Native && !direct {
             // Same rule as QEMU: linux-aio without O_DIRECT would block in io_submit.
             return Err(format!(
@@ -127,6 +133,8 @@ impl FileOptions {
             native,
             discard,
             read_only,
+            locking,
+            no_flush,
         })
     }
 }
@@ -144,6 +152,8 @@ pub(crate) struct FileDriver<E> {
     write_locks: crate::block::range_lock::RangeLocks,
     /// The last extent block status found.
     extents: extent_cache::ExtentCache,
+    /// QEMU's image locks on the file.
+    lock: lock::ImageLock,
 }
 
 /// The smallest offset/length alignment O_DIRECT accepts on this file: 512 if a 512-byte
@@ -247,6 +257,7 @@ impl<E: Engine> FileDriver<E> {
         };
         Ok(Self {
             engine,
+            lock: lock::ImageLock::new(opts.locking, &opts.filename),
             fd: Arc::new(fd),
             align,
             opts,
@@ -398,6 +409,9 @@ impl<E: Engine> FileDriver<E> {
     }
 
     async fn flush_impl(&self) -> io::Result<()> {
+        if self.opts.no_flush {
+            return Ok(());
+        }
         from_res(self.engine.fsync(&self.fd).await).map(|_| ())
     }
 
@@ -552,6 +566,13 @@ impl<E: Engine> BlockDriver for FileDriver<E> {
     }
     fn block_status_cached(&self, offset: u64, len: u64) -> Option<BlockStatus> {
         self.block_status_known(offset, len)
+    }
+    fn set_perm(
+        &self,
+        perm: crate::block::perm::Perm,
+        shared: crate::block::perm::Perm,
+    ) -> Result<(), crate::block::perm::PermError> {
+        self.lock.set(self.raw(), perm, shared)
     }
     fn resize(&self, size: u64) -> BoxFut<'_, io::Result<()>> {
         let r = if self.block_device {

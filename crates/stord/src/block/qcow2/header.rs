@@ -15,7 +15,7 @@ const V3_HEADER_LEN: usize = 104;
 /// The largest L1 table QEMU opens (32 MiB).
 const MAX_L1_BYTES: u64 = 32 << 20;
 /// The largest refcount table QEMU opens (8 MiB).
-const MAX_REFTABLE_BYTES: u64 = 8 << 20;
+pub(super) const MAX_REFTABLE_BYTES: u64 = 8 << 20;
 /// The longest backing file name QEMU accepts.
 const MAX_BACKING_NAME: u32 = 1023;
 
@@ -44,6 +44,8 @@ mod ext {
 
 /// Byte offsets of fields written back by the driver.
 pub mod field {
+    /// `refcount_table_offset` (u64), followed by `refcount_table_clusters` (u32).
+    pub const REFCOUNT_TABLE: u64 = 48;
     /// `autoclear_features` (u64, version 3).
     pub const AUTOCLEAR: u64 = 88;
 }

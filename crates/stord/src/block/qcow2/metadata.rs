@@ -27,6 +27,10 @@ const PAGE_ENTRIES: usize = 512;
 /// Mutable metadata, behind the driver's async mutex.
 pub(super) struct Meta {
     pub l1: Vec<u64>,
+    /// Where the L1 table is on the host.
+    pub l1_offset: u64,
+    /// Where the refcount table is (it moves when it grows).
+    pub reftable_offset: u64,
     pub l1_dirty: BTreeSet<usize>,
     pub l2: TableCache<Vec<u64>>,
     pub reftable: Vec<u64>,
@@ -174,10 +178,8 @@ impl Qcow2Driver {
             let bi = (c >> bits) as usize;
             let idx = (c & (per_block - 1)) as usize;
             if bi >= m.reftable.len() {
-                return Err(io::Error::new(
-                    io::ErrorKind::StorageFull,
-                    "qcow2: the refcount table is full (growing it is not supported yet)",
-                ));
+                self.grow_reftable(m, bi + 1).await?;
+                continue;
             }
             let rb_off = m.reftable[bi] & OFFSET_MASK;
             if rb_off == 0 {
@@ -214,13 +216,109 @@ impl Qcow2Driver {
         }
     }
 
-    /// Adds `delta` (+1 or -1) to the refcount of the host cluster at `host`.
+    /// Replaces the refcount table with a larger one of at least `need` entries, as QEMU
+    /// does: the new table and the refcount blocks that count it go in a fresh area past
+    /// everything in use (those blocks count the area itself), then the header switches to
+    /// the new table in one write, then the old table's clusters are freed. Every step is
+    /// durable before the next, so a crash leaves either table in force, never neither.
+    async fn grow_reftable(&self, m: &mut Meta, need: usize) -> io::Result<()> {
+        // The table on disk must hold everything the cached one does.
+        self.write_back(m).await?;
+        self.sync_if_needed(m).await?;
+        let cs = self.cluster_size;
+        let per_block = 1u64 << self.refblock_bits();
+        let old = m.reftable.len();
+        let covered = old as u64 * per_block;
+        // Past every cluster in use, and outside the old table's reach (where blocks
+        // exist for every range, all of it in use, or we would not be here).
+        let area = m.file_end.div_ceil(cs).max(covered);
+        let mut entries = need.max(old * 2).max(old + 1);
+        let (table_clusters, blocks) = loop {
+            let table_clusters = (entries as u64 * 8).div_ceil(cs);
+            // Refcount blocks for the area, placed after the table: enough to count the
+            // table, themselves, and anything up to their end not yet covered.
+            let mut blocks = 0u64;
+            loop {
+                let end = area + table_clusters + blocks;
+                let first = area / per_block;
+                let last = (end - 1) / per_block;
+                let missing = (first..=last)
+                    .filter(|&b| b as usize >= old || m.reftable[b as usize] & OFFSET_MASK == 0)
+                    .count() as u64;
+                if missing == blocks {
+                    break;
+                }
+                blocks = missing;
+            }
+            let end = area + table_clusters + blocks;
+            let want = end.div_ceil(per_block) as usize;
+            if want <= entries {
+                break (table_clusters, blocks);
+            }
+            entries = want.max(entries * 2);
+        };
+        if table_clusters * cs > super::header::MAX_REFTABLE_BYTES {
+            return Err(io::Error::new(
+                io::ErrorKind::StorageFull,
+                "qcow2: the refcount table cannot grow past 8 MiB",
+            ));
+        }
+        let end = area + table_clusters + blocks;
+        let mut table = m.reftable.clone();
+        table.resize((table_clusters * cs / 8) as usize, 0);
+        // The new blocks, in order after the table, each counting the area's clusters in
+        // its range.
+        let rc = self.refcounts();
+        let mut next = area + table_clusters;
+        for b in area / per_block..=(end - 1) / per_block {
+            if table[b as usize] & OFFSET_MASK != 0 {
+                continue;
+            }
+            let mut block = vec![0u8; cs as usize];
+            let lo = (b * per_block).max(area);
+            let hi = ((b + 1) * per_block).min(end);
+            for c in lo..hi {
+                rc.set(&mut block, (c - b * per_block) as usize, 1);
+            }
+            table[b as usize] = next * cs;
+            self.file_write(next * cs, &block).await?;
+            next += 1;
+        }
+        debug_assert_eq!(next, end);
+        let bytes: Vec<u8> = table.iter().flat_map(|e| e.to_be_bytes()).collect();
+        self.file_write(area * cs, &bytes).await?;
+        self.file.driver().flush().await?;
+        let mut header = [0u8; 12];
+        header[..8].copy_from_slice(&(area * cs).to_be_bytes());
+        header[8..].copy_from_slice(&(table_clusters as u32).to_be_bytes());
+        self.file_write(super::header::field::REFCOUNT_TABLE, &header)
+            .await?;
+        self.file.driver().flush().await?;
+        tracing::debug!(
+            "qcow2: refcount table grew from {old} to {} entries at {:#x}",
+            table.len(),
+            area * cs
+        );
+        let (old_offset, old_clusters) = (m.reftable_offset, (old as u64 * 8).div_ceil(cs));
+        m.reftable = table;
+        m.reftable_offset = area * cs;
+        m.reftable_dirty.clear();
+        m.file_end = m.file_end.max(end * cs);
+        // The old table is referenced by nothing durable now: free it at once.
+        for i in 0..old_clusters {
+            self.change_refcount(m, old_offset + i * cs, -1).await?;
+        }
+        Ok(())
+    }
+
+    /// Adds `delta` (+1 or -1) to the refcount of the host cluster at `host`: the new
+    /// refcount.
     pub(super) async fn change_refcount(
         &self,
         m: &mut Meta,
         host: u64,
         delta: i64,
-    ) -> io::Result<()> {
+    ) -> io::Result<u64> {
         let bits = self.refblock_bits();
         let c = host >> self.cluster_bits;
         let bi = (c >> bits) as usize;
@@ -245,7 +343,7 @@ impl Qcow2Driver {
         if new == 0 && c < m.free_hint {
             m.free_hint = c;
         }
-        Ok(())
+        Ok(new)
     }
 
     /// Queues the host clusters behind a mapping that is being replaced for freeing.
@@ -268,8 +366,9 @@ impl Qcow2Driver {
     }
 
     /// Drops the refcounts of freed clusters whose references are durable; called right
-    /// after an fsync that followed a write-back. Returns the clusters freed (for a
-    /// discard to pass down).
+    /// after an fsync that followed a write-back. Returns the clusters whose refcount
+    /// reached zero (for a discard to pass down): a host cluster that compressed clusters
+    /// share is freed once per compressed cluster, and its bytes stay until the last goes.
     pub(super) async fn apply_frees(&self, m: &mut Meta) -> io::Result<Vec<u64>> {
         if m.pending_free.is_empty()
             || self.io_inflight.load(std::sync::atomic::Ordering::Acquire) != 0
@@ -277,13 +376,16 @@ impl Qcow2Driver {
             return Ok(Vec::new());
         }
         let frees = std::mem::take(&mut m.pending_free);
-        for &host in &frees {
-            self.change_refcount(m, host, -1).await?;
+        let mut unused = Vec::new();
+        for host in frees {
+            if self.change_refcount(m, host, -1).await? == 0 {
+                unused.push(host);
+            }
         }
-        Ok(frees)
+        Ok(unused)
     }
 
-    async fn sync_if_needed(&self, m: &mut Meta) -> io::Result<()> {
+    pub(super) async fn sync_if_needed(&self, m: &mut Meta) -> io::Result<()> {
         if m.needs_sync {
             self.file.driver().flush().await?;
             m.needs_sync = false;
@@ -304,7 +406,7 @@ impl Qcow2Driver {
             let pages: BTreeSet<usize> =
                 m.reftable_dirty.iter().map(|i| i / PAGE_ENTRIES).collect();
             for p in pages {
-                self.write_entries(self.reftable_offset, &m.reftable, p)
+                self.write_entries(m.reftable_offset, &m.reftable, p)
                     .await?;
             }
             m.reftable_dirty.clear();
@@ -325,7 +427,7 @@ impl Qcow2Driver {
             self.sync_if_needed(m).await?;
             let pages: BTreeSet<usize> = m.l1_dirty.iter().map(|i| i / PAGE_ENTRIES).collect();
             for p in pages {
-                self.write_entries(self.l1_offset, &m.l1, p).await?;
+                self.write_entries(m.l1_offset, &m.l1, p).await?;
             }
             m.l1_dirty.clear();
             m.needs_sync = true;

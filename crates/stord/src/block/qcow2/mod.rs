@@ -36,6 +36,7 @@ use stord_aio::AsyncMutex;
 
 use self::metadata::{corrupt, Meta};
 use self::table::{Mapping, TableCache, COPIED, OFFSET_MASK, ZERO};
+use crate::block::perm::Perm;
 use crate::block::range_lock::RangeLocks;
 use crate::block::{request_buf, BlockDriver, BlockNode, BlockStatus, BoxFut, Buf, IoVec};
 use crate::cli::keyval::KeyVal;
@@ -203,8 +204,6 @@ pub struct Qcow2Driver {
     /// log2 of the entries per L2 table.
     l2_bits: u32,
     refcount_order: u32,
-    l1_offset: u64,
-    reftable_offset: u64,
     size: u64,
     discard: bool,
     meta: AsyncMutex<Meta>,
@@ -275,6 +274,8 @@ impl Qcow2Driver {
         let (l2_tables, rc_tables) = opts.cache_tables(h.size, cs);
         let meta = Meta {
             l1: image.l1,
+            l1_offset: h.l1_table_offset,
+            reftable_offset: h.refcount_table_offset,
             l1_dirty: Default::default(),
             l2: TableCache::new(l2_tables),
             reftable: image.reftable.iter().map(|e| e & !511).collect(),
@@ -293,8 +294,6 @@ impl Qcow2Driver {
             cluster_size: cs,
             l2_bits: h.cluster_bits - 3,
             refcount_order: h.refcount_order,
-            l1_offset: h.l1_table_offset,
-            reftable_offset: h.refcount_table_offset,
             size: h.size,
             discard: opts.discard,
             meta: AsyncMutex::new(meta),
@@ -584,13 +583,20 @@ impl Qcow2Driver {
         self.file.driver().flush().await?;
         m.needs_sync = false;
         let freed = self.apply_frees(&mut m).await?;
-        drop(m);
+        if !freed.is_empty() {
+            // The lowered refcounts, durable too: a flush before close leaves no leak.
+            self.write_back(&mut m).await?;
+            self.sync_if_needed(&mut m).await?;
+        }
         if self.discard {
+            // Under the metadata lock: once it is released, a freed cluster can be
+            // allocated again, and a discard after that would drop the new data.
             for host in freed {
                 // The child may drop the data now; it decides whether discards do anything.
                 let _ = self.file.driver().discard(host, self.cluster_size).await;
             }
         }
+        drop(m);
         Ok(())
     }
 
@@ -869,6 +875,18 @@ impl BlockDriver for Qcow2Driver {
     }
     fn allocated_bytes(&self) -> Option<u64> {
         self.file.allocated_bytes()
+    }
+    fn child_perms(
+        &self,
+        role: &'static str,
+        perm: Perm,
+        shared: Perm,
+        writable: bool,
+    ) -> (Perm, Perm) {
+        match role {
+            "backing" => crate::block::perm::backing_perms(perm, shared),
+            _ => crate::block::perm::storage_perms(writable),
+        }
     }
     fn children(&self) -> Vec<(&'static str, &Arc<BlockNode>)> {
         let mut v = vec![("file", &self.file)];

@@ -21,6 +21,7 @@ fn shared() -> FuseShared {
     FuseShared {
         node,
         writable: true,
+        writethrough: false,
         growable: false,
         allow_other: false,
         mode: AtomicU32::new(0o100600),

@@ -251,7 +251,7 @@ impl FuseShared {
             }
         }
         buf.set_len(n);
-        let (r, buf) = self.node.write(offset, buf, false).await;
+        let (r, buf) = self.node.write(offset, buf, self.writethrough).await;
         (r.map(|()| n as u32).map_err(errno), buf)
     }
 

@@ -42,6 +42,8 @@ type UringPlan = Vec<(Option<Remote>, Vec<u16>)>;
 pub struct FuseShared {
     node: Arc<BlockNode>,
     writable: bool,
+    /// `writethrough=on`: writes are durable before they complete (FUA).
+    writethrough: bool,
     growable: bool,
     allow_other: bool,
     mode: AtomicU32,
@@ -161,6 +163,7 @@ pub struct FuseOptions {
     pub node_name: String,
     pub mountpoint: PathBuf,
     pub writable: bool,
+    pub writethrough: bool,
     pub growable: bool,
     pub allow_other: AllowOther,
     pub iothreads: Vec<String>,
@@ -184,7 +187,7 @@ impl FuseOptions {
             Some("auto") => AllowOther::Auto,
             _ => AllowOther::Off,
         };
-        let _ = kv.take_bool("writethrough", false)?;
+        let writethrough = kv.take_bool("writethrough", false)?;
         let _ = kv.take_bool("fixed-iothread", false)?;
         let iothreads = kv.take_list("iothread");
         let io_uring = match kv
@@ -200,6 +203,7 @@ impl FuseOptions {
             node_name,
             mountpoint,
             writable,
+            writethrough,
             growable,
             allow_other,
             iothreads,
@@ -297,6 +301,7 @@ impl FuseExport {
         let shared = Arc::new(FuseShared {
             node: node.clone(),
             writable: opts.writable,
+            writethrough: opts.writethrough,
             growable: opts.growable,
             allow_other,
             mode: AtomicU32::new(mode),

@@ -60,6 +60,8 @@ pub struct NbdExport {
     pub multi_conn: bool,
     /// Offer the qemu:allocation-depth metadata context (`allocation-depth=on`).
     pub allocation_depth: bool,
+    /// `writethrough=on`: every write is durable before it is acknowledged (FUA).
+    pub writethrough: bool,
     /// Sockets of the connections in transmission phase now.
     pub clients: Mutex<Vec<RawFd>>,
     /// Deleted: new connections are refused, existing ones are being closed.
@@ -90,6 +92,7 @@ impl NbdExport {
             load,
             multi_conn,
             allocation_depth: false,
+            writethrough: false,
             clients: Mutex::default(),
             shutting_down: AtomicBool::new(false),
             drain: DrainSignal::default(),
@@ -238,7 +241,7 @@ pub fn create(env: &ExportEnv<'_>, mut kv: KeyVal) -> Result<Box<dyn Export>, St
     let name = kv.take("name").unwrap_or_else(|| node_name.clone());
     let description = kv.take("description").unwrap_or_default();
     let writable = kv.take_bool("writable", false)?;
-    let _ = kv.take_bool("writethrough", false)?;
+    let writethrough = kv.take_bool("writethrough", false)?;
     let _ = kv.take_bool("fixed-iothread", false)?;
     let allocation_depth = kv.take_bool("allocation-depth", false)?;
     let names = kv.take_list("iothread");
@@ -263,6 +266,7 @@ pub fn create(env: &ExportEnv<'_>, mut kv: KeyVal) -> Result<Box<dyn Export>, St
     };
     let mut export = NbdExport::new(id, name, description, node, writable, iothreads, multi_conn);
     export.allocation_depth = allocation_depth;
+    export.writethrough = writethrough;
     let export = Arc::new(export);
     table
         .add(export.clone())

@@ -436,7 +436,7 @@ async fn handle(conn: &Conn, req: Request, payload: Option<Buf>) {
         return conn.error_reply(&req, e);
     }
     let node = &conn.export.node;
-    let fua = req.flags & CMD_FLAG_FUA != 0;
+    let fua = req.flags & CMD_FLAG_FUA != 0 || conn.export.writethrough;
     let result = match req.kind {
         CMD_READ => {
             if conn.structured

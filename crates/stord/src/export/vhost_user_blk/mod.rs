@@ -43,6 +43,9 @@ pub struct VhostUserBlkOptions {
     pub node_name: String,
     pub path: PathBuf,
     pub writable: bool,
+    /// `writethrough=on`: the device starts with its write cache off (the guest may turn
+    /// it on, as virtio's WCE allows).
+    pub writethrough: bool,
     pub num_queues: u16,
     pub logical_block_size: u32,
     pub iothreads: Vec<String>,
@@ -61,7 +64,7 @@ impl VhostUserBlkOptions {
         }
         let path = PathBuf::from(kv.take_required("addr.path")?);
         let writable = kv.take_bool("writable", false)?;
-        let _ = kv.take_bool("writethrough", false)?;
+        let writethrough = kv.take_bool("writethrough", false)?;
         let _ = kv.take_bool("fixed-iothread", false)?;
         let num_queues = match kv.take_u64("num-queues", false)? {
             None => 1,
@@ -87,6 +90,7 @@ impl VhostUserBlkOptions {
             node_name,
             path,
             writable,
+            writethrough,
             num_queues,
             logical_block_size,
             iothreads,
@@ -156,6 +160,8 @@ impl VhostUserBlkExport {
             opts.logical_block_size,
             opts.num_queues,
         ));
+        dev.writeback
+            .store(!opts.writethrough, std::sync::atomic::Ordering::Relaxed);
         let conns: Arc<Mutex<Vec<Connection>>> = Arc::default();
         let (dev2, conns2, kept) = (dev.clone(), conns.clone(), remotes.clone());
         let acceptor = stord_aio::with_current_context(|ctx| {

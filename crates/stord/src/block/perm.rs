@@ -1,0 +1,430 @@
+//! Node permissions, as QEMU's `BdrvChild` has them: every user of a node (an export, a
+//! parent node, later a job) takes a set of permissions on it and says which permissions it
+//! lets the others hold. A node's cumulative permissions (what its users take, and what
+//! all of them share) decide what it takes from its own children, down to the file nodes,
+//! which make them visible to other processes as QEMU's image locks (see
+//! [`crate::block::file::lock`]). So QEMU's tools and stord see each other's use of an image,
+//! and two users inside stord that cannot coexist are refused with QEMU's message.
+//!
+//! A user holds a [`Claim`]; dropping it gives the permissions back.
+
+use std::fmt;
+use std::sync::Arc;
+
+use super::BlockNode;
+
+/// A set of permissions (QEMU's `BLK_PERM_*` bits, the same values).
+#[derive(Clone, Copy, PartialEq, Eq, Default, Hash)]
+pub struct Perm(u8);
+
+impl Perm {
+    /// Nothing.
+    pub const NONE: Perm = Perm(0);
+    /// Reads return what the node holds (a format node needs it of its file).
+    pub const CONSISTENT_READ: Perm = Perm(0x1);
+    /// Writes that change the content.
+    pub const WRITE: Perm = Perm(0x2);
+    /// Writes that leave the content as it reads (a copy-on-read, a filter's write-back).
+    pub const WRITE_UNCHANGED: Perm = Perm(0x4);
+    /// Changing the size.
+    pub const RESIZE: Perm = Perm(0x8);
+    /// Every permission.
+    pub const ALL: Perm = Perm(0xf);
+
+    /// The bits, in order, with QEMU's names (which its error messages use).
+    pub const NAMED: [(Perm, &'static str); 4] = [
+        (Perm::CONSISTENT_READ, "consistent read"),
+        (Perm::WRITE, "write"),
+        (Perm::WRITE_UNCHANGED, "write unchanged"),
+        (Perm::RESIZE, "resize"),
+    ];
+
+    /// The raw bits.
+    pub fn bits(self) -> u8 {
+        self.0
+    }
+
+    /// Whether every permission of `other` is in `self`.
+    pub fn contains(self, other: Perm) -> bool {
+        self.0 & other.0 == other.0
+    }
+
+    /// Whether any permission of `other` is in `self`.
+    pub fn intersects(self, other: Perm) -> bool {
+        self.0 & other.0 != 0
+    }
+
+    /// The permissions not in `self`.
+    pub fn complement(self) -> Perm {
+        Perm(!self.0 & Perm::ALL.0)
+    }
+
+    /// Each bit of `self` by itself, with its name.
+    pub fn each(self) -> impl Iterator<Item = (Perm, &'static str)> {
+        Perm::NAMED
+            .into_iter()
+            .filter(move |(p, _)| self.contains(*p))
+    }
+}
+
+impl std::ops::BitOr for Perm {
+    type Output = Perm;
+    fn bitor(self, o: Perm) -> Perm {
+        Perm(self.0 | o.0)
+    }
+}
+
+impl std::ops::BitAnd for Perm {
+    type Output = Perm;
+    fn bitand(self, o: Perm) -> Perm {
+        Perm(self.0 & o.0)
+    }
+}
+
+impl fmt::Debug for Perm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let names: Vec<&str> = self.each().map(|(_, n)| n).collect();
+        write!(f, "[{}]", names.join(", "))
+    }
+}
+
+/// Why a permission could not be taken.
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
+pub enum PermError {
+    /// Another user of the node in this daemon does not share it (QEMU's text).
+    #[error("Conflicts with use by {user} as '{role}', which does not allow '{perm}' on {node}")]
+    Conflict {
+        user: String,
+        role: &'static str,
+        perm: &'static str,
+        node: String,
+    },
+    /// Another process holds the image (QEMU's text, from the file's locks).
+    #[error("{0}")]
+    Locked(String),
+}
+
+/// What one user takes and shares.
+#[derive(Debug, Clone)]
+pub(crate) struct Use {
+    id: u64,
+    user: String,
+    role: &'static str,
+    perm: Perm,
+    shared: Perm,
+}
+
+/// The users of one node (behind the node's mutex).
+#[derive(Debug, Default)]
+pub(crate) struct Users {
+    next_id: u64,
+    list: Vec<Use>,
+    /// The node's own claims on its children, made once it has users to serve (or at
+    /// open, for what a format node needs of its file whatever its users want).
+    children: Vec<Claim>,
+}
+
+impl Users {
+    /// What all users take, and what all of them share.
+    pub(crate) fn cumulative(&self) -> (Perm, Perm) {
+        self.list.iter().fold((Perm::NONE, Perm::ALL), |(p, s), u| {
+            (p | u.perm, s & u.shared)
+        })
+    }
+
+    /// The first conflict between `(perm, shared)` and every user but `except`.
+    fn conflict(
+        &self,
+        node: &str,
+        except: Option<u64>,
+        perm: Perm,
+        shared: Perm,
+    ) -> Option<PermError> {
+        for u in self.list.iter().filter(|u| Some(u.id) != except) {
+            // What we want that they do not let others have, then what they hold that we
+            // do not let them keep.
+            let clash = (perm & u.shared.complement())
+                .each()
+                .next()
+                .or_else(|| (u.perm & shared.complement()).each().next());
+            if let Some((_, name)) = clash {
+                return Some(PermError::Conflict {
+                    user: u.user.clone(),
+                    role: u.role,
+                    perm: name,
+                    node: node.to_string(),
+                });
+            }
+        }
+        None
+    }
+}
+
+/// A user's hold on a node's permissions; given back when dropped.
+pub struct Claim {
+    node: Arc<BlockNode>,
+    id: u64,
+}
+
+impl fmt::Debug for Claim {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Claim({} #{})", self.node.name, self.id)
+    }
+}
+
+impl Claim {
+    /// The node claimed.
+    pub fn node(&self) -> &Arc<BlockNode> {
+        &self.node
+    }
+
+    /// Changes what this user takes and shares (all or nothing).
+    pub fn set(&self, perm: Perm, shared: Perm) -> Result<(), PermError> {
+        self.node.update_use(self.id, perm, shared)
+    }
+}
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        self.node.release_use(self.id);
+    }
+}
+
+impl BlockNode {
+    /// Takes `perm` on this node for `user` (its `role` in messages), letting the other
+    /// users hold `shared`; the node passes what it now needs down to its children.
+    pub fn claim(
+        self: &Arc<Self>,
+        user: &str,
+        role: &'static str,
+        perm: Perm,
+        shared: Perm,
+    ) -> Result<Claim, PermError> {
+        let shared = if self.force_share { Perm::ALL } else { shared };
+        let mut users = self.users.lock().expect("node users");
+        if let Some(e) = users.conflict(&self.name, None, perm, shared) {
+            return Err(e);
+        }
+        let id = users.next_id;
+        users.next_id += 1;
+        users.list.push(Use {
+            id,
+            user: user.to_string(),
+            role,
+            perm,
+            shared,
+        });
+        if let Err(e) = self.apply(&mut users) {
+            users.list.retain(|u| u.id != id);
+            let _ = self.apply(&mut users);
+            return Err(e);
+        }
+        drop(users);
+        Ok(Claim {
+            node: self.clone(),
+            id,
+        })
+    }
+
+    fn update_use(&self, id: u64, perm: Perm, shared: Perm) -> Result<(), PermError> {
+        let shared = if self.force_share { Perm::ALL } else { shared };
+        let mut users = self.users.lock().expect("node users");
+        if let Some(e) = users.conflict(&self.name, Some(id), perm, shared) {
+            return Err(e);
+        }
+        let Some(i) = users.list.iter().position(|u| u.id == id) else {
+            return Ok(());
+        };
+        let old = (users.list[i].perm, users.list[i].shared);
+        users.list[i].perm = perm;
+        users.list[i].shared = shared;
+        if let Err(e) = self.apply(&mut users) {
+            users.list[i].perm = old.0;
+            users.list[i].shared = old.1;
+            let _ = self.apply(&mut users);
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    fn release_use(&self, id: u64) {
+        let mut users = self.users.lock().expect("node users");
+        users.list.retain(|u| u.id != id);
+        // Giving permissions back cannot conflict; a lock that cannot be dropped stays.
+        let _ = self.apply(&mut users);
+    }
+
+    /// Makes the children's claims and the driver's locks follow the users' cumulative
+    /// permissions.
+    fn apply(&self, users: &mut Users) -> Result<(), PermError> {
+        let (perm, shared) = users.cumulative();
+        let children = self.driver.children();
+        if users.children.is_empty() && !children.is_empty() {
+            for (role, child) in children {
+                let (p, s) = self
+                    .driver
+                    .child_perms(role, perm, shared, !self.is_read_only());
+                match child.claim(&self.name, role, p, s) {
+                    Ok(c) => users.children.push(c),
+                    Err(e) => {
+                        users.children.clear();
+                        return Err(e);
+                    }
+                }
+            }
+        } else {
+            let mut done: Vec<(usize, (Perm, Perm))> = Vec::new();
+            for (i, (role, _)) in children.into_iter().enumerate() {
+                let (p, s) = self
+                    .driver
+                    .child_perms(role, perm, shared, !self.is_read_only());
+                let c = &users.children[i];
+                let before = c.node.use_of(c.id);
+                if let Err(e) = c.set(p, s) {
+                    // Back to what the children had.
+                    for (j, (bp, bs)) in done {
+                        let _ = users.children[j].set(bp, bs);
+                    }
+                    return Err(e);
+                }
+                done.push((i, before));
+            }
+        }
+        self.driver.set_perm(perm, shared)
+    }
+
+    /// What user `id` takes and shares now.
+    fn use_of(&self, id: u64) -> (Perm, Perm) {
+        let users = self.users.lock().expect("node users");
+        users
+            .list
+            .iter()
+            .find(|u| u.id == id)
+            .map_or((Perm::NONE, Perm::ALL), |u| (u.perm, u.shared))
+    }
+
+    /// Takes what the node needs of its children before it has users (a format node
+    /// writes its metadata whatever its users do): the error is QEMU's when another user
+    /// or process is in the way.
+    pub fn refresh_perms(&self) -> Result<(), PermError> {
+        let mut users = self.users.lock().expect("node users");
+        self.apply(&mut users)
+    }
+
+    /// The permissions the node's users hold together, and what they all share.
+    pub fn cumulative_perms(&self) -> (Perm, Perm) {
+        self.users.lock().expect("node users").cumulative()
+    }
+}
+
+/// What a format node takes of the child that stores its data and metadata (QEMU's
+/// `bdrv_default_perms_for_storage`): consistent reads always, write and resize when the
+/// node is writable, whatever its users want; it lets others read and write unchanged
+/// data but not change it or its size under the metadata it caches.
+pub fn storage_perms(writable: bool) -> (Perm, Perm) {
+    let perm = if writable {
+        Perm::CONSISTENT_READ | Perm::WRITE | Perm::RESIZE
+    } else {
+        Perm::CONSISTENT_READ
+    };
+    (perm, Perm::CONSISTENT_READ | Perm::WRITE_UNCHANGED)
+}
+
+/// What an image takes of its backing node (QEMU's `bdrv_default_perms_for_cow`): reads if
+/// its users read; others may write there only if every user of the image allows writes.
+pub fn backing_perms(perm: Perm, shared: Perm) -> (Perm, Perm) {
+    let mut s = Perm::CONSISTENT_READ | Perm::WRITE_UNCHANGED;
+    if shared.contains(Perm::WRITE) {
+        s = s | Perm::WRITE | Perm::RESIZE;
+    }
+    (perm & Perm::CONSISTENT_READ, s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::block::null::NullDriver;
+
+    fn null(name: &str) -> Arc<BlockNode> {
+        Arc::new(BlockNode::new(
+            name.into(),
+            Box::new(NullDriver::new(1 << 20, false)),
+            false,
+            false,
+        ))
+    }
+
+    #[test]
+    fn users_that_do_not_share_conflict_with_qemus_message() {
+        let n = null("disk");
+        let w = n
+            .claim(
+                "export 'e1'",
+                "root",
+                Perm::WRITE | Perm::CONSISTENT_READ,
+                Perm::CONSISTENT_READ,
+            )
+            .unwrap();
+        let e = n
+            .claim("export 'e2'", "root", Perm::WRITE, Perm::ALL)
+            .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "Conflicts with use by export 'e1' as 'root', which does not allow 'write' on disk"
+        );
+        // A reader that lets others write gets in; one that forbids writes does not.
+        let r = n
+            .claim("reader", "root", Perm::CONSISTENT_READ, Perm::ALL)
+            .unwrap();
+        assert!(n
+            .claim(
+                "strict",
+                "root",
+                Perm::CONSISTENT_READ,
+                Perm::CONSISTENT_READ
+            )
+            .is_err());
+        assert_eq!(
+            n.cumulative_perms(),
+            (Perm::CONSISTENT_READ | Perm::WRITE, Perm::CONSISTENT_READ)
+        );
+        drop(w);
+        drop(r);
+        assert_eq!(n.cumulative_perms(), (Perm::NONE, Perm::ALL));
+        let _w2 = n
+            .claim("export 'e2'", "root", Perm::WRITE, Perm::ALL)
+            .unwrap();
+    }
+
+    #[test]
+    fn force_share_lets_everything_through() {
+        let mut n = BlockNode::new(
+            "ro".into(),
+            Box::new(NullDriver::new(1 << 20, false)),
+            true,
+            false,
+        );
+        n.force_share = true;
+        let n = Arc::new(n);
+        let _a = n
+            .claim("a", "root", Perm::CONSISTENT_READ, Perm::NONE)
+            .unwrap();
+        let _b = n
+            .claim("b", "root", Perm::CONSISTENT_READ, Perm::NONE)
+            .unwrap();
+    }
+
+    #[test]
+    fn qemus_storage_and_cow_rules() {
+        let (p, s) = storage_perms(true);
+        assert!(
+            p.contains(Perm::WRITE | Perm::RESIZE) && !s.intersects(Perm::WRITE | Perm::RESIZE)
+        );
+        let (p, _) = storage_perms(false);
+        assert_eq!(p, Perm::CONSISTENT_READ);
+        let (p, s) = backing_perms(Perm::ALL, Perm::CONSISTENT_READ);
+        assert_eq!(p, Perm::CONSISTENT_READ);
+        assert!(!s.intersects(Perm::WRITE));
+        assert!(backing_perms(Perm::NONE, Perm::ALL).1.contains(Perm::WRITE));
+    }
+}

@@ -1,0 +1,239 @@
+//! The qcow2 interoperability matrix: images as qemu-img makes them (cluster sizes, refcount
+//! widths, compat levels, compressed clusters, backing chains, huge virtual sizes), each
+//! given the same qemu-io operations through stord and, on a copy, through QEMU's own
+//! driver. Afterwards `qemu-img check` must find stord's image clean and `qemu-img compare`
+//! must find the two identical.
+
+mod common;
+
+use std::path::Path;
+
+use common::{run, run_ok, tmpdir, Stord};
+
+/// qemu-io commands on `target`; fails the test on any error qemu-io prints.
+fn qemu_io(args: &[&str], cmds: &[&str], target: &str) -> String {
+    let mut a: Vec<&str> = args.to_vec();
+    for c in cmds {
+        a.push("-c");
+        a.push(c);
+    }
+    a.push(target);
+    let out = run_ok("qemu-io", &a);
+    assert!(
+        !out.contains("Pattern verification failed") && !out.contains("failed:"),
+        "qemu-io {cmds:?} on {target}: {out}"
+    );
+    out
+}
+
+fn check_clean(image: &str) {
+    let out = run("qemu-img", &["check", image]);
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "qemu-img check {image}: {text}");
+    assert!(!text.contains("leaked"), "qemu-img check {image}: {text}");
+}
+
+fn create(path: &Path, opts: &str, size: &str) -> String {
+    let p = path.display().to_string();
+    let mut args = vec!["create", "-q", "-f", "qcow2"];
+    if !opts.is_empty() {
+        args.extend(["-o", opts]);
+    }
+    args.extend([p.as_str(), size]);
+    run_ok("qemu-img", &args);
+    p
+}
+
+/// The operations every case gets: unaligned writes, writes across cluster boundaries,
+/// write-zeroes with and without unmap, discard, a flush between them, and `extra`.
+fn ops(extra: &[&'static str]) -> Vec<&'static str> {
+    let mut v = vec![
+        "write -P 0x21 100k 8k",
+        "write -P 0x22 3333 5000",
+        "write -P 0x23 1M 300k",
+        "flush",
+        "write -z 1100k 100k",
+        "write -z -u 2M 1M",
+        "write -P 0x24 2560k 4k",
+        "discard 1M 64k",
+        "discard 3M 1M",
+        "write -P 0x25 3600k 1",
+        "flush",
+    ];
+    v.extend_from_slice(extra);
+    v
+}
+
+/// Applies `cmds` to `image` through stord and to a copy through QEMU; then the image stord
+/// wrote must be clean and read the same as the copy.
+fn same_as_qemu(dir: &Path, image: &str, cmds: &[&str]) {
+    let reference = format!("{image}.ref");
+    std::fs::copy(image, &reference).unwrap();
+    {
+        let node = format!(
+            "driver=qcow2,discard=unmap,file.driver=file,file.filename={image},file.discard=unmap"
+        );
+        let s = Stord::with_node(dir, &node, true);
+        qemu_io(&["-f", "raw"], cmds, &s.uri());
+    }
+    qemu_io(&["-f", "qcow2"], cmds, &reference);
+    check_clean(image);
+    run_ok("qemu-img", &["compare", image, &reference]);
+    std::fs::remove_file(&reference).unwrap();
+}
+
+#[test]
+fn cluster_sizes_from_512_bytes_to_2_mib() {
+    let dir = tmpdir("matrix-cluster");
+    for cs in ["512", "4k", "64k", "2M"] {
+        let img = create(
+            &dir.join(format!("c{cs}.qcow2")),
+            &format!("cluster_size={cs}"),
+            "64M",
+        );
+        same_as_qemu(&dir, &img, &ops(&["write -P 0x26 60M 4M"]));
+    }
+}
+
+#[test]
+fn every_refcount_width() {
+    let dir = tmpdir("matrix-refcount");
+    for bits in [1, 2, 4, 8, 16, 32, 64] {
+        let img = create(
+            &dir.join(format!("r{bits}.qcow2")),
+            &format!("refcount_bits={bits}"),
+            "64M",
+        );
+        same_as_qemu(&dir, &img, &ops(&[]));
+    }
+}
+
+#[test]
+fn compat_0_10_and_lazy_refcounts() {
+    let dir = tmpdir("matrix-compat");
+    let v2 = create(&dir.join("v2.qcow2"), "compat=0.10", "64M");
+    same_as_qemu(&dir, &v2, &ops(&[]));
+    let lazy = create(
+        &dir.join("lazy.qcow2"),
+        "compat=1.1,lazy_refcounts=on",
+        "64M",
+    );
+    same_as_qemu(&dir, &lazy, &ops(&[]));
+}
+
+/// `qemu-img convert -c`: small compressed clusters share host clusters, so writing into
+/// or discarding one must leave its neighbours readable (an earlier stord discarded the
+/// shared host cluster with the first one freed).
+#[test]
+fn writes_into_shared_compressed_clusters() {
+    let dir = tmpdir("matrix-compressed");
+    let raw = dir.join("src.raw").display().to_string();
+    run_ok("qemu-img", &["create", "-q", "-f", "raw", &raw, "16M"]);
+    let mut fill = Vec::new();
+    for i in 0..256u32 {
+        fill.push(format!("write -P {} {}k 64k", i % 250 + 1, i * 64));
+    }
+    let fill: Vec<&str> = fill.iter().map(String::as_str).collect();
+    qemu_io(&["-f", "raw"], &fill, &raw);
+    for cs in ["4k", "64k"] {
+        let img = dir.join(format!("z{cs}.qcow2")).display().to_string();
+        run_ok(
+            "qemu-img",
+            &[
+                "convert",
+                "-q",
+                "-c",
+                "-O",
+                "qcow2",
+                "-o",
+                &format!("cluster_size={cs}"),
+                &raw,
+                &img,
+            ],
+        );
+        same_as_qemu(
+            &dir,
+            &img,
+            &ops(&[
+                "write -P 0x31 128k 4k",
+                "flush",
+                "write -P 0x32 3000k 512",
+                "write -z 1536k 64k",
+                "flush",
+            ]),
+        );
+        // Every untouched compressed cluster still reads as it was written.
+        qemu_io(
+            &["-f", "qcow2"],
+            &[
+                "read -P 3 132k 60k",
+                "read -P 10 576k 64k",
+                "read -P 129 8M 64k",
+                "read -P 200 12736k 64k",
+            ],
+            &img,
+        );
+    }
+}
+
+/// 512-byte clusters: one refcount table cluster covers a few MiB, so writing tens of MiB
+/// makes the table grow (writes failed with EIO before).
+#[test]
+fn small_clusters_written_past_the_first_refcount_table() {
+    let dir = tmpdir("matrix-grow");
+    let img = create(&dir.join("small.qcow2"), "cluster_size=512", "64M");
+    same_as_qemu(
+        &dir,
+        &img,
+        &ops(&["write -P 0x41 4M 40M", "flush", "write -P 0x42 50M 10M"]),
+    );
+    let img = create(
+        &dir.join("small1.qcow2"),
+        "cluster_size=512,refcount_bits=1",
+        "32M",
+    );
+    same_as_qemu(&dir, &img, &ops(&["write -P 0x43 4M 28M"]));
+}
+
+#[test]
+fn backing_chains_raw_and_qcow2_of_mixed_cluster_sizes() {
+    let dir = tmpdir("matrix-chain");
+    let base_raw = dir.join("base.raw").display().to_string();
+    run_ok("qemu-img", &["create", "-q", "-f", "raw", &base_raw, "64M"]);
+    qemu_io(&["-f", "raw"], &["write -P 0x51 0 8M"], &base_raw);
+    let mid = create(
+        &dir.join("mid.qcow2"),
+        &format!("cluster_size=4k,backing_file={base_raw},backing_fmt=raw"),
+        "64M",
+    );
+    qemu_io(&["-f", "qcow2"], &["write -P 0x52 2M 2M"], &mid);
+    let top = create(
+        &dir.join("top.qcow2"),
+        &format!("cluster_size=2M,backing_file={mid},backing_fmt=qcow2"),
+        "64M",
+    );
+    same_as_qemu(&dir, &top, &ops(&["write -P 0x53 5M 100k"]));
+    let v2 = create(
+        &dir.join("top-v2.qcow2"),
+        &format!("compat=0.10,cluster_size=512,backing_file={mid},backing_fmt=qcow2"),
+        "64M",
+    );
+    same_as_qemu(&dir, &v2, &ops(&[]));
+}
+
+#[test]
+fn two_tib_virtual_size() {
+    let dir = tmpdir("matrix-huge");
+    let img = create(&dir.join("huge.qcow2"), "", "2T");
+    same_as_qemu(
+        &dir,
+        &img,
+        &ops(&[
+            "write -P 0x61 1T 1M",
+            "write -P 0x62 2047G 1M",
+            "write -z 1500G 4M",
+            "discard 1T 512k",
+        ]),
+    );
+}
