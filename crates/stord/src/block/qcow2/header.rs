@@ -44,6 +44,8 @@ mod ext {
 
 /// Byte offsets of fields written back by the driver.
 pub mod field {
+    /// `incompatible_features` (u64, version 3).
+    pub const INCOMPATIBLE: u64 = 72;
     /// `refcount_table_offset` (u64), followed by `refcount_table_clusters` (u32).
     pub const REFCOUNT_TABLE: u64 = 48;
     /// `autoclear_features` (u64, version 3).
@@ -98,6 +100,8 @@ pub struct Header {
     pub refcount_table_clusters: u32,
     /// Internal snapshots.
     pub nb_snapshots: u32,
+    /// Where the snapshot table starts.
+    pub snapshots_offset: u64,
     /// Incompatible feature bits (version 2: none).
     pub incompatible: u64,
     /// Compatible feature bits.
@@ -173,6 +177,7 @@ impl Header {
             refcount_table_offset: be64(buf, 48),
             refcount_table_clusters: be32(buf, 56),
             nb_snapshots: be32(buf, 60),
+            snapshots_offset: be64(buf, 64),
             incompatible: 0,
             compatible: 0,
             autoclear: 0,

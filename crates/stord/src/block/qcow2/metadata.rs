@@ -24,8 +24,35 @@ use crate::block::request_buf;
 /// Entries written per L1 / refcount table write-back unit (one 4 KiB page).
 const PAGE_ENTRIES: usize = 512;
 
+/// What a host cluster holding metadata holds (QEMU's overlap-check names).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum MetaKind {
+    Header,
+    L1,
+    L2,
+    RefTable,
+    RefBlock,
+    Snapshots,
+}
+
+impl MetaKind {
+    fn name(self) -> &'static str {
+        match self {
+            MetaKind::Header => "qcow2_header",
+            MetaKind::L1 => "active L1 table",
+            MetaKind::L2 => "active L2 table",
+            MetaKind::RefTable => "refcount table",
+            MetaKind::RefBlock => "refcount block",
+            MetaKind::Snapshots => "snapshot table",
+        }
+    }
+}
+
 /// Mutable metadata, behind the driver's async mutex.
 pub(super) struct Meta {
+    /// Every host cluster that holds metadata, by cluster index: no data write and no
+    /// other table's write may land there (QEMU's overlap checks).
+    pub regions: std::collections::BTreeMap<u64, MetaKind>,
     pub l1: Vec<u64>,
     /// Where the L1 table is on the host.
     pub l1_offset: u64,
@@ -60,7 +87,77 @@ fn decode_be64(b: &[u8]) -> Vec<u64> {
         .collect()
 }
 
+impl Meta {
+    /// Records `[offset, offset + len)` as metadata of `kind`.
+    pub(super) fn add_region(&mut self, cluster_bits: u32, offset: u64, len: u64, kind: MetaKind) {
+        if len == 0 {
+            return;
+        }
+        for c in offset >> cluster_bits..=(offset + len - 1) >> cluster_bits {
+            self.regions.insert(c, kind);
+        }
+    }
+}
+
 impl Qcow2Driver {
+    /// Refuses a write of `[host, host + len)` that would land on metadata other than
+    /// `own` (the table being written itself): the image is marked corrupt, as QEMU does,
+    /// and the request fails with EIO.
+    pub(super) async fn check_overlap(
+        &self,
+        m: &Meta,
+        host: u64,
+        len: u64,
+        own: Option<MetaKind>,
+    ) -> io::Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        let first = host >> self.cluster_bits;
+        let last = (host + len - 1) >> self.cluster_bits;
+        let hit = m
+            .regions
+            .range(first..=last)
+            .find(|(_, k)| Some(**k) != own)
+            .map(|(_, k)| *k);
+        match hit {
+            None => Ok(()),
+            Some(kind) => Err(self
+                .signal_corruption(&format!(
+                    "Preventing invalid write on metadata (overlaps with {})",
+                    kind.name()
+                ))
+                .await),
+        }
+    }
+
+    /// Marks the image corrupt (the header's corrupt bit, on version 3) and fails every
+    /// later request, as QEMU's `qcow2_signal_corruption`: the error for the request.
+    pub(super) async fn signal_corruption(&self, what: &str) -> io::Error {
+        if !self.corrupt.swap(true, std::sync::atomic::Ordering::AcqRel) {
+            tracing::error!(
+                "qcow2: Marking image as corrupt: {what}; further corruption events will be suppressed"
+            );
+            if self.version >= 3 {
+                let bits = self.incompatible | super::header::incompat::CORRUPT;
+                let _ = self
+                    .file_write(super::header::field::INCOMPATIBLE, &bits.to_be_bytes())
+                    .await;
+                let _ = self.file.driver().flush().await;
+            }
+        }
+        io::Error::from_raw_os_error(libc::EIO)
+    }
+
+    /// EIO once the image has been found corrupt.
+    pub(super) fn check_not_corrupt(&self) -> io::Result<()> {
+        if self.corrupt.load(std::sync::atomic::Ordering::Acquire) {
+            Err(io::Error::from_raw_os_error(libc::EIO))
+        } else {
+            Ok(())
+        }
+    }
+
     pub(super) fn l1_index(&self, guest: u64) -> usize {
         (guest >> (self.cluster_bits + self.l2_bits)) as usize
     }
@@ -126,6 +223,7 @@ impl Qcow2Driver {
 
     /// What the image says about the guest cluster containing `guest`.
     pub(super) async fn lookup(&self, m: &mut Meta, guest: u64) -> io::Result<Mapping> {
+        self.check_not_corrupt()?;
         let l2_off = m.l1[self.l1_index(guest)] & OFFSET_MASK;
         if l2_off == 0 {
             return Ok(Mapping::Unallocated);
@@ -157,6 +255,7 @@ impl Qcow2Driver {
                 self.write_back(m).await?;
             }
             m.l2.insert(table, vec![0; 1 << self.l2_bits], true);
+            m.add_region(self.cluster_bits, table, self.cluster_size, MetaKind::L2);
             m.l1[i1] = table | COPIED;
             m.l1_dirty.insert(i1);
             l2_off = table;
@@ -191,7 +290,14 @@ impl Qcow2Driver {
                 let mut block = vec![0u8; self.cluster_size as usize];
                 rc.set(&mut block, idx, 1);
                 let host = c << self.cluster_bits;
+                self.check_overlap(m, host, self.cluster_size, None).await?;
                 m.refblocks.insert(host, block, true);
+                m.add_region(
+                    self.cluster_bits,
+                    host,
+                    self.cluster_size,
+                    MetaKind::RefBlock,
+                );
                 m.reftable[bi] = host;
                 m.reftable_dirty.insert(bi);
                 m.file_end = m.file_end.max(host + self.cluster_size);
@@ -208,6 +314,9 @@ impl Qcow2Driver {
                     rc.set(block, i, 1);
                     m.free_hint = c + 1;
                     let host = c << self.cluster_bits;
+                    // Refcounts that call a metadata cluster free are corrupt: never
+                    // hand it out for data.
+                    self.check_overlap(m, host, self.cluster_size, None).await?;
                     let fresh = host >= m.file_end;
                     m.file_end = m.file_end.max(host + self.cluster_size);
                     return Ok((host, fresh));
@@ -302,6 +411,22 @@ impl Qcow2Driver {
         let (old_offset, old_clusters) = (m.reftable_offset, (old as u64 * 8).div_ceil(cs));
         m.reftable = table;
         m.reftable_offset = area * cs;
+        let old_bytes = old as u64 * 8;
+        for c in old_offset / cs..(old_offset + old_bytes).div_ceil(cs) {
+            m.regions.remove(&c);
+        }
+        m.add_region(
+            self.cluster_bits,
+            area * cs,
+            table_clusters * cs,
+            MetaKind::RefTable,
+        );
+        m.add_region(
+            self.cluster_bits,
+            (area + table_clusters) * cs,
+            blocks * cs,
+            MetaKind::RefBlock,
+        );
         m.reftable_dirty.clear();
         m.file_end = m.file_end.max(end * cs);
         // The old table is referenced by nothing durable now: free it at once.
@@ -396,6 +521,8 @@ impl Qcow2Driver {
     /// Writes every dirty table back, in the order the module docs give.
     pub(super) async fn write_back(&self, m: &mut Meta) -> io::Result<()> {
         for off in m.refblocks.dirty() {
+            self.check_overlap(m, off, self.cluster_size, Some(MetaKind::RefBlock))
+                .await?;
             self.file_write(off, m.refblocks.peek(off).expect("dirty is cached"))
                 .await?;
             m.refblocks.mark_clean(off);
@@ -416,6 +543,8 @@ impl Qcow2Driver {
         if !dirty_l2.is_empty() {
             self.sync_if_needed(m).await?;
             for off in dirty_l2 {
+                self.check_overlap(m, off, self.cluster_size, Some(MetaKind::L2))
+                    .await?;
                 let table = m.l2.peek(off).expect("dirty is cached");
                 let bytes: Vec<u8> = table.iter().flat_map(|e| e.to_be_bytes()).collect();
                 self.file_write(off, &bytes).await?;

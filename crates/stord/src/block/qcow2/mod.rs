@@ -112,6 +112,9 @@ pub enum Qcow2Error {
     /// Opening read-write is not possible.
     #[error("qcow2: {0}")]
     NotWritable(&'static str),
+    /// The metadata contradicts itself: writing would destroy it.
+    #[error("qcow2: Image is corrupt: {0}; cannot be opened read/write")]
+    Corrupt(String),
 }
 
 /// What `open` reads from the image before the driver exists.
@@ -121,6 +124,70 @@ pub struct Image {
     l1: Vec<u64>,
     reftable: Vec<u64>,
     file_end: u64,
+    regions: std::collections::BTreeMap<u64, metadata::MetaKind>,
+}
+
+/// Where the image's metadata lies, from the header, L1 and refcount tables; an error when
+/// two kinds of metadata claim one cluster, or a table is not where a table can be.
+fn metadata_regions(
+    h: &Header,
+    l1: &[u64],
+    reftable: &[u64],
+) -> Result<std::collections::BTreeMap<u64, metadata::MetaKind>, String> {
+    use metadata::MetaKind;
+    let bits = h.cluster_bits;
+    let cs = h.cluster_size();
+    let mut map = std::collections::BTreeMap::new();
+    let mut add = |off: u64, len: u64, kind: MetaKind, what: &str| -> Result<(), String> {
+        if off & (cs - 1) != 0 {
+            return Err(format!("{what} at {off:#x} is not cluster aligned"));
+        }
+        if len == 0 {
+            return Ok(());
+        }
+        for c in off >> bits..=(off + len - 1) >> bits {
+            if let Some(other) = map.insert(c, kind) {
+                return Err(format!(
+                    "{what} at {off:#x} overlaps with another table ({other:?})"
+                ));
+            }
+        }
+        Ok(())
+    };
+    add(0, cs, MetaKind::Header, "header")?;
+    add(
+        h.l1_table_offset,
+        h.l1_size as u64 * 8,
+        MetaKind::L1,
+        "L1 table",
+    )?;
+    add(
+        h.refcount_table_offset,
+        h.refcount_table_clusters as u64 * cs,
+        MetaKind::RefTable,
+        "refcount table",
+    )?;
+    if h.nb_snapshots > 0 {
+        add(
+            h.snapshots_offset,
+            cs,
+            MetaKind::Snapshots,
+            "snapshot table",
+        )?;
+    }
+    for (i, e) in l1.iter().enumerate() {
+        let off = e & OFFSET_MASK;
+        if off != 0 {
+            add(off, cs, MetaKind::L2, &format!("L2 table of L1 entry {i}"))?;
+        }
+    }
+    for (i, e) in reftable.iter().enumerate() {
+        let off = e & OFFSET_MASK;
+        if off != 0 {
+            add(off, cs, MetaKind::RefBlock, &format!("refcount block {i}"))?;
+        }
+    }
+    Ok(map)
 }
 
 impl Image {
@@ -184,12 +251,20 @@ impl Image {
                 f.flush().await?;
             }
         }
+        let regions = match metadata_regions(&header, &l1, &reftable) {
+            Ok(r) => r,
+            // Read-only, a corrupt image can still be read (as QEMU allows), with no
+            // write to guard.
+            Err(_) if !writable => Default::default(),
+            Err(e) => return Err(Qcow2Error::Corrupt(e)),
+        };
         let cs = header.cluster_size();
         Ok(Image {
             file_end: f.size().div_ceil(cs) * cs,
             header,
             l1,
             reftable,
+            regions,
         })
     }
 }
@@ -212,6 +287,10 @@ pub struct Qcow2Driver {
     /// Requests doing data I/O at host offsets they looked up (freed clusters are not
     /// reused under them).
     io_inflight: AtomicUsize,
+    /// The header's incompatible feature bits as opened.
+    incompatible: u64,
+    /// A write on metadata was prevented: every request fails from now on.
+    corrupt: std::sync::atomic::AtomicBool,
 }
 
 /// Counts a request in `io_inflight` until dropped.
@@ -273,6 +352,7 @@ impl Qcow2Driver {
         let cs = h.cluster_size();
         let (l2_tables, rc_tables) = opts.cache_tables(h.size, cs);
         let meta = Meta {
+            regions: image.regions,
             l1: image.l1,
             l1_offset: h.l1_table_offset,
             reftable_offset: h.refcount_table_offset,
@@ -299,6 +379,8 @@ impl Qcow2Driver {
             meta: AsyncMutex::new(meta),
             alloc_locks: RangeLocks::default(),
             io_inflight: AtomicUsize::new(0),
+            incompatible: h.incompatible,
+            corrupt: Default::default(),
         }
     }
 
@@ -449,6 +531,10 @@ impl Qcow2Driver {
             }
             pos = (cstart + self.cluster_size).min(end);
         }
+        if let Some(s) = start {
+            // An L2 entry pointing at metadata must not turn guest data into tables.
+            self.check_overlap(&m, s, len, None).await?;
+        }
         let inflight = Inflight::new(&self.io_inflight);
         drop(m);
         Ok(start.map(|s| (s, inflight)))
@@ -539,7 +625,16 @@ impl Qcow2Driver {
             let chunk = &data[(pos - offset) as usize..(chunk_end - offset) as usize];
             let old = {
                 let mut m = self.meta.lock().await;
-                self.lookup(&mut m, pos).await?
+                let old = self.lookup(&mut m, pos).await?;
+                if let Mapping::Data { host, .. }
+                | Mapping::Zero {
+                    host: Some(host), ..
+                } = old
+                {
+                    self.check_overlap(&m, host, self.cluster_size, None)
+                        .await?;
+                }
+                old
             };
             match old {
                 Mapping::Data { host, copied: true } => {
