@@ -754,6 +754,45 @@ impl State {
         Ok(())
     }
 
+    /// `block_resize`: with the resize permission for the time it takes (refused while a
+    /// user does not share it, as an NBD export whose clients were told the size).
+    pub fn resize_node(
+        &mut self,
+        device: Option<&str>,
+        node_name: Option<&str>,
+        size: i64,
+    ) -> Result<(), DaemonError> {
+        let name = node_name.or(device).unwrap_or_default();
+        let Some(node) = self.nodes.get(name).cloned() else {
+            return Err(DaemonError::Invalid(format!(
+                "Cannot find device='{}' nor node-name='{}'",
+                device.unwrap_or_default(),
+                node_name.unwrap_or_default()
+            )));
+        };
+        let Ok(size) = u64::try_from(size) else {
+            return Err(DaemonError::Invalid(
+                "Parameter 'size' expects a >0 size".into(),
+            ));
+        };
+        if node.is_read_only() {
+            return Err(DaemonError::Invalid("Image is read-only".into()));
+        }
+        let claim = node.claim(
+            "block_resize",
+            "root",
+            crate::block::perm::Perm::RESIZE,
+            crate::block::perm::Perm::ALL,
+        )?;
+        let n = node.clone();
+        let r = crate::block::block_on_helper(move || async move { n.resize(size).await });
+        drop(claim);
+        match r {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) | Err(e) => Err(DaemonError::Invalid(e.to_string())),
+        }
+    }
+
     /// `blockdev-reopen` of one node's `read-only` state. A node goes read-only only when
     /// no writable export or writable parent uses it (after a flush), and writable again
     /// only if it was opened writable: stord does not reopen files with other flags.

@@ -91,13 +91,20 @@ impl fmt::Debug for Perm {
 /// Why a permission could not be taken.
 #[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
 pub enum PermError {
-    /// Another user of the node in this daemon does not share it (QEMU's text).
-    #[error("Conflicts with use by {user} as '{role}', which does not allow '{perm}' on {node}")]
+    /// Another user of the node in this daemon does not share it (QEMU's text, naming
+    /// the users as stord knows them).
+    #[error(
+        "Permission conflict on node '{node}': permissions '{perm}' are both required by \
+         {wants} (uses node '{node}' as '{wants_role}' child) and unshared by {denies} \
+         (uses node '{node}' as '{denies_role}' child)."
+    )]
     Conflict {
-        user: String,
-        role: &'static str,
-        perm: &'static str,
         node: String,
+        perm: &'static str,
+        wants: String,
+        wants_role: &'static str,
+        denies: String,
+        denies_role: &'static str,
     },
     /// Another process holds the image (QEMU's text, from the file's locks).
     #[error("{0}")]
@@ -132,27 +139,38 @@ impl Users {
         })
     }
 
-    /// The first conflict between `(perm, shared)` and every user but `except`.
+    /// The first conflict between `user` taking `perm` and sharing `shared`, and every
+    /// user but `except`.
     fn conflict(
         &self,
         node: &str,
         except: Option<u64>,
+        me: (&str, &'static str),
         perm: Perm,
         shared: Perm,
     ) -> Option<PermError> {
         for u in self.list.iter().filter(|u| Some(u.id) != except) {
+            let them = (u.user.as_str(), u.role);
             // What we want that they do not let others have, then what they hold that we
             // do not let them keep.
             let clash = (perm & u.shared.complement())
                 .each()
                 .next()
-                .or_else(|| (u.perm & shared.complement()).each().next());
-            if let Some((_, name)) = clash {
+                .map(|(_, n)| (n, me, them))
+                .or_else(|| {
+                    (u.perm & shared.complement())
+                        .each()
+                        .next()
+                        .map(|(_, n)| (n, them, me))
+                });
+            if let Some((perm, wants, denies)) = clash {
                 return Some(PermError::Conflict {
-                    user: u.user.clone(),
-                    role: u.role,
-                    perm: name,
                     node: node.to_string(),
+                    perm,
+                    wants: wants.0.to_string(),
+                    wants_role: wants.1,
+                    denies: denies.0.to_string(),
+                    denies_role: denies.1,
                 });
             }
         }
@@ -202,7 +220,7 @@ impl BlockNode {
     ) -> Result<Claim, PermError> {
         let shared = if self.force_share { Perm::ALL } else { shared };
         let mut users = self.users.lock().expect("node users");
-        if let Some(e) = users.conflict(&self.name, None, perm, shared) {
+        if let Some(e) = users.conflict(&self.name, None, (user, role), perm, shared) {
             return Err(e);
         }
         let id = users.next_id;
@@ -229,12 +247,13 @@ impl BlockNode {
     fn update_use(&self, id: u64, perm: Perm, shared: Perm) -> Result<(), PermError> {
         let shared = if self.force_share { Perm::ALL } else { shared };
         let mut users = self.users.lock().expect("node users");
-        if let Some(e) = users.conflict(&self.name, Some(id), perm, shared) {
-            return Err(e);
-        }
         let Some(i) = users.list.iter().position(|u| u.id == id) else {
             return Ok(());
         };
+        let me = (users.list[i].user.clone(), users.list[i].role);
+        if let Some(e) = users.conflict(&self.name, Some(id), (&me.0, me.1), perm, shared) {
+            return Err(e);
+        }
         let old = (users.list[i].perm, users.list[i].shared);
         users.list[i].perm = perm;
         users.list[i].shared = shared;
@@ -370,7 +389,9 @@ mod tests {
             .unwrap_err();
         assert_eq!(
             e.to_string(),
-            "Conflicts with use by export 'e1' as 'root', which does not allow 'write' on disk"
+            "Permission conflict on node 'disk': permissions 'write' are both required by \
+             export 'e2' (uses node 'disk' as 'root' child) and unshared by export 'e1' \
+             (uses node 'disk' as 'root' child)."
         );
         // A reader that lets others write gets in; one that forbids writes does not.
         let r = n

@@ -28,6 +28,7 @@ pub const COMMANDS: &[&str] = &[
     "block-export-del",
     "query-block-exports",
     "blockdev-reopen",
+    "block_resize",
     "transaction",
     "quit",
 ];
@@ -227,6 +228,22 @@ pub async fn execute(
             state
                 .borrow_mut()
                 .del_blockdev(&name)
+                .map(|()| json!({}))
+                .map_err(Into::into)
+        }
+        "block_resize" => {
+            let device = a.str_opt("device")?;
+            let node_name = a.str_opt("node-name")?;
+            let size = match a.map.remove("size") {
+                Some(v) => v
+                    .as_i64()
+                    .ok_or_else(|| Args::type_error("size", "integer"))?,
+                None => return Err(QmpError::generic("Parameter 'size' is missing")),
+            };
+            a.finish()?;
+            state
+                .borrow_mut()
+                .resize_node(device.as_deref(), node_name.as_deref(), size)
                 .map(|()| json!({}))
                 .map_err(Into::into)
         }

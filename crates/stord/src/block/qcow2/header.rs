@@ -13,7 +13,7 @@ const V2_HEADER_LEN: usize = 72;
 /// Shortest version 3 header.
 const V3_HEADER_LEN: usize = 104;
 /// The largest L1 table QEMU opens (32 MiB).
-const MAX_L1_BYTES: u64 = 32 << 20;
+pub(super) const MAX_L1_BYTES: u64 = 32 << 20;
 /// The largest refcount table QEMU opens (8 MiB).
 pub(super) const MAX_REFTABLE_BYTES: u64 = 8 << 20;
 /// The longest backing file name QEMU accepts.
@@ -44,6 +44,10 @@ mod ext {
 
 /// Byte offsets of fields written back by the driver.
 pub mod field {
+    /// `size` (u64).
+    pub const SIZE: u64 = 24;
+    /// `l1_size` (u32), followed by `l1_table_offset` (u64).
+    pub const L1: u64 = 36;
     /// `incompatible_features` (u64, version 3).
     pub const INCOMPATIBLE: u64 = 72;
     /// `refcount_table_offset` (u64), followed by `refcount_table_clusters` (u32).

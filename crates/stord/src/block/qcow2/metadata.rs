@@ -433,7 +433,85 @@ impl Qcow2Driver {
         for i in 0..old_clusters {
             self.change_refcount(m, old_offset + i * cs, -1).await?;
         }
-        Ok(())
+        self.write_back(m).await?;
+        self.sync_if_needed(m).await
+    }
+
+    /// Moves the L1 table to a larger one of `need` entries, as QEMU's
+    /// `qcow2_grow_l1_table`: the new table is written to new clusters, then the header
+    /// names it (size and offset in one write), then the old table's clusters are freed.
+    pub(super) async fn grow_l1(&self, m: &mut Meta, need: usize) -> io::Result<()> {
+        let cs = self.cluster_size;
+        let entries = need.max(m.l1.len() * 3 / 2);
+        if entries as u64 * 8 > super::header::MAX_L1_BYTES {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "qcow2: the L1 table would exceed 32 MiB",
+            ));
+        }
+        let n = (entries as u64 * 8).div_ceil(cs);
+        // The on-disk L1 must hold every cached change before it is copied.
+        self.write_back(m).await?;
+        self.sync_if_needed(m).await?;
+        let start = self.alloc_contiguous(m, n).await?;
+        let mut l1 = m.l1.clone();
+        l1.resize((n * cs / 8) as usize, 0);
+        let bytes: Vec<u8> = l1.iter().flat_map(|e| e.to_be_bytes()).collect();
+        self.check_overlap(m, start, n * cs, None).await?;
+        self.write_back(m).await?;
+        self.file_write(start, &bytes).await?;
+        self.file.driver().flush().await?;
+        let mut header = [0u8; 12];
+        header[..4].copy_from_slice(&(entries as u32).to_be_bytes());
+        header[4..].copy_from_slice(&start.to_be_bytes());
+        self.file_write(super::header::field::L1, &header).await?;
+        self.file.driver().flush().await?;
+        let (old_off, old_len) = (m.l1_offset, m.l1.len() as u64 * 8);
+        for c in old_off / cs..(old_off + old_len).div_ceil(cs) {
+            m.regions.remove(&c);
+            self.change_refcount(m, c * cs, -1).await?;
+        }
+        l1.truncate(entries);
+        m.l1 = l1;
+        m.l1_offset = start;
+        m.l1_dirty.clear();
+        m.add_region(self.cluster_bits, start, entries as u64 * 8, MetaKind::L1);
+        // The old table's clusters, free on disk too (no leak if the daemon dies now).
+        self.write_back(m).await?;
+        self.sync_if_needed(m).await
+    }
+
+    /// `n` free clusters in a row (refcount 1 each), past everything in use, as QEMU's
+    /// `alloc_clusters_noref` then `update_refcount`: the run is reserved first, so the
+    /// refcount blocks its ranges lack are allocated after it, not inside it.
+    async fn alloc_contiguous(&self, m: &mut Meta, n: u64) -> io::Result<u64> {
+        let cs = self.cluster_size;
+        let bits = self.refblock_bits();
+        let start = m.file_end.div_ceil(cs);
+        m.file_end = (start + n) * cs;
+        let hint = m.free_hint;
+        m.free_hint = start + n;
+        for c in start..start + n {
+            let bi = (c >> bits) as usize;
+            if bi >= m.reftable.len() {
+                self.grow_reftable(m, bi + 1).await?;
+            }
+            if m.reftable[bi] & OFFSET_MASK == 0 {
+                // A block for this range, wherever allocation finds room (it counts
+                // itself in its own range's block).
+                let (block, _) = self.alloc_cluster(m).await?;
+                if m.refblocks.full_of_dirty() {
+                    self.write_back(m).await?;
+                }
+                m.refblocks.insert(block, vec![0u8; cs as usize], true);
+                m.add_region(self.cluster_bits, block, cs, MetaKind::RefBlock);
+                m.reftable[bi] = block;
+                m.reftable_dirty.insert(bi);
+            }
+            self.change_refcount(m, c * cs, 1).await?;
+        }
+        m.free_hint = hint.min(start);
+        Ok(start * cs)
     }
 
     /// Adds `delta` (+1 or -1) to the refcount of the host cluster at `host`: the new

@@ -279,7 +279,8 @@ pub struct Qcow2Driver {
     /// log2 of the entries per L2 table.
     l2_bits: u32,
     refcount_order: u32,
-    size: u64,
+    /// The virtual size (grows with `block_resize`).
+    size: std::sync::atomic::AtomicU64,
     discard: bool,
     meta: AsyncMutex<Meta>,
     /// Guest clusters being allocated.
@@ -336,10 +337,6 @@ struct Piece {
 /// A request's pieces: one, mostly (no allocation then).
 type Pieces = smallvec::SmallVec<[Piece; 2]>;
 
-fn enotsup() -> io::Error {
-    io::Error::from_raw_os_error(libc::ENOTSUP)
-}
-
 impl Qcow2Driver {
     /// A driver for a loaded image over `file`, reading through to `backing`.
     pub fn new(
@@ -374,7 +371,7 @@ impl Qcow2Driver {
             cluster_size: cs,
             l2_bits: h.cluster_bits - 3,
             refcount_order: h.refcount_order,
-            size: h.size,
+            size: h.size.into(),
             discard: opts.discard,
             meta: AsyncMutex::new(meta),
             alloc_locks: RangeLocks::default(),
@@ -695,6 +692,36 @@ impl Qcow2Driver {
         Ok(())
     }
 
+    /// Grows the virtual size (L1 table first, if it must cover more, then the header's
+    /// size field, each durable before the next). Shrinking is refused: stord does not
+    /// yet drop the clusters past the new end.
+    async fn resize_impl(&self, new: u64) -> io::Result<()> {
+        let mut m = self.meta.lock().await;
+        self.check_not_corrupt()?;
+        let old = self.size();
+        if new < old {
+            return Err(io::Error::new(
+                io::ErrorKind::Unsupported,
+                "qcow2: shrinking an image is not supported",
+            ));
+        }
+        if new % 512 != 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "The new size must be a multiple of 512",
+            ));
+        }
+        let need = new.div_ceil(self.cluster_size << self.l2_bits) as usize;
+        if need > m.l1.len() {
+            self.grow_l1(&mut m, need).await?;
+        }
+        self.file_write(header::field::SIZE, &new.to_be_bytes())
+            .await?;
+        self.file.driver().flush().await?;
+        self.size.store(new, Ordering::Relaxed);
+        Ok(())
+    }
+
     /// Gives the whole clusters of `[start, end)` the L2 entry `entry_for(old mapping)`
     /// picks (None: leave the cluster as it is), freeing the host clusters the new entry
     /// no longer holds.
@@ -892,7 +919,7 @@ impl BlockDriver for Qcow2Driver {
         "qcow2"
     }
     fn size(&self) -> u64 {
-        self.size
+        self.size.load(Ordering::Relaxed)
     }
     fn read(&self, offset: u64, buf: Buf) -> BoxFut<'_, (io::Result<()>, Buf)> {
         Box::pin(self.read_impl(offset, buf))
@@ -962,8 +989,8 @@ impl BlockDriver for Qcow2Driver {
     fn allocation_depth(&self, offset: u64, len: u64) -> BoxFut<'_, io::Result<(u64, u32)>> {
         Box::pin(self.allocation_depth_impl(offset, len))
     }
-    fn resize(&self, _size: u64) -> BoxFut<'_, io::Result<()>> {
-        Box::pin(std::future::ready(Err(enotsup())))
+    fn resize(&self, size: u64) -> BoxFut<'_, io::Result<()>> {
+        Box::pin(self.resize_impl(size))
     }
     fn filename(&self) -> Option<String> {
         self.file.filename()
