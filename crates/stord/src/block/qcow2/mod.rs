@@ -705,7 +705,7 @@ impl Qcow2Driver {
                 "qcow2: shrinking an image is not supported",
             ));
         }
-        if new % 512 != 0 {
+        if !new.is_multiple_of(512) {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
                 "The new size must be a multiple of 512",
