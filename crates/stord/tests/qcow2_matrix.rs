@@ -237,3 +237,60 @@ fn two_tib_virtual_size() {
         ]),
     );
 }
+
+/// Internal snapshots: the active image shares tables and clusters with them, so writes,
+/// write-zeroes and discards copy before they change anything, and every snapshot still
+/// reads as it was taken.
+#[test]
+fn images_with_internal_snapshots_are_written_without_touching_the_snapshots() {
+    let dir = tmpdir("matrix-snapshots");
+    for opts in ["", "cluster_size=4k", "compat=0.10,cluster_size=512"] {
+        let img = create(&dir.join("snap.qcow2"), opts, "64M");
+        qemu_io(
+            &["-f", "qcow2"],
+            &["write -P 0x71 0 4M", "write -c -P 0x72 8M 1M"],
+            &img,
+        );
+        run_ok("qemu-img", &["snapshot", "-c", "s1", &img]);
+        qemu_io(&["-f", "qcow2"], &["write -P 0x73 1M 1M"], &img);
+        run_ok("qemu-img", &["snapshot", "-c", "s2", &img]);
+        let reference = format!("{img}.orig");
+        std::fs::copy(&img, &reference).unwrap();
+        same_as_qemu(
+            &dir,
+            &img,
+            &ops(&[
+                "write -P 0x74 0 64k",
+                "write -P 0x75 8200k 4k",
+                "write -z 3M 1M",
+                "flush",
+            ]),
+        );
+        // Each snapshot of stord's image reads as the same snapshot of the untouched copy.
+        for snap in ["s1", "s2"] {
+            let dump = |image: &str, out: &str| {
+                run_ok(
+                    "qemu-img",
+                    &[
+                        "convert",
+                        "-l",
+                        &format!("snapshot.name={snap}"),
+                        "-O",
+                        "raw",
+                        image,
+                        out,
+                    ],
+                );
+            };
+            let (a, b) = (dir.join("a.raw"), dir.join("b.raw"));
+            dump(&img, &a.display().to_string());
+            dump(&reference, &b.display().to_string());
+            assert!(
+                std::fs::read(&a).unwrap() == std::fs::read(&b).unwrap(),
+                "snapshot {snap} changed ({opts})"
+            );
+        }
+        std::fs::remove_file(&reference).unwrap();
+        std::fs::remove_file(&img).unwrap();
+    }
+}

@@ -33,6 +33,7 @@ pub(super) enum MetaKind {
     RefTable,
     RefBlock,
     Snapshots,
+    InactiveL1,
 }
 
 impl MetaKind {
@@ -44,6 +45,7 @@ impl MetaKind {
             MetaKind::RefTable => "refcount table",
             MetaKind::RefBlock => "refcount block",
             MetaKind::Snapshots => "snapshot table",
+            MetaKind::InactiveL1 => "inactive L1 table",
         }
     }
 }
@@ -249,7 +251,23 @@ impl Qcow2Driver {
     pub(super) async fn set_l2(&self, m: &mut Meta, guest: u64, entry: u64) -> io::Result<()> {
         let i1 = self.l1_index(guest);
         let mut l2_off = m.l1[i1] & OFFSET_MASK;
-        if l2_off == 0 {
+        if l2_off != 0 && m.l1[i1] & COPIED == 0 {
+            // Shared with an internal snapshot: the active image gets its own copy (the
+            // data clusters' counts stay: both tables still reference them), and the
+            // shared table loses one reference once the copy is durable.
+            self.load_l2(m, l2_off).await?;
+            let entries = m.l2.get(l2_off).expect("just loaded").clone();
+            let (table, _) = self.alloc_cluster(m).await?;
+            if m.l2.full_of_dirty() {
+                self.write_back(m).await?;
+            }
+            m.l2.insert(table, entries, true);
+            m.add_region(self.cluster_bits, table, self.cluster_size, MetaKind::L2);
+            m.l1[i1] = table | COPIED;
+            m.l1_dirty.insert(i1);
+            m.pending_free.push(l2_off);
+            l2_off = table;
+        } else if l2_off == 0 {
             let (table, _) = self.alloc_cluster(m).await?;
             if m.l2.full_of_dirty() {
                 self.write_back(m).await?;
@@ -582,6 +600,8 @@ impl Qcow2Driver {
         let mut unused = Vec::new();
         for host in frees {
             if self.change_refcount(m, host, -1).await? == 0 {
+                // A table nothing references any more is no longer metadata.
+                m.regions.remove(&(host >> self.cluster_bits));
                 unused.push(host);
             }
         }

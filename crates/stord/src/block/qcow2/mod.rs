@@ -12,12 +12,16 @@
 //! data) and then points the L2 entry at it; metadata changes reach the disk in the
 //! crash-safe order [`metadata`] describes, at the next flush.
 //!
+//! Images with internal snapshots are written as QEMU writes them: tables and clusters
+//! the active image shares with a snapshot are copied before they change ([`snapshot`]).
+//!
 //! Not supported, and refused at open with a clear error rather than served wrongly:
 //! encryption, external data files, extended L2 entries, zstd compression; writing to
-//! images with internal snapshots, or marked dirty or corrupt.
+//! images marked dirty or corrupt.
 
 mod header;
 mod metadata;
+mod snapshot;
 mod table;
 
 pub use header::{Compression, Header, HeaderError};
@@ -127,12 +131,35 @@ pub struct Image {
     regions: std::collections::BTreeMap<u64, metadata::MetaKind>,
 }
 
+/// The snapshot tables' L1 tables and the table's length, read in growing pieces.
+async fn read_snapshot_table(
+    f: &dyn BlockDriver,
+    h: &Header,
+) -> Result<(Vec<snapshot::SnapshotL1>, u64), Qcow2Error> {
+    let mut want = 64 * 1024u64;
+    loop {
+        let len = want.min(f.size().saturating_sub(h.snapshots_offset));
+        let (r, buf) = f.read(h.snapshots_offset, request_buf(len as usize)).await;
+        r?;
+        match snapshot::parse(&buf, h.nb_snapshots).map_err(Qcow2Error::Corrupt)? {
+            snapshot::Parsed::Done(l1s, n) => return Ok((l1s, n)),
+            snapshot::Parsed::NeedMore(n) if len < want || n > snapshot::MAX_TABLE_BYTES => {
+                return Err(Qcow2Error::Corrupt(
+                    "the snapshot table runs past the end of the image".into(),
+                ))
+            }
+            snapshot::Parsed::NeedMore(n) => want = n.max(want * 2),
+        }
+    }
+}
+
 /// Where the image's metadata lies, from the header, L1 and refcount tables; an error when
 /// two kinds of metadata claim one cluster, or a table is not where a table can be.
 fn metadata_regions(
     h: &Header,
     l1: &[u64],
     reftable: &[u64],
+    snapshots: &(Vec<snapshot::SnapshotL1>, u64),
 ) -> Result<std::collections::BTreeMap<u64, metadata::MetaKind>, String> {
     use metadata::MetaKind;
     let bits = h.cluster_bits;
@@ -167,13 +194,21 @@ fn metadata_regions(
         MetaKind::RefTable,
         "refcount table",
     )?;
-    if h.nb_snapshots > 0 {
+    if snapshots.1 > 0 {
         add(
             h.snapshots_offset,
-            cs,
+            snapshots.1,
             MetaKind::Snapshots,
             "snapshot table",
         )?;
+        for (i, s) in snapshots.0.iter().enumerate() {
+            add(
+                s.offset,
+                s.entries as u64 * 8,
+                MetaKind::InactiveL1,
+                &format!("L1 table of snapshot {i}"),
+            )?;
+        }
     }
     for (i, e) in l1.iter().enumerate() {
         let off = e & OFFSET_MASK;
@@ -238,11 +273,6 @@ impl Image {
                      or open it read-only",
                 ));
             }
-            if header.nb_snapshots > 0 {
-                return Err(Qcow2Error::NotWritable(
-                    "Writing to an image with internal snapshots is not supported; open it read-only",
-                ));
-            }
             if header.version >= 3 && header.autoclear != 0 {
                 let mut b = request_buf(8);
                 b.fill(0);
@@ -251,7 +281,12 @@ impl Image {
                 f.flush().await?;
             }
         }
-        let regions = match metadata_regions(&header, &l1, &reftable) {
+        let snapshots = if writable && header.nb_snapshots > 0 {
+            read_snapshot_table(f, &header).await?
+        } else {
+            (Vec::new(), 0)
+        };
+        let regions = match metadata_regions(&header, &l1, &reftable, &snapshots) {
             Ok(r) => r,
             // Read-only, a corrupt image can still be read (as QEMU allows), with no
             // write to guard.
