@@ -84,7 +84,7 @@ mod tests {
     }
 
     fn pad(mut e: Vec<u8>) -> Vec<u8> {
-        while e.len() % 8 != 0 {
+        while !e.len().is_multiple_of(8) {
             e.push(0);
         }
         e
