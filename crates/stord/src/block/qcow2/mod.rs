@@ -21,6 +21,7 @@
 
 mod header;
 mod metadata;
+mod repair;
 mod snapshot;
 mod table;
 
@@ -240,7 +241,7 @@ impl Image {
         let need = Header::bytes_needed(&first)?;
         let (r, buf) = f.read(0, request_buf(need)).await;
         r?;
-        let header = Header::parse(&buf)?;
+        let mut header = Header::parse(&buf)?;
         if header.compression == Compression::Zstd {
             return Err(HeaderError::Unsupported("zstd compression".into()).into());
         }
@@ -267,12 +268,6 @@ impl Image {
                     "Image is corrupt; cannot be opened read/write",
                 ));
             }
-            if header.incompatible & header::incompat::DIRTY != 0 {
-                return Err(Qcow2Error::NotWritable(
-                    "Image is marked dirty (lazy refcounts); repair it with 'qemu-img check -r all' \
-                     or open it read-only",
-                ));
-            }
             if header.version >= 3 && header.autoclear != 0 {
                 let mut b = request_buf(8);
                 b.fill(0);
@@ -286,6 +281,17 @@ impl Image {
         } else {
             (Vec::new(), 0)
         };
+        if writable && header.incompatible & header::incompat::DIRTY != 0 {
+            // Left open with lazy refcounts: counts may lag; rebuild them first.
+            let fixed =
+                repair::rebuild_refcounts(f, &header, &l1, &reftable, &snapshots.0, snapshots.1)
+                    .await
+                    .map_err(|e| {
+                        Qcow2Error::Corrupt(format!("dirty image (lazy refcounts): {e}"))
+                    })?;
+            tracing::info!("qcow2: repaired {fixed} refcounts of a dirty image");
+            header.incompatible &= !header::incompat::DIRTY;
+        }
         let regions = match metadata_regions(&header, &l1, &reftable, &snapshots) {
             Ok(r) => r,
             // Read-only, a corrupt image can still be read (as QEMU allows), with no
