@@ -160,8 +160,16 @@ fn writes_into_shared_compressed_clusters() {
     }
     let fill: Vec<&str> = fill.iter().map(String::as_str).collect();
     qemu_io(&["-f", "raw"], &fill, &raw);
-    for cs in ["4k", "64k"] {
-        let img = dir.join(format!("z{cs}.qcow2")).display().to_string();
+    for (cs, kind) in [
+        ("4k", "zlib"),
+        ("64k", "zlib"),
+        ("64k", "zstd"),
+        ("512", "zstd"),
+    ] {
+        let img = dir
+            .join(format!("z{cs}-{kind}.qcow2"))
+            .display()
+            .to_string();
         run_ok(
             "qemu-img",
             &[
@@ -171,7 +179,7 @@ fn writes_into_shared_compressed_clusters() {
                 "-O",
                 "qcow2",
                 "-o",
-                &format!("cluster_size={cs}"),
+                &format!("cluster_size={cs},compression_type={kind}"),
                 &raw,
                 &img,
             ],
@@ -180,6 +188,8 @@ fn writes_into_shared_compressed_clusters() {
             &dir,
             &img,
             &ops(&[
+                "read -P 129 8M 64k",
+                "read -P 200 12736k 64k",
                 "write -P 0x31 128k 4k",
                 "flush",
                 "write -P 0x32 3000k 512",

@@ -16,7 +16,7 @@
 //! the active image shares with a snapshot are copied before they change ([`snapshot`]).
 //!
 //! Not supported, and refused at open with a clear error rather than served wrongly:
-//! encryption, external data files, extended L2 entries, zstd compression; writing to
+//! encryption, external data files, extended L2 entries; writing to
 //! images marked dirty or corrupt.
 
 mod header;
@@ -242,9 +242,6 @@ impl Image {
         let (r, buf) = f.read(0, request_buf(need)).await;
         r?;
         let mut header = Header::parse(&buf)?;
-        if header.compression == Compression::Zstd {
-            return Err(HeaderError::Unsupported("zstd compression".into()).into());
-        }
         let read_table = |off: u64, n: usize| async move {
             if n == 0 {
                 return Ok(Vec::new());
@@ -331,6 +328,8 @@ pub struct Qcow2Driver {
     io_inflight: AtomicUsize,
     /// The header's incompatible feature bits as opened.
     incompatible: u64,
+    /// How compressed clusters are compressed (read only: stord never compresses).
+    compression: Compression,
     /// A write on metadata was prevented: every request fails from now on.
     corrupt: std::sync::atomic::AtomicBool,
 }
@@ -418,6 +417,7 @@ impl Qcow2Driver {
             alloc_locks: RangeLocks::default(),
             io_inflight: AtomicUsize::new(0),
             incompatible: h.incompatible,
+            compression: h.compression,
             corrupt: Default::default(),
         }
     }
@@ -494,10 +494,24 @@ impl Qcow2Driver {
         }
         let data = self.file_read(offset, len as usize).await?;
         let mut out = vec![0u8; self.cluster_size as usize];
-        let mut z = flate2::Decompress::new(false);
-        // A full cluster is enough: QEMU too accepts a stream without its end marker.
-        let _ = z.decompress(&data, &mut out, flate2::FlushDecompress::Finish);
-        if z.total_out() != self.cluster_size {
+        let inflated = match self.compression {
+            // A full cluster is enough: QEMU too accepts a stream without its end marker.
+            Compression::Zlib => {
+                let mut z = flate2::Decompress::new(false);
+                let _ = z.decompress(&data, &mut out, flate2::FlushDecompress::Finish);
+                z.total_out() == self.cluster_size
+            }
+            // As QEMU: one cluster's worth from the stream; what follows it in the last
+            // sector is padding.
+            Compression::Zstd => {
+                let mut src: &[u8] = &data;
+                match ruzstd::decoding::StreamingDecoder::new(&mut src) {
+                    Ok(mut d) => std::io::Read::read_exact(&mut d, &mut out).is_ok(),
+                    Err(_) => false,
+                }
+            }
+        };
+        if !inflated {
             return Err(corrupt(format!(
                 "compressed cluster at {offset:#x} does not inflate to a cluster"
             )));
