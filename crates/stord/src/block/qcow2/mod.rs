@@ -662,6 +662,75 @@ impl Qcow2Driver {
         Ok(())
     }
 
+    /// Whole clusters from `pos` (cluster-aligned) that `data` overwrites completely and
+    /// that need new clusters: allocated together and written with one request per run of
+    /// contiguous host clusters, instead of one allocation and write per cluster (a large
+    /// sequential write into an empty image). Where the next position is, or None when
+    /// fewer than two such clusters start at `pos`. The caller holds the guest range.
+    async fn write_whole_clusters(&self, pos: u64, data: &[u8]) -> io::Result<Option<u64>> {
+        const MAX_RUN: usize = 256;
+        let cs = self.cluster_size;
+        if pos != self.cluster_start(pos) || (data.len() as u64) < 2 * cs {
+            return Ok(None);
+        }
+        let mut m = self.meta.lock().await;
+        let mut olds = Vec::new();
+        let mut p = pos;
+        while (p - pos + cs) as usize <= data.len() && olds.len() < MAX_RUN {
+            match self.lookup(&mut m, p).await? {
+                // In place, or a preallocated cluster of ours: the per-cluster path.
+                Mapping::Data { copied: true, .. }
+                | Mapping::Zero {
+                    host: Some(_),
+                    copied: true,
+                } => break,
+                old => olds.push(old),
+            }
+            p += cs;
+        }
+        if olds.len() < 2 {
+            return Ok(None);
+        }
+        let mut hosts = Vec::with_capacity(olds.len());
+        for _ in 0..olds.len() {
+            match self.alloc_cluster(&mut m).await {
+                Ok((h, _)) => hosts.push(h),
+                Err(e) => {
+                    for h in hosts {
+                        self.change_refcount(&mut m, h, -1).await?;
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        drop(m);
+        let mut r = Ok(());
+        let mut i = 0;
+        while i < hosts.len() && r.is_ok() {
+            let mut j = i + 1;
+            while j < hosts.len() && hosts[j] == hosts[j - 1] + cs {
+                j += 1;
+            }
+            let bytes = &data[i * cs as usize..j * cs as usize];
+            r = self.file_write(hosts[i], bytes).await;
+            i = j;
+        }
+        let mut m = self.meta.lock().await;
+        if let Err(e) = r {
+            // Nothing references the new clusters: give them back now.
+            for h in hosts {
+                self.change_refcount(&mut m, h, -1).await?;
+            }
+            return Err(e);
+        }
+        for (k, (old, host)) in olds.into_iter().zip(hosts).enumerate() {
+            self.set_l2(&mut m, pos + k as u64 * cs, host | COPIED)
+                .await?;
+            self.release(&mut m, old);
+        }
+        Ok(Some(p))
+    }
+
     async fn write_slow(&self, offset: u64, data: &[u8], fua: bool) -> io::Result<()> {
         let end = offset + data.len() as u64;
         let span_end = self.cluster_start(end + self.cluster_size - 1);
@@ -672,6 +741,14 @@ impl Qcow2Driver {
         let mut allocated = false;
         let mut pos = offset;
         while pos < end {
+            if let Some(next) = self
+                .write_whole_clusters(pos, &data[(pos - offset) as usize..])
+                .await?
+            {
+                allocated = true;
+                pos = next;
+                continue;
+            }
             let cstart = self.cluster_start(pos);
             let chunk_end = (cstart + self.cluster_size).min(end);
             let chunk = &data[(pos - offset) as usize..(chunk_end - offset) as usize];
