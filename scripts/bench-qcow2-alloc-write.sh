@@ -1,6 +1,6 @@
 #!/bin/bash
 # Sequential 1 MiB writes into an empty qcow2 through NBD: stord vs qsd, alternating.
-S=${STORD:-$(dirname "$0")/../target/release/stord}
+S=$(realpath "${STORD:-$(dirname "$0")/../target/release/stord}")
 cd "$(mktemp -d)"
 for rep in 1 2 3; do
  for d in stord qsd; do
