@@ -19,6 +19,9 @@
 //! encryption, external data files, extended L2 entries; writing to
 //! images marked dirty or corrupt.
 
+#[cfg(fuzzing)]
+#[doc(hidden)]
+pub mod fuzz;
 mod header;
 mod metadata;
 mod repair;
