@@ -268,11 +268,12 @@ fn storage_that_vanishes_under_a_file_gives_io_errors_and_the_daemon_serves_on()
 
 #[test]
 fn max_connections_is_honoured() {
-    let dir = tmpdir("maxconn");
-    let sock = dir.join("nbd.sock");
-    let s = Stord::start(
-        &dir,
-        &[
+    // On the main loop and on an IoThread: a connection handed to its IoThread still
+    // counts (it did not, and 10 of 10 clients got in).
+    for iothread in [false, true] {
+        let dir = tmpdir(&format!("maxconn-{iothread}"));
+        let sock = dir.join("nbd.sock");
+        let mut args = vec![
             "--blockdev".into(),
             "driver=null-co,node-name=disk,size=1M".into(),
             "--nbd-server".into(),
@@ -282,20 +283,31 @@ fn max_connections_is_honoured() {
             ),
             "--export".into(),
             "type=nbd,id=e,node-name=disk,name=disk".into(),
-        ],
-    );
-    let mut a = RawNbd::connect(&s.sock, "disk");
-    let b = RawNbd::connect(&s.sock, "disk");
-    // A third is turned away: nbdinfo cannot get through.
-    assert!(!run("nbdinfo", &["--size", &s.uri()]).status.success());
-    // The two are served.
-    assert_eq!(a.read(1, 0, 512).0, 0);
-    drop(b);
-    // Once one leaves, a new client gets in.
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while !run("nbdinfo", &["--size", &s.uri()]).status.success() {
-        assert!(Instant::now() < deadline, "no room after a client left");
-        std::thread::sleep(Duration::from_millis(50));
+        ];
+        if iothread {
+            args.insert(0, "iothread,id=io0".into());
+            args.insert(0, "--object".into());
+            let last = args.last_mut().unwrap();
+            last.push_str(",iothread=io0");
+        }
+        let s = Stord::start(&dir, &args);
+        let mut a = RawNbd::connect(&s.sock, "disk");
+        let b = RawNbd::connect(&s.sock, "disk");
+        // Both are in transmission (and, with an IoThread, handed over to it).
+        assert_eq!(a.read(1, 0, 512).0, 0);
+        // A third is turned away: nbdinfo cannot get through.
+        assert!(
+            !run("nbdinfo", &["--size", &s.uri()]).status.success(),
+            "a third client got in (iothread: {iothread})"
+        );
+        assert_eq!(a.read(2, 0, 512).0, 0);
+        drop(b);
+        // Once one leaves, a new client gets in.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !run("nbdinfo", &["--size", &s.uri()]).status.success() {
+            assert!(Instant::now() < deadline, "no room after a client left");
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
 }
 

@@ -381,11 +381,11 @@ impl NbdServer {
                 (l.into(), true)
             }
         };
-        let live = Rc::new(Cell::new(0u32));
-        let max = opts.max_connections;
+        let live = Arc::new(AtomicUsize::new(0));
+        let max = opts.max_connections as usize;
         let handshake_ns = u64::from(opts.handshake_max_secs) * 1_000_000_000;
         let acceptor = Acceptor::start(ctx, "nbd server", fd, move |conn| {
-            if max != 0 && live.get() >= max {
+            if max != 0 && live.load(Ordering::Acquire) >= max {
                 return;
             }
             if tcp {
@@ -410,20 +410,29 @@ impl NbdServer {
     }
 }
 
+/// Counts a connection in the server's `max-connections` tally until dropped: it moves
+/// with the connection to the IoThread that serves it.
+struct LiveConnection(Arc<AtomicUsize>);
+
+impl Drop for LiveConnection {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 fn start_connection(
     conn: OwnedFd,
-    live: &Rc<Cell<u32>>,
+    live: &Arc<AtomicUsize>,
     exports: &ExportTable,
     tls: &Option<Arc<TlsServer>>,
     handshake_ns: u64,
 ) {
-    live.set(live.get() + 1);
-    let live = live.clone();
+    live.fetch_add(1, Ordering::AcqRel);
+    let counted = LiveConnection(live.clone());
     let exports = exports.clone();
     let tls = tls.clone();
     stord_aio::spawn(async move {
-        handle_connection(conn, exports, tls, handshake_ns).await;
-        live.set(live.get() - 1);
+        handle_connection(conn, exports, tls, handshake_ns, counted).await;
     });
 }
 
@@ -432,6 +441,7 @@ async fn handle_connection(
     exports: ExportTable,
     tls: Option<Arc<TlsServer>>,
     handshake_ns: u64,
+    counted: LiveConnection,
 ) {
     let fd = conn.as_raw_fd();
     // A client that does not finish the handshake in time is cut off: shutting the socket
@@ -477,12 +487,14 @@ async fn handle_connection(
                 stord_aio::spawn(async move {
                     transmission::serve(conn, n).await;
                     drop(placement);
+                    drop(counted);
                 });
             });
         }
         placed => {
             transmission::serve(conn, n).await;
             drop(placed);
+            drop(counted);
         }
     }
 }
