@@ -261,6 +261,21 @@ fn export_perms(
     (perm, shared)
 }
 
+/// QEMU's rules for a node name (`id_wellformed`, and 31 bytes at most): a letter, then
+/// letters, digits, `-`, `.` and `_`; its messages.
+fn check_node_name(name: &str) -> Result<(), DaemonError> {
+    let mut chars = name.chars();
+    let wellformed = chars.next().is_some_and(|c| c.is_ascii_alphabetic())
+        && chars.all(|c| c.is_ascii_alphanumeric() || "-._".contains(c));
+    if !wellformed {
+        return Err(DaemonError::Invalid(format!("Invalid node-name: '{name}'")));
+    }
+    if name.len() > 31 {
+        return Err(DaemonError::Invalid("Node name too long".into()));
+    }
+    Ok(())
+}
+
 /// The options every node takes ([`crate::block::CommonOptions`]), with QEMU's rules and
 /// messages. `discard` is only looked at for drivers that take it themselves (file,
 /// qcow2).
@@ -423,6 +438,9 @@ impl State {
                 .into())
             }
         };
+        if !name.starts_with('#') || !implicit {
+            check_node_name(&name)?;
+        }
         if self.nodes.contains_key(&name) {
             return Err(DaemonError::DuplicateNode(name));
         }
@@ -1304,6 +1322,19 @@ mod tests {
     }
 
     /// The graph's rules, as typed errors (QMP and the command line show their texts).
+    #[test]
+    fn node_names_follow_qemus_rules() {
+        for ok in ["a", "disk0", "drive-efidisk0", "x.y_z-1", &"n".repeat(31)] {
+            assert!(check_node_name(ok).is_ok(), "{ok}");
+        }
+        for bad in ["", "0abc", "-x", "a b", "a/b", "#block1", "é"] {
+            let e = check_node_name(bad).unwrap_err().to_string();
+            assert_eq!(e, format!("Invalid node-name: '{bad}'"));
+        }
+        let e = check_node_name(&"n".repeat(32)).unwrap_err().to_string();
+        assert_eq!(e, "Node name too long");
+    }
+
     #[test]
     fn graph_errors_are_typed() {
         let mut st = State::default();
