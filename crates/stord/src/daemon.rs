@@ -194,8 +194,29 @@ pub struct Daemon {
     ctx: AioContext,
     state: SharedState,
     pidfile: Option<PathBuf>,
+    /// Shutdown signals received, and who waits for the next one.
+    signals_seen: SignalsSeen,
     _signals: OwnedFd,
 }
+
+/// Counts shutdown signals, so a second one can cut the shutdown's waits short.
+#[derive(Clone, Default)]
+struct SignalsSeen {
+    count: Rc<Cell<u32>>,
+    waker: Rc<Cell<Option<std::task::Waker>>>,
+}
+
+/// How a bounded wait of the shutdown ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Waited {
+    Done,
+    TimedOut,
+    Signalled,
+}
+
+/// How long the final flush of writable nodes may take before the daemon stops without it
+/// (storage that stopped answering must not keep a stop from finishing).
+const FLUSH_LIMIT: Duration = Duration::from_secs(10);
 
 /// Parses `--object iothread,...` poll options into `PollParams` (and the reactor).
 pub fn iothread_params(kv: &mut KeyVal) -> Result<(PollParams, ReactorKind), String> {
@@ -1040,16 +1061,26 @@ impl Daemon {
         let state: SharedState = Rc::default();
         let q = state.borrow().quit.clone();
         let sigfd = signals.as_raw_fd();
+        let seen = SignalsSeen::default();
+        let seen2 = seen.clone();
         ctx.set_fd_handler(sigfd, stord_aio::Interest::READABLE, move |_| {
             while let Some(sig) = sys::read_signal(sigfd) {
-                tracing::info!("signal {sig} received, shutting down");
-                q.set(true);
+                if q.replace(true) {
+                    tracing::warn!("signal {sig} received again: stopping at once");
+                } else {
+                    tracing::info!("signal {sig} received, shutting down");
+                }
+                seen2.count.set(seen2.count.get() + 1);
+                if let Some(w) = seen2.waker.take() {
+                    w.wake();
+                }
             }
         })?;
         Ok(Self {
             ctx,
             state,
             pidfile: None,
+            signals_seen: seen,
             _signals: signals,
         })
     }
@@ -1140,7 +1171,11 @@ impl Daemon {
 
     /// Stops serving, lets in-flight requests finish (at most 5 s), flushes writable nodes,
     /// joins IoThreads and removes sockets and the pidfile.
-    pub fn shutdown(&mut self) {
+    /// Stops everything; false when it had to stop without finishing (requests stuck in
+    /// storage that does not answer, or a second signal): the caller should exit at once.
+    pub fn shutdown(&mut self) -> bool {
+        // The signal that started the stop is counted already; another one cuts it short.
+        let signals_at_start = self.signals_seen.count.get().min(1);
         {
             let st = self.state.borrow();
             if !st.shutdown_announced.replace(true) {
@@ -1168,41 +1203,85 @@ impl Daemon {
         }
         // Let the disconnected clients' requests finish (each export wakes its removal
         // task when it has drained), for at most 5 s.
-        let mut removals = std::mem::take(&mut self.state.borrow_mut().removals);
-        let drained = self.ctx.block_on(async move {
-            let mut limit = std::pin::pin!(stord_aio::sleep(Duration::from_secs(5)));
-            std::future::poll_fn(|cx| {
-                removals.retain_mut(|h| std::pin::Pin::new(h).poll(cx).is_pending());
-                if removals.is_empty() {
-                    std::task::Poll::Ready(true)
-                } else if limit.as_mut().poll(cx).is_ready() {
-                    std::task::Poll::Ready(false)
-                } else {
-                    std::task::Poll::Pending
-                }
-            })
-            .await
-        });
-        if !drained {
+        let removals = std::mem::take(&mut self.state.borrow_mut().removals);
+        let drained = self.wait_bounded(removals, Duration::from_secs(5), signals_at_start);
+        if drained == Waited::TimedOut {
             tracing::warn!("exports still had requests in flight after 5 s; flushing anyway");
         }
-        let nodes: Vec<Arc<BlockNode>> = self.state.borrow().nodes.values().cloned().collect();
-        for node in nodes {
-            if !node.is_read_only() {
-                let n = node.clone();
-                if let Err(e) = self.ctx.block_on(async move { n.flush().await }) {
-                    tracing::error!("flushing node '{}' failed: {e}", node.name);
+        let mut clean = drained == Waited::Done;
+        if drained != Waited::Signalled {
+            let flushes: Vec<_> = self
+                .state
+                .borrow()
+                .nodes
+                .values()
+                .filter(|n| !n.is_read_only())
+                .cloned()
+                .map(|node| {
+                    stord_aio::spawn(async move {
+                        if let Err(e) = node.flush().await {
+                            tracing::error!("flushing node '{}' failed: {e}", node.name);
+                        }
+                    })
+                })
+                .collect();
+            match self.wait_bounded(flushes, FLUSH_LIMIT, signals_at_start) {
+                Waited::Done => {}
+                Waited::TimedOut => {
+                    tracing::error!(
+                        "writable nodes were not flushed within {} s (storage not answering); \
+                         stopping without them",
+                        FLUSH_LIMIT.as_secs()
+                    );
+                    clean = false;
                 }
+                Waited::Signalled => clean = false,
             }
         }
-        let threads = std::mem::take(&mut self.state.borrow_mut().iothreads);
-        for (id, mut t) in threads {
-            tracing::debug!("iothread {id}: {:?}", t.remote().stats());
-            t.stop();
+        if clean {
+            let threads = std::mem::take(&mut self.state.borrow_mut().iothreads);
+            for (id, mut t) in threads {
+                tracing::debug!("iothread {id}: {:?}", t.remote().stats());
+                t.stop();
+            }
+        } else {
+            // IoThreads with requests stuck in storage cannot be joined: the process exits
+            // with them (the caller exits at once, with a status that says so).
+            tracing::error!("stopping with requests still in flight; they are abandoned");
         }
         if let Some(p) = self.pidfile.take() {
             let _ = std::fs::remove_file(p);
         }
+        clean
+    }
+
+    /// Waits for `tasks` on the main loop for at most `limit`, or until a shutdown signal
+    /// beyond the `seen` first ones arrives.
+    fn wait_bounded(
+        &self,
+        mut tasks: Vec<stord_aio::JoinHandle<()>>,
+        limit: Duration,
+        seen: u32,
+    ) -> Waited {
+        let signals = self.signals_seen.clone();
+        self.ctx.block_on(async move {
+            let mut timer = std::pin::pin!(stord_aio::sleep(limit));
+            std::future::poll_fn(|cx| {
+                tasks.retain_mut(|h| std::pin::Pin::new(h).poll(cx).is_pending());
+                if tasks.is_empty() {
+                    return std::task::Poll::Ready(Waited::Done);
+                }
+                if signals.count.get() > seen {
+                    return std::task::Poll::Ready(Waited::Signalled);
+                }
+                if timer.as_mut().poll(cx).is_ready() {
+                    return std::task::Poll::Ready(Waited::TimedOut);
+                }
+                signals.waker.set(Some(cx.waker().clone()));
+                std::task::Poll::Pending
+            })
+            .await
+        })
     }
 }
 

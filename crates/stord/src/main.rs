@@ -116,6 +116,10 @@ fn main() -> ExitCode {
         println!("stord: press Ctrl-C to stop");
     }
     daemon.run();
-    daemon.shutdown();
+    if !daemon.shutdown() {
+        eprintln!("stord: stopped with requests abandoned in storage that did not answer");
+        // Threads stuck in that storage cannot be joined: leave without destructors.
+        std::process::exit(1);
+    }
     ExitCode::SUCCESS
 }

@@ -384,3 +384,85 @@ fn a_fuse_client_killed_mid_read_or_write_leaves_the_export_serving() {
         s.fd_count()
     );
 }
+
+/// stord B serves a file on stord A's FUSE export; A is stopped (SIGSTOP), so B's final
+/// flush never returns. B still stops: at once on a second SIGTERM, or once the flush
+/// deadline passes, with exit status 1, its pidfile and socket removed.
+#[test]
+fn sigterm_stops_the_daemon_while_its_storage_hangs() {
+    for second_signal in [true, false] {
+        let dir = tmpdir(&format!("hang-{second_signal}"));
+        let img = dir.join("disk.img");
+        std::fs::write(&img, vec![0x33u8; 4 << 20]).unwrap();
+        let mnt = dir.join("mnt.img");
+        std::fs::write(&mnt, b"").unwrap();
+        let a_dir = dir.join("a");
+        std::fs::create_dir_all(&a_dir).unwrap();
+        let mut a = Stord::start(
+            &a_dir,
+            &[
+                "--blockdev".into(),
+                format!("driver=file,node-name=disk,filename={}", img.display()),
+                "--export".into(),
+                format!(
+                    "type=fuse,id=f,node-name=disk,mountpoint={},writable=on",
+                    mnt.display()
+                ),
+            ],
+        );
+        let sock = dir.join("nbd.sock");
+        let mut b = Stord::start(
+            &dir,
+            &[
+                "--blockdev".into(),
+                format!(
+                    "driver=file,node-name=disk,filename={},aio=threads",
+                    mnt.display()
+                ),
+                "--nbd-server".into(),
+                format!("addr.type=unix,addr.path={}", sock.display()),
+                "--export".into(),
+                "type=nbd,id=e1,node-name=disk,name=disk,writable=on".into(),
+            ],
+        );
+        let out = qemu_io(&sock, "write -P 0x55 0 64k");
+        assert!(!out.contains("failed"), "{out}");
+        // The storage stops answering.
+        a.signal(libc::SIGSTOP);
+        let start = Instant::now();
+        b.signal(libc::SIGTERM);
+        std::thread::sleep(Duration::from_millis(500));
+        assert!(b.is_running(), "B stopped although its flush cannot finish");
+        let limit = if second_signal {
+            b.signal(libc::SIGTERM);
+            Duration::from_secs(3)
+        } else {
+            Duration::from_secs(20)
+        };
+        // B gives up: its pidfile and socket go, and it exits. The kernel finishes that
+        // exit only once the storage answers the close of B's file on it (FUSE waits for
+        // its FLUSH), so the exit status is read after A runs again.
+        let deadline = Instant::now() + limit;
+        while b.pidfile.exists() {
+            if Instant::now() > deadline {
+                a.signal(libc::SIGCONT);
+                panic!("B did not give up within {limit:?}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let gave_up = start.elapsed();
+        assert!(!sock.exists());
+        if !second_signal {
+            // The flush deadline (10 s), not forever.
+            assert!(gave_up >= Duration::from_secs(9), "{gave_up:?}");
+        }
+        a.signal(libc::SIGCONT);
+        let status = b.wait_exit(Duration::from_secs(10));
+        assert_eq!(
+            status.code(),
+            Some(1),
+            "exit status must say it stopped unclean"
+        );
+        a.kill9();
+    }
+}
