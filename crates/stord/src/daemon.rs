@@ -850,6 +850,12 @@ impl State {
                 )));
             }
             node.set_read_only(false);
+            // A format node takes write access to its file again: its lock may be refused.
+            if let Err(e) = node.refresh_perms() {
+                node.set_read_only(true);
+                let _ = node.refresh_perms();
+                return Err(e.into());
+            }
             return Ok(());
         }
         // Every node at or above this one, for the writers among their users.
@@ -891,6 +897,8 @@ impl State {
             }
         }
         node.set_read_only(true);
+        // What it takes of its children shrinks with it (a format node's write lock goes).
+        let _ = node.refresh_perms();
         Ok(())
     }
 

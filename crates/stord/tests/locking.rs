@@ -276,3 +276,48 @@ fn generic_node_options_are_accepted_with_their_effect() {
         "{e}"
     );
 }
+
+/// blockdev-reopen to read-only gives the write lock back (QEMU's reopen does), and back to
+/// writable takes it again, refused while another process holds the image.
+#[test]
+fn reopen_read_only_gives_the_write_lock_back() {
+    let dir = tmpdir("lock-reopen");
+    let img = qcow2(&dir, "a.qcow2");
+    let sock = dir.join("qmp.sock");
+    let s = Stord::start(&dir, &monitor_args(&sock));
+    let mut m = RawQmp::connect(&sock);
+    let r = m.send(&format!(
+        r#"{{"execute":"blockdev-add","arguments":{{"driver":"qcow2","node-name":"d","file":{{"driver":"file","filename":"{img}"}}}}}}"#
+    ));
+    assert!(r.get("return").is_some(), "{r}");
+    assert!(!run("qemu-img", &["info", &img]).status.success());
+    let reopen = |m: &mut RawQmp, ro: bool| {
+        m.send(&format!(
+            r#"{{"execute":"blockdev-reopen","arguments":{{"options":[{{"driver":"qcow2","node-name":"d","read-only":{ro},"file":{{"driver":"file","filename":"{img}"}}}}]}}}}"#
+        ))
+    };
+    let r = reopen(&mut m, true);
+    assert!(r.get("return").is_some(), "{r}");
+    // Read-only now: readers that do not share writes get in.
+    run_ok("qemu-img", &["info", &img]);
+    // Writable again while a QEMU reader holds the image unshared: refused.
+    let mut reader = Command::new("qemu-io")
+        .args(["-r", "-c", "sleep 3000", &img])
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    let r = reopen(&mut m, false);
+    assert!(
+        r["error"]["desc"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("lock"),
+        "{r}"
+    );
+    reader.wait().unwrap();
+    let r = reopen(&mut m, false);
+    assert!(r.get("return").is_some(), "{r}");
+    assert!(!run("qemu-img", &["info", &img]).status.success());
+    drop(s);
+}
