@@ -121,6 +121,14 @@ pub struct PollParams {
 /// with a yield every 5 µs; one queue within noise either way.
 pub const DEFAULT_POLL_YIELD_NS: u64 = 5_000;
 
+/// The longest polling window (and yield interval) a loop takes: one second. Longer
+/// windows would only burn a core; the limit also keeps the window arithmetic from
+/// overflowing.
+pub const MAX_POLL_NS: u64 = 1_000_000_000;
+
+/// The largest grow or shrink factor.
+pub const MAX_POLL_FACTOR: u64 = 1024;
+
 impl Default for PollParams {
     fn default() -> Self {
         Self {
@@ -144,6 +152,17 @@ impl PollParams {
                 "poll-weight must be in 0..={MAX_POLL_WEIGHT}, got {}",
                 self.weight
             ));
+        }
+        for (name, v, max) in [
+            ("poll-max-ns", self.max_ns, MAX_POLL_NS),
+            ("poll-grow-start", self.grow_start_ns, MAX_POLL_NS),
+            ("poll-yield-ns", self.yield_ns, MAX_POLL_NS),
+            ("poll-grow", self.grow, MAX_POLL_FACTOR),
+            ("poll-shrink", self.shrink, MAX_POLL_FACTOR),
+        ] {
+            if v > max {
+                return Err(format!("{name} must be in 0..={max}, got {v}"));
+            }
         }
         Ok(())
     }
@@ -246,6 +265,27 @@ impl<T: Default> Slots<T> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn numbers_out_of_range_are_refused_with_the_range() {
+        let p = PollParams {
+            max_ns: 1 << 63,
+            ..PollParams::default()
+        };
+        assert_eq!(
+            p.validate().unwrap_err(),
+            format!("poll-max-ns must be in 0..=1000000000, got {}", 1u64 << 63)
+        );
+        let p = PollParams {
+            grow: 1025,
+            ..PollParams::default()
+        };
+        assert!(p
+            .validate()
+            .unwrap_err()
+            .contains("poll-grow must be in 0..=1024"));
+        assert!(PollParams::default().validate().is_ok());
+    }
+
     use super::*;
 
     #[test]

@@ -12,6 +12,9 @@ use crate::cli::keyval::KeyVal;
 /// qsd's default null size (1 GiB).
 pub const DEFAULT_SIZE: u64 = 1 << 30;
 
+/// QEMU's largest node size (`BDRV_MAX_LENGTH`: INT64_MAX rounded down to 1 GiB).
+pub const MAX_SIZE: u64 = (i64::MAX as u64) & !((1 << 30) - 1);
+
 /// The null driver.
 pub struct NullDriver {
     size: AtomicU64,
@@ -30,6 +33,12 @@ impl NullDriver {
     /// From `--blockdev driver=null,size=...,read-zeroes=on|off`.
     pub fn from_opts(opts: &mut KeyVal) -> Result<Self, String> {
         let size = opts.take_u64("size", true)?.unwrap_or(DEFAULT_SIZE);
+        if size > MAX_SIZE {
+            return Err(format!(
+                "{}: size must be in 0..={MAX_SIZE} (QEMU's largest node), got {size}",
+                opts.what
+            ));
+        }
         let read_zeroes = opts.take_bool("read-zeroes", false)?;
         // qsd's null-co also takes latency-ns; accept 0 only (we do not simulate latency).
         if let Some(l) = opts.take_u64("latency-ns", false)? {

@@ -73,6 +73,10 @@ def test():
             contains="expected: integer")
         err(q.cmd_raw("qom-set", {"path": "/objects/io0", "property": "poll-policy", "value": "turbo"}),
             contains="turbo")
+        err(q.cmd_raw("qom-set", {"path": "/objects/io0", "property": "poll-max-ns", "value": 2**63}),
+            contains="poll-max-ns must be in 0..=1000000000")
+        err(q.cmd_raw("object-add", {"qom-type": "iothread", "id": "big", "poll-max-ns": 2**63}),
+            contains="0..=1000000000")
         err(q.cmd_raw("qom-get", {"path": "/objects/nope", "property": "poll-max-ns"}), cls="DeviceNotFound")
         assert iothread(q)["poll-weight"] == 2
         q.close()
