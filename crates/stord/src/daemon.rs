@@ -282,13 +282,18 @@ fn export_perms(
     (perm, shared)
 }
 
+/// QEMU's `id_wellformed`: a letter, then letters, digits, `-`, `.` and `_` (object ids,
+/// export ids and node names).
+fn id_wellformed(id: &str) -> bool {
+    let mut chars = id.chars();
+    chars.next().is_some_and(|c| c.is_ascii_alphabetic())
+        && chars.all(|c| c.is_ascii_alphanumeric() || "-._".contains(c))
+}
+
 /// QEMU's rules for a node name (`id_wellformed`, and 31 bytes at most): a letter, then
 /// letters, digits, `-`, `.` and `_`; its messages.
 fn check_node_name(name: &str) -> Result<(), DaemonError> {
-    let mut chars = name.chars();
-    let wellformed = chars.next().is_some_and(|c| c.is_ascii_alphabetic())
-        && chars.all(|c| c.is_ascii_alphanumeric() || "-._".contains(c));
-    if !wellformed {
+    if !id_wellformed(name) {
         return Err(DaemonError::Invalid(format!("Invalid node-name: '{name}'")));
     }
     if name.len() > 31 {
@@ -360,6 +365,11 @@ impl State {
                 .into());
         }
         let id = kv.take_required("id")?;
+        if !id_wellformed(&id) {
+            return Err(DaemonError::Invalid(
+                "Parameter 'id' expects an identifier".into(),
+            ));
+        }
         if self.iothreads.contains_key(&id)
             || self.throttle_groups.contains_key(&id)
             || self.objects.contains_key(&id)
@@ -975,6 +985,9 @@ impl State {
             return Err(kv.bad_value("type", &names.join(", "), &kind).into());
         };
         if let Some(id) = kv.get("id") {
+            if !id_wellformed(id) {
+                return Err(DaemonError::Invalid("Invalid block export id".into()));
+            }
             if self.exports.contains_key(id) {
                 return Err(DaemonError::ExportIdTaken(id.into()));
             }
@@ -1420,6 +1433,7 @@ mod tests {
         }
         let e = check_node_name(&"n".repeat(32)).unwrap_err().to_string();
         assert_eq!(e, "Node name too long");
+        assert!(id_wellformed("io0") && !id_wellformed("0io") && !id_wellformed("a,b"));
     }
 
     #[test]
