@@ -144,3 +144,38 @@ fn tables_that_overlap_are_refused_read_write() {
         std::fs::remove_file(&img).unwrap();
     }
 }
+
+/// An L2 entry pointing at the refcount table: discarding that guest cluster must not free
+/// (and punch) the table (the qcow2_image fuzz target found the header zeroed this way).
+#[test]
+fn a_data_cluster_on_the_refcount_table_is_never_freed() {
+    let dir = tmpdir("hostile-free");
+    let img = image(&dir);
+    let f = open(&img);
+    let l1 = be64(&f, 40);
+    let reftable = be64(&f, 48);
+    let l2 = be64(&f, l1) & OFFSET_MASK;
+    put64(&f, l2, reftable | COPIED);
+    let before = snapshot(&f, reftable, 512);
+    let s = Stord::with_node(
+        &dir,
+        &format!(
+            "driver=qcow2,discard=unmap,file.driver=file,file.filename={img},file.discard=unmap"
+        ),
+        true,
+    );
+    let out = run(
+        "qemu-io",
+        &["-f", "raw", "-c", "discard 0 64k", "-c", "flush", &s.uri()],
+    );
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(text.contains("failed"), "{text}");
+    drop(s);
+    assert_eq!(
+        snapshot(&f, reftable, 512),
+        before,
+        "the refcount table was freed"
+    );
+    assert_ne!(be64(&f, 72) & CORRUPT_BIT, 0, "image not marked corrupt");
+}

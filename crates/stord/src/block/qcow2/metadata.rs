@@ -567,23 +567,35 @@ impl Qcow2Driver {
         Ok(new)
     }
 
-    /// Queues the host clusters behind a mapping that is being replaced for freeing.
-    pub(super) fn release(&self, m: &mut Meta, old: Mapping) {
-        match old {
-            Mapping::Data { host, .. } => m.pending_free.push(host),
-            Mapping::Zero {
+    /// Queues the host clusters behind a mapping that is being replaced for freeing. A
+    /// mapping whose clusters are metadata (the image lies: an L2 entry pointing at a
+    /// table) is not freed, as its discard would destroy the table: the image is marked
+    /// corrupt and the request fails.
+    pub(super) async fn release(&self, m: &mut Meta, old: Mapping) -> io::Result<()> {
+        let (start, len) = match old {
+            Mapping::Data { host, .. }
+            | Mapping::Zero {
                 host: Some(host), ..
-            } => m.pending_free.push(host),
-            Mapping::Compressed { offset, len } => {
-                let mask = !(self.cluster_size - 1);
-                let mut c = offset & mask;
-                while c < offset + len {
-                    m.pending_free.push(c);
-                    c += self.cluster_size;
-                }
-            }
-            Mapping::Unallocated | Mapping::Zero { host: None, .. } => {}
+            } => (host, self.cluster_size),
+            Mapping::Compressed { offset, len } => (offset, len),
+            Mapping::Unallocated | Mapping::Zero { host: None, .. } => return Ok(()),
+        };
+        if len == 0 {
+            return Ok(());
         }
+        let first = start >> self.cluster_bits;
+        let last = (start + len - 1) >> self.cluster_bits;
+        if let Some((_, kind)) = m.regions.range(first..=last).next() {
+            let what = format!(
+                "Preventing invalid free of metadata (a data cluster overlaps with {})",
+                kind.name()
+            );
+            return Err(self.signal_corruption(&what).await);
+        }
+        for c in first..=last {
+            m.pending_free.push(c << self.cluster_bits);
+        }
+        Ok(())
     }
 
     /// Drops the refcounts of freed clusters whose references are durable; called right

@@ -660,7 +660,7 @@ impl Qcow2Driver {
         }
         self.set_l2(&mut m, cstart, host | COPIED).await?;
         if host != old_host(old) {
-            self.release(&mut m, old);
+            self.release(&mut m, old).await?;
         }
         Ok(())
     }
@@ -729,7 +729,7 @@ impl Qcow2Driver {
         for (k, (old, host)) in olds.into_iter().zip(hosts).enumerate() {
             self.set_l2(&mut m, pos + k as u64 * cs, host | COPIED)
                 .await?;
-            self.release(&mut m, old);
+            self.release(&mut m, old).await?;
         }
         Ok(Some(p))
     }
@@ -877,7 +877,7 @@ impl Qcow2Driver {
             if let Some(entry) = entry_for(old) {
                 self.set_l2(&mut m, pos, entry).await?;
                 if entry & OFFSET_MASK != old_host(old) || old_host(old) == 0 {
-                    self.release(&mut m, old);
+                    self.release(&mut m, old).await?;
                 }
             }
             pos += self.cluster_size;
