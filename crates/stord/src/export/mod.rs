@@ -9,6 +9,7 @@
 //! finished, after which the daemon sends BLOCK_EXPORT_DELETED and drops the export.
 
 pub mod fuse;
+#[cfg(any(test, fuzzing))]
 #[doc(hidden)]
 pub mod fuzz_loop;
 pub mod nbd;

@@ -112,6 +112,7 @@ impl JsonStream {
 /// Fuzz entry (`fuzz/fuzz_targets/qmp_stream.rs`): the rest of `data` pushed in chunks of
 /// `data[0]` bytes; every text cut out is parsed as JSON. What comes out never exceeds what
 /// went in.
+#[cfg(any(test, fuzzing))]
 #[doc(hidden)]
 pub fn fuzz(data: &[u8]) {
     let Some((&step, rest)) = data.split_first() else {

@@ -6,6 +6,7 @@
 //! handler (never a poll handler: reading /dev/fuse is a syscall). A watchdog process
 //! unmounts if the daemon dies without doing so (kill -9).
 
+#[cfg(any(test, fuzzing))]
 #[doc(hidden)]
 pub mod fuzz;
 mod handler;

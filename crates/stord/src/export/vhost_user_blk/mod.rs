@@ -13,6 +13,7 @@
 
 mod backend;
 mod device;
+#[cfg(any(test, fuzzing))]
 #[doc(hidden)]
 pub mod fuzz;
 mod inflight;
