@@ -10,14 +10,20 @@
 //! - [`log`]: the tracing subscriber and rate-limited events.
 //! - [`secret`]: `--object secret`.
 //! - [`tls`]: TLS credentials and sessions for the NBD server.
-//! - [`daemon`]: wiring: iothreads, nodes, exports, the main loop and the default job.
+//! - [`daemon`]: the daemon's API over what it holds: objects, nodes, exports.
+//! - [`events`]: QMP events, fanned out from the daemon to the monitors.
+//! - [`iothread`]: the iothread object's properties, described once.
+//! - [`process`]: the main loop, signals, the command line applied, the stop.
 
 pub mod accept;
 pub mod block;
 pub mod cli;
 pub mod daemon;
+pub mod events;
 pub mod export;
+pub mod iothread;
 pub mod log;
+pub mod process;
 pub mod qmp;
 pub mod secret;
 pub mod sys;

@@ -3,7 +3,7 @@
 use std::process::ExitCode;
 
 use stord::cli::{self, USAGE};
-use stord::daemon::{default_job, repo_root, Daemon};
+use stord::process::{default_job, repo_root, Daemon};
 
 fn main() -> ExitCode {
     stord::log::init();

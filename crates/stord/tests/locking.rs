@@ -321,3 +321,51 @@ fn reopen_read_only_gives_the_write_lock_back() {
     assert!(!run("qemu-img", &["info", &img]).status.success());
     drop(s);
 }
+
+/// A `blockdev-add` that fails after it has opened inline children (the parent's own
+/// option is bad, or the backing chain fails deep inside) takes every node it opened out
+/// again: no `#block` node stays, and neither the image nor its backing file stays locked.
+#[test]
+fn a_refused_blockdev_add_leaves_no_node_and_no_lock() {
+    let dir = tmpdir("lock-rollback");
+    let base = qcow2(&dir, "base.qcow2");
+    let top = dir.join("top.qcow2").display().to_string();
+    run_ok(
+        "qemu-img",
+        &[
+            "create", "-q", "-f", "qcow2", "-b", &base, "-F", "qcow2", &top,
+        ],
+    );
+    let sock = dir.join("qmp.sock");
+    let s = Stord::start(&dir, &monitor_args(&sock));
+    let mut m = RawQmp::connect(&sock);
+    let add = |m: &mut RawQmp, extra: &str, backing_extra: &str| {
+        m.send(&format!(
+            r#"{{"execute":"blockdev-add","arguments":{{"driver":"qcow2","node-name":"top",
+                "file":{{"driver":"file","filename":"{top}"}},
+                "backing":{{"driver":"qcow2","file":{{"driver":"file","filename":"{base}"}}{backing_extra}}}{extra}}}}}"#
+        ).replace('\n', " "))
+    };
+    // The top node's own option is bad: its file, the backing node and the backing's file
+    // were all open (and locked) by then.
+    let r = add(&mut m, r#","bogus":1"#, "");
+    assert!(
+        r["error"]["desc"].as_str().unwrap().contains("bogus"),
+        "{r}"
+    );
+    // A failure two levels down: the backing's own option is bad.
+    let r = add(&mut m, "", r#","l2-cache-size":"x""#);
+    assert!(r.get("error").is_some(), "{r}");
+    let nodes = m.send(r#"{"execute":"query-named-block-nodes"}"#);
+    assert_eq!(nodes["return"], serde_json::json!([]), "{nodes}");
+    // Nothing holds either image: QEMU writes both.
+    run_ok("qemu-io", &["-c", "write 0 4k", &top]);
+    run_ok("qemu-io", &["-c", "write 0 4k", &base]);
+    // And the same graph opens whole, with the names it would have had.
+    let r = add(&mut m, "", "");
+    assert!(r.get("return").is_some(), "{r}");
+    let nodes = m.send(r#"{"execute":"query-named-block-nodes"}"#);
+    assert_eq!(nodes["return"].as_array().unwrap().len(), 4, "{nodes}");
+    assert!(!run("qemu-io", &["-c", "write 0 4k", &top]).status.success());
+    drop(s);
+}

@@ -54,3 +54,8 @@ fn qmp_query_shapes_match_qemu_storage_daemon() {
 fn qmp_reopen_and_transaction_answer_as_qsd() {
     run_script("reopen_transaction.py");
 }
+
+#[test]
+fn qmp_schema_is_generated_from_the_command_table_and_agrees_with_qsd() {
+    run_script("schema.py");
+}

@@ -6,6 +6,7 @@
 //! (for the io_uring backend, on that thread's own ring).
 
 pub mod file;
+pub mod graph;
 pub mod iov;
 pub mod null;
 pub mod perm;

@@ -6,8 +6,23 @@
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
+use super::graph::{DriverDef, GraphError, Opened};
 use super::{BlockDriver, BlockStatus, BoxFut, Buf, IoVec};
 use crate::cli::keyval::KeyVal;
+
+/// The driver table's entry.
+pub const DRIVER: DriverDef = DriverDef {
+    names: &["null-co", "null"],
+    takes_discard: false,
+    takes_cache: false,
+    open: |_, kv, flags| {
+        Ok(Opened {
+            driver: Box::new(NullDriver::from_opts(kv)?),
+            read_only: flags.read_only,
+            direct: false,
+        })
+    },
+};
 
 /// qsd's default null size (1 GiB).
 pub const DEFAULT_SIZE: u64 = 1 << 30;
@@ -31,22 +46,22 @@ impl NullDriver {
     }
 
     /// From `--blockdev driver=null,size=...,read-zeroes=on|off`.
-    pub fn from_opts(opts: &mut KeyVal) -> Result<Self, String> {
+    pub fn from_opts(opts: &mut KeyVal) -> Result<Self, GraphError> {
         let size = opts.take_u64("size", true)?.unwrap_or(DEFAULT_SIZE);
         if size > MAX_SIZE {
-            return Err(format!(
+            return Err(GraphError::Invalid(format!(
                 "{}: size must be in 0..={MAX_SIZE} (QEMU's largest node), got {size}",
                 opts.what
-            ));
+            )));
         }
         let read_zeroes = opts.take_bool("read-zeroes", false)?;
         // qsd's null-co also takes latency-ns; accept 0 only (we do not simulate latency).
         if let Some(l) = opts.take_u64("latency-ns", false)? {
             if l != 0 {
-                return Err(format!(
+                return Err(GraphError::Invalid(format!(
                     "{}: latency-ns is not supported (only 0)",
                     opts.what
-                ));
+                )));
             }
         }
         Ok(Self::new(size, read_zeroes))

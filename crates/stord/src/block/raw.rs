@@ -8,8 +8,26 @@
 use std::io;
 use std::sync::Arc;
 
+use crate::block::graph::{DriverDef, GraphError, Opened};
 use crate::block::{BlockDriver, BlockNode, BlockStatus, BoxFut, Buf, IoVec};
 use crate::cli::keyval::KeyVal;
+
+/// The driver table's entry.
+pub const DRIVER: DriverDef = DriverDef {
+    names: &["raw"],
+    takes_discard: false,
+    takes_cache: false,
+    open: |g, kv, flags| {
+        let child = g.child(kv, "file")?;
+        let raw = RawDriver::from_opts(kv, child.clone())?;
+        Ok(Opened {
+            driver: Box::new(raw),
+            // A format node cannot write where its child cannot.
+            read_only: flags.read_only || child.is_read_only(),
+            direct: child.direct,
+        })
+    },
+};
 
 /// Sizes of a window must be whole sectors, so a request can never round past its end.
 const SECTOR: u64 = 512;
@@ -25,24 +43,26 @@ pub struct RawDriver {
 impl RawDriver {
     /// A raw node over `child`, taking `offset` and `size` from the options (qsd's texts
     /// for bad windows).
-    pub fn from_opts(opts: &mut KeyVal, child: Arc<BlockNode>) -> Result<Self, String> {
+    pub fn from_opts(opts: &mut KeyVal, child: Arc<BlockNode>) -> Result<Self, GraphError> {
         let offset = opts.take_u64("offset", true)?.unwrap_or(0);
         let size = opts.take_u64("size", true)?;
         let real = child.size();
         if offset > real {
-            return Err(format!(
+            return Err(GraphError::Invalid(format!(
                 "Offset ({offset}) cannot be greater than size of the containing file ({real})"
-            ));
+            )));
         }
         if let Some(size) = size {
             if real - offset < size {
-                return Err(format!(
+                return Err(GraphError::Invalid(format!(
                     "The sum of offset ({offset}) and size ({size}) has to be smaller or equal \
                      to the actual size of the containing file ({real})"
-                ));
+                )));
             }
             if size % SECTOR != 0 {
-                return Err(format!("Specified size is not multiple of {SECTOR}"));
+                return Err(GraphError::Invalid(format!(
+                    "Specified size is not multiple of {SECTOR}"
+                )));
             }
         }
         Ok(Self {
@@ -159,7 +179,7 @@ mod tests {
 
     fn raw(child: Arc<BlockNode>, opts: &str) -> Result<RawDriver, String> {
         let mut kv = KeyVal::parse("--blockdev", opts, None).unwrap();
-        RawDriver::from_opts(&mut kv, child)
+        RawDriver::from_opts(&mut kv, child).map_err(|e| e.to_string())
     }
 
     #[test]

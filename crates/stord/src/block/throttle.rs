@@ -14,7 +14,30 @@ use std::time::Duration;
 
 use stord_aio::sys::now_ns;
 
+use crate::block::graph::{DriverDef, GraphError, Opened};
 use crate::block::{BlockDriver, BlockNode, BlockStatus, BoxFut, Buf, IoVec};
+
+/// The driver table's entry.
+pub const DRIVER: DriverDef = DriverDef {
+    names: &["throttle"],
+    takes_discard: false,
+    takes_cache: false,
+    open: |g, kv, flags| {
+        let id = kv.take_required("throttle-group")?;
+        let Some(group) = g.throttle_group(&id) else {
+            return Err(GraphError::Invalid(format!(
+                "{}: throttle group '{id}' does not exist",
+                kv.what
+            )));
+        };
+        let child = g.child(kv, "file")?;
+        Ok(Opened {
+            read_only: flags.read_only || child.is_read_only(),
+            direct: child.direct,
+            driver: Box::new(ThrottleDriver::new(child, group)),
+        })
+    },
+};
 use crate::cli::keyval::{KeyVal, OptionError};
 
 /// Which limit a bucket enforces.

@@ -126,6 +126,19 @@ impl KeyVal {
             .or_insert_with(|| value.to_string());
     }
 
+    /// Sets `key` (replacing what it was).
+    pub fn insert(&mut self, key: &str, value: String) {
+        self.map.insert(key.to_string(), value);
+    }
+
+    /// The error for a required `key` that is absent.
+    pub fn missing(&self, key: &str) -> OptionError {
+        OptionError::Missing {
+            what: self.what.clone(),
+            key: key.to_string(),
+        }
+    }
+
     /// Removes and returns a string option.
     pub fn take(&mut self, key: &str) -> Option<String> {
         self.map.remove(key)
@@ -263,6 +276,7 @@ fn flatten_json(
 
 /// Fuzz entry (`fuzz/fuzz_targets/keyval.rs`): `data` as an option list with an implied
 /// key, then consumed the ways the daemon consumes options.
+#[cfg(any(test, fuzzing))]
 #[doc(hidden)]
 pub fn fuzz(data: &[u8]) {
     let Ok(s) = std::str::from_utf8(data) else {

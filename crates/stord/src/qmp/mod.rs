@@ -19,7 +19,7 @@ use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
-use std::rc::{Rc, Weak};
+use std::rc::Rc;
 use std::task::{Poll, Waker};
 
 use serde_json::{json, Value};
@@ -27,6 +27,7 @@ use stord_aio::{op, AioContext, Interest, Slice};
 
 use crate::accept::Acceptor;
 use crate::daemon::SharedState;
+use crate::events::{EventSink, Events};
 use stream::{JsonStream, Piece};
 
 /// Largest message a client may send (a bigger one closes its connection).
@@ -90,11 +91,14 @@ struct Outbox {
     sending: Cell<bool>,
     /// Bytes the writer holds and has not sent yet.
     in_writer: Cell<usize>,
+    /// Told when everything queued has gone (the daemon waits for that at shutdown).
+    events: Events,
 }
 
 impl Outbox {
-    fn new(fd: RawFd) -> Self {
+    fn new(fd: RawFd, events: Events) -> Self {
         Self {
+            events,
             fd,
             buf: RefCell::default(),
             waker: RefCell::default(),
@@ -138,6 +142,7 @@ impl Outbox {
         self.buf.borrow_mut().clear();
         crate::sys::shutdown(self.fd);
         self.wake_all();
+        self.events.sink_drained();
     }
 
     fn wake_all(&self) {
@@ -147,47 +152,6 @@ impl Outbox {
         if let Some(w) = self.reader_waker.borrow_mut().take() {
             w.wake();
         }
-    }
-}
-
-/// Fan-out of events to negotiated connections.
-#[derive(Clone, Default)]
-pub struct Events(Rc<RefCell<Vec<Weak<Outbox>>>>);
-
-impl Events {
-    /// Sends `{"event": name, "data": data, "timestamp": ...}` to every negotiated monitor.
-    pub fn emit(&self, name: &str, data: Value) {
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap_or_default();
-        let ev = json!({
-            "event": name,
-            "data": data,
-            "timestamp": { "seconds": now.as_secs(), "microseconds": now.subsec_micros() },
-        });
-        let mut list = self.0.borrow_mut();
-        list.retain(|w| w.strong_count() > 0);
-        for w in list.iter() {
-            if let Some(o) = w.upgrade() {
-                if o.negotiated.get() {
-                    o.send(&ev);
-                }
-            }
-        }
-    }
-
-    /// Whether every connection has sent all it was given (used at shutdown, so that the
-    /// reply to `quit` and the SHUTDOWN event reach the client).
-    pub fn flushed(&self) -> bool {
-        self.0
-            .borrow()
-            .iter()
-            .filter_map(Weak::upgrade)
-            .all(|o| o.closed.get() || (o.buf.borrow().is_empty() && !o.sending.get()))
-    }
-
-    fn add(&self, o: &Rc<Outbox>) {
-        self.0.borrow_mut().push(Rc::downgrade(o));
     }
 }
 
@@ -279,13 +243,33 @@ async fn write_loop(fd: RawFd, out: Rc<Outbox>) {
             }
         }
         out.sending.set(false);
+        if out.buf.borrow().is_empty() {
+            out.events.sink_drained();
+        }
+    }
+    out.events.sink_drained();
+}
+
+impl EventSink for Outbox {
+    fn deliver(&self, event: &Value) {
+        self.send(event);
+    }
+
+    fn listening(&self) -> bool {
+        self.negotiated.get()
+    }
+
+    fn flushed(&self) -> bool {
+        self.closed.get() || (self.buf.borrow().is_empty() && !self.sending.get())
     }
 }
 
 async fn serve(conn: OwnedFd, state: SharedState) {
     let fd = conn.as_raw_fd();
-    let out = Rc::new(Outbox::new(fd));
-    state.borrow().events.add(&out);
+    let events = state.borrow().events().clone();
+    let out = Rc::new(Outbox::new(fd, events.clone()));
+    let sink: Rc<dyn EventSink> = out.clone();
+    events.subscribe(Rc::downgrade(&sink));
     let writer = stord_aio::spawn(write_loop(fd, out.clone()));
     out.send(&greeting());
     let mut stream = JsonStream::default();
@@ -365,19 +349,21 @@ async fn serve(conn: OwnedFd, state: SharedState) {
 /// Commands the QMP fuzz target does not run: they listen on or remove paths the input
 /// names (`nbd-server-start`, `block-export-add`), start threads (`object-add` of an
 /// iothread) or stop the process. Everything else runs against a daemon state of its own.
+#[cfg(any(test, fuzzing))]
 const FUZZ_SKIPPED: &[&str] = &["nbd-server-start", "block-export-add", "quit"];
 
 /// Fuzz entry (`fuzz/fuzz_targets/qmp_commands.rs`): `data` as what a monitor client sends,
 /// cut into texts by the real splitter, parsed and dispatched by the real request handler
 /// and commands to a fresh daemon state (capabilities negotiation included). Each reply
 /// must be a `return` or an `error` object.
+#[cfg(any(test, fuzzing))]
 #[doc(hidden)]
 pub fn fuzz_commands(data: &[u8]) {
     let state: SharedState = Rc::new(RefCell::new(crate::daemon::State::default()));
     let Ok((ours, _theirs)) = std::os::unix::net::UnixStream::pair() else {
         return;
     };
-    let out = Rc::new(Outbox::new(ours.as_raw_fd()));
+    let out = Rc::new(Outbox::new(ours.as_raw_fd(), Events::default()));
     let mut stream = JsonStream::default();
     let mut msgs = Vec::new();
     for piece in stream.push(data) {
@@ -487,7 +473,7 @@ async fn handle(state: &SharedState, out: &Rc<Outbox>, msg: Value) -> Option<Val
             desc: "Capabilities negotiation is already complete, command ignored".into(),
         })));
     }
-    Some(reply(commands::execute(state, &cmd, args).await))
+    Some(reply(commands::execute(state, &cmd, args)))
 }
 
 #[cfg(test)]

@@ -30,6 +30,7 @@ use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
+use super::graph::{DriverDef, GraphError, Opened};
 use super::{new_buf, request_buf, BlockDriver, BlockStatus, BoxFut, Buf, IoVec};
 use crate::cli::keyval::KeyVal;
 use crate::sys;
@@ -90,7 +91,7 @@ pub struct FileOptions {
 
 impl FileOptions {
     /// From `--blockdev driver=file,filename=...,aio=...,cache.direct=...`.
-    pub fn from_opts(opts: &mut KeyVal, read_only: bool) -> Result<Self, String> {
+    pub fn from_opts(opts: &mut KeyVal, read_only: bool) -> Result<Self, GraphError> {
         let filename = opts.take_required("filename")?;
         let aio = match opts
             .take_choice("aio", &["io_uring", "native", "threads"])?
@@ -121,10 +122,10 @@ impl FileOptions {
             != Some("off");
         if aio == AioMode::Native && !direct {
             // Same rule as QEMU: linux-aio without O_DIRECT would block in io_submit.
-            return Err(format!(
+            return Err(GraphError::Invalid(format!(
                 "{}: aio=native requires cache.direct=on",
                 opts.what
-            ));
+            )));
         }
         Ok(Self {
             filename,
@@ -138,6 +139,24 @@ impl FileOptions {
         })
     }
 }
+
+/// The driver table's entry (`host_device` is the same driver, as stord opens block
+/// devices and regular files alike).
+pub const DRIVER: DriverDef = DriverDef {
+    names: &["file", "host_device"],
+    takes_discard: true,
+    takes_cache: true,
+    open: |_, kv, flags| {
+        let opts = FileOptions::from_opts(kv, flags.read_only)?;
+        let direct = opts.direct;
+        let driver = open(opts).map_err(|e| GraphError::Invalid(format!("{}: {e}", kv.what)))?;
+        Ok(Opened {
+            driver,
+            read_only: flags.read_only,
+            direct,
+        })
+    },
+};
 
 /// The file driver, over one of the [`Engine`]s.
 pub(crate) struct FileDriver<E> {

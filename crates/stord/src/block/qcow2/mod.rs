@@ -44,11 +44,48 @@ use stord_aio::AsyncMutex;
 
 use self::metadata::{corrupt, Meta};
 use self::table::{Mapping, TableCache, COPIED, OFFSET_MASK, ZERO};
+use crate::block::graph::{DriverDef, GraphError, Opened};
 use crate::block::perm::Perm;
 use crate::block::range_lock::RangeLocks;
 use crate::block::{request_buf, BlockDriver, BlockNode, BlockStatus, BoxFut, Buf, IoVec};
 use crate::cli::keyval::KeyVal;
 use crate::cli::keyval::OptionError;
+
+/// The driver table's entry: a qcow2 image over its `file`; its backing node is
+/// `backing=NAME`, inline `backing.driver=...`, none with `backing=null`, else the one the
+/// image names (opened read-only, relative to the image's directory, as QEMU does).
+pub const DRIVER: DriverDef = DriverDef {
+    names: &["qcow2"],
+    takes_discard: true,
+    takes_cache: false,
+    open: |g, kv, flags| {
+        let file = g.child(kv, "file")?;
+        let opts = Qcow2Options::from_opts(kv)?;
+        let ro = flags.read_only || file.is_read_only();
+        let given = g.optional_child(kv, "backing")?;
+        let f = file.clone();
+        let image =
+            crate::block::block_on_helper(move || async move { Image::load(&f, !ro).await })
+                .and_then(|r| r.map_err(io::Error::other))
+                .map_err(|e| GraphError::Invalid(format!("{}: {e}", kv.what)))?;
+        let backing = match given {
+            Some(b) => b,
+            None => match image.header.backing_file.clone() {
+                Some(name) => {
+                    let fmt = image.header.backing_format.clone();
+                    Some(g.backing_file(&file, &name, fmt)?)
+                }
+                None => None,
+            },
+        };
+        let direct = file.direct;
+        Ok(Opened {
+            driver: Box::new(Qcow2Driver::new(file, backing, image, &opts)),
+            read_only: ro,
+            direct,
+        })
+    },
+};
 
 /// QEMU's cap on the default L2 cache (32 MiB).
 const DEFAULT_L2_CACHE_MAX: u64 = 32 << 20;
@@ -1157,6 +1194,7 @@ impl BlockDriver for Qcow2Driver {
 /// Fuzz entry (`fuzz/fuzz_targets/qcow2_header.rs`): `data` as the start of an image; if
 /// its header parses, every 8 bytes of it decoded as an L2 entry and all of it read as a
 /// refcount block, with the header's geometry.
+#[cfg(any(test, fuzzing))]
 #[doc(hidden)]
 pub fn fuzz(data: &[u8]) {
     let _ = header::Header::bytes_needed(data);

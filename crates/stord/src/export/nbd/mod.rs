@@ -10,6 +10,7 @@
 //! With `tls-creds`, every client must start TLS (STARTTLS) before anything else; the
 //! session moves with the connection to its IoThread.
 
+#[cfg(any(test, fuzzing))]
 #[doc(hidden)]
 pub mod fuzz;
 mod handshake;
@@ -34,7 +35,7 @@ use std::task::{Context, Poll};
 
 use crate::accept::Acceptor;
 use crate::block::BlockNode;
-use crate::cli::keyval::KeyVal;
+use crate::cli::keyval::{KeyVal, OptionError};
 use crate::export::{DrainSignal, Export, ExportEnv};
 use crate::tls::TlsServer;
 use proto::*;
@@ -349,6 +350,49 @@ pub struct NbdServerOpts {
 
 /// qsd's default for `handshake-max-seconds`.
 pub const DEFAULT_HANDSHAKE_MAX_SECS: u32 = 10;
+
+impl NbdServerOpts {
+    /// The options of `--nbd-server` (flat `addr.type`, `addr.path` | `addr.host`,
+    /// `addr.port`) and of `nbd-server-start` (its legacy `addr.data.*` form, flattened):
+    /// the one parser of both.
+    pub fn from_options(mut kv: KeyVal) -> Result<Self, OptionError> {
+        for k in ["path", "host", "port"] {
+            if let Some(v) = kv.take(&format!("addr.data.{k}")) {
+                kv.insert(&format!("addr.{k}"), v);
+            }
+        }
+        let addr = match kv.take_choice("addr.type", &["unix", "inet"])?.as_deref() {
+            Some("unix") => ListenAddr::Unix(PathBuf::from(kv.take_required("addr.path")?)),
+            Some("inet") => {
+                let host = kv.take_required("addr.host")?;
+                let port = kv.take_required("addr.port")?;
+                let port = port
+                    .parse()
+                    .map_err(|_| kv.bad_value("addr.port", "a port number", &port))?;
+                ListenAddr::Inet(host, port)
+            }
+            _ => return Err(kv.missing("addr.type")),
+        };
+        let max_connections = kv
+            .take_u64("max-connections", false)?
+            .map_or(0, |v| v.min(u64::from(u32::MAX)) as u32);
+        let handshake_max_secs = kv
+            .take_u64("handshake-max-seconds", false)?
+            .map_or(DEFAULT_HANDSHAKE_MAX_SECS, |s| {
+                s.min(u64::from(u32::MAX)) as u32
+            });
+        let tls_creds = kv.take("tls-creds");
+        let tls_authz = kv.take("tls-authz");
+        kv.finish()?;
+        Ok(Self {
+            addr,
+            max_connections,
+            handshake_max_secs,
+            tls_creds,
+            tls_authz,
+        })
+    }
+}
 
 /// A listening NBD server on the main loop.
 pub struct NbdServer {

@@ -1,0 +1,124 @@
+//! Opening nodes: the driver table and what a driver sees of the graph while it opens.
+//!
+//! Each driver module exports one [`DriverDef`] (its names and an `open` function) and
+//! [`BLOCK_DRIVERS`] lists them, so a new driver is one module plus a line. A driver opens
+//! from its options and a [`Graph`]: the graph builder (the daemon's) resolves children
+//! named by node-name, opens inline ones (`file.driver=...`) with the options children
+//! inherit, opens the backing files an image names, and takes back everything it opened
+//! if any later step fails. Drivers never see the daemon's tables.
+
+use std::sync::Arc;
+
+use super::perm::PermError;
+use super::throttle::ThrottleGroup;
+use super::{BlockDriver, BlockNode};
+use crate::cli::keyval::{KeyVal, OptionError};
+
+/// Why a node could not be opened: the graph layer's error. Texts are QEMU's where it has
+/// one.
+#[derive(Debug, thiserror::Error)]
+pub enum GraphError {
+    /// A malformed or unknown option.
+    #[error(transparent)]
+    Option(#[from] OptionError),
+    /// Options that parse but describe something the driver cannot open (its own checks,
+    /// an image it refuses, an I/O error).
+    #[error("{0}")]
+    Invalid(String),
+    #[error("Duplicate nodes with node-name='{0}'")]
+    DuplicateNode(String),
+    #[error("Cannot find device='{0}' nor node-name='{0}'")]
+    ChildNotFound(String),
+    /// A lock or permission conflict on a child.
+    #[error(transparent)]
+    Perm(#[from] PermError),
+}
+
+impl From<String> for GraphError {
+    fn from(s: String) -> Self {
+        GraphError::Invalid(s)
+    }
+}
+
+/// What a driver may ask of the graph while it opens.
+pub trait Graph {
+    /// The child `role`: `role=NAME` names an existing node, `role.driver=...` opens one
+    /// inline (with what children inherit from the node being opened).
+    fn child(&mut self, kv: &mut KeyVal, role: &str) -> Result<Arc<BlockNode>, GraphError>;
+
+    /// An optional child (`backing`): None when not given, Some(None) for `role=null`.
+    fn optional_child(
+        &mut self,
+        kv: &mut KeyVal,
+        role: &str,
+    ) -> Result<Option<Option<Arc<BlockNode>>>, GraphError>;
+
+    /// The backing file an image names: read-only, relative to the image's directory, its
+    /// format from the image or probed, as QEMU opens it.
+    fn backing_file(
+        &mut self,
+        image: &BlockNode,
+        name: &str,
+        format: Option<String>,
+    ) -> Result<Arc<BlockNode>, GraphError>;
+
+    /// The throttle group `id`.
+    fn throttle_group(&self, id: &str) -> Option<Arc<ThrottleGroup>>;
+}
+
+/// What a driver's `open` is told besides its options.
+#[derive(Debug, Clone, Copy)]
+pub struct OpenFlags {
+    /// `read-only=on` was asked for.
+    pub read_only: bool,
+}
+
+/// An opened driver and what the node over it is.
+pub struct Opened {
+    pub driver: Box<dyn BlockDriver>,
+    /// Read-only (asked for, or its child cannot write).
+    pub read_only: bool,
+    /// Bypasses the page cache (O_DIRECT), as its file does.
+    pub direct: bool,
+}
+
+/// Opens a driver from its options (`driver`, `node-name` and the common options taken).
+pub type Open = fn(&mut dyn Graph, &mut KeyVal, OpenFlags) -> Result<Opened, GraphError>;
+
+/// One block driver.
+pub struct DriverDef {
+    /// `driver=` values that select it (QEMU's name first).
+    pub names: &'static [&'static str],
+    pub open: Open,
+    /// Reads `discard` itself (else the common options take it).
+    pub takes_discard: bool,
+    /// Reads `cache.direct` and `cache.no-flush` itself (else they are passed on to its
+    /// inline children).
+    pub takes_cache: bool,
+}
+
+/// Every block driver.
+pub const BLOCK_DRIVERS: &[&DriverDef] = &[
+    &super::null::DRIVER,
+    &super::file::DRIVER,
+    &super::raw::DRIVER,
+    &super::throttle::DRIVER,
+    &super::qcow2::DRIVER,
+];
+
+/// The driver `name` selects.
+pub fn driver(name: &str) -> Option<&'static DriverDef> {
+    BLOCK_DRIVERS
+        .iter()
+        .copied()
+        .find(|d| d.names.contains(&name))
+}
+
+/// The names, for "expects ..." errors.
+pub fn driver_names() -> String {
+    let names: Vec<&str> = BLOCK_DRIVERS
+        .iter()
+        .flat_map(|d| d.names.iter().copied())
+        .collect();
+    names.join(", ")
+}

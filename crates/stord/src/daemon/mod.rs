@@ -1,0 +1,677 @@
+//! The daemon layer: what the command line and QMP create (IoThreads, objects, block
+//! nodes, exports, the NBD server) and the operations on them, as one API over [`State`].
+//! The QMP handlers and the command line call it; it knows neither (events leave through
+//! [`crate::events`]).
+//!
+//! [`graph`] opens nodes (the driver table, inline children, rollback); [`objects`] holds
+//! the `--object` types.
+
+mod graph;
+mod objects;
+
+use graph::id_wellformed;
+
+pub use objects::{ObjectType, UserObject, OBJECT_TYPES};
+
+use std::cell::{Cell, RefCell};
+use std::collections::{BTreeMap, BTreeSet};
+use std::io;
+use std::rc::Rc;
+use std::sync::Arc;
+
+use stord_aio::{AioContext, IoThread, Remote};
+
+use crate::block::throttle::ThrottleGroup;
+use crate::block::BlockNode;
+use crate::cli::keyval::{KeyVal, OptionError};
+use crate::events::Events;
+use crate::export::nbd::{ExportTable, ListenAddr, NbdServer, NbdServerOpts};
+use crate::export::{Export, ExportEnv, EXPORT_TYPES};
+use crate::secret::SecretError;
+use crate::tls::{TlsError, TlsServer};
+
+/// Why a command on the daemon's objects, nodes or exports failed: the daemon layer's
+/// error. QMP reports it with [`DaemonError::qmp_class`]; the texts are qsd's where it has
+/// one, so scripts that match them keep working.
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    /// A malformed option list.
+    #[error(transparent)]
+    Option(#[from] OptionError),
+    /// Options that parse but describe something we cannot build (a driver's or export's
+    /// own checks).
+    #[error("{0}")]
+    Invalid(String),
+    #[error("attempt to add duplicate property '{0}' to object (type 'container')")]
+    DuplicateObject(String),
+    #[error("object '{0}' not found")]
+    ObjectNotFound(String),
+    #[error("object '{0}' is in use and cannot be deleted")]
+    ObjectInUse(String),
+    #[error("cannot start iothread '{id}': {source}")]
+    IoThreadStart { id: String, source: io::Error },
+    #[error("Failed to find node with node-name='{0}'")]
+    NodeNotFound(String),
+    #[error(transparent)]
+    Graph(#[from] crate::block::graph::GraphError),
+    #[error("Block device {name} is in use (it is the '{role}' child of node '{parent}')")]
+    NodeIsChild {
+        name: String,
+        parent: String,
+        role: &'static str,
+    },
+    #[error("Node {0} is not owned by the monitor")]
+    NodeNotOwned(String),
+    #[error("Node {0} is in use")]
+    NodeInUse(String),
+    #[error("Block export id '{0}' is already in use")]
+    ExportIdTaken(String),
+    #[error("Export '{0}' is not found")]
+    ExportNotFound(String),
+    #[error("Export '{0}' is already shutting down")]
+    ExportShuttingDown(String),
+    #[error("export '{0}' still in use (use mode 'hard' to disconnect its clients)")]
+    ExportInUse(String),
+    #[error("NBD server already running")]
+    NbdServerRunning,
+    #[error("NBD server not running")]
+    NbdServerNotRunning,
+    #[error("cannot listen on {addr}: {source}")]
+    Listen { addr: String, source: io::Error },
+    #[error(transparent)]
+    Perm(#[from] crate::block::perm::PermError),
+    #[error(transparent)]
+    Property(#[from] crate::iothread::PropertyError),
+    #[error(transparent)]
+    Tls(#[from] TlsError),
+    #[error(transparent)]
+    Secret(#[from] SecretError),
+    #[error("No TLS credentials with id '{0}'")]
+    NoTlsCreds(String),
+    #[error("No authorization object with id '{0}'")]
+    NoAuthz(String),
+}
+
+impl DaemonError {
+    /// The QMP error class: qsd reports all of these as GenericError.
+    pub fn qmp_class(&self) -> &'static str {
+        "GenericError"
+    }
+}
+
+impl From<String> for DaemonError {
+    fn from(s: String) -> Self {
+        DaemonError::Invalid(s)
+    }
+}
+
+impl From<DaemonError> for String {
+    fn from(e: DaemonError) -> String {
+        e.to_string()
+    }
+}
+
+/// Everything the daemon has created (main thread only).
+#[derive(Default)]
+pub struct State {
+    /// `--object iothread` by id.
+    iothreads: BTreeMap<String, IoThread>,
+    /// `--object throttle-group` by id.
+    throttle_groups: BTreeMap<String, Arc<ThrottleGroup>>,
+    /// `--object tls-creds-x509|tls-creds-psk|authz-simple|secret` by id.
+    objects: BTreeMap<String, UserObject>,
+    /// Block nodes by node-name.
+    nodes: BTreeMap<String, Arc<BlockNode>>,
+    /// Nodes opened inline as another node's child (removed with their parent).
+    implicit: BTreeSet<String>,
+    /// The next `#blockNNN` number.
+    implicit_seq: u32,
+    /// Exports by id, whatever their type.
+    exports: BTreeMap<String, Box<dyn Export>>,
+    /// Each export's permissions on its node (given back once it has drained).
+    export_claims: BTreeMap<String, crate::block::perm::Claim>,
+    /// The exports the NBD server offers (shared with it, for the handshake).
+    nbd_table: ExportTable,
+    /// Exports being removed: each task ends once its export has drained.
+    removals: Vec<stord_aio::JoinHandle<()>>,
+    /// The NBD server, if started.
+    nbd: Option<NbdServer>,
+    /// Event fan-out to negotiated monitor connections.
+    events: Events,
+    /// Set to stop the main loop.
+    quit: Rc<Cell<bool>>,
+    /// The SHUTDOWN event has been sent (by `quit`).
+    shutdown_announced: Cell<bool>,
+}
+
+/// Shared handle to the state.
+pub type SharedState = Rc<RefCell<State>>;
+
+/// What an export takes of its node, as QEMU's `blk_exp_add`: reads, writes when
+/// writable, resizes when growable (FUSE); others may do anything but, for NBD, resize (its
+/// clients were told the size).
+fn export_perms(
+    kind: &str,
+    writable: bool,
+    growable: bool,
+) -> (crate::block::perm::Perm, crate::block::perm::Perm) {
+    use crate::block::perm::Perm;
+    let mut perm = Perm::CONSISTENT_READ;
+    if writable {
+        perm = perm | Perm::WRITE;
+    }
+    if growable {
+        perm = perm | Perm::RESIZE;
+    }
+    let shared = if kind == "nbd" {
+        Perm::ALL & Perm::RESIZE.complement()
+    } else {
+        Perm::ALL
+    };
+    (perm, shared)
+}
+
+impl State {
+    /// The event fan-out.
+    pub fn events(&self) -> &Events {
+        &self.events
+    }
+
+    /// The flag that stops the main loop.
+    pub fn quit_flag(&self) -> Rc<Cell<bool>> {
+        self.quit.clone()
+    }
+
+    /// Sends SHUTDOWN once, with `reason` (QEMU's ShutdownCause name).
+    pub fn announce_shutdown(&self, reason: &str) {
+        if !self.shutdown_announced.replace(true) {
+            self.events.emit(
+                "SHUTDOWN",
+                serde_json::json!({ "guest": false, "reason": reason }),
+            );
+        }
+    }
+
+    /// `quit`: announces the stop and ends the main loop.
+    pub fn request_quit(&self, reason: &str) {
+        self.announce_shutdown(reason);
+        self.quit.set(true);
+    }
+
+    /// The IoThread `id`.
+    pub fn iothread(&self, id: &str) -> Option<&Remote> {
+        self.iothreads.get(id).map(IoThread::remote)
+    }
+
+    /// Every IoThread, by id.
+    pub fn iothreads(&self) -> impl Iterator<Item = (&str, &Remote)> {
+        self.iothreads
+            .iter()
+            .map(|(id, t)| (id.as_str(), t.remote()))
+    }
+
+    /// The node `name`.
+    pub fn node(&self, name: &str) -> Option<&Arc<BlockNode>> {
+        self.nodes.get(name)
+    }
+
+    /// Every node, by name.
+    pub fn nodes(&self) -> impl Iterator<Item = &Arc<BlockNode>> {
+        self.nodes.values()
+    }
+
+    /// Every export, by id.
+    pub fn exports(&self) -> impl Iterator<Item = &dyn Export> {
+        self.exports.values().map(|e| &**e)
+    }
+
+    /// Where the NBD server listens, if it runs.
+    pub fn nbd_addr(&self) -> Option<ListenAddr> {
+        self.nbd.as_ref().map(|s| s.addr.clone())
+    }
+
+    /// The first step of a stop: the NBD server stops listening and every export is
+    /// removed (clients disconnected). Returns the removals, each done once its export
+    /// has drained.
+    pub fn stop_serving(&mut self) -> Vec<stord_aio::JoinHandle<()>> {
+        if let Some(mut s) = self.nbd.take() {
+            s.stop();
+        }
+        self.drain_exports();
+        std::mem::take(&mut self.removals)
+    }
+
+    /// Flushes of every writable node (what a format node caches goes to disk), as tasks
+    /// on the calling loop.
+    pub fn flush_writable_nodes(&self) -> Vec<stord_aio::JoinHandle<()>> {
+        self.nodes
+            .values()
+            .filter(|n| !n.is_read_only())
+            .cloned()
+            .map(|node| {
+                stord_aio::spawn(async move {
+                    if let Err(e) = node.flush().await {
+                        tracing::error!("flushing node '{}' failed: {e}", node.name);
+                    }
+                })
+            })
+            .collect()
+    }
+
+    /// Takes the IoThreads out (to be stopped).
+    pub fn take_iothreads(&mut self) -> BTreeMap<String, IoThread> {
+        std::mem::take(&mut self.iothreads)
+    }
+}
+
+impl State {
+    /// Removes implicit nodes nobody uses any more (and, in turn, their implicit children).
+    fn drop_implicit(&mut self, names: Vec<String>) {
+        let mut todo = names;
+        while let Some(name) = todo.pop() {
+            if !self.implicit.contains(&name) {
+                continue;
+            }
+            let Some(node) = self.nodes.get(&name) else {
+                continue;
+            };
+            if Arc::strong_count(node) > 1 {
+                continue;
+            }
+            let node = self.nodes.remove(&name).expect("present");
+            self.implicit.remove(&name);
+            todo.extend(node.children().iter().map(|(_, c)| c.name.clone()));
+        }
+    }
+
+    /// How many references to `node` neither the node table nor a parent node holds:
+    /// exports, live or still draining, and requests in flight.
+    fn users(&self, node: &Arc<BlockNode>) -> usize {
+        Arc::strong_count(node) - 1 - self.parents_of(&node.name).len()
+    }
+
+    /// The nodes that use `name` as a child, with the child's role.
+    fn parents_of(&self, name: &str) -> Vec<(String, &'static str)> {
+        self.nodes
+            .values()
+            .flat_map(|p| {
+                p.children()
+                    .into_iter()
+                    .filter(|(_, c)| c.name == name)
+                    .map(|(role, _)| (p.name.clone(), role))
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    }
+
+    /// `blockdev-del`: fails while a parent node or an export uses the node. Its inline
+    /// children go with it.
+    pub fn del_blockdev(&mut self, name: &str) -> Result<(), DaemonError> {
+        let Some(node) = self.nodes.get(name) else {
+            return Err(DaemonError::NodeNotFound(name.into()));
+        };
+        if self.implicit.contains(name) {
+            // qsd's words: the node was opened inline by its parent, not by blockdev-add.
+            return Err(DaemonError::NodeNotOwned(name.into()));
+        }
+        if let Some((parent, role)) = self.parents_of(name).into_iter().next() {
+            return Err(DaemonError::NodeIsChild {
+                name: name.into(),
+                parent,
+                role,
+            });
+        }
+        if self.users(node) > 0 {
+            return Err(DaemonError::NodeInUse(name.into()));
+        }
+        let node = self.nodes.remove(name).expect("present");
+        // What a format node still caches (qcow2's tables) goes to disk before it closes,
+        // as QEMU's bdrv_close flushes.
+        if !node.is_read_only() {
+            let n = node.clone();
+            match crate::block::block_on_helper(move || async move { n.flush().await }) {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) | Err(e) => tracing::warn!("blockdev-del {name}: flush failed: {e}"),
+            }
+        }
+        let children: Vec<String> = node
+            .children()
+            .iter()
+            .map(|(_, c)| c.name.clone())
+            .collect();
+        drop(node);
+        self.drop_implicit(children);
+        Ok(())
+    }
+
+    /// `block_resize`: with the resize permission for the time it takes (refused while a
+    /// user does not share it, as an NBD export whose clients were told the size).
+    pub fn resize_node(
+        &mut self,
+        device: Option<&str>,
+        node_name: Option<&str>,
+        size: i64,
+    ) -> Result<(), DaemonError> {
+        let name = node_name.or(device).unwrap_or_default();
+        let Some(node) = self.nodes.get(name).cloned() else {
+            return Err(DaemonError::Invalid(format!(
+                "Cannot find device='{}' nor node-name='{}'",
+                device.unwrap_or_default(),
+                node_name.unwrap_or_default()
+            )));
+        };
+        let Ok(size) = u64::try_from(size) else {
+            return Err(DaemonError::Invalid(
+                "Parameter 'size' expects a >0 size".into(),
+            ));
+        };
+        if node.is_read_only() {
+            return Err(DaemonError::Invalid("Image is read-only".into()));
+        }
+        let claim = node.claim(
+            "block_resize",
+            "root",
+            crate::block::perm::Perm::RESIZE,
+            crate::block::perm::Perm::ALL,
+        )?;
+        let n = node.clone();
+        let r = crate::block::block_on_helper(move || async move { n.resize(size).await });
+        drop(claim);
+        match r {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) | Err(e) => Err(DaemonError::Invalid(e.to_string())),
+        }
+    }
+
+    /// `blockdev-reopen` of one node's `read-only` state. A node goes read-only only when
+    /// no writable export or writable parent uses it (after a flush), and writable again
+    /// only if it was opened writable: stord does not reopen files with other flags.
+    pub fn reopen_read_only(&mut self, name: &str, read_only: bool) -> Result<(), DaemonError> {
+        let Some(node) = self.nodes.get(name).cloned() else {
+            return Err(DaemonError::NodeNotFound(name.into()));
+        };
+        if node.is_read_only() == read_only {
+            return Ok(());
+        }
+        if !read_only {
+            if !node.can_write() {
+                return Err(DaemonError::Invalid(format!(
+                    "Cannot make node '{name}' writable: it was opened read-only (stord \
+                     cannot reopen its file read-write; blockdev-add it writable)"
+                )));
+            }
+            node.set_read_only(false);
+            // A format node takes write access to its file again: its lock may be refused.
+            if let Err(e) = node.refresh_perms() {
+                node.set_read_only(true);
+                let _ = node.refresh_perms();
+                return Err(e.into());
+            }
+            return Ok(());
+        }
+        // Every node at or above this one, for the writers among their users.
+        let mut above = vec![name.to_string()];
+        let mut i = 0;
+        while i < above.len() {
+            for (parent, _) in self.parents_of(&above[i].clone()) {
+                if !above.contains(&parent) {
+                    above.push(parent);
+                }
+            }
+            i += 1;
+        }
+        if let Some(e) = self
+            .exports
+            .values()
+            .find(|e| e.writable() && above.contains(&e.node().name))
+        {
+            return Err(DaemonError::Invalid(format!(
+                "Cannot make node '{name}' read-only: writable export '{}' uses it",
+                e.id()
+            )));
+        }
+        if let Some(p) = above[1..]
+            .iter()
+            .find(|p| self.nodes.get(*p).is_some_and(|n| !n.is_read_only()))
+        {
+            return Err(DaemonError::Invalid(format!(
+                "Cannot make node '{name}' read-only: writable node '{p}' uses it"
+            )));
+        }
+        let n = node.clone();
+        match crate::block::block_on_helper(move || async move { n.flush().await }) {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) | Err(e) => {
+                return Err(DaemonError::Invalid(format!(
+                    "Cannot make node '{name}' read-only: flush failed: {e}"
+                )))
+            }
+        }
+        node.set_read_only(true);
+        // What it takes of its children shrinks with it (a format node's write lock goes).
+        let _ = node.refresh_perms();
+        Ok(())
+    }
+
+    /// `--nbd-server` / `nbd-server-start`.
+    pub fn start_nbd_server(
+        &mut self,
+        ctx: &AioContext,
+        opts: NbdServerOpts,
+    ) -> Result<(), DaemonError> {
+        if self.nbd.is_some() {
+            return Err(DaemonError::NbdServerRunning);
+        }
+        let tls = match &opts.tls_creds {
+            None => None,
+            Some(id) => {
+                let Some(UserObject::TlsCreds(creds)) = self.objects.get(id) else {
+                    return Err(DaemonError::NoTlsCreds(id.clone()));
+                };
+                let authz = match &opts.tls_authz {
+                    None => None,
+                    Some(a) => match self.objects.get(a) {
+                        Some(UserObject::Authz(z)) => Some((a.clone(), z.clone())),
+                        _ => return Err(DaemonError::NoAuthz(a.clone())),
+                    },
+                };
+                Some(Arc::new(TlsServer {
+                    creds_id: id.clone(),
+                    creds: creds.clone(),
+                    authz,
+                }))
+            }
+        };
+        if opts.tls_authz.is_some() && tls.is_none() {
+            return Err(DaemonError::Invalid(
+                "tls-authz is only useful together with tls-creds".into(),
+            ));
+        }
+        let addr = opts.addr.clone();
+        let server =
+            NbdServer::start(ctx, opts, tls, self.nbd_table.clone()).map_err(|source| {
+                DaemonError::Listen {
+                    addr: addr.to_string(),
+                    source,
+                }
+            })?;
+        self.nbd = Some(server);
+        Ok(())
+    }
+
+    /// `nbd-server-stop`: stops listening; exports stay until deleted (as in QEMU, NBD
+    /// exports are removed with the server).
+    pub fn stop_nbd_server(&mut self) -> Result<(), DaemonError> {
+        let Some(mut s) = self.nbd.take() else {
+            return Err(DaemonError::NbdServerNotRunning);
+        };
+        s.stop();
+        let nbd: Vec<String> = self
+            .exports
+            .values()
+            .filter(|e| e.kind() == "nbd")
+            .map(|e| e.id().to_string())
+            .collect();
+        for id in nbd {
+            self.begin_export_removal(&id);
+        }
+        Ok(())
+    }
+
+    /// `--export` / `block-export-add`: the type's constructor from [`EXPORT_TYPES`].
+    pub fn add_export(&mut self, mut kv: KeyVal) -> Result<(), DaemonError> {
+        let kind = kv.take_required("type")?;
+        let Some((_, create)) = EXPORT_TYPES.iter().find(|(k, _)| *k == kind) else {
+            let names: Vec<&str> = EXPORT_TYPES.iter().map(|(k, _)| *k).collect();
+            return Err(kv.bad_value("type", &names.join(", "), &kind).into());
+        };
+        if let Some(id) = kv.get("id") {
+            if !id_wellformed(id) {
+                return Err(DaemonError::Invalid("Invalid block export id".into()));
+            }
+            if self.exports.contains_key(id) {
+                return Err(DaemonError::ExportIdTaken(id.into()));
+            }
+        }
+        // The export's permissions on its node come first, so a conflict refuses it before
+        // it listens or mounts anything.
+        let claim = match kv.get("node-name").and_then(|n| self.nodes.get(n)) {
+            Some(node) => {
+                let writable = matches!(kv.get("writable"), Some("on" | "true" | "yes"));
+                let growable = matches!(kv.get("growable"), Some("on" | "true" | "yes"));
+                let (perm, shared) = export_perms(&kind, writable, growable);
+                let user = format!("block export '{}'", kv.get("id").unwrap_or(&kind));
+                Some(node.claim(&user, "root", perm, shared)?)
+            }
+            None => None,
+        };
+        let env = ExportEnv {
+            nodes: &self.nodes,
+            iothreads: &self.iothreads,
+            nbd: self.nbd.as_ref().map(|_| &self.nbd_table),
+            claimed: self.exports.values().filter_map(|e| e.claim()).collect(),
+        };
+        let export = create(&env, kv)?;
+        if let Some(c) = claim {
+            self.export_claims.insert(export.id().to_string(), c);
+        }
+        self.exports.insert(export.id().to_string(), export);
+        Ok(())
+    }
+
+    /// `block-export-del`: with `hard`, clients are disconnected; without, the export must
+    /// have none. The export is gone (and `BLOCK_EXPORT_DELETED` sent) once the last
+    /// client's requests have finished.
+    pub fn del_export(&mut self, id: &str, hard: bool) -> Result<(), DaemonError> {
+        let Some(e) = self.exports.get(id) else {
+            return Err(DaemonError::ExportNotFound(id.into()));
+        };
+        if e.shutting_down() {
+            return Err(DaemonError::ExportShuttingDown(id.into()));
+        }
+        if !hard && e.in_use() {
+            return Err(DaemonError::ExportInUse(id.into()));
+        }
+        self.begin_export_removal(id);
+        Ok(())
+    }
+
+    /// Takes the export out of the table and stops it; a main-loop task waits for its
+    /// requests to finish (woken by the export, no polling), then announces and drops it.
+    fn begin_export_removal(&mut self, id: &str) {
+        let Some(mut e) = self.exports.remove(id) else {
+            return;
+        };
+        e.begin_stop();
+        let claim = self.export_claims.remove(id);
+        let events = self.events.clone();
+        self.removals.retain(|h| !h.is_finished());
+        self.removals.push(stord_aio::spawn(async move {
+            std::future::poll_fn(|cx| e.poll_drained(cx)).await;
+            events.emit("BLOCK_EXPORT_DELETED", serde_json::json!({ "id": e.id() }));
+            drop(e);
+            drop(claim);
+        }));
+    }
+
+    /// Deletes every export, disconnecting its clients and unmounting FUSE files.
+    fn drain_exports(&mut self) {
+        let ids: Vec<String> = self.exports.keys().cloned().collect();
+        for id in ids {
+            if let Some(e) = self.exports.get(&id) {
+                e.log_statistics();
+            }
+            self.begin_export_removal(&id);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::block::graph::GraphError;
+    use graph::check_node_name;
+
+    fn kv(s: &str) -> KeyVal {
+        KeyVal::parse("--blockdev", s, None).unwrap()
+    }
+
+    /// The graph's rules, as typed errors (QMP and the command line show their texts).
+    #[test]
+    fn node_names_follow_qemus_rules() {
+        for ok in ["a", "disk0", "drive-efidisk0", "x.y_z-1", &"n".repeat(31)] {
+            assert!(check_node_name(ok).is_ok(), "{ok}");
+        }
+        for bad in ["", "0abc", "-x", "a b", "a/b", "#block1", "é"] {
+            let e = check_node_name(bad).unwrap_err().to_string();
+            assert_eq!(e, format!("Invalid node-name: '{bad}'"));
+        }
+        let e = check_node_name(&"n".repeat(32)).unwrap_err().to_string();
+        assert_eq!(e, "Node name too long");
+        assert!(id_wellformed("io0") && !id_wellformed("0io") && !id_wellformed("a,b"));
+    }
+
+    #[test]
+    fn graph_errors_are_typed() {
+        let mut st = State::default();
+        st.add_blockdev(kv("driver=null-co,node-name=n,size=1M"))
+            .unwrap();
+        st.add_blockdev(kv("driver=raw,node-name=r,file=n"))
+            .unwrap();
+        assert!(matches!(
+            st.add_blockdev(kv("driver=null-co,node-name=n")),
+            Err(DaemonError::Graph(GraphError::DuplicateNode(n))) if n == "n"
+        ));
+        assert!(matches!(
+            st.add_blockdev(kv("driver=raw,node-name=x,file=nope")),
+            Err(DaemonError::Graph(GraphError::ChildNotFound(n))) if n == "nope"
+        ));
+        assert!(matches!(
+            st.add_blockdev(kv("driver=raw,node-name=x,file=n,bogus=1")),
+            Err(DaemonError::Graph(GraphError::Option(OptionError::Unknown { key, .. }))) if key == "bogus"
+        ));
+        assert!(matches!(
+            st.del_blockdev("n"),
+            Err(DaemonError::NodeIsChild { parent, role: "file", .. }) if parent == "r"
+        ));
+        assert!(matches!(
+            st.del_blockdev("zz"),
+            Err(DaemonError::NodeNotFound(_))
+        ));
+        st.add_blockdev(kv(
+            "driver=raw,node-name=i,file.driver=null-co,file.size=1M",
+        ))
+        .unwrap();
+        let child = st.implicit.iter().next().cloned().unwrap();
+        assert!(matches!(
+            st.del_blockdev(&child),
+            Err(DaemonError::NodeNotOwned(_))
+        ));
+        st.del_blockdev("i").unwrap();
+        assert!(st.implicit.is_empty() && !st.nodes.contains_key(&child));
+        st.del_blockdev("r").unwrap();
+        st.del_blockdev("n").unwrap();
+        let e = DaemonError::ExportInUse("e".into());
+        assert_eq!(e.qmp_class(), "GenericError");
+    }
+}

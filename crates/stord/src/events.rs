@@ -1,0 +1,156 @@
+//! QMP events: what the daemon announces (BLOCK_EXPORT_DELETED, SHUTDOWN, job events),
+//! fanned out to whoever listens.
+//!
+//! The daemon emits without knowing who listens; the QMP monitor subscribes each
+//! negotiated connection as an [`EventSink`]. Keeping the fan-out here, below both, is what
+//! lets the daemon layer and the monitor stay one above the other. At shutdown the daemon
+//! waits (woken, not polling) until every sink has sent what it was given, so the reply to
+//! `quit` and the SHUTDOWN event reach their clients.
+
+use std::cell::RefCell;
+use std::rc::{Rc, Weak};
+use std::task::{Poll, Waker};
+
+use serde_json::{json, Value};
+
+/// An event the daemon sends, for `query-qmp-schema`: its name and data members (QAPI
+/// builtin type names).
+pub struct EventInfo {
+    pub name: &'static str,
+    pub members: &'static [(&'static str, &'static str)],
+}
+
+/// Every event stord sends.
+pub const EVENTS: &[EventInfo] = &[
+    EventInfo {
+        name: "SHUTDOWN",
+        members: &[("guest", "bool"), ("reason", "str")],
+    },
+    EventInfo {
+        name: "BLOCK_EXPORT_DELETED",
+        members: &[("id", "str")],
+    },
+];
+
+/// A receiver of events (one QMP connection).
+pub trait EventSink {
+    /// Queues one event for sending.
+    fn deliver(&self, event: &Value);
+    /// Whether it wants events now (a QMP connection does once negotiated).
+    fn listening(&self) -> bool;
+    /// Whether everything it was given has been sent (or it is closed).
+    fn flushed(&self) -> bool;
+}
+
+#[derive(Default)]
+struct Inner {
+    sinks: RefCell<Vec<Weak<dyn EventSink>>>,
+    /// Who waits in [`Events::all_flushed`].
+    flush_waiter: RefCell<Option<Waker>>,
+}
+
+/// The fan-out: cheap to clone, main thread only.
+#[derive(Clone, Default)]
+pub struct Events(Rc<Inner>);
+
+impl Events {
+    /// Sends `{"event": name, "data": data, "timestamp": ...}` to every listening sink.
+    pub fn emit(&self, name: &str, data: Value) {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        let ev = json!({
+            "event": name,
+            "data": data,
+            "timestamp": { "seconds": now.as_secs(), "microseconds": now.subsec_micros() },
+        });
+        // Collected first: a sink may drop itself (and so the list) while delivering.
+        let sinks: Vec<Rc<dyn EventSink>> = {
+            let mut list = self.0.sinks.borrow_mut();
+            list.retain(|w| w.strong_count() > 0);
+            list.iter().filter_map(Weak::upgrade).collect()
+        };
+        for s in sinks.iter().filter(|s| s.listening()) {
+            s.deliver(&ev);
+        }
+    }
+
+    /// Adds a sink; it leaves when it is dropped.
+    pub fn subscribe(&self, sink: Weak<dyn EventSink>) {
+        self.0.sinks.borrow_mut().push(sink);
+    }
+
+    /// Whether every sink has sent all it was given.
+    pub fn flushed(&self) -> bool {
+        self.0
+            .sinks
+            .borrow()
+            .iter()
+            .filter_map(Weak::upgrade)
+            .all(|s| s.flushed())
+    }
+
+    /// A sink calls this when it has sent everything or closed, waking
+    /// [`all_flushed`](Self::all_flushed).
+    pub fn sink_drained(&self) {
+        if let Some(w) = self.0.flush_waiter.borrow_mut().take() {
+            w.wake();
+        }
+    }
+
+    /// Completes once every sink has sent what it was given.
+    pub async fn all_flushed(&self) {
+        std::future::poll_fn(|cx| {
+            if self.flushed() {
+                return Poll::Ready(());
+            }
+            *self.0.flush_waiter.borrow_mut() = Some(cx.waker().clone());
+            Poll::Pending
+        })
+        .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::Cell;
+
+    #[derive(Default)]
+    struct Sink {
+        got: RefCell<Vec<Value>>,
+        listening: Cell<bool>,
+    }
+
+    impl EventSink for Sink {
+        fn deliver(&self, event: &Value) {
+            self.got.borrow_mut().push(event.clone());
+        }
+        fn listening(&self) -> bool {
+            self.listening.get()
+        }
+        fn flushed(&self) -> bool {
+            true
+        }
+    }
+
+    #[test]
+    fn only_listening_sinks_get_events_and_dropped_ones_leave() {
+        let events = Events::default();
+        let a = Rc::new(Sink::default());
+        let b = Rc::new(Sink::default());
+        a.listening.set(true);
+        let aw: Weak<dyn EventSink> = Rc::downgrade(&a) as Weak<dyn EventSink>;
+        let bw: Weak<dyn EventSink> = Rc::downgrade(&b) as Weak<dyn EventSink>;
+        events.subscribe(aw);
+        events.subscribe(bw);
+        events.emit("X", json!({ "k": 1 }));
+        assert_eq!(a.got.borrow().len(), 1);
+        assert_eq!(a.got.borrow()[0]["event"], "X");
+        assert_eq!(a.got.borrow()[0]["data"]["k"], 1);
+        assert!(b.got.borrow().is_empty());
+        drop(a);
+        events.emit("Y", json!({}));
+        assert_eq!(events.0.sinks.borrow().len(), 1);
+    }
+}

@@ -1,0 +1,397 @@
+//! The stord process: the main loop, shutdown signals, the command line applied, the QMP
+//! monitors, and the stop.
+//!
+//! The main thread runs its own `AioContext` (polling off, like QEMU's main loop): it
+//! accepts and negotiates NBD connections, serves the QMP monitors and handles signals.
+//! What the command line and QMP create lives in the daemon's [`State`]; this module is
+//! the one place that knows both the daemon and the monitor, so neither imports the other.
+//!
+//! Shutdown (SIGINT, SIGTERM, SIGHUP or QMP `quit`): stop listening, disconnect clients and
+//! let their in-flight requests finish (bounded), flush writable nodes (bounded), join
+//! IoThreads, remove sockets and the pidfile. A second signal cuts the waits short.
+
+use std::cell::Cell;
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::io;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::rc::Rc;
+use std::task::Poll;
+use std::time::Duration;
+
+use stord_aio::{AioContext, AioContextOptions, PollParams, ReactorKind};
+
+use crate::block::graph::GraphError;
+use crate::cli::keyval::{KeyVal, OptionError};
+use crate::cli::{CommandLine, Item};
+use crate::daemon::{DaemonError, SharedState};
+use crate::export::nbd::{ListenAddr, NbdServerOpts};
+use crate::qmp::MonitorServer;
+use crate::sys;
+
+/// Why the command line could not be applied; the message names the option, as qsd's do.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error(transparent)]
+    Option(#[from] OptionError),
+    #[error(transparent)]
+    Daemon(Box<DaemonError>),
+    /// Where qsd says it too: the option list that met a lock or a permission conflict.
+    #[error("--blockdev {opts}: {source}")]
+    Blockdev {
+        opts: String,
+        source: Box<DaemonError>,
+    },
+    #[error("--nbd-server: {0}")]
+    NbdServer(Box<DaemonError>),
+    #[error("--chardev: {0}")]
+    Chardev(String),
+    #[error("--monitor: chardev '{0}' not found")]
+    NoChardev(String),
+    #[error("--monitor: cannot listen on {path}: {source}")]
+    Monitor { path: PathBuf, source: io::Error },
+    #[error("cannot write pidfile '{path}': {source}")]
+    Pidfile { path: PathBuf, source: io::Error },
+}
+
+impl From<DaemonError> for StartError {
+    fn from(e: DaemonError) -> Self {
+        StartError::Daemon(Box::new(e))
+    }
+}
+
+/// The running daemon.
+pub struct Daemon {
+    ctx: AioContext,
+    state: SharedState,
+    pidfile: Option<PathBuf>,
+    /// `--chardev socket` paths by id, until a monitor takes them.
+    chardevs: BTreeMap<String, PathBuf>,
+    /// Listening monitors.
+    monitors: Vec<MonitorServer>,
+    /// Shutdown signals received, and who waits for the next one.
+    signals_seen: SignalsSeen,
+    _signals: OwnedFd,
+}
+
+/// Counts shutdown signals, so a second one can cut the shutdown's waits short.
+#[derive(Clone, Default)]
+struct SignalsSeen {
+    count: Rc<Cell<u32>>,
+    waker: Rc<Cell<Option<std::task::Waker>>>,
+}
+
+/// How a bounded wait of the shutdown ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Waited {
+    Done,
+    TimedOut,
+    Signalled,
+}
+
+/// How long monitors get to send what they hold (the reply to `quit`, SHUTDOWN).
+const MONITOR_FLUSH_LIMIT: Duration = Duration::from_millis(500);
+/// How long disconnected clients' requests get to finish.
+const DRAIN_LIMIT: Duration = Duration::from_secs(5);
+/// How long the final flush of writable nodes may take before the daemon stops without it
+/// (storage that stopped answering must not keep a stop from finishing).
+const FLUSH_LIMIT: Duration = Duration::from_secs(10);
+
+impl Daemon {
+    /// Creates the main loop. Blocks the shutdown signals first so every thread started
+    /// later inherits the mask and the signals arrive on our signalfd.
+    pub fn new() -> io::Result<Self> {
+        let signals = sys::signalfd_for_shutdown()?;
+        let main_poll = PollParams {
+            max_ns: 0,
+            ..PollParams::default()
+        };
+        let ctx = AioContext::new(AioContextOptions {
+            name: "main".into(),
+            reactor: ReactorKind::Auto,
+            poll: main_poll,
+        })?;
+        let state: SharedState = Rc::default();
+        let q = state.borrow().quit_flag();
+        let sigfd = signals.as_raw_fd();
+        let seen = SignalsSeen::default();
+        let seen2 = seen.clone();
+        ctx.set_fd_handler(sigfd, stord_aio::Interest::READABLE, move |_| {
+            while let Some(sig) = sys::read_signal(sigfd) {
+                if q.replace(true) {
+                    tracing::warn!("signal {sig} received again: stopping at once");
+                } else {
+                    tracing::info!("signal {sig} received, shutting down");
+                }
+                seen2.count.set(seen2.count.get() + 1);
+                if let Some(w) = seen2.waker.take() {
+                    w.wake();
+                }
+            }
+        })?;
+        Ok(Self {
+            ctx,
+            state,
+            pidfile: None,
+            chardevs: BTreeMap::new(),
+            monitors: Vec::new(),
+            signals_seen: seen,
+            _signals: signals,
+        })
+    }
+
+    /// The main loop's context.
+    pub fn context(&self) -> &AioContext {
+        &self.ctx
+    }
+
+    /// The shared state.
+    pub fn state(&self) -> &SharedState {
+        &self.state
+    }
+
+    /// Creates everything the command line asks for: iothreads and chardevs first, then
+    /// the rest in order; then writes the pidfile.
+    pub fn apply(&mut self, cl: CommandLine) -> Result<(), StartError> {
+        let (first, rest): (Vec<_>, Vec<_>) = cl
+            .items
+            .into_iter()
+            .partition(|i| matches!(i, Item::Object(_) | Item::Chardev(_)));
+        for item in first.into_iter().chain(rest) {
+            match item {
+                Item::Object(s) => self.state.borrow_mut().add_object(KeyVal::parse(
+                    "--object",
+                    &s,
+                    Some("qom-type"),
+                )?)?,
+                Item::Chardev(s) => {
+                    self.add_chardev(KeyVal::parse("--chardev", &s, Some("backend"))?)?
+                }
+                Item::Blockdev(s) => self
+                    .state
+                    .borrow_mut()
+                    .add_blockdev(KeyVal::parse("--blockdev", &s, Some("driver"))?)
+                    .map_err(|e| match e {
+                        DaemonError::Perm(_) | DaemonError::Graph(GraphError::Perm(_)) => {
+                            StartError::Blockdev {
+                                opts: s.clone(),
+                                source: Box::new(e),
+                            }
+                        }
+                        e => e.into(),
+                    })?,
+                Item::NbdServer(s) => {
+                    let kv = KeyVal::parse("--nbd-server", &s, None)?;
+                    let opts = NbdServerOpts::from_options(kv)?;
+                    self.state
+                        .borrow_mut()
+                        .start_nbd_server(&self.ctx, opts)
+                        .map_err(|e| StartError::NbdServer(Box::new(e)))?
+                }
+                Item::Export(s) => self.state.borrow_mut().add_export(KeyVal::parse(
+                    "--export",
+                    &s,
+                    Some("type"),
+                )?)?,
+                Item::Monitor(s) => {
+                    let mut kv = KeyVal::parse("--monitor", &s, Some("chardev"))?;
+                    let id = kv.take_required("chardev")?;
+                    let _ = kv.take_choice("mode", &["control"])?;
+                    let _ = kv.take_bool("pretty", false)?;
+                    kv.finish()?;
+                    let path = self.chardevs.remove(&id).ok_or(StartError::NoChardev(id))?;
+                    let server = MonitorServer::start(&self.ctx, &path, self.state.clone())
+                        .map_err(|source| StartError::Monitor { path, source })?;
+                    self.monitors.push(server);
+                }
+            }
+        }
+        if let Some(p) = cl.pidfile {
+            std::fs::write(&p, format!("{}\n", std::process::id())).map_err(|source| {
+                StartError::Pidfile {
+                    path: p.clone(),
+                    source,
+                }
+            })?;
+            self.pidfile = Some(p);
+        }
+        Ok(())
+    }
+
+    /// `--chardev socket,id=...,path=...,server=on,wait=off`.
+    fn add_chardev(&mut self, mut kv: KeyVal) -> Result<(), StartError> {
+        let backend = kv.take_required("backend")?;
+        if backend != "socket" {
+            return Err(StartError::Chardev(format!(
+                "backend '{backend}' is not supported (only socket)"
+            )));
+        }
+        let id = kv.take_required("id")?;
+        let path = kv.take_required("path")?;
+        if !kv.take_bool("server", false)? {
+            return Err(StartError::Chardev(
+                "only server=on sockets are supported".into(),
+            ));
+        }
+        if kv.take_bool("wait", true)? {
+            return Err(StartError::Chardev(
+                "wait=on is not supported (use wait=off)".into(),
+            ));
+        }
+        kv.finish()?;
+        if self.chardevs.contains_key(&id) {
+            return Err(StartError::Chardev(format!("duplicate chardev id '{id}'")));
+        }
+        self.chardevs.insert(id, PathBuf::from(path));
+        Ok(())
+    }
+
+    /// Where the NBD server listens, if it runs.
+    pub fn nbd_addr(&self) -> Option<ListenAddr> {
+        self.state.borrow().nbd_addr()
+    }
+
+    /// Runs the main loop until a shutdown signal or `quit`.
+    pub fn run(&mut self) {
+        let quit = self.state.borrow().quit_flag();
+        while !quit.get() {
+            self.ctx.run_once(true);
+        }
+    }
+
+    /// Asks the main loop to stop (from the main thread).
+    pub fn request_quit(&self) {
+        self.state.borrow().quit_flag().set(true);
+    }
+
+    /// Stops serving, lets in-flight requests finish (at most 5 s), flushes writable nodes
+    /// (at most 10 s), joins IoThreads and removes sockets and the pidfile. False when it
+    /// had to stop without finishing (requests stuck in storage that does not answer, or a
+    /// second signal): the caller should exit at once.
+    pub fn shutdown(&mut self) -> bool {
+        // The signal that started the stop is counted already; another one cuts it short.
+        let signals_at_start = self.signals_seen.count.get().min(1);
+        let events = {
+            let st = self.state.borrow();
+            st.announce_shutdown("host-signal");
+            st.events().clone()
+        };
+        // Let monitors send what they have (the reply to `quit`, SHUTDOWN), bounded.
+        let flushed = stord_aio::spawn(async move { events.all_flushed().await });
+        self.wait_bounded(vec![flushed], MONITOR_FLUSH_LIMIT, signals_at_start);
+        for m in std::mem::take(&mut self.monitors) {
+            m.stop();
+        }
+        let removals = self.state.borrow_mut().stop_serving();
+        // Let the disconnected clients' requests finish (each export wakes its removal
+        // task when it has drained).
+        let drained = self.wait_bounded(removals, DRAIN_LIMIT, signals_at_start);
+        if drained == Waited::TimedOut {
+            tracing::warn!("exports still had requests in flight after 5 s; flushing anyway");
+        }
+        let mut clean = drained == Waited::Done;
+        if drained != Waited::Signalled {
+            let flushes = self.state.borrow().flush_writable_nodes();
+            match self.wait_bounded(flushes, FLUSH_LIMIT, signals_at_start) {
+                Waited::Done => {}
+                Waited::TimedOut => {
+                    tracing::error!(
+                        "writable nodes were not flushed within {} s (storage not answering); \
+                         stopping without them",
+                        FLUSH_LIMIT.as_secs()
+                    );
+                    clean = false;
+                }
+                Waited::Signalled => clean = false,
+            }
+        }
+        if clean {
+            let threads = self.state.borrow_mut().take_iothreads();
+            for (id, mut t) in threads {
+                tracing::debug!("iothread {id}: {:?}", t.remote().stats());
+                t.stop();
+            }
+        } else {
+            // IoThreads with requests stuck in storage cannot be joined: the process exits
+            // with them (the caller exits at once, with a status that says so).
+            tracing::error!("stopping with requests still in flight; they are abandoned");
+        }
+        if let Some(p) = self.pidfile.take() {
+            let _ = std::fs::remove_file(p);
+        }
+        clean
+    }
+
+    /// Waits for `tasks` on the main loop for at most `limit`, or until a shutdown signal
+    /// beyond the `seen` first ones arrives.
+    fn wait_bounded(
+        &self,
+        mut tasks: Vec<stord_aio::JoinHandle<()>>,
+        limit: Duration,
+        seen: u32,
+    ) -> Waited {
+        let signals = self.signals_seen.clone();
+        self.ctx.block_on(async move {
+            let mut timer = std::pin::pin!(stord_aio::sleep(limit));
+            std::future::poll_fn(|cx| {
+                tasks.retain_mut(|h| std::pin::Pin::new(h).poll(cx).is_pending());
+                if tasks.is_empty() {
+                    return Poll::Ready(Waited::Done);
+                }
+                if signals.count.get() > seen {
+                    return Poll::Ready(Waited::Signalled);
+                }
+                if timer.as_mut().poll(cx).is_ready() {
+                    return Poll::Ready(Waited::TimedOut);
+                }
+                signals.waker.set(Some(cx.waker().clone()));
+                Poll::Pending
+            })
+            .await
+        })
+    }
+}
+
+/// The repository's root (for the built-in default's data folder).
+pub fn repo_root() -> PathBuf {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    p.canonicalize().unwrap_or(p)
+}
+
+/// Size of the built-in default image.
+pub const DEFAULT_IMAGE_SIZE: u64 = 1 << 30;
+
+/// The built-in default: a sparse 1 GiB image under `data/`, exported read-write over NBD
+/// on a unix socket next to it, served by one IoThread with io_uring and O_DIRECT.
+/// Returns the command line and the NBD URI.
+pub fn default_job(data_dir: &Path) -> io::Result<(CommandLine, String)> {
+    std::fs::create_dir_all(data_dir)?;
+    let img = data_dir.join("default.img");
+    if !img.exists() {
+        let f = std::fs::File::create(&img)?;
+        f.set_len(DEFAULT_IMAGE_SIZE)?;
+    }
+    let sock = data_dir.join("stord.sock");
+    let esc = |p: &Path| p.display().to_string().replace(',', ",,");
+    let items = vec![
+        Item::Object("iothread,id=iothread0".into()),
+        Item::Blockdev(format!(
+            "driver=file,node-name=default,filename={},aio=io_uring,cache.direct=on",
+            esc(&img)
+        )),
+        Item::NbdServer(format!("addr.type=unix,addr.path={}", esc(&sock))),
+        Item::Export(
+            "type=nbd,id=export0,node-name=default,name=default,writable=on,iothread=iothread0"
+                .into(),
+        ),
+    ];
+    let uri = format!("nbd+unix:///default?socket={}", sock.display());
+    Ok((
+        CommandLine {
+            items,
+            ..CommandLine::default()
+        },
+        uri,
+    ))
+}

@@ -1,0 +1,159 @@
+//! Block nodes: `blockdev-add/del`, `blockdev-reopen`, `block_resize`,
+//! `query-named-block-nodes`.
+
+use serde_json::{json, Value};
+
+use super::{opt, req, type_error, Args, Command, Ty};
+use crate::qmp::QmpError;
+
+pub const BLOCKDEV_ADD: Command = Command {
+    name: "blockdev-add",
+    args: &[
+        req("driver", Ty::Str),
+        opt("node-name", Ty::Str),
+        opt("filename", Ty::Str),
+        opt("aio", Ty::Str),
+    ],
+    open: true,
+    run: |state, a| {
+        state
+            .borrow_mut()
+            .add_blockdev(a.into_keyval("blockdev-add"))?;
+        Ok(json!({}))
+    },
+};
+
+pub const BLOCKDEV_DEL: Command = Command {
+    name: "blockdev-del",
+    args: &[req("node-name", Ty::Str)],
+    open: false,
+    run: |state, mut a| {
+        state.borrow_mut().del_blockdev(&a.str_req("node-name")?)?;
+        Ok(json!({}))
+    },
+};
+
+pub const BLOCK_RESIZE: Command = Command {
+    name: "block_resize",
+    args: &[
+        opt("device", Ty::Str),
+        opt("node-name", Ty::Str),
+        req("size", Ty::Int),
+    ],
+    open: false,
+    run: |state, mut a| {
+        let device = a.str("device");
+        let node_name = a.str("node-name");
+        let size = a.i64("size").unwrap_or(-1);
+        state
+            .borrow_mut()
+            .resize_node(device.as_deref(), node_name.as_deref(), size)?;
+        Ok(json!({}))
+    },
+};
+
+pub const QUERY_NAMED_BLOCK_NODES: Command = Command {
+    name: "query-named-block-nodes",
+    args: &[opt("flat", Ty::Bool)],
+    open: false,
+    run: |state, _| {
+        let st = state.borrow();
+        Ok(Value::Array(st.nodes().map(|n| node_info(n)).collect()))
+    },
+};
+
+/// One node as QEMU's `BlockDeviceInfo`.
+fn node_info(n: &crate::block::BlockNode) -> Value {
+    let file = n
+        .filename()
+        .unwrap_or_else(|| format!("{}://", n.driver_name()));
+    let actual = n
+        .filename()
+        .and_then(|f| std::fs::metadata(f).ok())
+        .map(|m| std::os::unix::fs::MetadataExt::blocks(&m) * 512)
+        .unwrap_or(0);
+    json!({
+        "node-name": n.name,
+        "drv": n.driver_name(),
+        "ro": n.is_read_only(),
+        "file": file,
+        "encrypted": false,
+        "active": true,
+        "backing_file_depth": 0,
+        "detect_zeroes": "off",
+        "write_threshold": 0,
+        "bps": 0, "bps_rd": 0, "bps_wr": 0,
+        "iops": 0, "iops_rd": 0, "iops_wr": 0,
+        "cache": { "writeback": true, "direct": n.direct, "no-flush": false },
+        "image": {
+            "filename": file,
+            "format": n.driver_name(),
+            "virtual-size": n.size(),
+            "actual-size": actual,
+            "dirty-flag": false,
+        },
+    })
+}
+
+/// Options `blockdev-reopen` takes besides `node-name` and `read-only`: they describe the
+/// node as it is (libvirt repeats them); stord changes none of them.
+const REOPEN_KEPT: &[&str] = &[
+    "driver",
+    "filename",
+    "file",
+    "backing",
+    "auto-read-only",
+    "discard",
+    "detect-zeroes",
+    "cache",
+    "aio",
+    "locking",
+    "throttle-group",
+];
+
+pub const BLOCKDEV_REOPEN: Command = Command {
+    name: "blockdev-reopen",
+    args: &[req("options", Ty::Array)],
+    open: false,
+    run: |state, mut a| {
+        // Checked whole before anything changes.
+        let mut todo = Vec::new();
+        for o in a.array("options").unwrap_or_default() {
+            let Value::Object(o) = o else {
+                return Err(type_error("options", "object"));
+            };
+            let mut o = Args::check(
+                o,
+                &[req("node-name", Ty::Str), opt("read-only", Ty::Bool)],
+                true,
+            )?;
+            let name = o.str_req("node-name")?;
+            // As QEMU: options left out take their defaults, so no read-only is rw.
+            let ro = o.bool("read-only").unwrap_or(false);
+            let st = state.borrow();
+            let Some(node) = st.node(&name) else {
+                return Err(QmpError::generic(format!(
+                    "Cannot find node named '{name}'"
+                )));
+            };
+            if let Some(Value::String(d)) = o.rest().get("driver") {
+                if d != node.driver_name() {
+                    return Err(QmpError::generic(format!(
+                        "Cannot change the option 'driver' of node '{name}'"
+                    )));
+                }
+            }
+            if let Some(k) = o.rest().keys().find(|k| !REOPEN_KEPT.contains(&k.as_str())) {
+                return Err(QmpError::generic(format!(
+                    "blockdev-reopen: stord can change only 'read-only' (got '{k}')"
+                )));
+            }
+            todo.push((name, ro));
+        }
+        let mut st = state.borrow_mut();
+        for (name, ro) in todo {
+            st.reopen_read_only(&name, ro)?;
+        }
+        Ok(json!({}))
+    },
+};

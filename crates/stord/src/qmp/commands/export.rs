@@ -1,0 +1,116 @@
+//! Exports and the NBD server: `nbd-server-start/stop`, `block-export-add/del`,
+//! `query-block-exports`.
+
+use serde_json::{json, Map, Value};
+
+use super::{opt, req, type_error, Command, Ty};
+use crate::export::nbd::NbdServerOpts;
+use crate::qmp::QmpError;
+
+pub const NBD_SERVER_START: Command = Command {
+    name: "nbd-server-start",
+    args: &[
+        req("addr", Ty::Object),
+        opt("max-connections", Ty::Uint),
+        opt("handshake-max-seconds", Ty::Uint),
+        opt("tls-creds", Ty::Str),
+        opt("tls-authz", Ty::Str),
+    ],
+    open: false,
+    run: |state, a| {
+        let opts = NbdServerOpts::from_options(a.into_keyval("nbd-server-start"))?;
+        stord_aio::with_current_context(|ctx| state.borrow_mut().start_nbd_server(ctx, opts))
+            .ok_or_else(|| QmpError::generic("nbd-server-start outside the main loop"))??;
+        Ok(json!({}))
+    },
+};
+
+pub const NBD_SERVER_STOP: Command = Command {
+    name: "nbd-server-stop",
+    args: &[],
+    open: false,
+    run: |state, _| {
+        state.borrow_mut().stop_nbd_server()?;
+        Ok(json!({}))
+    },
+};
+
+pub const BLOCK_EXPORT_ADD: Command = Command {
+    name: "block-export-add",
+    args: &[
+        req("type", Ty::Str),
+        req("id", Ty::Str),
+        req("node-name", Ty::Str),
+        opt("name", Ty::Str),
+        opt("description", Ty::Str),
+        opt("iothread", Ty::Any),
+        opt("mountpoint", Ty::Str),
+        opt("writable", Ty::Bool),
+        opt("writethrough", Ty::Bool),
+        opt("fixed-iothread", Ty::Bool),
+        opt("allocation-depth", Ty::Bool),
+    ],
+    open: true,
+    run: |state, mut a| {
+        match a.take("iothread") {
+            // A list of iothreads (FUSE multi-queue): iothread.0, iothread.1, ...
+            Some(Value::Array(list)) => {
+                for (i, t) in list.into_iter().enumerate() {
+                    if !t.is_string() {
+                        return Err(type_error("iothread", "string"));
+                    }
+                    a.insert(format!("iothread.{i}"), t);
+                }
+            }
+            Some(t @ Value::String(_)) => a.insert("iothread".into(), t),
+            Some(_) => return Err(type_error("iothread", "string")),
+            None => {}
+        }
+        state
+            .borrow_mut()
+            .add_export(a.into_keyval("block-export-add"))?;
+        Ok(json!({}))
+    },
+};
+
+pub const BLOCK_EXPORT_DEL: Command = Command {
+    name: "block-export-del",
+    args: &[req("id", Ty::Str), opt("mode", Ty::Str)],
+    open: false,
+    run: |state, mut a| {
+        let id = a.str_req("id")?;
+        let hard = match a.str("mode").as_deref() {
+            None | Some("safe") => false,
+            Some("hard") => true,
+            Some(m) => {
+                return Err(QmpError::generic(format!(
+                    "Parameter 'mode' does not accept value '{m}'"
+                )))
+            }
+        };
+        state.borrow_mut().del_export(&id, hard)?;
+        Ok(json!({}))
+    },
+};
+
+pub const QUERY_BLOCK_EXPORTS: Command = Command {
+    name: "query-block-exports",
+    args: &[],
+    open: false,
+    run: |state, _| {
+        let st = state.borrow();
+        let v: Vec<Value> = st
+            .exports()
+            .map(|e| {
+                let mut m = Map::new();
+                m.insert("type".into(), e.kind().into());
+                m.insert("id".into(), e.id().into());
+                m.insert("node-name".into(), e.node().name.clone().into());
+                m.insert("shutting-down".into(), e.shutting_down().into());
+                e.describe(&mut m);
+                Value::Object(m)
+            })
+            .collect();
+        Ok(Value::Array(v))
+    },
+};

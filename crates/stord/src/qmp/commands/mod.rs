@@ -1,0 +1,387 @@
+//! QMP commands as a table: each [`Command`] is a name, its argument schema and a small
+//! handler over the daemon's API. The dispatcher checks the arguments against the schema
+//! first (QEMU's messages: a missing, unexpected or mistyped argument), and `query-commands`
+//! and `query-qmp-schema` are generated from the same table, so adding a command is one
+//! entry and one function. Names, arguments and error texts follow qemu-storage-daemon's
+//! schema where the two overlap.
+//!
+//! The handlers live beside the concern they serve: [`block`] (nodes), [`export`] (exports
+//! and the NBD server), [`object`] (objects and iothread properties), [`control`] (the
+//! monitor itself and the process).
+
+mod block;
+mod control;
+mod export;
+mod object;
+
+use serde_json::{json, Map, Value};
+
+use super::QmpError;
+use crate::cli::keyval::KeyVal;
+use crate::daemon::SharedState;
+
+/// An argument's JSON type, named as QAPI's builtins.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ty {
+    Str,
+    /// Any integer (QAPI's `int`).
+    Int,
+    /// A non-negative integer (QAPI's `uint32`, `size`, ...).
+    Uint,
+    Bool,
+    Object,
+    Array,
+    Any,
+}
+
+impl Ty {
+    /// The name "expected: ..." errors use.
+    fn expected(self) -> &'static str {
+        match self {
+            Ty::Str => "string",
+            Ty::Int | Ty::Uint => "integer",
+            Ty::Bool => "boolean",
+            Ty::Object => "object",
+            Ty::Array => "array",
+            Ty::Any => "any",
+        }
+    }
+
+    fn matches(self, v: &Value) -> bool {
+        match self {
+            Ty::Str => v.is_string(),
+            Ty::Int => v.is_i64() || v.is_u64(),
+            Ty::Uint => v.is_u64(),
+            Ty::Bool => v.is_boolean(),
+            Ty::Object => v.is_object(),
+            Ty::Array => v.is_array(),
+            Ty::Any => true,
+        }
+    }
+
+    /// The QAPI builtin the schema names.
+    fn schema_name(self) -> &'static str {
+        match self {
+            Ty::Str => "str",
+            Ty::Int => "int",
+            Ty::Uint => "uint64",
+            Ty::Bool => "bool",
+            Ty::Object | Ty::Array | Ty::Any => "any",
+        }
+    }
+}
+
+/// One argument of a command (or member of an event).
+#[derive(Debug, Clone, Copy)]
+pub struct Arg {
+    pub name: &'static str,
+    pub ty: Ty,
+    pub required: bool,
+}
+
+/// A required argument.
+pub const fn req(name: &'static str, ty: Ty) -> Arg {
+    Arg {
+        name,
+        ty,
+        required: true,
+    }
+}
+
+/// An optional argument.
+pub const fn opt(name: &'static str, ty: Ty) -> Arg {
+    Arg {
+        name,
+        ty,
+        required: false,
+    }
+}
+
+/// A command's handler: its checked arguments in, a return value or an error out.
+pub type Handler = fn(&SharedState, Args) -> Result<Value, QmpError>;
+
+/// One QMP command.
+pub struct Command {
+    pub name: &'static str,
+    pub args: &'static [Arg],
+    /// Takes arguments beyond `args` (a driver's, an object type's or an export type's
+    /// options, checked by the daemon when it builds the thing).
+    pub open: bool,
+    pub run: Handler,
+}
+
+/// Every command but `qmp_capabilities` (which the monitor answers during negotiation).
+pub const COMMANDS: &[Command] = &[
+    control::QUERY_VERSION,
+    control::QUERY_COMMANDS,
+    control::QUERY_QMP_SCHEMA,
+    object::QUERY_IOTHREADS,
+    object::QOM_GET,
+    object::QOM_SET,
+    object::OBJECT_ADD,
+    object::OBJECT_DEL,
+    block::BLOCKDEV_ADD,
+    block::BLOCKDEV_DEL,
+    block::QUERY_NAMED_BLOCK_NODES,
+    export::NBD_SERVER_START,
+    export::NBD_SERVER_STOP,
+    export::BLOCK_EXPORT_ADD,
+    export::BLOCK_EXPORT_DEL,
+    export::QUERY_BLOCK_EXPORTS,
+    block::BLOCKDEV_REOPEN,
+    block::BLOCK_RESIZE,
+    control::TRANSACTION,
+    control::QUIT,
+];
+
+/// The command `name`.
+pub fn command(name: &str) -> Option<&'static Command> {
+    COMMANDS.iter().find(|c| c.name == name)
+}
+
+/// A command's arguments, checked against its schema: typed getters cannot meet a wrong
+/// type for a declared argument.
+pub struct Args {
+    map: Map<String, Value>,
+}
+
+/// QEMU's "Invalid parameter type" error.
+pub fn type_error(name: &str, expected: &str) -> QmpError {
+    QmpError::generic(format!(
+        "Invalid parameter type for '{name}', expected: {expected}"
+    ))
+}
+
+/// QEMU's "Parameter ... is missing".
+pub fn missing(name: &str) -> QmpError {
+    QmpError::generic(format!("Parameter '{name}' is missing"))
+}
+
+impl Args {
+    /// Checks `map` against `spec`: required arguments present, declared ones of their
+    /// type, no others unless `open`.
+    fn check(map: Map<String, Value>, spec: &[Arg], open: bool) -> Result<Self, QmpError> {
+        for a in spec {
+            match map.get(a.name) {
+                None if a.required => return Err(missing(a.name)),
+                Some(v) if !a.ty.matches(v) => return Err(type_error(a.name, a.ty.expected())),
+                _ => {}
+            }
+        }
+        if !open {
+            if let Some(k) = map.keys().find(|k| !spec.iter().any(|a| a.name == *k)) {
+                return Err(QmpError::generic(format!("Parameter '{k}' is unexpected")));
+            }
+        }
+        Ok(Self { map })
+    }
+
+    /// An argument as given (any type).
+    pub fn take(&mut self, name: &str) -> Option<Value> {
+        self.map.remove(name)
+    }
+
+    /// A string argument.
+    pub fn str(&mut self, name: &str) -> Option<String> {
+        match self.map.remove(name) {
+            Some(Value::String(s)) => Some(s),
+            _ => None,
+        }
+    }
+
+    /// A required string argument (checked present by the schema).
+    pub fn str_req(&mut self, name: &str) -> Result<String, QmpError> {
+        self.str(name).ok_or_else(|| missing(name))
+    }
+
+    /// A boolean argument.
+    pub fn bool(&mut self, name: &str) -> Option<bool> {
+        self.map.remove(name).and_then(|v| v.as_bool())
+    }
+
+    /// An integer argument.
+    pub fn i64(&mut self, name: &str) -> Option<i64> {
+        self.map.remove(name).and_then(|v| v.as_i64())
+    }
+
+    /// An array argument.
+    pub fn array(&mut self, name: &str) -> Option<Vec<Value>> {
+        match self.map.remove(name) {
+            Some(Value::Array(a)) => Some(a),
+            _ => None,
+        }
+    }
+
+    /// Whatever the handler has not taken, for `open` commands.
+    pub fn rest(&self) -> &Map<String, Value> {
+        &self.map
+    }
+
+    /// Sets an argument (a handler reshaping its input for the option parsers).
+    pub fn insert(&mut self, name: String, v: Value) {
+        self.map.insert(name, v);
+    }
+
+    /// The rest as key=value options (nested objects flattened with dots), for the
+    /// daemon's option parsers.
+    pub fn into_keyval(self, what: &str) -> KeyVal {
+        let mut pairs = Vec::new();
+        flatten(&mut pairs, "", &self.map);
+        KeyVal::from_pairs(what, pairs)
+    }
+}
+
+fn flatten(out: &mut Vec<(String, String)>, prefix: &str, map: &Map<String, Value>) {
+    for (k, v) in map {
+        let key = if prefix.is_empty() {
+            k.clone()
+        } else {
+            format!("{prefix}.{k}")
+        };
+        match v {
+            Value::Object(o) => flatten(out, &key, o),
+            Value::String(s) => out.push((key, s.clone())),
+            Value::Bool(b) => out.push((key, if *b { "on" } else { "off" }.into())),
+            other => out.push((key, other.to_string())),
+        }
+    }
+}
+
+/// Runs one command.
+pub fn execute(
+    state: &SharedState,
+    cmd: &str,
+    args: Map<String, Value>,
+) -> Result<Value, QmpError> {
+    let Some(c) = command(cmd) else {
+        return Err(QmpError {
+            class: "CommandNotFound",
+            desc: format!("The command {cmd} has not been found"),
+        });
+    };
+    let args = Args::check(args, c.args, c.open)?;
+    (c.run)(state, args)
+}
+
+/// `query-qmp-schema`'s answer, generated from [`COMMANDS`] and the events table: QEMU's
+/// `SchemaInfo` list, with type names numbered as QEMU masks them. Arguments whose
+/// structure stord checks itself (driver options, nested addresses) appear as `any`.
+pub fn schema() -> Value {
+    let mut out = Vec::new();
+    let mut next = 0u32;
+    let mut object = |out: &mut Vec<Value>, members: &[Arg]| -> String {
+        let name = next.to_string();
+        next += 1;
+        let members: Vec<Value> = members
+            .iter()
+            .map(|a| {
+                let mut m = json!({ "name": a.name, "type": a.ty.schema_name() });
+                if !a.required {
+                    m["default"] = Value::Null;
+                }
+                m
+            })
+            .collect();
+        out.push(json!({ "name": name, "meta-type": "object", "members": members }));
+        name
+    };
+    let qmp_capabilities = Command {
+        name: "qmp_capabilities",
+        args: &[],
+        open: false,
+        run: |_, _| Ok(json!({})),
+    };
+    for c in std::iter::once(&qmp_capabilities).chain(COMMANDS) {
+        let arg_type = object(&mut out, c.args);
+        out.push(json!({
+            "name": c.name,
+            "meta-type": "command",
+            "arg-type": arg_type,
+            "ret-type": "any",
+        }));
+    }
+    for e in crate::events::EVENTS {
+        let members: Vec<Arg> = e
+            .members
+            .iter()
+            .map(|(name, ty)| Arg {
+                name,
+                ty: match *ty {
+                    "str" => Ty::Str,
+                    "bool" => Ty::Bool,
+                    "int" => Ty::Int,
+                    _ => Ty::Any,
+                },
+                required: true,
+            })
+            .collect();
+        let arg_type = object(&mut out, &members);
+        out.push(json!({ "name": e.name, "meta-type": "event", "arg-type": arg_type }));
+    }
+    for (name, json_type) in [
+        ("str", "string"),
+        ("int", "int"),
+        ("uint64", "int"),
+        ("bool", "boolean"),
+        ("any", "value"),
+    ] {
+        out.push(json!({ "name": name, "meta-type": "builtin", "json-type": json_type }));
+    }
+    Value::Array(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_unique_and_the_schema_describes_every_command() {
+        let mut names: Vec<&str> = COMMANDS.iter().map(|c| c.name).collect();
+        names.sort_unstable();
+        let n = names.len();
+        names.dedup();
+        assert_eq!(names.len(), n, "a command is in the table twice");
+        let schema = schema();
+        let list = schema.as_array().unwrap();
+        let find = |name: &str| list.iter().find(|e| e["name"] == name).cloned();
+        for c in COMMANDS {
+            let info = find(c.name).unwrap_or_else(|| panic!("{} not in the schema", c.name));
+            assert_eq!(info["meta-type"], "command");
+            let args = find(info["arg-type"].as_str().unwrap()).unwrap();
+            let members: Vec<&str> = args["members"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|m| m["name"].as_str().unwrap())
+                .collect();
+            for a in c.args {
+                assert!(members.contains(&a.name), "{}: {}", c.name, a.name);
+            }
+        }
+        assert_eq!(find("SHUTDOWN").unwrap()["meta-type"], "event");
+        // Every type a member names is in the list.
+        for e in list {
+            for m in e["members"].as_array().into_iter().flatten() {
+                assert!(find(m["type"].as_str().unwrap()).is_some(), "{m}");
+            }
+        }
+    }
+
+    #[test]
+    fn arguments_are_checked_against_the_schema() {
+        let spec = [req("a", Ty::Str), opt("b", Ty::Bool)];
+        let m = |v: Value| v.as_object().unwrap().clone();
+        let e = Args::check(m(json!({})), &spec, false).err().unwrap();
+        assert_eq!(e.desc, "Parameter 'a' is missing");
+        let e = Args::check(m(json!({"a": 1})), &spec, false).err().unwrap();
+        assert_eq!(e.desc, "Invalid parameter type for 'a', expected: string");
+        let e = Args::check(m(json!({"a": "x", "c": 1})), &spec, false)
+            .err()
+            .unwrap();
+        assert_eq!(e.desc, "Parameter 'c' is unexpected");
+        assert!(Args::check(m(json!({"a": "x", "c": 1})), &spec, true).is_ok());
+        let mut a = Args::check(m(json!({"a": "x", "b": true})), &spec, false).unwrap();
+        assert_eq!(a.str("a").as_deref(), Some("x"));
+        assert_eq!(a.bool("b"), Some(true));
+    }
+}

@@ -1,0 +1,80 @@
+"""query-qmp-schema, generated from stord's command table, describes what stord takes the
+way qsd's schema does: every command query-commands lists is there with an argument type
+that resolves; for each command both daemons have, stord requires the arguments qsd
+requires and names no argument qsd lacks (stord's own extensions listed); and every
+argument the schema declares is checked as declared (a wrong type is refused)."""
+
+import common
+from common import ok, err
+
+# Arguments stord takes that qsd's schema does not have (stord's own, documented).
+OURS = set()
+
+
+def schema_of(binary, tag):
+    d = common.Daemon([], binary=binary, tag=tag)
+    try:
+        q = d.qmp()
+        schema = ok(q.cmd_raw("query-qmp-schema"))
+        names = [c["name"] for c in ok(q.cmd_raw("query-commands"))]
+        q.close()
+    finally:
+        d.stop()
+    return {e["name"]: e for e in schema}, names
+
+
+def members(schema, cmd):
+    """(required, all) member names of a command's argument type (a union's base and
+    every variant's members count as 'all')."""
+    t = schema[schema[cmd]["arg-type"]]
+    assert t["meta-type"] == "object", (cmd, t)
+    req = {m["name"] for m in t["members"] if "default" not in m}
+    every = {m["name"] for m in t["members"]}
+    for v in t.get("variants", []):
+        every |= {m["name"] for m in schema[v["type"]]["members"]}
+    return req, every
+
+
+def test():
+    theirs, _ = schema_of("qemu-storage-daemon", "qsd")
+    ours, names = schema_of(common.STORD, "stord")
+    assert set(names) == {n for n, e in ours.items() if e["meta-type"] == "command"}, names
+    for e in ours.values():
+        for m in e.get("members", []):
+            assert m["type"] in ours, f"{e['name']}: member {m['name']} has unknown type"
+        if e["meta-type"] in ("command", "event"):
+            assert e["arg-type"] in ours, e
+    shared = [n for n in names if n in theirs and theirs[n]["meta-type"] == "command"]
+    assert len(shared) >= 15, shared
+    problems = []
+    for cmd in shared:
+        q_req, q_all = members(theirs, cmd)
+        s_req, s_all = members(ours, cmd)
+        if q_req - s_req:
+            problems.append(f"{cmd}: qsd requires {sorted(q_req - s_req)}, stord does not")
+        extra = {a for a in s_all - q_all if (cmd, a) not in OURS}
+        if extra:
+            problems.append(f"{cmd}: stord declares {sorted(extra)}, qsd has no such argument")
+    assert not problems, problems
+    # Events: those qsd also sends carry the same members; SHUTDOWN is stord's (qsd's
+    # schema has no run state).
+    assert ours["SHUTDOWN"]["meta-type"] == "event"
+    for ev in [n for n, e in ours.items() if e["meta-type"] == "event" and n != "SHUTDOWN"]:
+        assert ev in theirs, ev
+        assert members(ours, ev) == members(theirs, ev), (ev, members(ours, ev), members(theirs, ev))
+
+    # The declared types are enforced, with QEMU's message.
+    d = common.Daemon([])
+    try:
+        q = d.qmp()
+        err(q.cmd_raw("blockdev-del", {"node-name": 5}),
+            contains="Invalid parameter type for 'node-name', expected: string")
+        err(q.cmd_raw("block_resize", {"node-name": "x"}), contains="Parameter 'size' is missing")
+        err(q.cmd_raw("query-version", {"x": 1}), contains="Parameter 'x' is unexpected")
+        err(q.cmd_raw("no-such-command"), cls="CommandNotFound")
+        q.close()
+    finally:
+        d.stop()
+
+
+common.main(test)
