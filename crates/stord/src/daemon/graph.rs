@@ -65,7 +65,7 @@ impl Builder<'_> {
     /// Takes out what this build added, newest first (a parent before its children, so
     /// each drops its references before its children go).
     fn roll_back(&mut self) {
-        while let Some(name) = self.added.pop().filter(|_| false) {
+        while let Some(name) = self.added.pop() {
             self.st.nodes.remove(&name);
             self.st.implicit.remove(&name);
         }
