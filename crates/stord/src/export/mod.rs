@@ -16,9 +16,11 @@ pub mod nbd;
 pub mod vhost_user_blk;
 
 use std::collections::BTreeMap;
+use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
+use std::time::{Duration, Instant};
 
 use stord_aio::{IoThread, Remote};
 
@@ -109,6 +111,57 @@ pub const EXPORT_TYPES: &[(&str, ExportConstructor)] = &[
     ("fuse", fuse::create),
     ("vhost-user-blk", vhost_user_blk::create),
 ];
+
+/// Waits until `drained` is ready, for at most `limit` (None: no limit); true if it was.
+/// On a loop thread the loop keeps running meanwhile (a request being waited for may
+/// complete there); off any loop the thread parks until the drain's wake-up. For the
+/// exports' `Drop`, which must not return while requests still use what it frees; the
+/// daemon itself waits through [`Export::poll_drained`] in a task.
+pub(crate) fn wait_drained(
+    limit: Option<Duration>,
+    mut drained: impl FnMut(&mut Context<'_>) -> Poll<()> + 'static,
+) -> bool {
+    let deadline = limit.map(|l| Instant::now() + l);
+    if stord_aio::with_current_context(|_| ()).is_some() {
+        let wait = async move {
+            let mut timer = limit.map(|l| Box::pin(stord_aio::sleep(l)));
+            std::future::poll_fn(|cx| {
+                if drained(cx).is_ready() {
+                    return Poll::Ready(true);
+                }
+                match timer.as_mut().map(|t| t.as_mut().poll(cx)) {
+                    Some(Poll::Ready(())) => Poll::Ready(false),
+                    _ => Poll::Pending,
+                }
+            })
+            .await
+        };
+        return stord_aio::with_current_context(|ctx| ctx.block_on(wait)).unwrap_or(false);
+    }
+    struct Unpark(std::thread::Thread);
+    impl std::task::Wake for Unpark {
+        fn wake(self: Arc<Self>) {
+            self.0.unpark();
+        }
+    }
+    let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
+    let mut cx = Context::from_waker(&waker);
+    loop {
+        if drained(&mut cx).is_ready() {
+            return true;
+        }
+        match deadline {
+            None => std::thread::park(),
+            Some(d) => {
+                let now = Instant::now();
+                if now >= d {
+                    return false;
+                }
+                std::thread::park_timeout(d - now);
+            }
+        }
+    }
+}
 
 /// A drain wake-up: whoever finishes the last request calls [`wake`](Self::wake) (from
 /// any thread); the daemon's removal task registers its waker and re-checks. Until a task

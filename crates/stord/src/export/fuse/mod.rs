@@ -20,7 +20,7 @@ use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use stord_aio::Remote;
 
@@ -400,15 +400,12 @@ impl FuseExport {
     /// [`Export::poll_drained`].
     pub fn stop(&mut self, limit: Duration) {
         self.halt();
-        let deadline = Instant::now() + limit;
-        while self.in_flight() > 0 && Instant::now() < deadline {
-            let on_main = stord_aio::with_current_context(|ctx| {
-                ctx.block_on(stord_aio::sleep(Duration::from_millis(2)));
-            });
-            if on_main.is_none() {
-                std::thread::sleep(Duration::from_millis(2));
-            }
-        }
+        let shared = self.shared.clone();
+        crate::export::wait_drained(Some(limit), move |cx| {
+            shared
+                .drain
+                .poll(cx, || shared.in_flight.load(Ordering::SeqCst) == 0)
+        });
     }
 
     /// Unmounts and stops reading; requests in progress go on.

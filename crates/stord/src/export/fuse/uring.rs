@@ -17,7 +17,7 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::task::Poll;
 
 use io_uring::{cqueue, opcode, squeue, types, IoUring};
 use stord_aio::{FdHandlerId, Interest, PollHandler, PollHandlerId};
@@ -53,6 +53,8 @@ pub struct FuseRing {
     handlers: RefCell<Option<(FdHandlerId, PollHandlerId)>>,
     /// Submits the commits queued during a loop iteration with one io_uring_enter.
     flush_bh: RefCell<Option<stord_aio::Bh>>,
+    /// The teardown task, waiting for the kernel to hand the entries back.
+    closing: RefCell<Option<std::task::Waker>>,
 }
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
@@ -171,6 +173,14 @@ impl FuseRing {
                 me.shared.request_done();
             });
         }
+        if let Some(w) = self.closing.borrow_mut().take() {
+            w.wake();
+        }
+    }
+
+    /// Whether the kernel may still own an entry (its buffers must stay).
+    fn any_armed(&self) -> bool {
+        self.entries.borrow().iter().any(|e| e.armed)
     }
 
     /// READ and WRITE run on the entry's own payload buffer: the data goes from the node
@@ -380,6 +390,7 @@ pub fn start(shared: Arc<FuseShared>, dev: Arc<File>, qids: &[u16]) -> Result<u6
         entries: RefCell::new(entries),
         shared,
         handlers: RefCell::new(None),
+        closing: RefCell::new(None),
         flush_bh: RefCell::new(None),
     });
     let n = r.entries.borrow().len();
@@ -418,33 +429,52 @@ pub fn start(shared: Arc<FuseShared>, dev: Arc<File>, qids: &[u16]) -> Result<u6
     Ok(id)
 }
 
-/// Unhooks ring `id` from this thread's loop and frees it once the kernel has handed every
-/// entry back (the connection is gone by then); if it does not within a second, the ring
-/// and its buffers are leaked rather than freed under the kernel.
+/// Frees ring `id` once the kernel has handed every entry back (the connection is gone by
+/// then, so each comes back with an error, a request in progress after its commit). The
+/// loop is not held up meanwhile: the ring stays hooked to it (its eventfd wakes the loop,
+/// each reap wakes the task that waits for the last entry). If the loop ends first, the
+/// ring and its buffers are leaked rather than freed under the kernel.
 pub fn teardown(id: u64) {
     let Some(r) = RINGS.with(|m| m.borrow_mut().remove(&id)) else {
         return;
     };
     r.flush_bh.borrow_mut().take();
     let _ = r.ring.borrow().submit();
-    if let Some((fd_id, poll_id)) = r.handlers.borrow_mut().take() {
-        stord_aio::with_current_context(|ctx| {
-            ctx.remove_fd_handler(fd_id);
-            ctx.remove_poll_handler(poll_id);
-        });
-    }
-    let deadline = Instant::now() + Duration::from_secs(1);
-    loop {
-        r.reap();
-        if !r.entries.borrow().iter().any(|e| e.armed) || Instant::now() >= deadline {
-            break;
+    let closing = Closing(Some(r));
+    stord_aio::spawn_detached(async move {
+        std::future::poll_fn(|cx| {
+            let Some(r) = &closing.0 else {
+                return Poll::Ready(());
+            };
+            r.reap();
+            if !r.any_armed() {
+                return Poll::Ready(());
+            }
+            *r.closing.borrow_mut() = Some(cx.waker().clone());
+            Poll::Pending
+        })
+        .await;
+        if let Some(r) = &closing.0 {
+            if let Some((fd_id, poll_id)) = r.handlers.borrow_mut().take() {
+                stord_aio::with_current_context(|ctx| {
+                    ctx.remove_fd_handler(fd_id);
+                    ctx.remove_poll_handler(poll_id);
+                });
+            }
         }
-        let ring = r.ring.borrow();
-        let ts = types::Timespec::new().nsec(10_000_000);
-        let args = types::SubmitArgs::new().timespec(&ts);
-        let _ = ring.submitter().submit_with_args(1, &args);
-    }
-    if r.entries.borrow().iter().any(|e| e.armed) {
-        std::mem::forget(r);
+        drop(closing);
+    });
+}
+
+/// A ring being torn down: freed when dropped, unless the kernel may still own an entry.
+struct Closing(Option<Rc<FuseRing>>);
+
+impl Drop for Closing {
+    fn drop(&mut self) {
+        if let Some(r) = self.0.take() {
+            if r.any_armed() {
+                std::mem::forget(r);
+            }
+        }
     }
 }

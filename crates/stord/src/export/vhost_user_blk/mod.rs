@@ -226,16 +226,16 @@ impl VhostUserBlkExport {
     /// drop; the daemon uses [`Export::begin_stop`] and [`Export::poll_drained`].
     pub fn stop(&mut self) {
         self.halt();
+        // Each control thread counts itself out of `serving` and wakes the drain as it
+        // ends; then joining it does not block.
+        let dev = self.dev.clone();
+        crate::export::wait_drained(None, move |cx| {
+            dev.drain.poll(cx, || {
+                dev.serving.load(std::sync::atomic::Ordering::SeqCst) == 0
+            })
+        });
         let conns = std::mem::take(&mut *self.conns.lock().unwrap_or_else(|e| e.into_inner()));
         for c in conns {
-            while !c.thread.is_finished() {
-                let pumped = stord_aio::with_current_context(|ctx| {
-                    ctx.block_on(stord_aio::sleep(Duration::from_millis(2)))
-                });
-                if pumped.is_none() {
-                    std::thread::sleep(Duration::from_millis(2));
-                }
-            }
             let _ = c.thread.join();
         }
     }

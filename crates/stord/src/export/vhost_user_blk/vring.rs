@@ -23,7 +23,7 @@ use std::os::fd::AsRawFd;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use stord_aio::sys::now_ns;
 use stord_aio::{
@@ -93,20 +93,27 @@ impl VringHandle {
     /// completions and returns the next avail index (GET_VRING_BASE's answer).
     pub fn stop(self, limit: Duration) -> u16 {
         let id = self.id;
-        run_on(&self.remote, move || with_vring(id, |v| v.halt()));
-        let deadline = Instant::now() + limit;
-        loop {
+        // The queue tells us when its last request completes: one round trip to stop it,
+        // then a wait on the channel (no polling of its count).
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        let pending = run_on(&self.remote, move || {
+            with_vring(id, |v| {
+                v.halt();
+                let n = v.in_flight.get();
+                if n > 0 {
+                    *v.drained.borrow_mut() = Some(tx);
+                }
+                n
+            })
+        })
+        .flatten()
+        .unwrap_or(0);
+        // On the queue's own thread nothing could complete while we waited.
+        if pending > 0 && !self.remote.is_current() && rx.recv_timeout(limit).is_err() {
             let n = run_on(&self.remote, move || with_vring(id, |v| v.in_flight.get()))
                 .flatten()
                 .unwrap_or(0);
-            if n == 0 {
-                break;
-            }
-            if Instant::now() > deadline {
-                tracing::warn!("vhost-user-blk: queue stopped with {n} requests still in flight");
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(1));
+            tracing::warn!("vhost-user-blk: queue stopped with {n} requests still in flight");
         }
         run_on(&self.remote, move || {
             RUNNING.with(|r| r.borrow_mut().remove(&id)).map(|v| {
@@ -216,6 +223,8 @@ pub struct Vring {
     polling: Cell<bool>,
     enabled: Cell<bool>,
     halted: Cell<bool>,
+    /// Told when the last request in flight completes after a stop.
+    drained: RefCell<Option<std::sync::mpsc::SyncSender<()>>>,
     /// The driver broke the ring (e.g. an avail index beyond the ring): stop serving it.
     broken: Cell<bool>,
     handlers: Cell<Option<(FdHandlerId, PollHandlerId)>>,
@@ -282,6 +291,7 @@ impl Vring {
             polling: Cell::new(false),
             enabled: Cell::new(s.enabled),
             halted: Cell::new(false),
+            drained: RefCell::new(None),
             broken: Cell::new(false),
             handlers: Cell::new(None),
         });
@@ -506,6 +516,11 @@ impl Vring {
     /// bottom half.
     fn complete(&self, head: u16, len: u32) {
         self.in_flight.set(self.in_flight.get() - 1);
+        if self.in_flight.get() == 0 {
+            if let Some(tx) = self.drained.take() {
+                let _ = tx.try_send(());
+            }
+        }
         let mut call_now = false;
         {
             let mem = self.mem.borrow();
