@@ -1,8 +1,9 @@
 #!/bin/bash
 # The whole test suite: installs what the tests need (from .ci/apt-packages.txt), then
 # runs every test twice, once with the io_uring reactor and once with the epoll fallback
-# (STORD_AIO_REACTOR selects the reactor of every context created with `auto`, including
-# the daemons the end-to-end tests start). Ends with one "N passed, N failed" line.
+# (STORD_AIO_REACTOR tells the stord binary what `auto` means, so every daemon the
+# end-to-end tests start runs on both; stord-aio's own tests name both reactors
+# themselves). Ends with one "N passed, N failed" line.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/install-deps.sh

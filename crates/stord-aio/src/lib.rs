@@ -55,7 +55,7 @@ pub use context::{with_current_context, AioContext, AioContextOptions};
 pub use handler::{FdHandlerId, Interest, PollHandler, PollHandlerId, Readiness};
 pub use iothread::IoThread;
 pub use poll::{PolicyKind, PollParams};
-pub use reactor::{ReactorInfo, ReactorKind};
+pub use reactor::{default_reactor, set_default_reactor, ReactorInfo, ReactorKind};
 pub use remote::Remote;
 pub use stats::{Counter, HandlerWindow, Histogram, StatsSnapshot};
 pub use sync::{AsyncMutex, AsyncMutexGuard};

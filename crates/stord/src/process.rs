@@ -102,6 +102,21 @@ impl Daemon {
     /// Creates the main loop. Blocks the shutdown signals first so every thread started
     /// later inherits the mask and the signals arrive on our signalfd.
     pub fn new() -> io::Result<Self> {
+        // What `reactor=auto` (and every context stord makes itself) uses: io_uring with
+        // the epoll fallback, unless STORD_AIO_REACTOR says otherwise (the tests run every
+        // daemon on both this way).
+        if let Ok(v) = std::env::var("STORD_AIO_REACTOR") {
+            if !v.is_empty() {
+                let kind: ReactorKind = v.parse().map_err(|e| {
+                    io::Error::new(
+                        io::ErrorKind::InvalidInput,
+                        format!("STORD_AIO_REACTOR: {e}"),
+                    )
+                })?;
+                stord_aio::set_default_reactor(kind);
+                tracing::info!("reactor for 'auto': {kind} (from STORD_AIO_REACTOR)");
+            }
+        }
         let signals = sys::signalfd_for_shutdown()?;
         let main_poll = PollParams {
             max_ns: 0,

@@ -230,3 +230,40 @@ fn qmp_quit_shuts_down_cleanly() {
     assert!(st.success());
     assert!(!mon.exists() && !s.pidfile.exists());
 }
+
+/// STORD_AIO_REACTOR says what `auto` means for the daemon (read once, by the binary, not by
+/// the event-loop library); an iothread's explicit `reactor=` is never overridden, and a
+/// bad value stops the start with a message naming the variable.
+#[test]
+fn the_reactor_variable_sets_auto_and_never_overrides_an_explicit_choice() {
+    let dir = common::tmpdir("reactor-env");
+    let sock = dir.join("qmp.sock");
+    let mut args = common::rawqmp::monitor_args(&sock);
+    for o in ["iothread,id=explicit,reactor=io_uring", "iothread,id=auto"] {
+        args.push("--object".into());
+        args.push(o.into());
+    }
+    let s = common::Stord::start_wrapped(&dir, &["env", "STORD_AIO_REACTOR=epoll"], &args);
+    let mut q = common::rawqmp::RawQmp::connect(&sock);
+    let r = q.send(r#"{"execute":"query-iothreads"}"#);
+    let kind = |id: &str| {
+        r["return"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|t| t["id"] == id)
+            .map(|t| t["x-stats"]["reactor"].clone())
+            .unwrap()
+    };
+    assert_eq!(kind("explicit"), "io_uring", "{r}");
+    assert_eq!(kind("auto"), "epoll", "{r}");
+    drop(s);
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_stord"))
+        .env("STORD_AIO_REACTOR", "kqueue")
+        .args(["--blockdev", "driver=null-co,node-name=n"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("STORD_AIO_REACTOR") && err.contains("kqueue"), "{err}");
+}

@@ -12,6 +12,7 @@ use std::fmt;
 use std::io;
 use std::os::fd::RawFd;
 use std::str::FromStr;
+use std::sync::atomic::{AtomicU8, Ordering};
 
 use crate::slab::Key;
 
@@ -25,8 +26,8 @@ pub(crate) const TAG_IGNORE: u8 = 5;
 /// Which reactor a context should use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ReactorKind {
-    /// `STORD_AIO_REACTOR` from the environment if set, else io_uring with epoll as the
-    /// fallback when the kernel refuses io_uring.
+    /// The program's default ([`set_default_reactor`]) if it set one, else io_uring with
+    /// epoll as the fallback when the kernel refuses io_uring.
     #[default]
     Auto,
     /// io_uring, or fail.
@@ -44,16 +45,29 @@ impl ReactorKind {
             ReactorKind::Epoll => "epoll",
         }
     }
+}
 
-    /// `Auto` resolved through the `STORD_AIO_REACTOR` environment variable.
-    pub fn from_env_or(self) -> Result<ReactorKind, String> {
-        if self != ReactorKind::Auto {
-            return Ok(self);
-        }
-        match std::env::var("STORD_AIO_REACTOR") {
-            Ok(v) if !v.is_empty() => v.parse(),
-            _ => Ok(ReactorKind::Auto),
-        }
+/// What `Auto` stands for in this process (0: io_uring with the epoll fallback).
+static DEFAULT_REACTOR: AtomicU8 = AtomicU8::new(0);
+
+/// Sets what contexts created with [`ReactorKind::Auto`] use from now on: the program's
+/// choice (stord takes it from its environment once, at start). The library itself reads
+/// no configuration; an explicit `IoUring` or `Epoll` is never overridden.
+pub fn set_default_reactor(kind: ReactorKind) {
+    let v = match kind {
+        ReactorKind::Auto => 0,
+        ReactorKind::IoUring => 1,
+        ReactorKind::Epoll => 2,
+    };
+    DEFAULT_REACTOR.store(v, Ordering::Relaxed);
+}
+
+/// What [`ReactorKind::Auto`] stands for now.
+pub fn default_reactor() -> ReactorKind {
+    match DEFAULT_REACTOR.load(Ordering::Relaxed) {
+        1 => ReactorKind::IoUring,
+        2 => ReactorKind::Epoll,
+        _ => ReactorKind::Auto,
     }
 }
 
@@ -106,9 +120,10 @@ pub(crate) enum Reactor {
 
 impl Reactor {
     pub(crate) fn new(kind: ReactorKind, notifier_fd: RawFd) -> io::Result<Self> {
-        let kind = kind
-            .from_env_or()
-            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+        let kind = match kind {
+            ReactorKind::Auto => default_reactor(),
+            k => k,
+        };
         match kind {
             ReactorKind::Epoll => Ok(Reactor::Epoll(epoll::EpollReactor::new(notifier_fd, None)?)),
             ReactorKind::IoUring => Ok(Reactor::Uring(uring::UringReactor::new(notifier_fd)?)),
