@@ -265,5 +265,8 @@ fn the_reactor_variable_sets_auto_and_never_overrides_an_explicit_choice() {
         .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("STORD_AIO_REACTOR") && err.contains("kqueue"), "{err}");
+    assert!(
+        err.contains("STORD_AIO_REACTOR") && err.contains("kqueue"),
+        "{err}"
+    );
 }

@@ -54,6 +54,8 @@ pub enum DaemonError {
     NodeNotFound(String),
     #[error(transparent)]
     Graph(#[from] crate::block::graph::GraphError),
+    #[error(transparent)]
+    Export(#[from] crate::export::ExportError),
     #[error("Block device {name} is in use (it is the '{role}' child of node '{parent}')")]
     NodeIsChild {
         name: String,
@@ -96,18 +98,6 @@ impl DaemonError {
     /// The QMP error class: qsd reports all of these as GenericError.
     pub fn qmp_class(&self) -> &'static str {
         "GenericError"
-    }
-}
-
-impl From<String> for DaemonError {
-    fn from(s: String) -> Self {
-        DaemonError::Invalid(s)
-    }
-}
-
-impl From<DaemonError> for String {
-    fn from(e: DaemonError) -> String {
-        e.to_string()
     }
 }
 

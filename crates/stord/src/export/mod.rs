@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 use stord_aio::{IoThread, Remote};
 
 use crate::block::BlockNode;
-use crate::cli::keyval::KeyVal;
+use crate::cli::keyval::{KeyVal, OptionError};
 
 /// One running export, whatever its protocol.
 pub trait Export {
@@ -57,6 +57,29 @@ pub trait Export {
     fn log_statistics(&self) {}
 }
 
+/// Why an export could not be added: the export layer's error. The texts name the option
+/// list (`--export`, `block-export-add`) they come from.
+#[derive(Debug, thiserror::Error)]
+pub enum ExportError {
+    #[error(transparent)]
+    Option(#[from] OptionError),
+    #[error("{what}: cannot find node '{name}'")]
+    NodeNotFound { what: String, name: String },
+    #[error("{what}: iothread '{id}' not found")]
+    IoThreadNotFound { what: String, id: String },
+    #[error("{what}: '{resource}' is already used by another export")]
+    Claimed { what: String, resource: String },
+    /// The export type's own checks, and what the system refused while starting it.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+impl From<String> for ExportError {
+    fn from(s: String) -> Self {
+        ExportError::Invalid(s)
+    }
+}
+
 /// What constructors may look at: the graph, the IoThreads and protocol servers.
 pub struct ExportEnv<'a> {
     /// Block nodes by name.
@@ -71,39 +94,46 @@ pub struct ExportEnv<'a> {
 
 impl ExportEnv<'_> {
     /// The node named `name`.
-    pub fn node(&self, what: &str, name: &str) -> Result<Arc<BlockNode>, String> {
+    pub fn node(&self, what: &str, name: &str) -> Result<Arc<BlockNode>, ExportError> {
         self.nodes
             .get(name)
             .cloned()
-            .ok_or_else(|| format!("{what}: cannot find node '{name}'"))
+            .ok_or_else(|| ExportError::NodeNotFound {
+                what: what.into(),
+                name: name.into(),
+            })
     }
 
     /// The Remotes of the named IoThreads.
-    pub fn remotes(&self, what: &str, names: &[String]) -> Result<Vec<Remote>, String> {
+    pub fn remotes(&self, what: &str, names: &[String]) -> Result<Vec<Remote>, ExportError> {
         names
             .iter()
             .map(|t| {
                 self.iothreads
                     .get(t)
                     .map(|i| i.remote().clone())
-                    .ok_or_else(|| format!("{what}: iothread '{t}' not found"))
+                    .ok_or_else(|| ExportError::IoThreadNotFound {
+                        what: what.into(),
+                        id: t.clone(),
+                    })
             })
             .collect()
     }
 
     /// Fails if another export holds `resource`.
-    pub fn check_claim(&self, what: &str, resource: &str) -> Result<(), String> {
+    pub fn check_claim(&self, what: &str, resource: &str) -> Result<(), ExportError> {
         if self.claimed.iter().any(|c| c == resource) {
-            return Err(format!(
-                "{what}: '{resource}' is already used by another export"
-            ));
+            return Err(ExportError::Claimed {
+                what: what.into(),
+                resource: resource.into(),
+            });
         }
         Ok(())
     }
 }
 
 /// Builds and starts an export from its options (`type` already taken).
-pub type ExportConstructor = fn(&ExportEnv<'_>, KeyVal) -> Result<Box<dyn Export>, String>;
+pub type ExportConstructor = fn(&ExportEnv<'_>, KeyVal) -> Result<Box<dyn Export>, ExportError>;
 
 /// Every export type: adding one is its module plus a line here.
 pub const EXPORT_TYPES: &[(&str, ExportConstructor)] = &[

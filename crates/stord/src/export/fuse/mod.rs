@@ -28,7 +28,7 @@ use std::task::{Context, Poll};
 
 use crate::block::BlockNode;
 use crate::cli::keyval::KeyVal;
-use crate::export::{DrainSignal, Export, ExportEnv};
+use crate::export::{DrainSignal, Export, ExportEnv, ExportError};
 use crate::sys::{self, UnmountWatchdog};
 
 /// Largest READ we accept (and the mount's max_read).
@@ -174,7 +174,7 @@ pub struct FuseOptions {
 
 impl FuseOptions {
     /// Parses the options after `type=fuse` (the caller took `type`).
-    pub fn from_opts(kv: &mut KeyVal) -> Result<Self, String> {
+    pub fn from_opts(kv: &mut KeyVal) -> Result<Self, ExportError> {
         let id = kv.take_required("id")?;
         let node_name = kv.take_required("node-name")?;
         let mountpoint = PathBuf::from(kv.take_required("mountpoint")?);
@@ -452,7 +452,7 @@ impl FuseExport {
 }
 
 /// `--export type=fuse` / `block-export-add`.
-pub fn create(env: &ExportEnv<'_>, mut kv: KeyVal) -> Result<Box<dyn Export>, String> {
+pub fn create(env: &ExportEnv<'_>, mut kv: KeyVal) -> Result<Box<dyn Export>, ExportError> {
     let opts = FuseOptions::from_opts(&mut kv)?;
     let what = kv.what.clone();
     kv.finish()?;

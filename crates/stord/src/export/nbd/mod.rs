@@ -36,7 +36,7 @@ use std::task::{Context, Poll};
 use crate::accept::Acceptor;
 use crate::block::BlockNode;
 use crate::cli::keyval::{KeyVal, OptionError};
-use crate::export::{DrainSignal, Export, ExportEnv};
+use crate::export::{DrainSignal, Export, ExportEnv, ExportError};
 use crate::tls::TlsServer;
 use proto::*;
 
@@ -235,7 +235,7 @@ pub struct NbdExportHandle {
 }
 
 /// `--export type=nbd` / `block-export-add`: needs the NBD server running.
-pub fn create(env: &ExportEnv<'_>, mut kv: KeyVal) -> Result<Box<dyn Export>, String> {
+pub fn create(env: &ExportEnv<'_>, mut kv: KeyVal) -> Result<Box<dyn Export>, ExportError> {
     let id = kv.take_required("id")?;
     let node_name = kv.take_required("node-name")?;
     let node = env.node(&kv.what, &node_name)?;
@@ -258,12 +258,12 @@ pub fn create(env: &ExportEnv<'_>, mut kv: KeyVal) -> Result<Box<dyn Export>, St
     let iothreads = env.remotes(&what, &names)?;
     kv.finish()?;
     if writable && node.is_read_only() {
-        return Err(format!(
-            "{what}: node '{node_name}' is read-only, cannot export it writable"
-        ));
+        return Err(
+            format!("{what}: node '{node_name}' is read-only, cannot export it writable").into(),
+        );
     }
     let Some(table) = env.nbd else {
-        return Err("NBD server not running".into());
+        return Err(ExportError::Invalid("NBD server not running".into()));
     };
     let mut export = NbdExport::new(id, name, description, node, writable, iothreads, multi_conn);
     export.allocation_depth = allocation_depth;

@@ -33,7 +33,7 @@ use vhost::vhost_user::{BackendReqHandler, Error as VuError};
 use crate::accept::{Acceptor, AcceptorHandle};
 use crate::block::BlockNode;
 use crate::cli::keyval::KeyVal;
-use crate::export::{Export, ExportEnv};
+use crate::export::{Export, ExportEnv, ExportError};
 use std::task::{Context, Poll};
 
 pub use device::BlkDevice;
@@ -54,14 +54,16 @@ pub struct VhostUserBlkOptions {
 
 impl VhostUserBlkOptions {
     /// Parses the options after `type=vhost-user-blk` (the caller took `type`).
-    pub fn from_opts(kv: &mut KeyVal) -> Result<Self, String> {
+    pub fn from_opts(kv: &mut KeyVal) -> Result<Self, ExportError> {
         let id = kv.take_required("id")?;
         let node_name = kv.take_required("node-name")?;
         let what = kv.what.clone();
         match kv.take("addr.type").as_deref() {
             Some("unix") => {}
-            Some(t) => return Err(format!("{what}: addr.type '{t}' not supported (use unix)")),
-            None => return Err(format!("{what}: parameter 'addr.type' is missing")),
+            Some(t) => {
+                return Err(format!("{what}: addr.type '{t}' not supported (use unix)").into())
+            }
+            None => return Err(format!("{what}: parameter 'addr.type' is missing").into()),
         }
         let path = PathBuf::from(kv.take_required("addr.path")?);
         let writable = kv.take_bool("writable", false)?;
@@ -71,9 +73,7 @@ impl VhostUserBlkOptions {
             None => 1,
             Some(n @ 1..=64) => n as u16,
             Some(n) => {
-                return Err(format!(
-                    "{what}: num-queues must be between 1 and 64, got {n}"
-                ))
+                return Err(format!("{what}: num-queues must be between 1 and 64, got {n}").into())
             }
         };
         let logical_block_size = match kv.take_u64("logical-block-size", true)? {
@@ -82,7 +82,8 @@ impl VhostUserBlkOptions {
             Some(n) => {
                 return Err(format!(
                     "{what}: logical-block-size must be 512, 1024, 2048 or 4096, got {n}"
-                ))
+                )
+                .into())
             }
         };
         let iothreads = kv.take_list("iothread");
@@ -242,7 +243,7 @@ impl VhostUserBlkExport {
 }
 
 /// `--export type=vhost-user-blk` / `block-export-add`.
-pub fn create(env: &ExportEnv<'_>, mut kv: KeyVal) -> Result<Box<dyn Export>, String> {
+pub fn create(env: &ExportEnv<'_>, mut kv: KeyVal) -> Result<Box<dyn Export>, ExportError> {
     let opts = VhostUserBlkOptions::from_opts(&mut kv)?;
     let what = kv.what.clone();
     kv.finish()?;
