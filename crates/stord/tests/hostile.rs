@@ -107,6 +107,54 @@ fn pipelined_huge_reads(iothread: bool) {
     assert_eq!((e, d), (0, vec![0x5a; 4096]));
 }
 
+/// Many connections that each hold their own budget (64 MiB of 32 MiB reads whose replies
+/// they never read) hold the server's `x-buffer-limit` together, not 64 MiB each; a
+/// well-behaved client is still served (a connection with nothing in flight always gets a
+/// small request through), and the bytes come back when they leave.
+#[test]
+fn many_connections_together_stay_within_the_servers_buffer_limit() {
+    let (s, _dir) = file_export("buffer-limit", true, ",x-buffer-limit=128M");
+    let mut bad = Vec::new();
+    for c in 0..12u64 {
+        let mut conn = RawNbd::connect(&s.sock, "disk");
+        let mut reqs = Vec::new();
+        for i in 0..64u64 {
+            reqs.extend_from_slice(&0x2560_9513u32.to_be_bytes());
+            reqs.extend_from_slice(&0u16.to_be_bytes());
+            reqs.extend_from_slice(&0u16.to_be_bytes()); // READ
+            reqs.extend_from_slice(&(c * 1000 + i).to_be_bytes());
+            reqs.extend_from_slice(&((i % 30) * 32 * MIB).to_be_bytes());
+            reqs.extend_from_slice(&(32u32 << 20).to_be_bytes());
+        }
+        conn.s.write_all(&reqs).unwrap();
+        bad.push(conn);
+    }
+    std::thread::sleep(Duration::from_secs(2));
+    let mut good = RawNbd::connect(&s.sock, "disk");
+    good.s
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    let t = Instant::now();
+    assert_eq!(good.write(1, 4096, &[0x6b; 4096]), 0);
+    assert_eq!(good.read(2, 4096, 4096), (0, vec![0x6b; 4096]));
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    std::thread::sleep(Duration::from_secs(2));
+    // 12 connections at 64 MiB each would be 768 MiB.
+    let peak = s.status_kib("VmHWM") * 1024;
+    assert!(
+        peak < 320 * MIB,
+        "peak RSS {} MiB with a 128 MiB server limit",
+        peak >> 20
+    );
+    drop(bad);
+    // What they held came back: a 32 MiB read (over the small-request allowance) runs.
+    let t = Instant::now();
+    let (e, d) = good.read(3, 0, 32 << 20);
+    assert_eq!(e, 0);
+    assert_eq!(d.len(), 32 << 20);
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+}
+
 #[test]
 fn pipelined_reads_never_read_stay_bounded_on_the_main_loop() {
     pipelined_huge_reads(false);

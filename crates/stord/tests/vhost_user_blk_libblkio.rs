@@ -458,3 +458,51 @@ fn a_libblkio_client_killed_mid_io_leaves_the_export_serving() {
         std::thread::sleep(Duration::from_millis(50));
     }
 }
+
+/// One frontend at a time, as qsd, but nobody waits unanswered: a second frontend waits
+/// for the first to leave and is then served (a reconnecting frontend lands there), and a
+/// third, while both are there, is closed at once.
+#[test]
+fn a_second_frontend_waits_its_turn_and_a_third_is_refused() {
+    use std::io::{Read, Write};
+    let dir = tmpdir("blkio-frontends");
+    let img = dir.join("disk.img");
+    std::fs::write(&img, vec![0x5a; 1 << 20]).unwrap();
+    let sock = dir.join("vhost.sock");
+    let peer = Peer::start(false, &dir, &img, &sock, ",writable=on", 0);
+    let first = connect(&sock, 1, false);
+    let (tx, rx) = std::sync::mpsc::channel();
+    let s2 = sock.clone();
+    let second = std::thread::spawn(move || {
+        let (_, data) = common::blkio_read(&s2, 8192, 4096);
+        tx.send(data).unwrap();
+    });
+    // Served only once the first leaves.
+    assert!(rx.recv_timeout(Duration::from_millis(700)).is_err());
+    // A third: connected by the kernel, then closed by stord without an answer to its
+    // first message (GET_FEATURES), instead of hanging.
+    let mut third = std::os::unix::net::UnixStream::connect(&sock).unwrap();
+    third
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    let mut hdr = [0u8; 12];
+    hdr[0..4].copy_from_slice(&1u32.to_le_bytes());
+    hdr[4..8].copy_from_slice(&1u32.to_le_bytes());
+    let _ = third.write_all(&hdr);
+    let mut buf = [0u8; 64];
+    let t = Instant::now();
+    let n = third.read(&mut buf);
+    assert!(
+        matches!(n, Ok(0))
+            || matches!(&n, Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset),
+        "third frontend: {n:?} after {:?}",
+        t.elapsed()
+    );
+    drop(first);
+    let data = rx
+        .recv_timeout(Duration::from_secs(10))
+        .expect("the waiting frontend was never served");
+    assert!(data.iter().all(|&b| b == 0x5a));
+    second.join().unwrap();
+    peer.stop();
+}

@@ -17,6 +17,8 @@ use stord_aio::sys::now_ns;
 use crate::block::graph::{DriverDef, GraphError, Opened};
 use crate::block::{BlockDriver, BlockNode, BlockStatus, BoxFut, Buf, IoVec};
 
+use crate::cli::keyval::{KeyVal, OptionError};
+
 /// The driver table's entry.
 pub const DRIVER: DriverDef = DriverDef {
     names: &["throttle"],
@@ -38,7 +40,6 @@ pub const DRIVER: DriverDef = DriverDef {
         })
     },
 };
-use crate::cli::keyval::{KeyVal, OptionError};
 
 /// Which limit a bucket enforces.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -71,6 +72,63 @@ struct Bucket {
     next_free: f64,
 }
 
+/// QEMU's largest throttle value (`THROTTLE_VALUE_MAX`).
+pub const THROTTLE_VALUE_MAX: u64 = 1_000_000_000_000_000;
+
+/// Why a throttle group's limits were refused: an option, or QEMU's rules (its texts).
+#[derive(Debug, thiserror::Error)]
+pub enum ThrottleConfigError {
+    #[error(transparent)]
+    Option(#[from] OptionError),
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// QEMU's `throttle_is_valid` over (avg, max, burst length) per kind, in [`KINDS`] order.
+fn check_limits(l: &[(u64, u64, u64); 6], iops_size: u64) -> Result<(), ThrottleConfigError> {
+    let bad = |m: &str| Err(ThrottleConfigError::Invalid(m.into()));
+    for total in [0, 3] {
+        if l[total].0 > 0 && (l[total + 1].0 > 0 || l[total + 2].0 > 0)
+            || l[total].1 > 0 && (l[total + 1].1 > 0 || l[total + 2].1 > 0)
+        {
+            return bad(
+                "bps/iops/max total values and read/write values cannot be used at the same time",
+            );
+        }
+    }
+    if iops_size > 0 && l[3].0 == 0 && l[4].0 == 0 && l[5].0 == 0 {
+        return bad("iops size requires an iops value to be set");
+    }
+    if iops_size > THROTTLE_VALUE_MAX {
+        return Err(ThrottleConfigError::Invalid(format!(
+            "bps/iops/max values must be within [0, {THROTTLE_VALUE_MAX}]"
+        )));
+    }
+    for &(avg, max, len) in l {
+        if avg > THROTTLE_VALUE_MAX || max > THROTTLE_VALUE_MAX {
+            return Err(ThrottleConfigError::Invalid(format!(
+                "bps/iops/max values must be within [0, {THROTTLE_VALUE_MAX}]"
+            )));
+        }
+        if len == 0 {
+            return bad("the burst length cannot be 0");
+        }
+        if len > 1 && max == 0 {
+            return bad("burst length set without burst rate");
+        }
+        if max > 0 && len > THROTTLE_VALUE_MAX / max {
+            return bad("burst length too high for this burst rate");
+        }
+        if max > 0 && avg == 0 {
+            return bad("bps_max/iops_max require corresponding bps/iops values");
+        }
+        if max > 0 && max < avg {
+            return bad("bps_max/iops_max cannot be lower than bps/iops");
+        }
+    }
+    Ok(())
+}
+
 /// Limits shared by the `throttle` nodes of one group.
 #[derive(Debug)]
 pub struct ThrottleGroup {
@@ -84,35 +142,45 @@ pub struct ThrottleGroup {
 impl ThrottleGroup {
     /// `--object throttle-group,id=...,x-iops-total=...` (or `limits.iops-total=...`, as
     /// QMP's object-add sends it).
-    pub fn from_opts(id: String, kv: &mut KeyVal) -> Result<Self, OptionError> {
+    pub fn from_opts(id: String, kv: &mut KeyVal) -> Result<Self, ThrottleConfigError> {
         let mut take = |name: &str| -> Result<Option<u64>, OptionError> {
             let a = kv.take_u64(&format!("x-{name}"), false)?;
             let b = kv.take_u64(&format!("limits.{name}"), false)?;
-            Ok(b.or(a).filter(|&v| v > 0))
+            Ok(b.or(a))
         };
+        // (avg, max, burst length) per kind, checked whole with QEMU's rules
+        // (throttle_is_valid) before any bucket is made.
+        let mut limits = [(0u64, 0u64, 1u64); 6];
+        for (i, (_, name)) in KINDS.iter().enumerate() {
+            limits[i] = (
+                take(name)?.unwrap_or(0),
+                take(&format!("{name}-max"))?.unwrap_or(0),
+                take(&format!("{name}-max-length"))?.unwrap_or(1),
+            );
+        }
+        let iops_size = take("iops-size")?.unwrap_or(0);
+        check_limits(&limits, iops_size)?;
         let mut buckets = Vec::new();
-        for (kind, name) in KINDS {
-            let avg = take(name)?;
-            let max = take(&format!("{name}-max"))?;
-            let len = take(&format!("{name}-max-length"))?.unwrap_or(1);
-            let Some(avg) = avg else {
+        for (i, (kind, _)) in KINDS.iter().enumerate() {
+            let (avg, max, len) = limits[i];
+            if avg == 0 {
                 continue;
-            };
+            }
             let rate = avg as f64;
             // A burst of `max` units per second for `len` seconds, else a tenth of a second.
-            let burst_units = match max {
-                Some(m) => (m * len) as f64,
-                None => rate / 10.0,
+            let burst_units = if max > 0 {
+                (max * len) as f64
+            } else {
+                rate / 10.0
             }
             .max(1.0);
             buckets.push(Bucket {
-                kind,
+                kind: *kind,
                 rate,
                 window_ns: burst_units / rate * 1e9,
                 next_free: 0.0,
             });
         }
-        let iops_size = take("iops-size")?.unwrap_or(0);
         Ok(Self {
             id,
             iops_size,
@@ -255,6 +323,55 @@ mod tests {
         let g = ThrottleGroup::from_opts("tg".into(), &mut kv).unwrap();
         kv.finish().unwrap();
         g
+    }
+
+    /// QEMU's rules and texts (throttle_is_valid); before, a huge max times its burst
+    /// length overflowed, and a max without an average was silently dropped.
+    #[test]
+    fn limits_follow_qemus_rules() {
+        let err = |opts: &str| {
+            let mut kv = KeyVal::parse("--object", opts, None).unwrap();
+            ThrottleGroup::from_opts("tg".into(), &mut kv)
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_default()
+        };
+        assert_eq!(
+            err("x-bps-total=1,x-bps-read=1"),
+            "bps/iops/max total values and read/write values cannot be used at the same time"
+        );
+        assert_eq!(
+            err("x-bps-total=1000000000000001"),
+            "bps/iops/max values must be within [0, 1000000000000000]"
+        );
+        assert_eq!(
+            err("x-iops-total=1,x-iops-total-max-length=0"),
+            "the burst length cannot be 0"
+        );
+        assert_eq!(
+            err("x-iops-total=1,x-iops-total-max-length=2"),
+            "burst length set without burst rate"
+        );
+        assert_eq!(
+            err("x-iops-total=1,x-iops-total-max=1000,x-iops-total-max-length=9223372036854775807"),
+            "burst length too high for this burst rate"
+        );
+        assert_eq!(
+            err("x-iops-total-max=10"),
+            "bps_max/iops_max require corresponding bps/iops values"
+        );
+        assert_eq!(
+            err("x-iops-total=10,x-iops-total-max=5"),
+            "bps_max/iops_max cannot be lower than bps/iops"
+        );
+        assert_eq!(
+            err("x-iops-size=4096"),
+            "iops size requires an iops value to be set"
+        );
+        assert_eq!(
+            err("x-iops-total=10,x-iops-total-max=20,x-iops-total-max-length=3"),
+            ""
+        );
     }
 
     #[test]

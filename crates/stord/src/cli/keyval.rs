@@ -28,6 +28,15 @@ pub enum OptionError {
         expected: String,
         value: String,
     },
+    /// A number outside its stated range.
+    #[error("{what}: parameter '{key}' must be in {min}..={max}, got {value}")]
+    Range {
+        what: String,
+        key: String,
+        min: u64,
+        max: u64,
+        value: u64,
+    },
     /// A key nobody consumed.
     #[error("{what}: invalid parameter '{key}'")]
     Unknown { what: String, key: String },
@@ -187,6 +196,25 @@ impl KeyVal {
         })
     }
 
+    /// A number in `range` (the range goes into the error).
+    pub fn take_u64_in(
+        &mut self,
+        key: &str,
+        size: bool,
+        range: std::ops::RangeInclusive<u64>,
+    ) -> Result<Option<u64>, OptionError> {
+        match self.take_u64(key, size)? {
+            Some(v) if !range.contains(&v) => Err(OptionError::Range {
+                what: self.what.clone(),
+                key: key.to_string(),
+                min: *range.start(),
+                max: *range.end(),
+                value: v,
+            }),
+            v => Ok(v),
+        }
+    }
+
     /// An option whose value is one of `allowed`.
     pub fn take_choice(
         &mut self,
@@ -326,6 +354,20 @@ pub fn parse_u64(v: &str, size: bool) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn numbers_outside_their_range_name_it() {
+        let mut kv = KeyVal::parse("--nbd-server", "max-connections=4294967296,n=3", None).unwrap();
+        let e = kv
+            .take_u64_in("max-connections", false, 0..=u64::from(u32::MAX))
+            .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "--nbd-server: parameter 'max-connections' must be in 0..=4294967295, got 4294967296"
+        );
+        assert_eq!(kv.take_u64_in("n", false, 1..=64).unwrap(), Some(3));
+        assert_eq!(kv.take_u64_in("absent", false, 1..=64).unwrap(), None);
+    }
 
     /// Found by the keyval fuzz target: a multi-byte last character panicked in split_at.
     #[test]

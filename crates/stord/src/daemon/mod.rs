@@ -56,6 +56,8 @@ pub enum DaemonError {
     Graph(#[from] crate::block::graph::GraphError),
     #[error(transparent)]
     Export(#[from] crate::export::ExportError),
+    #[error(transparent)]
+    Throttle(#[from] crate::block::throttle::ThrottleConfigError),
     #[error("Block device {name} is in use (it is the '{role}' child of node '{parent}')")]
     NodeIsChild {
         name: String,

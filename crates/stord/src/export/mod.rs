@@ -8,6 +8,7 @@
 //! clients at once, then [`Export::poll_drained`] completes when the last request has
 //! finished, after which the daemon sends BLOCK_EXPORT_DELETED and drops the export.
 
+pub mod budget;
 pub mod fuse;
 #[cfg(any(test, fuzzing))]
 #[doc(hidden)]

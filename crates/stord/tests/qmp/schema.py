@@ -8,7 +8,7 @@ import common
 from common import ok, err
 
 # Arguments stord takes that qsd's schema does not have (stord's own, documented).
-OURS = set()
+OURS = {("nbd-server-start", "x-buffer-limit")}
 
 
 def schema_of(binary, tag):

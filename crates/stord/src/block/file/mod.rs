@@ -105,7 +105,9 @@ impl FileOptions {
         let direct = opts.take_bool("cache.direct", false)?;
         let no_flush = opts.take_bool("cache.no-flush", false)?;
         let native = NativeTuning {
-            max_batch: opts.take_u64("aio-max-batch", false)?.unwrap_or(0) as u32,
+            max_batch: opts
+                .take_u64_in("aio-max-batch", false, 0..=u64::from(u32::MAX))?
+                .unwrap_or(0) as u32,
             reap_after_submit: opts.take_bool("x-reap-after-submit", true)?,
         };
         let discard = match opts

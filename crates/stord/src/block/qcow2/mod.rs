@@ -49,7 +49,6 @@ use crate::block::perm::Perm;
 use crate::block::range_lock::RangeLocks;
 use crate::block::{request_buf, BlockDriver, BlockNode, BlockStatus, BoxFut, Buf, IoVec};
 use crate::cli::keyval::KeyVal;
-use crate::cli::keyval::OptionError;
 
 /// The driver table's entry: a qcow2 image over its `file`; its backing node is
 /// `backing=NAME`, inline `backing.driver=...`, none with `backing=null`, else the one the
@@ -105,7 +104,7 @@ pub struct Qcow2Options {
 
 impl Qcow2Options {
     /// Takes the options from a `--blockdev` / `blockdev-add`.
-    pub fn from_opts(kv: &mut KeyVal) -> Result<Self, OptionError> {
+    pub fn from_opts(kv: &mut KeyVal) -> Result<Self, GraphError> {
         let o = Self {
             l2_cache: kv.take_u64("l2-cache-size", true)?,
             refcount_cache: kv.take_u64("refcount-cache-size", true)?,
@@ -119,7 +118,22 @@ impl Qcow2Options {
         // Accepted as QEMU does; stord keeps refcounts exact, so lazy ones change nothing.
         let _ = kv.take_bool("lazy-refcounts", false)?;
         let _ = kv.take_bool("pass-discard-request", true)?;
-        let _ = kv.take_u64("cache-clean-interval", false)?;
+        // QEMU: an unsigned int of seconds.
+        let _ = kv.take_u64_in("cache-clean-interval", false, 0..=u64::from(u32::MAX))?;
+        // QEMU's rules for the three cache sizes (read_cache_sizes), and its texts.
+        if let Some(total) = o.cache {
+            let bad = |m: &str| Err(GraphError::Invalid(m.into()));
+            match (o.l2_cache, o.refcount_cache) {
+                (Some(_), Some(_)) => {
+                    return bad("cache-size, l2-cache-size and refcount-cache-size may not be set at the same time")
+                }
+                (Some(l2), None) if l2 > total => return bad("l2-cache-size may not exceed cache-size"),
+                (None, Some(rc)) if rc > total => {
+                    return bad("refcount-cache-size may not exceed cache-size")
+                }
+                _ => {}
+            }
+        }
         Ok(o)
     }
 
@@ -127,8 +141,9 @@ impl Qcow2Options {
     fn cache_tables(&self, size: u64, cluster_size: u64) -> (usize, usize) {
         let whole_disk = size.div_ceil(cluster_size * (cluster_size / 8)) * cluster_size;
         let (l2, rc) = match (self.l2_cache, self.refcount_cache, self.cache) {
-            (Some(l2), Some(rc), _) => (l2, rc),
-            (Some(l2), None, _) => (l2, (l2 / 4).max(4 * cluster_size)),
+            (Some(l2), Some(rc), _) => (l2.min(whole_disk), rc),
+            (Some(l2), None, Some(total)) => (l2.min(whole_disk), total - l2),
+            (Some(l2), None, None) => (l2.min(whole_disk), (l2 / 4).max(4 * cluster_size)),
             (None, rc, Some(total)) => {
                 let rc = rc.unwrap_or((total / 4).max(4 * cluster_size).min(total / 2));
                 (total - rc, rc)
@@ -1210,5 +1225,35 @@ pub fn fuzz(data: &[u8]) {
     let entries = (data.len() * 8) >> h.refcount_order;
     for i in 0..entries {
         assert!(rc.get(data, i) <= rc.max());
+    }
+}
+
+#[cfg(test)]
+mod option_tests {
+    use super::*;
+
+    /// QEMU's rules for the cache sizes; before, refcount-cache-size over cache-size
+    /// underflowed the subtraction of one from the other.
+    #[test]
+    fn cache_sizes_follow_qemus_rules() {
+        let opts = |s: &str| {
+            let mut kv = KeyVal::parse("--blockdev", s, None).unwrap();
+            Qcow2Options::from_opts(&mut kv).map_err(|e| e.to_string())
+        };
+        assert_eq!(
+            opts("cache-size=1M,refcount-cache-size=2M").unwrap_err(),
+            "refcount-cache-size may not exceed cache-size"
+        );
+        assert_eq!(
+            opts("cache-size=1M,l2-cache-size=2M").unwrap_err(),
+            "l2-cache-size may not exceed cache-size"
+        );
+        assert!(opts("cache-size=1M,l2-cache-size=1M,refcount-cache-size=1M").is_err());
+        // l2 beyond the whole disk is cut to it: a 1 GiB image with 64 KiB clusters needs
+        // 128 KiB of L2 tables (2 tables).
+        let o = opts("l2-cache-size=1T").unwrap();
+        assert_eq!(o.cache_tables(1 << 30, 65536).0, 2);
+        let o = opts("cache-size=4M,l2-cache-size=1M").unwrap();
+        assert_eq!(o.cache_tables(1 << 40, 65536), (16, 48));
     }
 }

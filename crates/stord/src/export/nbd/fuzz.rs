@@ -123,7 +123,10 @@ pub fn transmission(input: &[u8]) -> Vec<u8> {
     crate::export::fuzz_loop::with_loop(|ctx| {
         ctx.block_on(async move {
             let drainer = stord_aio::spawn(drain(client));
-            super::transmission::serve(server, n).await;
+            let budget = std::sync::Arc::new(crate::export::budget::MemoryBudget::new(
+                super::DEFAULT_BUFFER_LIMIT,
+            ));
+            super::transmission::serve(server, n, budget).await;
             drainer.await
         })
     })

@@ -36,6 +36,7 @@ use std::task::{Context, Poll};
 use crate::accept::Acceptor;
 use crate::block::BlockNode;
 use crate::cli::keyval::{KeyVal, OptionError};
+use crate::export::budget::MemoryBudget;
 use crate::export::{DrainSignal, Export, ExportEnv, ExportError};
 use crate::tls::TlsServer;
 use proto::*;
@@ -346,7 +347,13 @@ pub struct NbdServerOpts {
     pub tls_creds: Option<String>,
     /// The id of the `authz-simple` object that admits TLS clients, if any.
     pub tls_authz: Option<String>,
+    /// Request data all connections together may hold (`x-buffer-limit`, stord's own).
+    pub buffer_limit: usize,
 }
+
+/// Default `x-buffer-limit`: request data all of the server's connections may hold at
+/// once (each connection also holds at most its own 64 MiB).
+pub const DEFAULT_BUFFER_LIMIT: usize = 512 << 20;
 
 /// qsd's default for `handshake-max-seconds`.
 pub const DEFAULT_HANDSHAKE_MAX_SECS: u32 = 10;
@@ -373,16 +380,20 @@ impl NbdServerOpts {
             }
             _ => return Err(kv.missing("addr.type")),
         };
+        // QEMU's types: uint32 both (a larger value is refused, not cut down).
+        let u32_range = 0..=u64::from(u32::MAX);
         let max_connections = kv
-            .take_u64("max-connections", false)?
-            .map_or(0, |v| v.min(u64::from(u32::MAX)) as u32);
+            .take_u64_in("max-connections", false, u32_range.clone())?
+            .map_or(0, |v| v as u32);
         let handshake_max_secs = kv
-            .take_u64("handshake-max-seconds", false)?
-            .map_or(DEFAULT_HANDSHAKE_MAX_SECS, |s| {
-                s.min(u64::from(u32::MAX)) as u32
-            });
+            .take_u64_in("handshake-max-seconds", false, u32_range)?
+            .map_or(DEFAULT_HANDSHAKE_MAX_SECS, |s| s as u32);
         let tls_creds = kv.take("tls-creds");
         let tls_authz = kv.take("tls-authz");
+        // At least the largest request, at most 64 GiB.
+        let buffer_limit = kv
+            .take_u64_in("x-buffer-limit", true, u64::from(MAX_PAYLOAD)..=64 << 30)?
+            .map_or(DEFAULT_BUFFER_LIMIT, |v| v as usize);
         kv.finish()?;
         Ok(Self {
             addr,
@@ -390,6 +401,7 @@ impl NbdServerOpts {
             handshake_max_secs,
             tls_creds,
             tls_authz,
+            buffer_limit,
         })
     }
 }
@@ -399,6 +411,8 @@ pub struct NbdServer {
     /// The address.
     pub addr: ListenAddr,
     acceptor: Option<Acceptor>,
+    /// What all its connections' requests may hold together.
+    budget: Arc<MemoryBudget>,
 }
 
 impl NbdServer {
@@ -428,21 +442,31 @@ impl NbdServer {
         let live = Arc::new(AtomicUsize::new(0));
         let max = opts.max_connections as usize;
         let handshake_ns = u64::from(opts.handshake_max_secs) * 1_000_000_000;
+        let budget = Arc::new(MemoryBudget::new(opts.buffer_limit));
+        let b2 = budget.clone();
         let acceptor = Acceptor::start(ctx, "nbd server", fd, move |conn| {
             if max != 0 && live.load(Ordering::Acquire) >= max {
                 return;
             }
-            if tcp {
+            let conn = if tcp {
                 let s = std::net::TcpStream::from(conn);
                 let _ = s.set_nodelay(true);
-                return start_connection(s.into(), &live, &exports, &tls, handshake_ns);
-            }
-            start_connection(conn, &live, &exports, &tls, handshake_ns)
+                s.into()
+            } else {
+                conn
+            };
+            start_connection(conn, &live, &b2, &exports, &tls, handshake_ns)
         })?;
         Ok(Self {
             addr: opts.addr,
             acceptor: Some(acceptor),
+            budget,
         })
+    }
+
+    /// Request data its connections hold now, and the limit.
+    pub fn buffer_use(&self) -> (usize, usize) {
+        (self.budget.used(), self.budget.limit())
     }
 
     /// Stops listening (existing connections go on) and removes a unix socket file.
@@ -467,6 +491,7 @@ impl Drop for LiveConnection {
 fn start_connection(
     conn: OwnedFd,
     live: &Arc<AtomicUsize>,
+    budget: &Arc<MemoryBudget>,
     exports: &ExportTable,
     tls: &Option<Arc<TlsServer>>,
     handshake_ns: u64,
@@ -475,8 +500,9 @@ fn start_connection(
     let counted = LiveConnection(live.clone());
     let exports = exports.clone();
     let tls = tls.clone();
+    let budget = budget.clone();
     stord_aio::spawn(async move {
-        handle_connection(conn, exports, tls, handshake_ns, counted).await;
+        handle_connection(conn, exports, tls, handshake_ns, counted, budget).await;
     });
 }
 
@@ -486,6 +512,7 @@ async fn handle_connection(
     tls: Option<Arc<TlsServer>>,
     handshake_ns: u64,
     counted: LiveConnection,
+    budget: Arc<MemoryBudget>,
 ) {
     let fd = conn.as_raw_fd();
     // A client that does not finish the handshake in time is cut off: shutting the socket
@@ -529,14 +556,14 @@ async fn handle_connection(
         Some((remote, placement)) if !remote.is_current() => {
             remote.call(move || {
                 stord_aio::spawn(async move {
-                    transmission::serve(conn, n).await;
+                    transmission::serve(conn, n, budget).await;
                     drop(placement);
                     drop(counted);
                 });
             });
         }
         placed => {
-            transmission::serve(conn, n).await;
+            transmission::serve(conn, n, budget).await;
             drop(placed);
             drop(counted);
         }

@@ -32,6 +32,7 @@ use super::io::{send, OutChunk, SharedTls, SockReader};
 use super::proto::*;
 use super::NbdExport;
 use crate::block::Buf;
+use crate::export::budget::MemoryBudget;
 
 /// Requests a connection may have between its header being read and its reply sent.
 pub const MAX_REQUESTS: usize = 128;
@@ -102,12 +103,21 @@ struct Conn {
     reader_waker: RefCell<Option<Waker>>,
     /// Requests admitted whose reply has not left yet, and the bytes they hold.
     held: Cell<(usize, usize)>,
+    /// The server's budget those bytes also count against (shared by its connections).
+    budget: Arc<MemoryBudget>,
     /// The reader has stopped: no more requests will come.
     reader_done: Cell<bool>,
     /// Sending failed: replies are dropped.
     broken: Cell<bool>,
     /// Reply batches sent (x-stats `nbd.sends`).
     sends: std::sync::Arc<stord_aio::Counter>,
+}
+
+impl Drop for Conn {
+    /// Whatever its requests still held goes back to the server's budget.
+    fn drop(&mut self) {
+        self.budget.give_back(self.held.get().1);
+    }
 }
 
 impl Conn {
@@ -137,6 +147,7 @@ impl Conn {
     fn release(&self, n: usize, bytes: usize) {
         let (hn, hb) = self.held.get();
         self.held.set((hn - n, hb - bytes));
+        self.budget.give_back(bytes);
         if let Some(w) = self.reader_waker.borrow_mut().take() {
             w.wake();
         }
@@ -246,7 +257,7 @@ impl Request {
 }
 
 /// Serves one negotiated connection until it ends. Runs on the export's IoThread.
-pub async fn serve(fd: OwnedFd, n: Negotiated) {
+pub async fn serve(fd: OwnedFd, n: Negotiated, budget: Arc<MemoryBudget>) {
     let Negotiated {
         export,
         structured,
@@ -266,6 +277,7 @@ pub async fn serve(fd: OwnedFd, n: Negotiated) {
         writer_waker: RefCell::default(),
         reader_waker: RefCell::default(),
         held: Cell::new((0, 0)),
+        budget,
         reader_done: Cell::new(false),
         broken: Cell::new(false),
         sends: super::io::IoCounters::current().sends,
@@ -369,13 +381,18 @@ async fn read_loop(conn: &Rc<Conn>, pending: Vec<u8>, cipher: Vec<u8>) -> io::Re
         }
         // Back-pressure: wait for budget before reading a payload or starting the I/O, so
         // a client that does not read its replies stops being read.
+        // Then the server's budget, which other connections draw from too (woken when
+        // any of them gives bytes back).
         poll_fn(|cx| {
-            if conn.broken.get() || conn.admits(req.cost) {
-                Poll::Ready(())
-            } else {
-                *conn.reader_waker.borrow_mut() = Some(cx.waker().clone());
-                Poll::Pending
+            if conn.broken.get() {
+                return Poll::Ready(());
             }
+            if !conn.admits(req.cost) {
+                *conn.reader_waker.borrow_mut() = Some(cx.waker().clone());
+                return Poll::Pending;
+            }
+            let idle = conn.held.get().0 == 0;
+            conn.budget.poll_take(cx, req.cost, idle)
         })
         .await;
         if conn.broken.get() {

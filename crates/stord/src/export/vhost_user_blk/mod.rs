@@ -30,7 +30,7 @@ use std::time::Duration;
 use stord_aio::{Interest, Remote};
 use vhost::vhost_user::{BackendReqHandler, Error as VuError};
 
-use crate::accept::{Acceptor, AcceptorHandle};
+use crate::accept::Acceptor;
 use crate::block::BlockNode;
 use crate::cli::keyval::KeyVal;
 use crate::export::{Export, ExportEnv, ExportError};
@@ -69,13 +69,7 @@ impl VhostUserBlkOptions {
         let writable = kv.take_bool("writable", false)?;
         let writethrough = kv.take_bool("writethrough", false)?;
         let _ = kv.take_bool("fixed-iothread", false)?;
-        let num_queues = match kv.take_u64("num-queues", false)? {
-            None => 1,
-            Some(n @ 1..=64) => n as u16,
-            Some(n) => {
-                return Err(format!("{what}: num-queues must be between 1 and 64, got {n}").into())
-            }
-        };
+        let num_queues = kv.take_u64_in("num-queues", false, 1..=64)?.unwrap_or(1) as u16;
         let logical_block_size = match kv.take_u64("logical-block-size", true)? {
             None => 512,
             Some(n @ (512 | 1024 | 2048 | 4096)) => n as u32,
@@ -106,6 +100,21 @@ struct Connection {
     thread: JoinHandle<()>,
 }
 
+/// The frontends of one export. vhost-user serves one frontend at a time (as qsd); one
+/// more may wait for it to leave (a frontend reconnecting lands here while its old
+/// connection winds down), and any beyond that is refused at once: closed, with a logged
+/// reason, instead of waiting unanswered in the listen backlog.
+struct Frontends {
+    dev: Arc<BlkDevice>,
+    remotes: Vec<Remote>,
+    /// The frontend served (with its control thread), until its thread has finished.
+    conns: Mutex<Vec<Connection>>,
+    /// The frontend waiting for its turn.
+    waiting: Mutex<Option<OwnedFd>>,
+    /// Refusals are logged at most once a second.
+    refused_log: Mutex<crate::log::RateLimit>,
+}
+
 /// A listening vhost-user-blk export.
 pub struct VhostUserBlkExport {
     pub id: String,
@@ -115,7 +124,7 @@ pub struct VhostUserBlkExport {
     writable: bool,
     dev: Arc<BlkDevice>,
     acceptor: Option<Acceptor>,
-    conns: Arc<Mutex<Vec<Connection>>>,
+    frontends: Arc<Frontends>,
     /// Where the queues run.
     remotes: Vec<Remote>,
     stopping: bool,
@@ -164,18 +173,18 @@ impl VhostUserBlkExport {
         ));
         dev.writeback
             .store(!opts.writethrough, std::sync::atomic::Ordering::Relaxed);
-        let conns: Arc<Mutex<Vec<Connection>>> = Arc::default();
-        let (dev2, conns2, kept) = (dev.clone(), conns.clone(), remotes.clone());
+        let frontends = Arc::new(Frontends {
+            dev: dev.clone(),
+            remotes: remotes.clone(),
+            conns: Mutex::default(),
+            waiting: Mutex::default(),
+            refused_log: Mutex::new(crate::log::RateLimit::new(Duration::from_secs(1))),
+        });
+        let f2 = frontends.clone();
         let acceptor = stord_aio::with_current_context(|ctx| {
-            let me: std::rc::Rc<std::cell::OnceCell<AcceptorHandle>> = Default::default();
-            let me2 = me.clone();
-            let a = Acceptor::start(ctx, what.clone(), listener.into(), move |conn| {
-                if let Some(me) = me2.get() {
-                    accept(conn, &dev2, &remotes, &conns2, me);
-                }
-            })?;
-            let _ = me.set(a.handle());
-            Ok::<_, std::io::Error>(a)
+            Acceptor::start(ctx, what.clone(), listener.into(), move |conn| {
+                accept(conn, &f2)
+            })
         })
         .ok_or_else(|| format!("{what}: no event loop"))?
         .map_err(|e| format!("{what}: {e}"))?;
@@ -186,8 +195,8 @@ impl VhostUserBlkExport {
             writable: opts.writable,
             dev,
             acceptor: Some(acceptor),
-            conns,
-            remotes: kept,
+            frontends,
+            remotes,
             stopping: false,
         })
     }
@@ -203,7 +212,8 @@ impl VhostUserBlkExport {
 
     /// Whether a frontend is connected.
     pub fn connected(&self) -> bool {
-        self.conns
+        self.frontends
+            .conns
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .iter()
@@ -217,7 +227,19 @@ impl VhostUserBlkExport {
         }
         self.acceptor.take();
         let _ = std::fs::remove_file(&self.path);
-        for c in self.conns.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+        // A waiting frontend is closed unserved.
+        self.frontends
+            .waiting
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        for c in self
+            .frontends
+            .conns
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+        {
             let _ = c.stream.shutdown(std::net::Shutdown::Both);
         }
     }
@@ -235,7 +257,13 @@ impl VhostUserBlkExport {
                 dev.serving.load(std::sync::atomic::Ordering::SeqCst) == 0
             })
         });
-        let conns = std::mem::take(&mut *self.conns.lock().unwrap_or_else(|e| e.into_inner()));
+        let conns = std::mem::take(
+            &mut *self
+                .frontends
+                .conns
+                .lock()
+                .unwrap_or_else(|e| e.into_inner()),
+        );
         for c in conns {
             let _ = c.thread.join();
         }
@@ -305,19 +333,43 @@ impl Drop for VhostUserBlkExport {
     }
 }
 
-/// A frontend connected: stop accepting, serve it on a control thread, and accept again
-/// once that thread has finished (its end of a socket pair closes; the main loop waits for
-/// that as for any other readiness, no polling).
-fn accept(
-    conn: OwnedFd,
-    dev: &Arc<BlkDevice>,
-    remotes: &[Remote],
-    conns: &Arc<Mutex<Vec<Connection>>>,
-    acceptor: &AcceptorHandle,
-) {
+/// A frontend connected: served at once if no other is, else it waits for its turn (one
+/// at most) or is refused.
+fn accept(conn: OwnedFd, f: &Arc<Frontends>) {
+    let busy = !f.conns.lock().unwrap_or_else(|e| e.into_inner()).is_empty();
+    if !busy {
+        return serve_frontend(conn, f);
+    }
+    let mut waiting = f.waiting.lock().unwrap_or_else(|e| e.into_inner());
+    if waiting.is_none() {
+        tracing::info!(
+            "vhost-user-blk {}: a frontend waits until the connected one leaves (one at a time)",
+            f.dev.id
+        );
+        *waiting = Some(conn);
+        return;
+    }
+    drop(waiting);
+    drop(conn);
+    if let Some(n) = f
+        .refused_log
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .allow()
+    {
+        tracing::warn!(
+            "vhost-user-blk {}: frontend refused: one is served and another waits \
+             ({n} more refused since the last report)",
+            f.dev.id
+        );
+    }
+}
+
+/// Serves a frontend on a control thread; when that thread has finished (its end of a
+/// socket pair closes; the main loop waits for that as for any other readiness, no
+/// polling), the waiting frontend, if any, gets its turn.
+fn serve_frontend(conn: OwnedFd, f: &Arc<Frontends>) {
     let stream = UnixStream::from(conn);
-    let mut list = conns.lock().unwrap_or_else(|e| e.into_inner());
-    list.retain(|c| !c.thread.is_finished());
     let setup = (|| {
         let ctl = stream.try_clone()?;
         stream.set_nonblocking(false)?;
@@ -330,15 +382,14 @@ fn accept(
         Err(e) => {
             tracing::warn!(
                 "vhost-user-blk {}: cannot set up the connection: {e}",
-                dev.id
+                f.dev.id
             );
             return;
         }
     };
-    let (dev, remotes) = (dev.clone(), remotes.to_vec());
+    let (dev, remotes) = (f.dev.clone(), f.remotes.clone());
     dev.serving
         .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-    let dev2 = dev.clone();
     let thread = std::thread::Builder::new()
         .name(format!("vhost-user-{}", dev.id))
         .spawn(move || {
@@ -353,24 +404,29 @@ fn accept(
     match thread {
         Ok(thread) => {
             let fd = stream.as_raw_fd();
-            list.push(Connection { stream, thread });
-            acceptor.pause();
-            let acceptor = acceptor.clone();
-            let conns = conns.clone();
+            f.conns
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(Connection { stream, thread });
+            let f = f.clone();
             stord_aio::spawn(async move {
                 let _ = stord_aio::op::poll_add(done_rx.as_raw_fd(), Interest::READABLE).await;
                 drop(done_rx);
-                // The connection is over: its socket closes now, not at the next accept
-                // (the thread itself only has its counters left to update).
-                conns
+                // The connection is over: its socket closes now (the thread itself only
+                // has its counters left to update).
+                f.conns
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
                     .retain(|c| c.stream.as_raw_fd() != fd);
-                acceptor.resume();
+                let next = f.waiting.lock().unwrap_or_else(|e| e.into_inner()).take();
+                if let Some(next) = next {
+                    serve_frontend(next, &f);
+                }
             });
         }
         Err(e) => {
-            dev2.serving
+            f.dev
+                .serving
                 .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
             tracing::error!("vhost-user-blk: cannot start a control thread: {e}")
         }

@@ -15,6 +15,7 @@ pub const NBD_SERVER_START: Command = Command {
         opt("handshake-max-seconds", Ty::Uint),
         opt("tls-creds", Ty::Str),
         opt("tls-authz", Ty::Str),
+        opt("x-buffer-limit", Ty::Uint),
     ],
     open: false,
     run: |state, a| {
