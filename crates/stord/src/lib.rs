@@ -12,6 +12,7 @@
 //! - [`tls`]: TLS credentials and sessions for the NBD server.
 //! - [`daemon`]: the daemon's API over what it holds: objects, nodes, exports.
 //! - [`events`]: QMP events, fanned out from the daemon to the monitors.
+//! - [`guest_fault`]: surviving guest memory a vhost-user frontend truncates.
 //! - [`iothread`]: the iothread object's properties, described once.
 //! - [`process`]: the main loop, signals, the command line applied, the stop.
 
@@ -21,6 +22,7 @@ pub mod cli;
 pub mod daemon;
 pub mod events;
 pub mod export;
+pub mod guest_fault;
 pub mod iothread;
 pub mod log;
 pub mod process;

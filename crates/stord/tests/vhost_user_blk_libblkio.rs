@@ -506,3 +506,56 @@ fn a_second_frontend_waits_its_turn_and_a_third_is_refused() {
     second.join().unwrap();
     peer.stop();
 }
+
+/// A frontend that shrinks its guest memory under the daemon (the memfd truncated to 0
+/// after a working round trip, then a request whose buffer lies there) costs only its own
+/// connection: the daemon does not die of SIGBUS, the export takes the next frontend, and
+/// the NBD export beside it serves throughout.
+#[test]
+fn a_frontend_that_shrinks_its_memory_costs_only_its_connection() {
+    let dir = tmpdir("blkio-shrink");
+    let vsock = dir.join("vhost.sock");
+    let nsock = dir.join("nbd.sock");
+    let mut args = monitor_args(&dir.join("qmp.sock"));
+    args.extend([
+        "--blockdev".into(),
+        "driver=null-co,node-name=z,size=64M,read-zeroes=on".into(),
+        "--nbd-server".into(),
+        format!("addr.type=unix,addr.path={}", nsock.display()),
+        "--export".into(),
+        "type=nbd,id=n,node-name=z,name=z".into(),
+        "--export".into(),
+        format!(
+            "type=vhost-user-blk,id=v,node-name=z,addr.type=unix,addr.path={}",
+            vsock.display()
+        ),
+    ]);
+    let mut s = Stord::start(&dir, &args);
+    {
+        let mut b = Blkio::new("virtio-blk-vhost-user").unwrap();
+        b.set_str("path", &vsock.display().to_string()).unwrap();
+        b.set_bool("read-only", true).unwrap();
+        b.connect().unwrap();
+        let mut started = b.start().unwrap();
+        let region = b.alloc_mem_region(SPAN).unwrap();
+        b.map_mem_region(&region).unwrap();
+        let q = &mut started.queues[0];
+        assert_eq!(one(q, false, 0, region.addr, 4096), 0);
+        // SAFETY: ftruncate on the region's own descriptor, which libblkio keeps open.
+        let r = unsafe { libc::ftruncate(region.fd, 0) };
+        assert_eq!(r, 0, "ftruncate: {}", std::io::Error::last_os_error());
+        // The daemon writes zeroes into a buffer that is no longer backed. The request
+        // fails or the connection goes; either way the daemon lives.
+        q.read(8192, region.addr as *mut u8, 4096, 1, ReqFlags::empty());
+        let mut c = [MaybeUninit::<Completion>::uninit()];
+        let mut limit = Duration::from_secs(3);
+        let _ = q.do_io(&mut c, 1, Some(&mut limit), None);
+    }
+    assert!(s.is_running(), "the daemon died");
+    let mut nbd = common::rawnbd::RawNbd::connect(&nsock, "z");
+    assert_eq!(nbd.read(1, 0, 4096), (0, vec![0; 4096]));
+    // The export takes the next frontend.
+    let (cap, data) = common::blkio_read(&vsock, 0, 4096);
+    assert_eq!((cap, data), (64 << 20, vec![0; 4096]));
+    drop(s);
+}

@@ -16,6 +16,8 @@ use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
 use virtio_queue::{Queue, QueueT};
 use vm_memory::{FileOffset, GuestAddress, GuestMemoryMmap, GuestRegionMmap, MmapRegion};
 
+use super::device::GuestFault;
+
 use super::device::{BlkDevice, MAX_QUEUE_SIZE, VHOST_USER_F_PROTOCOL_FEATURES};
 use super::inflight::InflightRegion;
 use super::vring::{VringHandle, VringStart};
@@ -51,6 +53,8 @@ pub(super) fn within_file(f: &File, offset: u64, len: u64) -> Result<(), String>
 
 /// One mapped region of guest memory.
 struct MemSlot {
+    /// Keeps a SIGBUS in the region from stopping the daemon (see `guest_fault`).
+    _watch: Option<crate::guest_fault::Watch>,
     /// Frontend virtual address, guest physical address, size.
     user_addr: u64,
     gpa: u64,
@@ -77,7 +81,7 @@ impl MemTable {
     }
 
     /// Maps one region from the frontend's fd.
-    fn map(r: &VhostUserMemoryRegion, f: File) -> VuResult<MemSlot> {
+    fn map(r: &VhostUserMemoryRegion, f: File, fault: &GuestFault) -> VuResult<MemSlot> {
         let bytes = r.memory_size;
         let size = usize::try_from(bytes)
             .ok()
@@ -88,7 +92,12 @@ impl MemTable {
             .map_err(|e| fail(format!("cannot map guest memory: {e}")))?;
         let region = GuestRegionMmap::new(map, GuestAddress(r.guest_phys_addr))
             .ok_or_else(|| fail("guest memory region overflows"))?;
+        let watch = crate::guest_fault::watch(region.as_ptr() as usize, size, &fault.flag);
+        if watch.is_none() {
+            tracing::warn!("vhost-user-blk: too many guest memory regions to watch for SIGBUS");
+        }
         Ok(MemSlot {
+            _watch: watch,
             user_addr: r.user_addr,
             gpa: r.guest_phys_addr,
             size: r.memory_size,
@@ -133,10 +142,12 @@ pub struct BlkBackend {
     mem: MemTable,
     vrings: Vec<VringConfig>,
     inflight: Option<Arc<InflightRegion>>,
+    /// This connection's guest memory vanished.
+    fault: Arc<GuestFault>,
 }
 
 impl BlkBackend {
-    pub fn new(dev: Arc<BlkDevice>, remotes: Vec<Remote>) -> Self {
+    pub fn new(dev: Arc<BlkDevice>, remotes: Vec<Remote>, fault: Arc<GuestFault>) -> Self {
         let n = dev.num_queues as usize;
         Self {
             dev,
@@ -146,6 +157,7 @@ impl BlkBackend {
             mem: MemTable::default(),
             vrings: (0..n).map(|_| VringConfig::default()).collect(),
             inflight: None,
+            fault,
         }
     }
 
@@ -235,6 +247,7 @@ impl BlkBackend {
             call: v.call.clone(),
             dev: self.dev.clone(),
             inflight: self.inflight.clone(),
+            fault: self.fault.clone(),
             // Without protocol features a ring is enabled when started; with them it waits
             // for SET_VRING_ENABLE. QEMU enables before it kicks, so both work.
             enabled: v.enabled || !protocol,
@@ -288,7 +301,7 @@ impl VhostUserBackendReqHandlerMut for BlkBackend {
         }
         let mut table = MemTable::default();
         for (r, f) in ctx.iter().zip(files) {
-            table.slots.push(MemTable::map(r, f)?);
+            table.slots.push(MemTable::map(r, f, &self.fault)?);
         }
         let guest = table.rebuild()?;
         self.mem = table;
@@ -461,7 +474,7 @@ impl VhostUserBackendReqHandlerMut for BlkBackend {
                 "ADD_MEM_REG: all {MAX_MEM_SLOTS} memory slots are in use"
             )));
         }
-        let slot = MemTable::map(region, fd)?;
+        let slot = MemTable::map(region, fd, &self.fault)?;
         let added = slot.region.clone();
         self.mem.slots.push(slot);
         match self.mem.rebuild() {
@@ -517,6 +530,9 @@ impl VhostUserBackendReqHandlerMut for BlkBackend {
 
 #[cfg(test)]
 mod tests {
+    fn fault() -> super::GuestFault {
+        super::GuestFault::new(std::os::unix::net::UnixStream::pair().unwrap().0)
+    }
     use super::*;
     use vm_memory::GuestMemoryBackend;
 
@@ -531,24 +547,26 @@ mod tests {
         let f = crate::sys::memfd_create("stord-test-mem").unwrap();
         f.set_len(0x1_0000).unwrap();
         let r = VhostUserMemoryRegion::new(0, 0x2_0000, 0x7f00_0000, 0);
-        let e = MemTable::map(&r, f.try_clone().unwrap()).err().unwrap();
+        let e = MemTable::map(&r, f.try_clone().unwrap(), &fault())
+            .err()
+            .unwrap();
         assert!(e.to_string().contains("runs past"), "{e}");
         let r = VhostUserMemoryRegion::new(0, 0x1_0000, 0x7f00_0000, 0x1000);
-        assert!(MemTable::map(&r, f.try_clone().unwrap()).is_err());
+        assert!(MemTable::map(&r, f.try_clone().unwrap(), &fault()).is_err());
         let r = VhostUserMemoryRegion::new(0, 0x1_0000, 0x7f00_0000, u64::MAX);
-        assert!(MemTable::map(&r, f.try_clone().unwrap()).is_err());
+        assert!(MemTable::map(&r, f.try_clone().unwrap(), &fault()).is_err());
         let r = VhostUserMemoryRegion::new(0, 0x1_0000, 0x7f00_0000, 0);
-        assert!(MemTable::map(&r, f).is_ok());
+        assert!(MemTable::map(&r, f, &fault()).is_ok());
     }
 
     #[test]
     fn regions_come_and_go_and_overlaps_are_refused() {
         let mut t = MemTable::default();
         let (r, f) = region(0x10_0000, 0x1_0000, 0x7f00_0000);
-        t.slots.push(MemTable::map(&r, f).unwrap());
+        t.slots.push(MemTable::map(&r, f, &fault()).unwrap());
         // Added out of address order: still a valid table.
         let (r, f) = region(0, 0x1_0000, 0x7e00_0000);
-        t.slots.push(MemTable::map(&r, f).unwrap());
+        t.slots.push(MemTable::map(&r, f, &fault()).unwrap());
         let g = t.rebuild().unwrap();
         assert_eq!(g.num_regions(), 2);
         assert_eq!(t.va_to_gpa(0x7f00_0010), Some(0x10_0010));
@@ -556,13 +574,13 @@ mod tests {
         assert_eq!(t.va_to_gpa(0x7e01_0000), None);
         // Overlapping the first region.
         let (r, f) = region(0x8000, 0x1_0000, 0x7d00_0000);
-        t.slots.push(MemTable::map(&r, f).unwrap());
+        t.slots.push(MemTable::map(&r, f, &fault()).unwrap());
         assert!(t.rebuild().is_err());
         t.slots.retain(|s| s.gpa != 0x8000);
         let g = t.rebuild().unwrap();
         assert_eq!(g.num_regions(), 2);
         // An empty region is refused when mapped.
         let (r, f) = region(0x20_0000, 0, 0x7c00_0000);
-        assert!(MemTable::map(&r, f).is_err());
+        assert!(MemTable::map(&r, f, &fault()).is_err());
     }
 }

@@ -24,6 +24,42 @@ pub const MAX_DISCARD_SECTORS: u32 = (1 << 30) >> 9;
 pub const MAX_QUEUE_SIZE: u16 = 1024;
 
 /// State shared by an export's control thread and all its queues.
+/// A connection's guest memory vanished (the frontend truncated a file it shared; see
+/// [`crate::guest_fault`]): its queues stop and its connection is closed, once.
+pub struct GuestFault {
+    /// Raised by the SIGBUS handler.
+    pub flag: Arc<std::sync::atomic::AtomicBool>,
+    /// The connection, to close.
+    sock: std::os::unix::net::UnixStream,
+    reported: std::sync::atomic::AtomicBool,
+}
+
+impl GuestFault {
+    pub fn new(sock: std::os::unix::net::UnixStream) -> Self {
+        Self {
+            flag: Arc::default(),
+            sock,
+            reported: Default::default(),
+        }
+    }
+
+    /// Whether the memory vanished; the first time, logs it and closes the connection.
+    pub fn check(&self, dev: &str) -> bool {
+        use std::sync::atomic::Ordering::SeqCst;
+        if !self.flag.load(SeqCst) {
+            return false;
+        }
+        if !self.reported.swap(true, SeqCst) {
+            tracing::warn!(
+                "vhost-user-blk {dev}: the frontend's memory vanished under the device (its \
+                 file was truncated); closing that connection"
+            );
+            let _ = self.sock.shutdown(std::net::Shutdown::Both);
+        }
+        true
+    }
+}
+
 pub struct BlkDevice {
     /// Block-export id (also the disk's serial number, as GET_ID returns).
     pub id: String,

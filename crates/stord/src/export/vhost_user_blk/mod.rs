@@ -436,7 +436,18 @@ fn serve_frontend(conn: OwnedFd, f: &Arc<Frontends>) {
 /// The control thread: one vhost-user message at a time until the frontend goes away or
 /// breaks the protocol. Rejected requests (the backend said no) keep the connection.
 fn serve(stream: UnixStream, dev: Arc<BlkDevice>, remotes: Vec<Remote>) {
-    let backend = Arc::new(Mutex::new(backend::BlkBackend::new(dev.clone(), remotes)));
+    let fault = match stream.try_clone() {
+        Ok(s) => Arc::new(device::GuestFault::new(s)),
+        Err(e) => {
+            tracing::warn!("vhost-user-blk {}: cannot serve a frontend: {e}", dev.id);
+            return;
+        }
+    };
+    let backend = Arc::new(Mutex::new(backend::BlkBackend::new(
+        dev.clone(),
+        remotes,
+        fault,
+    )));
     let mut handler = BackendReqHandler::from_stream(stream, backend.clone());
     // A frontend that sends refused requests in a loop gets one log line a second.
     let refused_log = crate::log::RateLimit::new(Duration::from_secs(1));

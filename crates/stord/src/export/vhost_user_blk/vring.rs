@@ -52,6 +52,8 @@ pub struct VringStart {
     pub dev: Arc<BlkDevice>,
     pub inflight: Option<Arc<super::inflight::InflightRegion>>,
     pub enabled: bool,
+    /// The connection's guest memory vanished: stop and close.
+    pub fault: Arc<super::device::GuestFault>,
 }
 
 /// The control thread's handle on a running queue.
@@ -225,6 +227,8 @@ pub struct Vring {
     halted: Cell<bool>,
     /// Told when the last request in flight completes after a stop.
     drained: RefCell<Option<std::sync::mpsc::SyncSender<()>>>,
+    /// The connection's guest memory vanished (checked at each pass and completion).
+    fault: Arc<super::device::GuestFault>,
     /// The driver broke the ring (e.g. an avail index beyond the ring): stop serving it.
     broken: Cell<bool>,
     handlers: Cell<Option<(FdHandlerId, PollHandlerId)>>,
@@ -294,6 +298,7 @@ impl Vring {
             drained: RefCell::new(None),
             broken: Cell::new(false),
             handlers: Cell::new(None),
+            fault: s.fault,
         });
         let weak = Rc::downgrade(&v);
         let bh = stord_aio::with_current_context(|ctx| {
@@ -384,6 +389,10 @@ impl Vring {
     /// Takes every available request and starts it as a task.
     fn process(self: &Rc<Self>) {
         if self.halted.get() || self.broken.get() || !self.enabled.get() {
+            return;
+        }
+        if self.fault.check(&self.dev.id) {
+            self.broken.set(true);
             return;
         }
         let mem = self.mem.borrow().clone();
@@ -515,6 +524,9 @@ impl Vring {
     /// completion would ask for a call, so those are batched into one per loop pass by a
     /// bottom half.
     fn complete(&self, head: u16, len: u32) {
+        if self.fault.check(&self.dev.id) {
+            self.broken.set(true);
+        }
         self.in_flight.set(self.in_flight.get() - 1);
         if self.in_flight.get() == 0 {
             if let Some(tx) = self.drained.take() {
