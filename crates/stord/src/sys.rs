@@ -298,3 +298,35 @@ pub fn ofd_byte_locked_elsewhere(fd: RawFd, offset: u64) -> io::Result<bool> {
     check(unsafe { libc::fcntl(fd, libc::F_OFD_GETLK, &mut fl) })?;
     Ok(fl.l_type != libc::F_UNLCK as i16)
 }
+
+/// Gives memory the allocator holds free back to the system (glibc keeps freed heap memory
+/// for reuse: after a burst of connections that came and went, the daemon would otherwise
+/// stay at its peak).
+pub fn release_free_memory() {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: malloc_trim only walks the allocator's own free lists.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
+thread_local! {
+    static TRIM_SCHEDULED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Calls [`release_free_memory`] on the current loop a second from now, once however many
+/// times it is asked for meanwhile (a connection that ends asks; a burst costs one trim).
+pub fn release_free_memory_soon() {
+    if TRIM_SCHEDULED.with(|s| s.replace(true)) {
+        return;
+    }
+    let scheduled = stord_aio::with_current_context(|ctx| {
+        ctx.add_timer(stord_aio::sys::now_ns() + 1_000_000_000, || {
+            TRIM_SCHEDULED.with(|s| s.set(false));
+            release_free_memory();
+        });
+    });
+    if scheduled.is_none() {
+        TRIM_SCHEDULED.with(|s| s.set(false));
+    }
+}

@@ -587,3 +587,71 @@ fn tls_over_qmp_with_an_encrypted_key() {
         assert_eq!(r["return"], serde_json::json!({}), "{r}");
     }
 }
+
+/// Resident memory of process `pid`, in KiB.
+fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap()
+}
+
+/// 300 clients that start TLS (STARTTLS, then half a record) and stall take memory while
+/// they are there; once the handshake limit has cut them off, that memory goes back to the
+/// system instead of staying at the peak.
+#[test]
+fn memory_of_stalled_tls_handshakes_goes_back_after_they_are_cut() {
+    use std::io::{Read, Write};
+    let dir = tmpdir("tls-stalled");
+    let pki = Pki::new(&dir);
+    let sock = dir.join("nbd.sock");
+    let img = dir.join("disk.img");
+    std::fs::write(&img, vec![0u8; 1 << 20]).unwrap();
+    let objects = [format!(
+        "tls-creds-x509,id=tls0,endpoint=server,dir={},verify-peer=off",
+        pki.dir("server")
+    )];
+    let child = start_daemon(
+        env!("CARGO_BIN_EXE_stord"),
+        &dir,
+        &sock,
+        &objects,
+        ",tls-creds=tls0,handshake-max-seconds=2",
+        &img,
+    );
+    let pid = child.id();
+    std::thread::sleep(Duration::from_millis(300));
+    let start = rss_kib(pid);
+    let mut stalled = Vec::new();
+    for _ in 0..300 {
+        let mut s = std::os::unix::net::UnixStream::connect(&sock).unwrap();
+        let mut hello = [0u8; 18];
+        s.read_exact(&mut hello).unwrap();
+        s.write_all(&1u32.to_be_bytes()).unwrap(); // fixed newstyle
+        let mut opt = b"IHAVEOPT".to_vec();
+        opt.extend_from_slice(&5u32.to_be_bytes()); // NBD_OPT_STARTTLS
+        opt.extend_from_slice(&0u32.to_be_bytes());
+        s.write_all(&opt).unwrap();
+        let mut reply = [0u8; 20];
+        s.read_exact(&mut reply).unwrap();
+        s.write_all(&[0x16, 0x03, 0x01, 0x02, 0x00, 0x01]).unwrap();
+        stalled.push(s);
+    }
+    let peak = rss_kib(pid);
+    assert!(
+        peak > start + 8 * 1024,
+        "stalled handshakes took {} KiB",
+        peak - start
+    );
+    // Cut at 2 s; memory is given back a second after connections stop ending.
+    std::thread::sleep(Duration::from_secs(5));
+    let after = rss_kib(pid);
+    assert!(
+        after < start + 4 * 1024,
+        "RSS {start} KiB at start, {peak} KiB with 300 stalled handshakes, {after} KiB after they were cut"
+    );
+    drop(stalled);
+    stop(child);
+}

@@ -478,6 +478,15 @@ impl NbdServer {
     }
 }
 
+/// Asks for a heap trim on the main loop when a connection's main-loop part ends.
+struct TrimWhenDone;
+
+impl Drop for TrimWhenDone {
+    fn drop(&mut self) {
+        crate::sys::release_free_memory_soon();
+    }
+}
+
 /// Counts a connection in the server's `max-connections` tally until dropped: it moves
 /// with the connection to the IoThread that serves it.
 struct LiveConnection(Arc<AtomicUsize>);
@@ -532,6 +541,9 @@ async fn handle_connection(
     if let Some(t) = timer {
         stord_aio::with_current_context(|ctx| ctx.cancel_timer(t));
     }
+    // Whatever this connection ends as, what it allocated (TLS sessions, buffers) goes back
+    // to the system once connections stop coming and going.
+    let _trim = TrimWhenDone;
     let n = match result {
         Ok(Some(n)) if !expired.get() => n,
         Ok(_) => return,

@@ -306,6 +306,8 @@ pub async fn serve(fd: OwnedFd, n: Negotiated, budget: Arc<MemoryBudget>) {
     conn.reader_done.set(true);
     conn.wake_writer();
     writer.await;
+    // The connection's memory goes back to the system once connections settle.
+    crate::sys::release_free_memory_soon();
     // Forget the fd before it is closed (with the last reference to `conn`), so a
     // disconnect from another thread never shuts down a reused fd number.
     conn.export
