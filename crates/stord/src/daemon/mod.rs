@@ -25,8 +25,8 @@ use crate::block::throttle::ThrottleGroup;
 use crate::block::BlockNode;
 use crate::cli::keyval::{KeyVal, OptionError};
 use crate::events::Events;
-use crate::export::nbd::{ExportTable, ListenAddr, NbdServer, NbdServerOpts};
-use crate::export::{Export, ExportEnv, EXPORT_TYPES};
+use crate::export::nbd::{ListenAddr, NbdServer, NbdServerOpts};
+use crate::export::{Export, ExportEnv, ExportServers, EXPORT_TYPES};
 use crate::secret::SecretError;
 use crate::tls::{TlsError, TlsServer};
 
@@ -122,12 +122,10 @@ pub struct State {
     exports: BTreeMap<String, Box<dyn Export>>,
     /// Each export's permissions on its node (given back once it has drained).
     export_claims: BTreeMap<String, crate::block::perm::Claim>,
-    /// The exports the NBD server offers (shared with it, for the handshake).
-    nbd_table: ExportTable,
     /// Exports being removed: each task ends once its export has drained.
     removals: Vec<stord_aio::JoinHandle<()>>,
-    /// The NBD server, if started.
-    nbd: Option<NbdServer>,
+    /// Protocol servers (the NBD server, once started), by the export type they serve.
+    servers: ExportServers,
     /// Event fan-out to negotiated monitor connections.
     events: Events,
     /// Set to stop the main loop.
@@ -219,14 +217,19 @@ impl State {
 
     /// Where the NBD server listens, if it runs.
     pub fn nbd_addr(&self) -> Option<ListenAddr> {
-        self.nbd.as_ref().map(|s| s.addr.clone())
+        let nbd = self
+            .servers
+            .get("nbd")?
+            .as_any()
+            .downcast_ref::<NbdServer>()?;
+        Some(nbd.addr.clone())
     }
 
     /// The first step of a stop: the NBD server stops listening and every export is
     /// removed (clients disconnected). Returns the removals, each done once its export
     /// has drained.
     pub fn stop_serving(&mut self) -> Vec<stord_aio::JoinHandle<()>> {
-        if let Some(mut s) = self.nbd.take() {
+        for (_, mut s) in std::mem::take(&mut self.servers) {
             s.stop();
         }
         self.drain_exports();
@@ -451,7 +454,7 @@ impl State {
         ctx: &AioContext,
         opts: NbdServerOpts,
     ) -> Result<(), DaemonError> {
-        if self.nbd.is_some() {
+        if self.servers.contains_key("nbd") {
             return Err(DaemonError::NbdServerRunning);
         }
         let tls = match &opts.tls_creds {
@@ -480,34 +483,40 @@ impl State {
             ));
         }
         let addr = opts.addr.clone();
-        let server =
-            NbdServer::start(ctx, opts, tls, self.nbd_table.clone()).map_err(|source| {
-                DaemonError::Listen {
-                    addr: addr.to_string(),
-                    source,
-                }
-            })?;
-        self.nbd = Some(server);
+        let server = NbdServer::start(ctx, opts, tls).map_err(|source| DaemonError::Listen {
+            addr: addr.to_string(),
+            source,
+        })?;
+        self.servers.insert("nbd", Box::new(server));
         Ok(())
     }
 
     /// `nbd-server-stop`: stops listening; exports stay until deleted (as in QEMU, NBD
     /// exports are removed with the server).
     pub fn stop_nbd_server(&mut self) -> Result<(), DaemonError> {
-        let Some(mut s) = self.nbd.take() else {
+        if !self.stop_server("nbd") {
             return Err(DaemonError::NbdServerNotRunning);
-        };
-        s.stop();
-        let nbd: Vec<String> = self
-            .exports
-            .values()
-            .filter(|e| e.kind() == "nbd")
-            .map(|e| e.id().to_string())
-            .collect();
-        for id in nbd {
-            self.begin_export_removal(&id);
         }
         Ok(())
+    }
+
+    /// Stops the protocol server for export type `kind` and removes the exports offered
+    /// through it; false if none runs.
+    fn stop_server(&mut self, kind: &str) -> bool {
+        let Some(mut s) = self.servers.remove(kind) else {
+            return false;
+        };
+        s.stop();
+        let offered: Vec<String> = self
+            .exports
+            .values()
+            .filter(|e| e.kind() == s.kind())
+            .map(|e| e.id().to_string())
+            .collect();
+        for id in offered {
+            self.begin_export_removal(&id);
+        }
+        true
     }
 
     /// `--export` / `block-export-add`: the type's constructor from [`EXPORT_TYPES`].
@@ -540,7 +549,7 @@ impl State {
         let env = ExportEnv {
             nodes: &self.nodes,
             iothreads: &self.iothreads,
-            nbd: self.nbd.as_ref().map(|_| &self.nbd_table),
+            servers: &self.servers,
             claimed: self.exports.values().filter_map(|e| e.claim()).collect(),
         };
         let export = create(&env, kv)?;

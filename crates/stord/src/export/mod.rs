@@ -81,19 +81,38 @@ impl From<String> for ExportError {
     }
 }
 
+/// A protocol server exports are offered through (the NBD server): exports of its kind
+/// register with it when they are created and go when it stops.
+pub trait ExportServer: std::any::Any {
+    /// The export type it serves (`nbd`).
+    fn kind(&self) -> &'static str;
+    /// Stops listening (connections already served go on until their exports go).
+    fn stop(&mut self);
+    /// For [`ExportEnv::server`].
+    fn as_any(&self) -> &dyn std::any::Any;
+}
+
+/// Running protocol servers, by the export type they serve.
+pub type ExportServers = BTreeMap<&'static str, Box<dyn ExportServer>>;
+
 /// What constructors may look at: the graph, the IoThreads and protocol servers.
 pub struct ExportEnv<'a> {
     /// Block nodes by name.
     pub nodes: &'a BTreeMap<String, Arc<BlockNode>>,
     /// IoThreads by id.
     pub iothreads: &'a BTreeMap<String, IoThread>,
-    /// The NBD server's export table, if the server runs.
-    pub nbd: Option<&'a nbd::ExportTable>,
+    /// The protocol servers that run.
+    pub servers: &'a ExportServers,
     /// Resources other exports hold ([`Export::claim`]).
     pub claimed: Vec<String>,
 }
 
 impl ExportEnv<'_> {
+    /// The running server for export type `kind`, as its own type.
+    pub fn server<T: ExportServer>(&self, kind: &str) -> Option<&T> {
+        self.servers.get(kind)?.as_any().downcast_ref()
+    }
+
     /// The node named `name`.
     pub fn node(&self, what: &str, name: &str) -> Result<Arc<BlockNode>, ExportError> {
         self.nodes

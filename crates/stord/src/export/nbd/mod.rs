@@ -263,7 +263,7 @@ pub fn create(env: &ExportEnv<'_>, mut kv: KeyVal) -> Result<Box<dyn Export>, Ex
             format!("{what}: node '{node_name}' is read-only, cannot export it writable").into(),
         );
     }
-    let Some(table) = env.nbd else {
+    let Some(table) = env.server::<NbdServer>("nbd").map(NbdServer::table) else {
         return Err(ExportError::Invalid("NBD server not running".into()));
     };
     let mut export = NbdExport::new(id, name, description, node, writable, iothreads, multi_conn);
@@ -413,6 +413,20 @@ pub struct NbdServer {
     acceptor: Option<Acceptor>,
     /// What all its connections' requests may hold together.
     budget: Arc<MemoryBudget>,
+    /// The exports it offers (shared with the connections, for the handshake).
+    table: ExportTable,
+}
+
+impl crate::export::ExportServer for NbdServer {
+    fn kind(&self) -> &'static str {
+        "nbd"
+    }
+    fn stop(&mut self) {
+        NbdServer::stop(self)
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
 }
 
 impl NbdServer {
@@ -421,8 +435,9 @@ impl NbdServer {
         ctx: &AioContext,
         opts: NbdServerOpts,
         tls: Option<Arc<TlsServer>>,
-        exports: ExportTable,
     ) -> std::io::Result<Self> {
+        let exports = ExportTable::default();
+        let table = exports.clone();
         let (fd, tcp): (OwnedFd, bool) = match &opts.addr {
             ListenAddr::Unix(p) => {
                 if p.exists() {
@@ -461,7 +476,13 @@ impl NbdServer {
             addr: opts.addr,
             acceptor: Some(acceptor),
             budget,
+            table,
         })
+    }
+
+    /// The exports it offers.
+    pub fn table(&self) -> &ExportTable {
+        &self.table
     }
 
     /// Request data its connections hold now, and the limit.
