@@ -30,6 +30,10 @@ pub const EVENTS: &[EventInfo] = &[
         name: "BLOCK_EXPORT_DELETED",
         members: &[("id", "str")],
     },
+    EventInfo {
+        name: "JOB_STATUS_CHANGE",
+        members: &[("id", "str"), ("status", "any")],
+    },
 ];
 
 /// A receiver of events (one QMP connection).

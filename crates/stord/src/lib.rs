@@ -14,6 +14,7 @@
 //! - [`events`]: QMP events, fanned out from the daemon to the monitors.
 //! - [`guest_fault`]: surviving guest memory a vhost-user frontend truncates.
 //! - [`iothread`]: the iothread object's properties, described once.
+//! - [`job`]: jobs (QEMU's states, verbs and events); `blockdev-create` runs as one.
 //! - [`process`]: the main loop, signals, the command line applied, the stop.
 
 pub mod accept;
@@ -24,6 +25,7 @@ pub mod events;
 pub mod export;
 pub mod guest_fault;
 pub mod iothread;
+pub mod job;
 pub mod log;
 pub mod process;
 pub mod qmp;

@@ -59,3 +59,8 @@ fn qmp_reopen_and_transaction_answer_as_qsd() {
 fn qmp_schema_is_generated_from_the_command_table_and_agrees_with_qsd() {
     run_script("schema.py");
 }
+
+#[test]
+fn qmp_blockdev_create_jobs_answer_as_qsd() {
+    run_script("jobs_create.py");
+}

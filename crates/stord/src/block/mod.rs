@@ -5,6 +5,7 @@
 //! request futures are not `Send`: a request runs entirely on the IoThread that issued it
 //! (for the io_uring backend, on that thread's own ring).
 
+pub mod create;
 pub mod file;
 pub mod graph;
 pub mod iov;

@@ -241,7 +241,7 @@ impl Graph for Builder<'_> {
 
 /// QEMU's `id_wellformed`: a letter, then letters, digits, `-`, `.` and `_` (object ids,
 /// export ids and node names).
-pub(super) fn id_wellformed(id: &str) -> bool {
+pub fn id_wellformed(id: &str) -> bool {
     let mut chars = id.chars();
     chars.next().is_some_and(|c| c.is_ascii_alphabetic())
         && chars.all(|c| c.is_ascii_alphanumeric() || "-._".contains(c))

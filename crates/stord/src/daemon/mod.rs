@@ -9,7 +9,7 @@
 mod graph;
 mod objects;
 
-use graph::id_wellformed;
+pub use graph::id_wellformed;
 
 pub use objects::{ObjectType, UserObject, OBJECT_TYPES};
 
@@ -58,6 +58,8 @@ pub enum DaemonError {
     Export(#[from] crate::export::ExportError),
     #[error(transparent)]
     Throttle(#[from] crate::block::throttle::ThrottleConfigError),
+    #[error(transparent)]
+    Job(#[from] crate::job::JobError),
     #[error("Block device {name} is in use (it is the '{role}' child of node '{parent}')")]
     NodeIsChild {
         name: String,
@@ -126,6 +128,8 @@ pub struct State {
     removals: Vec<stord_aio::JoinHandle<()>>,
     /// Protocol servers (the NBD server, once started), by the export type they serve.
     servers: ExportServers,
+    /// Jobs, by id.
+    jobs: crate::job::Jobs,
     /// Event fan-out to negotiated monitor connections.
     events: Events,
     /// Set to stop the main loop.
@@ -161,6 +165,74 @@ fn export_perms(
     (perm, shared)
 }
 
+/// What `blockdev-create` makes.
+pub enum CreateOptions {
+    /// A file.
+    File(crate::block::create::FileCreate),
+    /// A qcow2 image on the node named `file`.
+    Qcow2 {
+        file: String,
+        opts: crate::block::create::Qcow2Create,
+    },
+}
+
+/// Jobs.
+impl State {
+    /// The jobs (query-jobs, job-dismiss, job-finalize).
+    pub fn jobs(&self) -> &crate::job::Jobs {
+        &self.jobs
+    }
+
+    /// `blockdev-create`: a job of type `create` (no auto-dismiss, as QEMU's). What is
+    /// wrong with the options (a node not found, QEMU's checks) fails the job, not the
+    /// command, as in QEMU.
+    pub fn blockdev_create(&mut self, job_id: &str, o: CreateOptions) -> Result<(), DaemonError> {
+        // Resolved now, while the graph is at hand; a missing node fails the job.
+        let node = match &o {
+            CreateOptions::Qcow2 { file, .. } => Some(
+                self.nodes
+                    .get(file)
+                    .cloned()
+                    .ok_or_else(|| format!("Cannot find device='{file}' nor node-name='{file}'")),
+            ),
+            CreateOptions::File(_) => None,
+        };
+        let opts = crate::job::JobOptions {
+            auto_finalize: true,
+            auto_dismiss: false,
+        };
+        self.jobs.start(
+            job_id,
+            "create",
+            opts,
+            &self.events,
+            move |job| async move {
+                job.set_progress(0, 1);
+                let r = async {
+                    match o {
+                        CreateOptions::File(f) => crate::block::create::create_file(&f),
+                        CreateOptions::Qcow2 { opts, .. } => {
+                            opts.check()?;
+                            let Some(file) = node else {
+                                return Err("no file node".to_string());
+                            };
+                            crate::block::create::create_qcow2(&file?, &opts)
+                                .await
+                                .map_err(|e| e.to_string())
+                        }
+                    }
+                }
+                .await;
+                // As QEMU: the one step counts as done whatever its outcome.
+                job.set_progress(1, 1);
+                r
+            },
+        )?;
+        Ok(())
+    }
+}
+
+/// What the monitor and the process read and ask of the daemon.
 impl State {
     /// The event fan-out.
     pub fn events(&self) -> &Events {

@@ -347,10 +347,15 @@ async fn serve(conn: OwnedFd, state: SharedState) {
 }
 
 /// Commands the QMP fuzz target does not run: they listen on or remove paths the input
-/// names (`nbd-server-start`, `block-export-add`), start threads (`object-add` of an
+/// names (`nbd-server-start`, `block-export-add`, `blockdev-create`), start threads (`object-add` of an
 /// iothread) or stop the process. Everything else runs against a daemon state of its own.
 #[cfg(any(test, fuzzing))]
-const FUZZ_SKIPPED: &[&str] = &["nbd-server-start", "block-export-add", "quit"];
+const FUZZ_SKIPPED: &[&str] = &[
+    "nbd-server-start",
+    "block-export-add",
+    "blockdev-create",
+    "quit",
+];
 
 /// Fuzz entry (`fuzz/fuzz_targets/qmp_commands.rs`): `data` as what a monitor client sends,
 /// cut into texts by the real splitter, parsed and dispatched by the real request handler

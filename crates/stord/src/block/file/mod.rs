@@ -16,7 +16,7 @@
 
 mod extent_cache;
 mod linux_aio;
-mod lock;
+pub(crate) mod lock;
 mod threads;
 mod uring;
 

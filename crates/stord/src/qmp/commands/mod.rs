@@ -6,12 +6,13 @@
 //! schema where the two overlap.
 //!
 //! The handlers live beside the concern they serve: [`block`] (nodes), [`export`] (exports
-//! and the NBD server), [`object`] (objects and iothread properties), [`control`] (the
-//! monitor itself and the process).
+//! and the NBD server), [`object`] (objects and iothread properties), [`job`] (jobs and
+//! blockdev-create), [`control`] (the monitor itself and the process).
 
 mod block;
 mod control;
 mod export;
+mod job;
 mod object;
 
 use serde_json::{json, Map, Value};
@@ -130,6 +131,10 @@ pub const COMMANDS: &[Command] = &[
     export::QUERY_BLOCK_EXPORTS,
     block::BLOCKDEV_REOPEN,
     block::BLOCK_RESIZE,
+    job::BLOCKDEV_CREATE,
+    job::QUERY_JOBS,
+    job::JOB_DISMISS,
+    job::JOB_FINALIZE,
     control::TRANSACTION,
     control::QUIT,
 ];
