@@ -54,7 +54,7 @@ pub(super) fn within_file(f: &File, offset: u64, len: u64) -> Result<(), String>
 /// One mapped region of guest memory.
 struct MemSlot {
     /// Keeps a SIGBUS in the region from stopping the daemon (see `guest_fault`).
-    _watch: Option<crate::guest_fault::Watch>,
+    watch: Option<crate::guest_fault::Watch>,
     /// Frontend virtual address, guest physical address, size.
     user_addr: u64,
     gpa: u64,
@@ -97,7 +97,7 @@ impl MemTable {
             tracing::warn!("vhost-user-blk: too many guest memory regions to watch for SIGBUS");
         }
         Ok(MemSlot {
-            _watch: watch,
+            watch,
             user_addr: r.user_addr,
             gpa: r.guest_phys_addr,
             size: r.memory_size,
@@ -144,6 +144,10 @@ pub struct BlkBackend {
     inflight: Option<Arc<InflightRegion>>,
     /// This connection's guest memory vanished.
     fault: Arc<GuestFault>,
+    /// Regions taken out of the table that requests may still use, watched until the last
+    /// of those lets go (then unwatched and unmapped together).
+    /// (The watch first: it is dropped, so unregistered, before the region is unmapped.)
+    retired: Vec<(Option<crate::guest_fault::Watch>, Arc<GuestRegionMmap>)>,
 }
 
 impl BlkBackend {
@@ -158,7 +162,15 @@ impl BlkBackend {
             vrings: (0..n).map(|_| VringConfig::default()).collect(),
             inflight: None,
             fault,
+            retired: Vec::new(),
         }
+    }
+
+    /// Slots leave the table: their regions stay watched while anything still maps them.
+    fn retire(&mut self, slots: impl IntoIterator<Item = MemSlot>) {
+        self.retired
+            .extend(slots.into_iter().map(|s| (s.watch, s.region)));
+        self.retired.retain(|(_, r)| Arc::strong_count(r) > 1);
     }
 
     fn vring(&mut self, index: u32) -> VuResult<&mut VringConfig> {
@@ -304,8 +316,10 @@ impl VhostUserBackendReqHandlerMut for BlkBackend {
             table.slots.push(MemTable::map(r, f, &self.fault)?);
         }
         let guest = table.rebuild()?;
-        self.mem = table;
+        let old = std::mem::replace(&mut self.mem, table);
         self.publish_mem(guest);
+        drop(old.guest);
+        self.retire(old.slots);
         Ok(None)
     }
 
@@ -500,9 +514,10 @@ impl VhostUserBackendReqHandlerMut for BlkBackend {
                     "REM_MEM_REG: no region at {gpa:#x} of {size} bytes"
                 ))
             })?;
-        self.mem.slots.remove(i);
+        let removed = self.mem.slots.remove(i);
         let guest = self.mem.rebuild()?;
         self.publish_mem(guest);
+        self.retire([removed]);
         Ok(())
     }
 
@@ -582,5 +597,38 @@ mod tests {
         // An empty region is refused when mapped.
         let (r, f) = region(0x20_0000, 0, 0x7c00_0000);
         assert!(MemTable::map(&r, f, &fault()).is_err());
+    }
+
+    /// A region replaced by a new memory table while a request still maps it stays
+    /// watched: the frontend truncating its file then costs the connection, not the daemon
+    /// (before, its watch went with the old table and this test process died of SIGBUS).
+    #[test]
+    fn a_retired_region_stays_watched_while_it_is_used() {
+        let node = Arc::new(crate::block::BlockNode::new(
+            "n".into(),
+            Box::new(crate::block::null::NullDriver::new(1 << 20, true)),
+            false,
+            false,
+        ));
+        let dev = Arc::new(BlkDevice::new("v".into(), node, true, 512, 1));
+        let f = Arc::new(fault());
+        let mut b = BlkBackend::new(dev, Vec::new(), f.clone());
+        let (r, file) = region(0, 0x10_0000, 0x7f00_0000);
+        let keep = file.try_clone().unwrap();
+        b.set_mem_table(&[r], vec![file], None).unwrap();
+        // A request in flight holds the guest memory it started with.
+        let in_flight = b.mem.guest.clone().unwrap();
+        let (r2, file2) = region(0, 0x10_0000, 0x7e00_0000);
+        b.set_mem_table(&[r2], vec![file2], None).unwrap();
+        keep.set_len(0).unwrap();
+        let mut byte = [7u8; 1];
+        use vm_memory::Bytes;
+        in_flight
+            .read_slice(&mut byte, GuestAddress(0x1000))
+            .unwrap();
+        assert_eq!(byte, [0]);
+        assert!(f.flag.load(std::sync::atomic::Ordering::SeqCst));
+        drop(in_flight);
+        drop(b);
     }
 }
