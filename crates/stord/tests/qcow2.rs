@@ -431,3 +431,42 @@ fn allocation_depth_matches_qsd_over_a_backing_chain() {
     let listed = map(env!("CARGO_BIN_EXE_stord"), &dir.join("s.sock"), false);
     assert!(listed.contains("base:allocation") && !listed.contains("qemu:allocation-depth"));
 }
+
+/// An image with persistent dirty bitmaps (`qemu-img bitmap --add`) is never silently
+/// invalidated: a read-write open is refused with a clear error, a read-only one serves it,
+/// and afterwards qemu-img still lists the bitmap and check finds nothing (before: stord
+/// cleared the autoclear bit, qemu-img info listed no bitmap and check warned that a
+/// program lacking bitmap support modified the file).
+#[test]
+fn persistent_bitmaps_are_kept_or_the_open_is_refused() {
+    let dir = tmpdir("qcow2-bitmaps");
+    let img = dir.join("b.qcow2").display().to_string();
+    run_ok("qemu-img", &["create", "-q", "-f", "qcow2", &img, "16M"]);
+    run_ok("qemu-img", &["bitmap", "--add", &img, "b0"]);
+    run_ok("qemu-io", &["-c", "write -P 0x3d 0 64k", &img]);
+    let sock = dir.join("qmp.sock");
+    let s = Stord::start(&dir, &common::rawqmp::monitor_args(&sock));
+    let mut q = RawQmp::connect(&sock);
+    let add = |q: &mut RawQmp, ro: bool| {
+        q.send(&format!(
+            r#"{{"execute":"blockdev-add","arguments":{{"driver":"qcow2","node-name":"b","read-only":{ro},"file":{{"driver":"file","filename":"{img}"}}}}}}"#
+        ))
+    };
+    let r = add(&mut q, false);
+    let desc = r["error"]["desc"].as_str().unwrap_or_default().to_string();
+    assert!(desc.contains("1 persistent dirty bitmap"), "{r}");
+    let r = add(&mut q, true);
+    assert!(r.get("return").is_some(), "{r}");
+    let r = q.send(r#"{"execute":"blockdev-del","arguments":{"node-name":"b"}}"#);
+    assert!(r.get("return").is_some(), "{r}");
+    drop(s);
+    let info = run_ok("qemu-img", &["info", &img]);
+    assert!(info.contains("b0"), "{info}");
+    let out = run("qemu-img", &["check", &img]);
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && !text.contains("lacking bitmap support"),
+        "{text}"
+    );
+}

@@ -40,6 +40,14 @@ mod ext {
     pub const END: u32 = 0;
     pub const BACKING_FORMAT: u32 = 0xe279_2aca;
     pub const DATA_FILE: u32 = 0x4441_5441;
+    pub const BITMAPS: u32 = 0x2385_2875;
+}
+
+/// Autoclear feature bits.
+pub mod autoclear {
+    /// The bitmaps extension is consistent with the image (a program that does not keep
+    /// the bitmaps clears it on a read-write open, which invalidates them).
+    pub const BITMAPS: u64 = 1;
 }
 
 /// Byte offsets of fields written back by the driver.
@@ -122,6 +130,8 @@ pub struct Header {
     pub backing_file: Option<String>,
     /// The backing file's format (`backing_fmt`), if the image names it.
     pub backing_format: Option<String>,
+    /// Persistent dirty bitmaps the bitmaps extension lists (0 without one).
+    pub bitmaps: u32,
 }
 
 fn be32(b: &[u8], at: usize) -> u32 {
@@ -190,6 +200,7 @@ impl Header {
             compression: Compression::Zlib,
             backing_file: None,
             backing_format: None,
+            bitmaps: 0,
         };
         if be32(buf, 32) != 0 {
             return Err(HeaderError::Unsupported("Encryption".into()));
@@ -299,6 +310,8 @@ impl Header {
                 ext::DATA_FILE => {
                     return Err(HeaderError::Unsupported("An external data file".into()));
                 }
+                // nb_bitmaps is its first field.
+                ext::BITMAPS if data.len() >= 4 => self.bitmaps = be32(data, 0),
                 // Feature names, bitmaps, encryption, unknown: nothing to act on.
                 _ => {}
             }

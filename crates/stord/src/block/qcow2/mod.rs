@@ -172,6 +172,14 @@ pub enum Qcow2Error {
     /// Opening read-write is not possible.
     #[error("qcow2: {0}")]
     NotWritable(&'static str),
+    /// Writing would invalidate the image's persistent dirty bitmaps (stord cannot keep them
+    /// up to date yet); the user decides.
+    #[error(
+        "qcow2: the image has {0} persistent dirty bitmap(s), which stord cannot keep up to \
+         date yet: a read-write open would invalidate them (incremental backups rely on \
+         them). Open it read-only, or remove them first with 'qemu-img bitmap --remove'"
+    )]
+    Bitmaps(u32),
     /// The metadata contradicts itself: writing would destroy it.
     #[error("qcow2: Image is corrupt: {0}; cannot be opened read/write")]
     Corrupt(String),
@@ -284,8 +292,9 @@ fn metadata_regions(
 impl Image {
     /// Reads and checks the header and the tables every request needs (on a loop of the
     /// calling thread's: see [`crate::block::block_on_helper`]). With `writable`, images
-    /// this driver must not write are refused, and autoclear bits are cleared on disk
-    /// (stord does not keep bitmaps up to date).
+    /// this driver must not write are refused (among them images with persistent dirty
+    /// bitmaps, which stord cannot keep up to date yet and would invalidate), and other
+    /// autoclear bits are cleared on disk, as a program without those features must.
     pub async fn load(file: &BlockNode, writable: bool) -> Result<Image, Qcow2Error> {
         let f = file.driver();
         let (r, first) = f.read(0, request_buf(4096)).await;
@@ -319,6 +328,12 @@ impl Image {
                 return Err(Qcow2Error::NotWritable(
                     "Image is corrupt; cannot be opened read/write",
                 ));
+            }
+            if header.version >= 3
+                && header.autoclear & header::autoclear::BITMAPS != 0
+                && header.bitmaps > 0
+            {
+                return Err(Qcow2Error::Bitmaps(header.bitmaps));
             }
             if header.version >= 3 && header.autoclear != 0 {
                 let mut b = request_buf(8);
