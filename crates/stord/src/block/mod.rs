@@ -207,6 +207,17 @@ pub enum DetectZeroes {
     Unmap,
 }
 
+impl DetectZeroes {
+    /// As QMP names it.
+    pub fn name(self) -> &'static str {
+        match self {
+            DetectZeroes::Off => "off",
+            DetectZeroes::On => "on",
+            DetectZeroes::Unmap => "unmap",
+        }
+    }
+}
+
 /// Options every node takes, whatever its driver (QEMU's generic block options).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct CommonOptions {
@@ -331,6 +342,20 @@ impl BlockNode {
     /// The child nodes with their roles.
     pub fn children(&self) -> Vec<(&'static str, &Arc<BlockNode>)> {
         self.driver.children()
+    }
+
+    /// `detect-zeroes` as set on this node.
+    pub fn detect_zeroes(&self) -> DetectZeroes {
+        self.detect_zeroes
+    }
+
+    /// How many backing files lie below this node (QEMU's `backing_file_depth`: the
+    /// chain of `backing` children; filters and files have none of their own).
+    pub fn backing_depth(&self) -> u32 {
+        self.children()
+            .iter()
+            .find(|(role, _)| *role == "backing")
+            .map_or(0, |(_, b)| 1 + b.backing_depth())
     }
 
     /// Current size.

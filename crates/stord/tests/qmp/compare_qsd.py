@@ -30,8 +30,12 @@ def shape_diff(a, b, where, problems, missing):
         problems.append(f"{where}: {a!r} vs {b!r}")
 
 
-def run(binary, tag, img, nbd):
+def run(binary, tag, img, nbd, base, top):
     args = ["--object", "iothread,id=io0",
+            "--blockdev", f"driver=file,node-name=basef,filename={base}",
+            "--blockdev", "driver=qcow2,node-name=base,file=basef,read-only=on",
+            "--blockdev", f"driver=file,node-name=topf,filename={top}",
+            "--blockdev", "driver=qcow2,node-name=top,file=topf,backing=base,detect-zeroes=on",
             "--blockdev", f"driver=file,node-name=disk,filename={img},aio=io_uring,cache.direct=on",
             "--blockdev", "driver=null-co,node-name=nul,size=1048576",
             "--nbd-server", f"addr.type=unix,addr.path={nbd}",
@@ -51,8 +55,22 @@ def run(binary, tag, img, nbd):
 
 def test():
     img = common.sparse("compare.img", 8 << 20)
-    qsd_e, qsd_n = run("qemu-storage-daemon", "qsd", img, common.path("cmp-qsd.sock"))
-    st_e, st_n = run(common.STORD, "stord", img, common.path("cmp-stord.sock"))
+    import subprocess
+    base, top = common.path("cmp-base.qcow2"), common.path("cmp-top.qcow2")
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", base, "16M"], check=True)
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", base, "-F", "qcow2", top],
+                   check=True)
+    qsd_e, qsd_n = run("qemu-storage-daemon", "qsd", img, common.path("cmp-qsd.sock"), base, top)
+    st_e, st_n = run(common.STORD, "stord", img, common.path("cmp-stord.sock"), base, top)
+    # The qcow2 chain: the fields both report, with the values QEMU gives them (the
+    # backing chain's depth, detect-zeroes as set).
+    by = lambda nodes: {n["node-name"]: n for n in nodes}
+    qn, sn = by(qsd_n), by(st_n)
+    for name in ("top", "base"):
+        for k in ("node-name", "drv", "ro", "encrypted", "backing_file_depth", "detect_zeroes"):
+            assert qn[name][k] == sn[name][k], (name, k, qn[name][k], sn[name][k])
+    qsd_n = [qn["disk"], qn["nul"]]
+    st_n = [sn["disk"], sn["nul"]]
     problems, missing = [], []
     shape_diff(qsd_e, st_e, "query-block-exports", problems, missing)
     assert not missing, f"stord lacks fields qsd has: {missing}"
