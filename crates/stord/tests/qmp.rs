@@ -64,3 +64,8 @@ fn qmp_schema_is_generated_from_the_command_table_and_agrees_with_qsd() {
 fn qmp_blockdev_create_jobs_answer_as_qsd() {
     run_script("jobs_create.py");
 }
+
+#[test]
+fn qmp_dirty_bitmaps_answer_as_qsd() {
+    run_script("bitmaps.py");
+}

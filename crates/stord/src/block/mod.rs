@@ -6,6 +6,7 @@
 //! (for the io_uring backend, on that thread's own ring).
 
 pub mod create;
+pub mod dirty_bitmap;
 pub mod file;
 pub mod graph;
 pub mod iov;
@@ -149,6 +150,10 @@ pub trait BlockDriver: Send + Sync {
     fn allocated_bytes(&self) -> Option<u64> {
         None
     }
+    /// The image's cluster size, for format drivers that have one.
+    fn cluster_size(&self) -> Option<u64> {
+        None
+    }
     /// The child nodes, each with its role (`file`), for the graph's bookkeeping.
     fn children(&self) -> Vec<(&'static str, &Arc<BlockNode>)> {
         Vec::new()
@@ -260,6 +265,10 @@ pub struct BlockNode {
     unmap: bool,
     /// Who uses the node with which permissions ([`perm`]).
     users: std::sync::Mutex<perm::Users>,
+    /// Dirty bitmaps, oldest first; `has_bitmaps` spares writes the lock when there are
+    /// none.
+    bitmaps: std::sync::RwLock<Vec<Arc<dirty_bitmap::DirtyBitmap>>>,
+    has_bitmaps: std::sync::atomic::AtomicBool,
     driver: Box<dyn BlockDriver>,
 }
 
@@ -280,6 +289,8 @@ impl BlockNode {
             detect_zeroes: DetectZeroes::Off,
             unmap: true,
             users: Default::default(),
+            bitmaps: Default::default(),
+            has_bitmaps: Default::default(),
             driver,
         }
     }
@@ -342,6 +353,82 @@ impl BlockNode {
     /// The child nodes with their roles.
     pub fn children(&self) -> Vec<(&'static str, &Arc<BlockNode>)> {
         self.driver.children()
+    }
+
+    /// Marks [offset, offset + len) in every recording bitmap (after the write, whatever
+    /// its outcome, as QEMU's write_req_finish).
+    fn mark_dirty(&self, offset: u64, len: u64) {
+        if !self.has_bitmaps.load(Relaxed) {
+            return;
+        }
+        for b in self
+            .bitmaps
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+        {
+            b.mark(offset, len);
+        }
+    }
+
+    /// The bitmaps, newest first (as QEMU lists them).
+    pub fn bitmaps(&self) -> Vec<Arc<dirty_bitmap::DirtyBitmap>> {
+        let mut v = self
+            .bitmaps
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        v.reverse();
+        v
+    }
+
+    /// The bitmap `name`.
+    pub fn bitmap(
+        &self,
+        name: &str,
+    ) -> Result<Arc<dirty_bitmap::DirtyBitmap>, dirty_bitmap::BitmapError> {
+        self.bitmaps
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .find(|b| b.name == name)
+            .cloned()
+            .ok_or_else(|| dirty_bitmap::BitmapError::NotFound(name.into()))
+    }
+
+    /// Adds a bitmap (its name must be new on this node).
+    pub fn add_bitmap(
+        &self,
+        b: dirty_bitmap::DirtyBitmap,
+    ) -> Result<(), dirty_bitmap::BitmapError> {
+        let mut list = self.bitmaps.write().unwrap_or_else(|e| e.into_inner());
+        if list.iter().any(|x| x.name == b.name) {
+            return Err(dirty_bitmap::BitmapError::Exists(b.name));
+        }
+        if list.len() >= dirty_bitmap::MAX_PER_NODE {
+            return Err(dirty_bitmap::BitmapError::TooMany);
+        }
+        list.push(Arc::new(b));
+        self.has_bitmaps.store(true, Relaxed);
+        Ok(())
+    }
+
+    /// Removes the bitmap `name`.
+    pub fn remove_bitmap(&self, name: &str) -> Result<(), dirty_bitmap::BitmapError> {
+        let mut list = self.bitmaps.write().unwrap_or_else(|e| e.into_inner());
+        let n = list.len();
+        list.retain(|b| b.name != name);
+        if list.len() == n {
+            return Err(dirty_bitmap::BitmapError::NotFound(name.into()));
+        }
+        self.has_bitmaps.store(!list.is_empty(), Relaxed);
+        Ok(())
+    }
+
+    /// The granularity a new bitmap gets by default: the image's cluster size, else
+    /// 64 KiB (QEMU's bdrv_get_default_bitmap_granularity).
+    pub fn default_bitmap_granularity(&self) -> u64 {
+        self.driver.cluster_size().unwrap_or(65536).max(512)
     }
 
     /// `detect-zeroes` as set on this node.
@@ -420,6 +507,7 @@ impl BlockNode {
             ),
             None => self.driver.write(offset, buf, fua).await,
         };
+        self.mark_dirty(offset, buf.len() as u64);
         if r.is_ok() {
             self.stats.wr_bytes.fetch_add(buf.len() as u64, Relaxed);
         }
@@ -467,6 +555,7 @@ impl BlockNode {
             ),
             None => self.driver.writev(offset, iov, fua).await,
         };
+        self.mark_dirty(offset, iov.len() as u64);
         if r.is_ok() {
             self.stats.wr_bytes.fetch_add(iov.len() as u64, Relaxed);
         }
@@ -508,7 +597,11 @@ impl BlockNode {
             .and_then(|_| self.check_range(offset, len))
         {
             Ok(()) if !self.unmap => Ok(()),
-            Ok(()) => self.driver.discard(offset, len).await,
+            Ok(()) => {
+                let r = self.driver.discard(offset, len).await;
+                self.mark_dirty(offset, len);
+                r
+            }
             Err(e) => Err(e),
         };
         self.account(start, &r);
@@ -524,9 +617,12 @@ impl BlockNode {
             .and_then(|_| self.check_range(offset, len))
         {
             Ok(()) => {
-                self.driver
+                let r = self
+                    .driver
                     .write_zeroes(offset, len, may_unmap && self.unmap)
-                    .await
+                    .await;
+                self.mark_dirty(offset, len);
+                r
             }
             Err(e) => Err(e),
         };
@@ -562,6 +658,27 @@ impl BlockNode {
     /// Resizes.
     pub async fn resize(&self, size: u64) -> io::Result<()> {
         self.check_writable()?;
-        self.driver.resize(size).await
+        if self
+            .bitmaps
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .any(|b| !dirty_bitmap::fits(size, b.granularity()))
+        {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "a dirty bitmap of this node could not cover that size",
+            ));
+        }
+        self.driver.resize(size).await?;
+        for b in self
+            .bitmaps
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+        {
+            b.resize(size);
+        }
+        Ok(())
     }
 }

@@ -277,6 +277,13 @@ impl State {
         self.nodes.get(name)
     }
 
+    /// The node `name`, or QEMU's error for a node that is not there.
+    pub fn node_by_name(&self, name: &str) -> Result<Arc<BlockNode>, DaemonError> {
+        self.nodes.get(name).cloned().ok_or_else(|| {
+            DaemonError::Graph(crate::block::graph::GraphError::ChildNotFound(name.into()))
+        })
+    }
+
     /// Every node, by name.
     pub fn nodes(&self) -> impl Iterator<Item = &Arc<BlockNode>> {
         self.nodes.values()

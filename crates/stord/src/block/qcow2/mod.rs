@@ -1200,6 +1200,9 @@ impl BlockDriver for Qcow2Driver {
     fn allocated_bytes(&self) -> Option<u64> {
         self.file.allocated_bytes()
     }
+    fn cluster_size(&self) -> Option<u64> {
+        Some(self.cluster_size)
+    }
     fn child_perms(
         &self,
         role: &'static str,

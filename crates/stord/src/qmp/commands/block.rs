@@ -64,6 +64,15 @@ pub const QUERY_NAMED_BLOCK_NODES: Command = Command {
 
 /// One node as QEMU's `BlockDeviceInfo`.
 fn node_info(n: &crate::block::BlockNode) -> Value {
+    let mut v = node_fields(n);
+    let bitmaps = n.bitmaps();
+    if !bitmaps.is_empty() {
+        v["dirty-bitmaps"] = Value::Array(bitmaps.iter().map(|b| b.info()).collect());
+    }
+    v
+}
+
+fn node_fields(n: &crate::block::BlockNode) -> Value {
     let file = n
         .filename()
         .unwrap_or_else(|| format!("{}://", n.driver_name()));

@@ -5,10 +5,12 @@
 //! entry and one function. Names, arguments and error texts follow qemu-storage-daemon's
 //! schema where the two overlap.
 //!
-//! The handlers live beside the concern they serve: [`block`] (nodes), [`export`] (exports
+//! The handlers live beside the concern they serve: [`block`] (nodes), [`bitmap`] (dirty
+//! bitmaps), [`export`] (exports
 //! and the NBD server), [`object`] (objects and iothread properties), [`job`] (jobs and
 //! blockdev-create), [`control`] (the monitor itself and the process).
 
+mod bitmap;
 mod block;
 mod control;
 mod export;
@@ -124,6 +126,13 @@ pub const COMMANDS: &[Command] = &[
     block::BLOCKDEV_ADD,
     block::BLOCKDEV_DEL,
     block::QUERY_NAMED_BLOCK_NODES,
+    bitmap::ADD,
+    bitmap::REMOVE,
+    bitmap::CLEAR,
+    bitmap::ENABLE,
+    bitmap::DISABLE,
+    bitmap::MERGE,
+    bitmap::SHA256,
     export::NBD_SERVER_START,
     export::NBD_SERVER_STOP,
     export::BLOCK_EXPORT_ADD,
