@@ -307,7 +307,7 @@ impl Daemon {
         }
         let mut clean = drained == Waited::Done;
         if drained != Waited::Signalled {
-            let flushes = self.state.borrow().flush_writable_nodes();
+            let flushes = self.state.borrow().close_writable_nodes();
             match self.wait_bounded(flushes, FLUSH_LIMIT, signals_at_start) {
                 Waited::Done => {}
                 Waited::TimedOut => {

@@ -69,3 +69,8 @@ fn qmp_blockdev_create_jobs_answer_as_qsd() {
 fn qmp_dirty_bitmaps_answer_as_qsd() {
     run_script("bitmaps.py");
 }
+
+#[test]
+fn qmp_persistent_bitmaps_in_qcow2_as_qsd() {
+    run_script("persistent_bitmaps.py");
+}

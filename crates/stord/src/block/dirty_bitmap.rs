@@ -5,8 +5,12 @@
 //! (passed-on) discard that enters the graph at the node sets the bits it touches while the
 //! bitmap records. Names, defaults, errors and the `x-debug-block-dirty-bitmap-sha256`
 //! digest are QEMU's: the digest is over the bits as 64-bit little-endian words (QEMU's
-//! last HBitmap level), so equal digests mean the same bits as qsd's. Bitmaps here are
-//! transient (persistent ones in qcow2 are refused until stord stores them).
+//! last HBitmap level), so equal digests mean the same bits as qsd's. The same bytes are
+//! the serialized form qcow2 stores persistent bitmaps in (`qcow2::bitmaps`).
+//!
+//! A persistent bitmap loaded from an image may be read-only (the node is) or
+//! inconsistent (the image says it was in use when last closed: its bits may have missed
+//! writes); both refuse what QEMU refuses them, with QEMU's texts.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
@@ -26,10 +30,18 @@ pub enum BitmapError {
     NotFound(String),
     #[error("Granularity must be power of 2 and at least 512")]
     BadGranularity,
-    #[error("stord cannot store persistent dirty bitmaps yet (add it with persistent=false)")]
-    Persistent,
+    /// The node's driver cannot store bitmaps, or this one (the driver's reason).
+    #[error("{0}")]
+    CannotStore(String),
     #[error("Bitmap '{0}' is currently in use by another operation and cannot be used")]
     Busy(String),
+    #[error("Bitmap '{0}' is readonly and cannot be modified")]
+    ReadOnly(String),
+    #[error("Bitmap '{0}' is inconsistent and cannot be used")]
+    Inconsistent(String),
+    /// Reading or writing the image's copy failed.
+    #[error("{0}")]
+    Io(String),
     #[error("A bitmap of that granularity over this node would take over {} MiB (use a larger granularity)", MAX_BITS_BYTES >> 20)]
     TooLarge,
     #[error("Too many dirty bitmaps on this node (at most {MAX_PER_NODE})")]
@@ -48,11 +60,32 @@ pub fn fits(size: u64, granularity: u64) -> bool {
     size.div_ceil(granularity).div_ceil(64) * 8 <= MAX_BITS_BYTES
 }
 
+/// What a command needs of a bitmap (QEMU's BDRV_BITMAP_* checks).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Use {
+    /// Change its bits (clear, merge into): not busy, not read-only, consistent.
+    Modify,
+    /// Read it or switch recording: not busy, consistent.
+    AllowReadOnly,
+    /// Remove it: not busy, not read-only.
+    Remove,
+    /// Read its bits: consistent.
+    Read,
+}
+
 /// One bitmap.
 pub struct DirtyBitmap {
     pub name: String,
     granularity: u64,
     recording: AtomicBool,
+    /// Stored in the image at close (qcow2).
+    persistent: AtomicBool,
+    /// Loaded from an image opened read-only.
+    readonly: AtomicBool,
+    /// Loaded with the image's in-use flag set: its bits cannot be trusted.
+    inconsistent: AtomicBool,
+    /// Used by an operation (an NBD export): not to be changed meanwhile.
+    busy: AtomicBool,
     /// One bit per granule, in 64-bit words.
     bits: Mutex<Vec<u64>>,
     /// Granules the node's size covers (bits past them stay clear).
@@ -83,6 +116,10 @@ impl DirtyBitmap {
             name: name.into(),
             granularity,
             recording: AtomicBool::new(recording),
+            persistent: AtomicBool::new(false),
+            readonly: AtomicBool::new(false),
+            inconsistent: AtomicBool::new(false),
+            busy: AtomicBool::new(false),
             bits: Mutex::new(Vec::new()),
             granules: Default::default(),
         };
@@ -101,12 +138,7 @@ impl DirtyBitmap {
         self.granules.store(granules, Ordering::Relaxed);
         w.resize(granules.div_ceil(64).max(1) as usize, 0);
         // Bits beyond the last granule stay clear.
-        let tail = granules % 64;
-        if tail != 0 {
-            if let Some(last) = w.last_mut() {
-                *last &= (1u64 << tail) - 1;
-            }
-        }
+        Self::clear_tail(&mut w, granules);
     }
 
     /// Marks [offset, offset + len) dirty if the bitmap records.
@@ -150,6 +182,126 @@ impl DirtyBitmap {
         self.recording.store(was, Ordering::Relaxed);
     }
 
+    /// Refuses `what` with QEMU's text when the bitmap is busy, read-only or
+    /// inconsistent (checked in QEMU's order).
+    pub fn check(&self, what: Use) -> Result<(), BitmapError> {
+        let name = || self.name.clone();
+        if what != Use::Read && self.busy.load(Ordering::Relaxed) {
+            return Err(BitmapError::Busy(name()));
+        }
+        if matches!(what, Use::Modify | Use::Remove) && self.is_readonly() {
+            return Err(BitmapError::ReadOnly(name()));
+        }
+        if what != Use::Remove && self.is_inconsistent() {
+            return Err(BitmapError::Inconsistent(name()));
+        }
+        Ok(())
+    }
+
+    pub fn set_persistent(&self, on: bool) {
+        self.persistent.store(on, Ordering::Relaxed);
+    }
+
+    pub fn is_persistent(&self) -> bool {
+        self.persistent.load(Ordering::Relaxed)
+    }
+
+    pub fn set_readonly(&self, on: bool) {
+        self.readonly.store(on, Ordering::Relaxed);
+    }
+
+    pub fn is_readonly(&self) -> bool {
+        self.readonly.load(Ordering::Relaxed)
+    }
+
+    /// Marks the bits untrustworthy; the bitmap stops recording (QEMU's
+    /// bdrv_dirty_bitmap_set_inconsistent).
+    pub fn set_inconsistent(&self) {
+        self.inconsistent.store(true, Ordering::Relaxed);
+        self.recording.store(false, Ordering::Relaxed);
+    }
+
+    pub fn is_inconsistent(&self) -> bool {
+        self.inconsistent.load(Ordering::Relaxed)
+    }
+
+    pub fn set_busy(&self, on: bool) {
+        self.busy.store(on, Ordering::Relaxed);
+    }
+
+    pub fn is_recording(&self) -> bool {
+        self.recording.load(Ordering::Relaxed)
+    }
+
+    /// The bits as stored (QEMU's serialization): granule `i` is bit `i % 8` of byte
+    /// `i / 8`, for as many bytes as the granules need.
+    pub fn serialize(&self) -> Vec<u8> {
+        let n = self.granules.load(Ordering::Relaxed).div_ceil(8) as usize;
+        let mut v: Vec<u8> = self.words().iter().flat_map(|w| w.to_le_bytes()).collect();
+        v.truncate(n);
+        v
+    }
+
+    /// Sets the bits `bytes` (serialized, as [`Self::serialize`]) hold, from granule
+    /// `first` (a multiple of 64) on; bits past the node's end are ignored.
+    pub fn load_bits(&self, first: u64, bytes: &[u8]) {
+        let n = self.granules.load(Ordering::Relaxed);
+        let mut w = self.words();
+        let base = (first / 64) as usize;
+        for (i, chunk) in bytes.chunks(8).enumerate() {
+            let Some(word) = w.get_mut(base + i) else {
+                break;
+            };
+            let mut b = [0u8; 8];
+            b[..chunk.len()].copy_from_slice(chunk);
+            *word |= u64::from_le_bytes(b);
+        }
+        Self::clear_tail(&mut w, n);
+    }
+
+    /// Sets `count` granules from `first` on (an all-ones cluster of a stored bitmap).
+    pub fn set_granules(&self, first: u64, count: u64) {
+        let n = self.granules.load(Ordering::Relaxed);
+        let mut w = self.words();
+        for g in first..(first + count).min(n) {
+            w[(g / 64) as usize] |= 1 << (g % 64);
+        }
+    }
+
+    fn clear_tail(w: &mut [u64], granules: u64) {
+        let tail = granules % 64;
+        if tail != 0 {
+            if let Some(last) = w.get_mut((granules / 64) as usize) {
+                *last &= (1u64 << tail) - 1;
+            }
+        }
+    }
+
+    /// The extent from `offset` (at most `len` bytes) whose bytes are all dirty or all
+    /// clean: its length and whether it is dirty (NBD's qemu:dirty-bitmap context).
+    pub fn extent(&self, offset: u64, len: u64) -> (u64, bool) {
+        let g = self.granularity;
+        let w = self.words();
+        let n = self.granules.load(Ordering::Relaxed);
+        let bit = |i: u64| i < n && w[(i / 64) as usize] & (1 << (i % 64)) != 0;
+        let first = offset / g;
+        let dirty = bit(first);
+        let end = offset.saturating_add(len);
+        let mut i = first + 1;
+        while i * g < end && bit(i) == dirty {
+            // Whole words at once when they agree.
+            if i.is_multiple_of(64) && i / 64 < w.len() as u64 {
+                let word = w[(i / 64) as usize];
+                if (dirty && word == u64::MAX) || (!dirty && word == 0) {
+                    i += 64;
+                    continue;
+                }
+            }
+            i += 1;
+        }
+        ((i * g).min(end) - offset, dirty)
+    }
+
     /// Bytes per bit.
     pub fn granularity(&self) -> u64 {
         self.granularity
@@ -182,14 +334,18 @@ impl DirtyBitmap {
 
     /// QEMU's BlockDirtyInfo.
     pub fn info(&self) -> Value {
-        json!({
+        let mut v = json!({
             "name": self.name,
             "recording": self.recording.load(Ordering::Relaxed),
-            "persistent": false,
-            "busy": false,
+            "persistent": self.is_persistent(),
+            "busy": self.busy.load(Ordering::Relaxed),
             "granularity": self.granularity,
             "count": self.count(),
-        })
+        });
+        if self.is_inconsistent() {
+            v["inconsistent"] = json!(true);
+        }
+        v
     }
 }
 
@@ -222,6 +378,46 @@ mod tests {
         assert!(matches!(
             DirtyBitmap::new("b", 512, 1 << 63, true),
             Err(BitmapError::TooLarge)
+        ));
+    }
+
+    #[test]
+    fn serialized_bits_round_trip_and_extents_follow_them() {
+        // 100 granules of 512 B: 13 bytes serialized.
+        let b = DirtyBitmap::new("b", 512, 100 * 512, true).unwrap();
+        b.mark(0, 512);
+        b.mark(70 * 512, 3 * 512);
+        b.mark(99 * 512, 1);
+        let s = b.serialize();
+        assert_eq!(s.len(), 13);
+        assert_eq!(s[0], 1);
+        assert_eq!(s[8], 0b1100_0000);
+        assert_eq!(s[9], 1);
+        assert_eq!(s[12], 0b1000);
+        let c = DirtyBitmap::new("c", 512, 100 * 512, true).unwrap();
+        c.load_bits(0, &s);
+        assert_eq!(c.sha256(), b.sha256());
+        assert_eq!(b.extent(0, 100 * 512), (512, true));
+        assert_eq!(b.extent(512, 100 * 512), (69 * 512, false));
+        assert_eq!(b.extent(70 * 512 + 7, 10 * 512), (3 * 512 - 7, true));
+        assert_eq!(b.extent(73 * 512, 4096), (4096, false));
+        assert_eq!(b.extent(99 * 512, 512), (512, true));
+        // All ones past the end stay clear.
+        let d = DirtyBitmap::new("d", 512, 100 * 512, true).unwrap();
+        d.set_granules(64, 4096);
+        assert_eq!(d.count(), 36 * 512);
+        assert_eq!(d.extent(0, 1 << 20), (64 * 512, false));
+        assert_eq!(d.extent(64 * 512, 1 << 20), (36 * 512, true));
+        d.set_inconsistent();
+        assert!(matches!(
+            d.check(Use::Read),
+            Err(BitmapError::Inconsistent(_))
+        ));
+        assert!(d.check(Use::Remove).is_ok());
+        d.set_readonly(true);
+        assert!(matches!(
+            d.check(Use::Remove),
+            Err(BitmapError::ReadOnly(_))
         ));
     }
 }

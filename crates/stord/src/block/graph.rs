@@ -68,9 +68,11 @@ pub trait Graph {
 
 /// What a driver's `open` is told besides its options.
 #[derive(Debug, Clone, Copy)]
-pub struct OpenFlags {
+pub struct OpenFlags<'a> {
     /// `read-only=on` was asked for.
     pub read_only: bool,
+    /// The new node's name (for the permissions it takes while it opens).
+    pub node_name: &'a str,
 }
 
 /// An opened driver and what the node over it is.
@@ -80,10 +82,12 @@ pub struct Opened {
     pub read_only: bool,
     /// Bypasses the page cache (O_DIRECT), as its file does.
     pub direct: bool,
+    /// Persistent dirty bitmaps the image holds (qcow2), for the node to carry.
+    pub bitmaps: Vec<super::dirty_bitmap::DirtyBitmap>,
 }
 
 /// Opens a driver from its options (`driver`, `node-name` and the common options taken).
-pub type Open = fn(&mut dyn Graph, &mut KeyVal, OpenFlags) -> Result<Opened, GraphError>;
+pub type Open = fn(&mut dyn Graph, &mut KeyVal, OpenFlags<'_>) -> Result<Opened, GraphError>;
 
 /// One block driver.
 pub struct DriverDef {

@@ -175,6 +175,27 @@ pub trait BlockDriver: Send + Sync {
     fn set_perm(&self, _perm: perm::Perm, _shared: perm::Perm) -> Result<(), perm::PermError> {
         Ok(())
     }
+    /// The node passed every check of its open and goes into service: a format driver
+    /// may now write what an open writes (qcow2 marks its bitmaps in use).
+    fn activate(&self) -> BoxFut<'_, io::Result<()>> {
+        Box::pin(std::future::ready(Ok(())))
+    }
+    /// Whether the image could store a new persistent bitmap (None: this driver stores
+    /// none; Some(Err): why not this one).
+    fn can_store_bitmap(&self, _granularity: u64, _name: &str) -> Option<Result<(), String>> {
+        None
+    }
+    /// Writes the node's persistent bitmaps to the image (at close).
+    fn store_bitmaps(
+        &self,
+        _bitmaps: Vec<Arc<dirty_bitmap::DirtyBitmap>>,
+    ) -> BoxFut<'_, io::Result<()>> {
+        Box::pin(std::future::ready(Ok(())))
+    }
+    /// Takes a persistent bitmap out of the image.
+    fn remove_stored_bitmap<'a>(&'a self, _name: &'a str) -> BoxFut<'a, io::Result<()>> {
+        Box::pin(std::future::ready(Ok(())))
+    }
 }
 
 /// Per-node counters (read from any thread).
@@ -413,15 +434,128 @@ impl BlockNode {
         Ok(())
     }
 
-    /// Removes the bitmap `name`.
-    pub fn remove_bitmap(&self, name: &str) -> Result<(), dirty_bitmap::BitmapError> {
-        let mut list = self.bitmaps.write().unwrap_or_else(|e| e.into_inner());
-        let n = list.len();
-        list.retain(|b| b.name != name);
-        if list.len() == n {
-            return Err(dirty_bitmap::BitmapError::NotFound(name.into()));
+    /// Carries the persistent bitmaps its image holds (at open; no limit on their count:
+    /// they are the image's).
+    pub fn adopt_bitmaps(&self, loaded: Vec<dirty_bitmap::DirtyBitmap>) {
+        if loaded.is_empty() {
+            return;
         }
+        let mut list = self.bitmaps.write().unwrap_or_else(|e| e.into_inner());
+        list.extend(loaded.into_iter().map(Arc::new));
+        self.has_bitmaps.store(true, Relaxed);
+    }
+
+    /// `block-dirty-bitmap-add`: a new bitmap, stored in the image at close when
+    /// `persistent` (QEMU's checks and texts, in its order).
+    pub fn new_bitmap(
+        &self,
+        name: &str,
+        granularity: Option<u64>,
+        persistent: bool,
+        disabled: bool,
+    ) -> Result<(), dirty_bitmap::BitmapError> {
+        use dirty_bitmap::BitmapError;
+        if name.is_empty() {
+            return Err(BitmapError::EmptyName);
+        }
+        let granularity = match granularity {
+            Some(g) if g < 512 || !g.is_power_of_two() => return Err(BitmapError::BadGranularity),
+            Some(g) => g,
+            None => self.default_bitmap_granularity(),
+        };
+        if persistent {
+            if self.bitmap(name).is_ok() {
+                return Err(BitmapError::Exists(name.into()));
+            }
+            let why = match self.driver.can_store_bitmap(granularity, name) {
+                None => {
+                    return Err(BitmapError::CannotStore(format!(
+                        "Can't store persistent bitmaps to {}: Operation not supported",
+                        self.name
+                    )))
+                }
+                Some(Ok(())) => self.stored_bitmaps_fit(name),
+                Some(Err(e)) => Err(e),
+            };
+            if let Err(e) = why {
+                return Err(BitmapError::CannotStore(format!(
+                    "Can't make bitmap '{name}' persistent in '{}': {e}",
+                    self.name
+                )));
+            }
+        }
+        let b = dirty_bitmap::DirtyBitmap::new(name, granularity, self.size(), !disabled)?;
+        b.set_persistent(persistent);
+        self.add_bitmap(b)
+    }
+
+    /// Whether one more persistent bitmap fits the image's directory (QEMU's counts).
+    fn stored_bitmaps_fit(&self, name: &str) -> Result<(), String> {
+        let list = self.bitmaps();
+        let stored: Vec<&str> = list
+            .iter()
+            .filter(|b| b.is_persistent())
+            .map(|b| b.name.as_str())
+            .chain([name])
+            .collect();
+        if stored.len() > 65535 {
+            return Err("Maximum number of persistent bitmaps is already reached".into());
+        }
+        let dir: u64 = stored
+            .iter()
+            .map(|n| (24 + n.len() as u64).div_ceil(8) * 8)
+            .sum();
+        if dir > 64 << 20 {
+            return Err("Not enough space in the bitmap directory".into());
+        }
+        Ok(())
+    }
+
+    /// `block-dirty-bitmap-remove`: a persistent bitmap leaves the image at once (its
+    /// directory rewritten), as in QEMU.
+    pub async fn remove_bitmap(&self, name: &str) -> Result<(), dirty_bitmap::BitmapError> {
+        let b = self.bitmap(name)?;
+        b.check(dirty_bitmap::Use::Remove)?;
+        if b.is_persistent() {
+            self.driver.remove_stored_bitmap(name).await.map_err(|e| {
+                dirty_bitmap::BitmapError::Io(format!("Failed to update bitmap extension: {e}"))
+            })?;
+        }
+        let mut list = self.bitmaps.write().unwrap_or_else(|e| e.into_inner());
+        list.retain(|x| !Arc::ptr_eq(x, &b));
         self.has_bitmaps.store(!list.is_empty(), Relaxed);
+        Ok(())
+    }
+
+    /// Puts the node in service (see [`BlockDriver::activate`]); only nodes that carry
+    /// persistent bitmaps have anything to do.
+    pub async fn activate(&self) -> io::Result<()> {
+        if !self.has_persistent_bitmaps() {
+            return Ok(());
+        }
+        self.driver.activate().await
+    }
+
+    /// Whether the node carries bitmaps its image stores.
+    pub fn has_persistent_bitmaps(&self) -> bool {
+        self.has_bitmaps.load(Relaxed) && self.bitmaps().iter().any(|b| b.is_persistent())
+    }
+
+    /// Closes the node for good: flushed, and its persistent bitmaps written to the image
+    /// if it was opened for writing (QEMU's bdrv_close).
+    pub async fn close(&self) -> io::Result<()> {
+        if !self.can_write() {
+            return Ok(());
+        }
+        self.flush().await?;
+        let stored: Vec<_> = self
+            .bitmaps()
+            .into_iter()
+            .filter(|b| b.is_persistent())
+            .collect();
+        if !stored.is_empty() {
+            self.driver.store_bitmaps(stored).await?;
+        }
         Ok(())
     }
 
@@ -658,6 +792,12 @@ impl BlockNode {
     /// Resizes.
     pub async fn resize(&self, size: u64) -> io::Result<()> {
         self.check_writable()?;
+        // The image's bitmaps are resized in memory and stored at close: those whose bits
+        // cannot be trusted or changed block it (QEMU's qcow2_truncate_bitmaps_check).
+        for b in self.bitmaps().iter().filter(|b| b.is_persistent()) {
+            b.check(dirty_bitmap::Use::Modify)
+                .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
+        }
         if self
             .bitmaps
             .read()

@@ -20,6 +20,7 @@ pub const DRIVER: DriverDef = DriverDef {
             driver: Box::new(NullDriver::from_opts(kv)?),
             read_only: flags.read_only,
             direct: false,
+            bitmaps: Vec::new(),
         })
     },
 };

@@ -25,6 +25,7 @@ pub const DRIVER: DriverDef = DriverDef {
             // A format node cannot write where its child cannot.
             read_only: flags.read_only || child.is_read_only(),
             direct: child.direct,
+            bitmaps: Vec::new(),
         })
     },
 };

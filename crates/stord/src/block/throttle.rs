@@ -37,6 +37,7 @@ pub const DRIVER: DriverDef = DriverDef {
             read_only: flags.read_only || child.is_read_only(),
             direct: child.direct,
             driver: Box::new(ThrottleDriver::new(child, group)),
+            bitmaps: Vec::new(),
         })
     },
 };

@@ -61,12 +61,28 @@ impl State {
     }
 }
 
+/// Closes a node from the main thread, waiting for it (its persistent bitmaps are written
+/// to its image).
+pub(super) fn close_now(node: &Arc<BlockNode>) {
+    let n = node.clone();
+    match crate::block::block_on_helper(move || async move { n.close().await }) {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) | Err(e) => tracing::warn!("closing node '{}' failed: {e}", node.name),
+    }
+}
+
 impl Builder<'_> {
     /// Takes out what this build added, newest first (a parent before its children, so
     /// each drops its references before its children go).
     fn roll_back(&mut self) {
         while let Some(name) = self.added.pop() {
-            self.st.nodes.remove(&name);
+            if let Some(node) = self.st.nodes.remove(&name) {
+                // Bitmaps marked in use when the node went into service go back to the
+                // image as they were.
+                if node.has_persistent_bitmaps() {
+                    close_now(&node);
+                }
+            }
             self.st.implicit.remove(&name);
         }
     }
@@ -110,17 +126,32 @@ impl Builder<'_> {
             inherit.push(("force-share", "on".into()));
         }
         self.inherit.push(inherit);
-        let opened = (def.open)(self, &mut kv, OpenFlags { read_only });
+        let opened = (def.open)(
+            self,
+            &mut kv,
+            OpenFlags {
+                read_only,
+                node_name: &name,
+            },
+        );
         self.inherit.pop();
         let opened = opened?;
+        let what = kv.what.clone();
         kv.finish()?;
         let node = Arc::new(
             BlockNode::new(name.clone(), opened.driver, opened.read_only, opened.direct)
                 .with_options(common),
         );
+        node.adopt_bitmaps(opened.bitmaps);
         // What the node needs of its children (a format node: its file), as locks where
         // they are files: refused here if another user or process is in the way.
         node.refresh_perms()?;
+        if node.has_persistent_bitmaps() {
+            let n = node.clone();
+            crate::block::block_on_helper(move || async move { n.activate().await })
+                .and_then(|r| r)
+                .map_err(|e| GraphError::Invalid(format!("{what}: {e}")))?;
+        }
         self.st.nodes.insert(name.clone(), node.clone());
         self.added.push(name.clone());
         if implicit {

@@ -315,17 +315,17 @@ impl State {
         std::mem::take(&mut self.removals)
     }
 
-    /// Flushes of every writable node (what a format node caches goes to disk), as tasks
-    /// on the calling loop.
-    pub fn flush_writable_nodes(&self) -> Vec<stord_aio::JoinHandle<()>> {
+    /// Closes every node opened for writing (what a format node caches goes to disk, its
+    /// persistent bitmaps to its image), as tasks on the calling loop.
+    pub fn close_writable_nodes(&self) -> Vec<stord_aio::JoinHandle<()>> {
         self.nodes
             .values()
-            .filter(|n| !n.is_read_only())
+            .filter(|n| n.can_write())
             .cloned()
             .map(|node| {
                 stord_aio::spawn(async move {
-                    if let Err(e) = node.flush().await {
-                        tracing::error!("flushing node '{}' failed: {e}", node.name);
+                    if let Err(e) = node.close().await {
+                        tracing::error!("closing node '{}' failed: {e}", node.name);
                     }
                 })
             })
@@ -354,6 +354,9 @@ impl State {
             }
             let node = self.nodes.remove(&name).expect("present");
             self.implicit.remove(&name);
+            if node.can_write() {
+                graph::close_now(&node);
+            }
             todo.extend(node.children().iter().map(|(_, c)| c.name.clone()));
         }
     }
@@ -399,15 +402,9 @@ impl State {
             return Err(DaemonError::NodeInUse(name.into()));
         }
         let node = self.nodes.remove(name).expect("present");
-        // What a format node still caches (qcow2's tables) goes to disk before it closes,
-        // as QEMU's bdrv_close flushes.
-        if !node.is_read_only() {
-            let n = node.clone();
-            match crate::block::block_on_helper(move || async move { n.flush().await }) {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) | Err(e) => tracing::warn!("blockdev-del {name}: flush failed: {e}"),
-            }
-        }
+        // What a format node still caches (qcow2's tables, its persistent bitmaps) goes
+        // to disk before it closes, as QEMU's bdrv_close does.
+        graph::close_now(&node);
         let children: Vec<String> = node
             .children()
             .iter()

@@ -156,6 +156,7 @@ pub const DRIVER: DriverDef = DriverDef {
             driver,
             read_only: flags.read_only,
             direct,
+            bitmaps: Vec::new(),
         })
     },
 };

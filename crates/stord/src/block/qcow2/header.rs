@@ -36,7 +36,7 @@ pub mod incompat {
 }
 
 /// Header extension types.
-mod ext {
+pub(super) mod ext {
     pub const END: u32 = 0;
     pub const BACKING_FORMAT: u32 = 0xe279_2aca;
     pub const DATA_FILE: u32 = 0x4441_5441;
@@ -62,6 +62,69 @@ pub mod field {
     pub const REFCOUNT_TABLE: u64 = 48;
     /// `autoclear_features` (u64, version 3).
     pub const AUTOCLEAR: u64 = 88;
+}
+
+/// The image's first cluster with its extension area rewritten: every extension kept as
+/// it was (unknown ones too, in their order) except the bitmaps extension, which becomes
+/// `bitmaps` (or goes), and the backing file name moved behind the end marker with its
+/// offset field updated; `autoclear` replaces the autoclear bits. QEMU rewrites the area
+/// the same way (qcow2_update_header); the header proper is left as it is.
+pub fn with_bitmaps_ext(
+    cluster0: &[u8],
+    bitmaps: Option<&[u8]>,
+    autoclear: u64,
+) -> Result<Vec<u8>, HeaderError> {
+    let h = Header::parse(cluster0)?;
+    let cs = (h.cluster_size() as usize).min(cluster0.len());
+    let mut out = cluster0[..h.header_length as usize].to_vec();
+    let push = |out: &mut Vec<u8>, ty: u32, data: &[u8]| {
+        out.extend_from_slice(&ty.to_be_bytes());
+        out.extend_from_slice(&(data.len() as u32).to_be_bytes());
+        out.extend_from_slice(data);
+        out.resize(out.len().div_ceil(8) * 8, 0);
+    };
+    let mut at = h.header_length as usize;
+    let mut old_end = at;
+    while at + 8 <= cs {
+        let ty = be32(cluster0, at);
+        let len = be32(cluster0, at + 4) as usize;
+        at += 8;
+        if ty == ext::END {
+            break;
+        }
+        // parse() checked every extension lies within the cluster.
+        if ty != ext::BITMAPS {
+            push(&mut out, ty, &cluster0[at..at + len]);
+        }
+        at += len.div_ceil(8) * 8;
+    }
+    old_end = old_end.max(at);
+    if let Some(b) = bitmaps {
+        push(&mut out, ext::BITMAPS, b);
+    }
+    out.extend_from_slice(&[0; 8]);
+    let name_off = be64(cluster0, 8) as usize;
+    let name_len = be32(cluster0, 16) as usize;
+    if name_off != 0 {
+        let name = &cluster0[name_off..name_off + name_len];
+        let new_off = out.len() as u64;
+        out.extend_from_slice(name);
+        out[8..16].copy_from_slice(&new_off.to_be_bytes());
+        old_end = old_end.max(name_off + name_len);
+    }
+    if out.len() > cs {
+        return Err(invalid(
+            "the header extensions do not fit in the first cluster",
+        ));
+    }
+    if h.version >= 3 {
+        out[88..96].copy_from_slice(&autoclear.to_be_bytes());
+    }
+    // What the old area held past the new end reads as zeroes.
+    if out.len() < old_end {
+        out.resize(old_end, 0);
+    }
+    Ok(out)
 }
 
 /// How compressed clusters are compressed.
@@ -130,8 +193,9 @@ pub struct Header {
     pub backing_file: Option<String>,
     /// The backing file's format (`backing_fmt`), if the image names it.
     pub backing_format: Option<String>,
-    /// Persistent dirty bitmaps the bitmaps extension lists (0 without one).
-    pub bitmaps: u32,
+    /// The bitmaps extension's bytes as stored, if the image has one (checked by
+    /// [`super::bitmaps`] when the autoclear bit says it is valid).
+    pub bitmaps_ext: Option<Vec<u8>>,
 }
 
 fn be32(b: &[u8], at: usize) -> u32 {
@@ -200,7 +264,7 @@ impl Header {
             compression: Compression::Zlib,
             backing_file: None,
             backing_format: None,
-            bitmaps: 0,
+            bitmaps_ext: None,
         };
         if be32(buf, 32) != 0 {
             return Err(HeaderError::Unsupported("Encryption".into()));
@@ -310,9 +374,8 @@ impl Header {
                 ext::DATA_FILE => {
                     return Err(HeaderError::Unsupported("An external data file".into()));
                 }
-                // nb_bitmaps is its first field.
-                ext::BITMAPS if data.len() >= 4 => self.bitmaps = be32(data, 0),
-                // Feature names, bitmaps, encryption, unknown: nothing to act on.
+                ext::BITMAPS => self.bitmaps_ext = Some(data.to_vec()),
+                // Feature names, encryption, unknown: nothing to act on.
                 _ => {}
             }
             at += len.div_ceil(8) * 8;

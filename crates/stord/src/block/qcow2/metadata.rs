@@ -34,6 +34,7 @@ pub(super) enum MetaKind {
     RefBlock,
     Snapshots,
     InactiveL1,
+    BitmapDir,
 }
 
 impl MetaKind {
@@ -46,6 +47,7 @@ impl MetaKind {
             MetaKind::RefBlock => "refcount block",
             MetaKind::Snapshots => "snapshot table",
             MetaKind::InactiveL1 => "inactive L1 table",
+            MetaKind::BitmapDir => "bitmap directory",
         }
     }
 }
@@ -75,6 +77,8 @@ pub(super) struct Meta {
     pub pending_free: Vec<u64>,
     /// Metadata was written since the last fsync.
     pub needs_sync: bool,
+    /// The persistent bitmaps' directory as the image holds it.
+    pub bitmap_dir: super::bitmaps::Directory,
 }
 
 /// An I/O error for metadata that makes no sense (the image is corrupt there).
@@ -502,7 +506,7 @@ impl Qcow2Driver {
     /// `n` free clusters in a row (refcount 1 each), past everything in use, as QEMU's
     /// `alloc_clusters_noref` then `update_refcount`: the run is reserved first, so the
     /// refcount blocks its ranges lack are allocated after it, not inside it.
-    async fn alloc_contiguous(&self, m: &mut Meta, n: u64) -> io::Result<u64> {
+    pub(super) async fn alloc_contiguous(&self, m: &mut Meta, n: u64) -> io::Result<u64> {
         let cs = self.cluster_size;
         let bits = self.refblock_bits();
         let start = m.file_end.div_ceil(cs);

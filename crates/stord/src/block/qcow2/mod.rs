@@ -19,6 +19,7 @@
 //! encryption, external data files, extended L2 entries; writing to
 //! images marked dirty or corrupt.
 
+mod bitmaps;
 #[cfg(fuzzing)]
 #[doc(hidden)]
 pub mod fuzz;
@@ -62,11 +63,17 @@ pub const DRIVER: DriverDef = DriverDef {
         let opts = Qcow2Options::from_opts(kv)?;
         let ro = flags.read_only || file.is_read_only();
         let given = g.optional_child(kv, "backing")?;
+        // The file's permissions (its locks) before the image is read and, when writable,
+        // written (dirty refcounts repaired, bitmaps marked in use): as QEMU attaches the
+        // child before qcow2_open runs. The node takes them for good once it exists.
+        let (perm, shared) = crate::block::perm::storage_perms(!ro);
+        let opening = file.claim(flags.node_name, "file", perm, shared)?;
         let f = file.clone();
-        let image =
+        let mut image =
             crate::block::block_on_helper(move || async move { Image::load(&f, !ro).await })
                 .and_then(|r| r.map_err(io::Error::other))
                 .map_err(|e| GraphError::Invalid(format!("{}: {e}", kv.what)))?;
+        drop(opening);
         let backing = match given {
             Some(b) => b,
             None => match image.header.backing_file.clone() {
@@ -78,10 +85,16 @@ pub const DRIVER: DriverDef = DriverDef {
             },
         };
         let direct = file.direct;
+        let bitmaps = image
+            .bitmaps
+            .as_mut()
+            .map(|l| std::mem::take(&mut l.bitmaps))
+            .unwrap_or_default();
         Ok(Opened {
             driver: Box::new(Qcow2Driver::new(file, backing, image, &opts)),
             read_only: ro,
             direct,
+            bitmaps,
         })
     },
 };
@@ -172,14 +185,9 @@ pub enum Qcow2Error {
     /// Opening read-write is not possible.
     #[error("qcow2: {0}")]
     NotWritable(&'static str),
-    /// Writing would invalidate the image's persistent dirty bitmaps (stord cannot keep them
-    /// up to date yet); the user decides.
-    #[error(
-        "qcow2: the image has {0} persistent dirty bitmap(s), which stord cannot keep up to \
-         date yet: a read-write open would invalidate them (incremental backups rely on \
-         them). Open it read-only, or remove them first with 'qemu-img bitmap --remove'"
-    )]
-    Bitmaps(u32),
+    /// The persistent dirty bitmaps could not be loaded (QEMU refuses the open too).
+    #[error("qcow2: Could not load the image's dirty bitmaps: {0}")]
+    Bitmaps(String),
     /// The metadata contradicts itself: writing would destroy it.
     #[error("qcow2: Image is corrupt: {0}; cannot be opened read/write")]
     Corrupt(String),
@@ -193,6 +201,11 @@ pub struct Image {
     reftable: Vec<u64>,
     file_end: u64,
     regions: std::collections::BTreeMap<u64, metadata::MetaKind>,
+    /// The persistent dirty bitmaps (their directory stays with the driver, the bitmaps go
+    /// to the node).
+    bitmaps: Option<bitmaps::Loaded>,
+    /// Loaded for writing.
+    writable: bool,
 }
 
 /// The snapshot tables' L1 tables and the table's length, read in growing pieces.
@@ -224,6 +237,7 @@ fn metadata_regions(
     l1: &[u64],
     reftable: &[u64],
     snapshots: &(Vec<snapshot::SnapshotL1>, u64),
+    bitmap_dir: Option<(u64, u64)>,
 ) -> Result<std::collections::BTreeMap<u64, metadata::MetaKind>, String> {
     use metadata::MetaKind;
     let bits = h.cluster_bits;
@@ -274,6 +288,9 @@ fn metadata_regions(
             )?;
         }
     }
+    if let Some((off, len)) = bitmap_dir {
+        add(off, len, MetaKind::BitmapDir, "bitmap directory")?;
+    }
     for (i, e) in l1.iter().enumerate() {
         let off = e & OFFSET_MASK;
         if off != 0 {
@@ -291,10 +308,10 @@ fn metadata_regions(
 
 impl Image {
     /// Reads and checks the header and the tables every request needs (on a loop of the
-    /// calling thread's: see [`crate::block::block_on_helper`]). With `writable`, images
-    /// this driver must not write are refused (among them images with persistent dirty
-    /// bitmaps, which stord cannot keep up to date yet and would invalidate), and other
-    /// autoclear bits are cleared on disk, as a program without those features must.
+    /// calling thread's: see [`crate::block::block_on_helper`]), and the persistent
+    /// dirty bitmaps. With `writable`, images this driver must not write are refused, the
+    /// bitmaps are marked in use ([`bitmaps`]), and other autoclear bits are cleared on
+    /// disk, as a program without those features must.
     pub async fn load(file: &BlockNode, writable: bool) -> Result<Image, Qcow2Error> {
         let f = file.driver();
         let (r, first) = f.read(0, request_buf(4096)).await;
@@ -323,21 +340,37 @@ impl Image {
             (header.refcount_table_clusters as u64 * header.cluster_size() / 8) as usize,
         )
         .await?;
-        if writable {
-            if header.incompatible & header::incompat::CORRUPT != 0 {
-                return Err(Qcow2Error::NotWritable(
-                    "Image is corrupt; cannot be opened read/write",
-                ));
-            }
-            if header.version >= 3
-                && header.autoclear & header::autoclear::BITMAPS != 0
-                && header.bitmaps > 0
+        if writable && header.incompatible & header::incompat::CORRUPT != 0 {
+            return Err(Qcow2Error::NotWritable(
+                "Image is corrupt; cannot be opened read/write",
+            ));
+        }
+        // Persistent bitmaps count only while the autoclear bit vouches for them (else a
+        // program without bitmap support wrote the image since: QEMU ignores them too).
+        let loaded = match &header.bitmaps_ext {
+            Some(ext)
+                if header.version >= 3 && header.autoclear & header::autoclear::BITMAPS != 0 =>
             {
-                return Err(Qcow2Error::Bitmaps(header.bitmaps));
+                Some(
+                    bitmaps::load(f, &header, ext, writable)
+                        .await
+                        .map_err(Qcow2Error::Bitmaps)?,
+                )
             }
-            if header.version >= 3 && header.autoclear != 0 {
+            _ => None,
+        };
+        if writable && header.version >= 3 {
+            // Autoclear bits of features stord does not keep go (that is their contract);
+            // the bitmaps bit stays while there are bitmaps to keep.
+            let keep = if loaded.is_some() {
+                header::autoclear::BITMAPS
+            } else {
+                0
+            };
+            if header.autoclear & !keep != 0 {
+                header.autoclear &= keep;
                 let mut b = request_buf(8);
-                b.fill(0);
+                b.copy_from_slice(&header.autoclear.to_be_bytes());
                 let (r, _) = f.write(header::field::AUTOCLEAR, b, false).await;
                 r?;
                 f.flush().await?;
@@ -350,16 +383,23 @@ impl Image {
         };
         if writable && header.incompatible & header::incompat::DIRTY != 0 {
             // Left open with lazy refcounts: counts may lag; rebuild them first.
-            let fixed =
-                repair::rebuild_refcounts(f, &header, &l1, &reftable, &snapshots.0, snapshots.1)
-                    .await
-                    .map_err(|e| {
-                        Qcow2Error::Corrupt(format!("dirty image (lazy refcounts): {e}"))
-                    })?;
+            let bitmap_refs = loaded.as_ref().map_or(&[][..], |l| &l.refs[..]);
+            let fixed = repair::rebuild_refcounts(
+                f,
+                &header,
+                &l1,
+                &reftable,
+                &snapshots.0,
+                snapshots.1,
+                bitmap_refs,
+            )
+            .await
+            .map_err(|e| Qcow2Error::Corrupt(format!("dirty image (lazy refcounts): {e}")))?;
             tracing::info!("qcow2: repaired {fixed} refcounts of a dirty image");
             header.incompatible &= !header::incompat::DIRTY;
         }
-        let regions = match metadata_regions(&header, &l1, &reftable, &snapshots) {
+        let bitmap_dir = loaded.as_ref().map(|l| (l.dir.offset, l.dir.size));
+        let regions = match metadata_regions(&header, &l1, &reftable, &snapshots, bitmap_dir) {
             Ok(r) => r,
             // Read-only, a corrupt image can still be read (as QEMU allows), with no
             // write to guard.
@@ -373,6 +413,8 @@ impl Image {
             l1,
             reftable,
             regions,
+            bitmaps: loaded,
+            writable,
         })
     }
 }
@@ -402,6 +444,8 @@ pub struct Qcow2Driver {
     compression: Compression,
     /// A write on metadata was prevented: every request fails from now on.
     corrupt: std::sync::atomic::AtomicBool,
+    /// Opened read-write.
+    writable: bool,
 }
 
 /// Counts a request in `io_inflight` until dropped.
@@ -472,6 +516,7 @@ impl Qcow2Driver {
             file_end: image.file_end,
             pending_free: Vec::new(),
             needs_sync: false,
+            bitmap_dir: image.bitmaps.map(|l| l.dir).unwrap_or_default(),
         };
         Self {
             file,
@@ -489,6 +534,7 @@ impl Qcow2Driver {
             incompatible: h.incompatible,
             compression: h.compression,
             corrupt: Default::default(),
+            writable: image.writable,
         }
     }
 
@@ -1214,6 +1260,21 @@ impl BlockDriver for Qcow2Driver {
             "backing" => crate::block::perm::backing_perms(perm, shared),
             _ => crate::block::perm::storage_perms(writable),
         }
+    }
+    fn activate(&self) -> BoxFut<'_, io::Result<()>> {
+        Box::pin(self.activate_impl())
+    }
+    fn can_store_bitmap(&self, granularity: u64, name: &str) -> Option<Result<(), String>> {
+        Some(self.can_store(granularity, name))
+    }
+    fn store_bitmaps(
+        &self,
+        bitmaps: Vec<Arc<crate::block::dirty_bitmap::DirtyBitmap>>,
+    ) -> BoxFut<'_, io::Result<()>> {
+        Box::pin(self.store_bitmaps_impl(bitmaps))
+    }
+    fn remove_stored_bitmap<'a>(&'a self, name: &'a str) -> BoxFut<'a, io::Result<()>> {
+        Box::pin(self.remove_bitmap_impl(name))
     }
     fn children(&self) -> Vec<(&'static str, &Arc<BlockNode>)> {
         let mut v = vec![("file", &self.file)];

@@ -5,9 +5,9 @@
 //! image is open and sets the dirty bit; a crash leaves refcounts that may be too low, and
 //! allocating from them would hand out clusters still in use. The repair counts every
 //! reference the tables make (header, L1 and refcount tables, refcount blocks, L2 tables
-//! and data clusters through the active L1 and every snapshot's, the snapshot table),
-//! writes the refcount blocks that disagree, and clears the dirty bit, each step durable
-//! before the next. stord itself keeps refcounts exact, so it never sets the bit.
+//! and data clusters through the active L1 and every snapshot's, the snapshot table, the
+//! persistent bitmaps), writes the refcount blocks that disagree, and clears the dirty
+//! bit, each step durable before the next. stord itself keeps refcounts exact, so it never sets the bit.
 
 use std::collections::BTreeMap;
 use std::io;
@@ -50,6 +50,7 @@ pub(super) async fn rebuild_refcounts(
     reftable: &[u64],
     snapshots: &[SnapshotL1],
     snapshot_table_len: u64,
+    bitmaps: &[(u64, u64)],
 ) -> io::Result<u64> {
     let cs = h.cluster_size();
     let codec = EntryCodec::new(h.cluster_bits, h.version);
@@ -58,6 +59,10 @@ pub(super) async fn rebuild_refcounts(
         map: BTreeMap::new(),
     };
     counts.range(0, cs);
+    // The persistent bitmaps' directory, tables and data.
+    for &(off, len) in bitmaps {
+        counts.range(off, len);
+    }
     counts.range(h.l1_table_offset, h.l1_size as u64 * 8);
     counts.range(
         h.refcount_table_offset,

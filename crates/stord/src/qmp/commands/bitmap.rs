@@ -6,7 +6,7 @@ use std::sync::Arc;
 use serde_json::{json, Value};
 
 use super::{opt, req, type_error, Args, Command, Ty};
-use crate::block::dirty_bitmap::{BitmapError, DirtyBitmap};
+use crate::block::dirty_bitmap::{BitmapError, Use};
 use crate::block::BlockNode;
 use crate::daemon::SharedState;
 use crate::qmp::QmpError;
@@ -38,14 +38,12 @@ pub const ADD: Command = Command {
     run: |state, mut a| {
         let n = node(state, &mut a)?;
         let name = a.str_req("name")?;
-        if a.bool("persistent") == Some(true) {
-            return Err(BitmapError::Persistent.into());
-        }
-        let granularity = a
-            .i64("granularity")
-            .map_or_else(|| n.default_bitmap_granularity(), |g| g as u64);
-        let recording = a.bool("disabled") != Some(true);
-        n.add_bitmap(DirtyBitmap::new(&name, granularity, n.size(), recording)?)?;
+        n.new_bitmap(
+            &name,
+            a.i64("granularity").map(|g| g as u64),
+            a.bool("persistent") == Some(true),
+            a.bool("disabled") == Some(true),
+        )?;
         Ok(json!({}))
     },
 };
@@ -56,7 +54,11 @@ pub const REMOVE: Command = Command {
     open: false,
     run: |state, mut a| {
         let n = node(state, &mut a)?;
-        n.remove_bitmap(&a.str_req("name")?)?;
+        let name = a.str_req("name")?;
+        // A persistent bitmap leaves the image now: a few writes, waited for here as
+        // QEMU's monitor does.
+        crate::block::block_on_helper(move || async move { n.remove_bitmap(&name).await })
+            .map_err(|e| QmpError::generic(e.to_string()))??;
         Ok(json!({}))
     },
 };
@@ -67,7 +69,9 @@ pub const CLEAR: Command = Command {
     open: false,
     run: |state, mut a| {
         let n = node(state, &mut a)?;
-        n.bitmap(&a.str_req("name")?)?.clear();
+        let b = n.bitmap(&a.str_req("name")?)?;
+        b.check(Use::Modify)?;
+        b.clear();
         Ok(json!({}))
     },
 };
@@ -78,7 +82,9 @@ pub const ENABLE: Command = Command {
     open: false,
     run: |state, mut a| {
         let n = node(state, &mut a)?;
-        n.bitmap(&a.str_req("name")?)?.set_recording(true);
+        let b = n.bitmap(&a.str_req("name")?)?;
+        b.check(Use::AllowReadOnly)?;
+        b.set_recording(true);
         Ok(json!({}))
     },
 };
@@ -89,7 +95,9 @@ pub const DISABLE: Command = Command {
     open: false,
     run: |state, mut a| {
         let n = node(state, &mut a)?;
-        n.bitmap(&a.str_req("name")?)?.set_recording(false);
+        let b = n.bitmap(&a.str_req("name")?)?;
+        b.check(Use::AllowReadOnly)?;
+        b.set_recording(false);
         Ok(json!({}))
     },
 };
@@ -105,6 +113,7 @@ pub const MERGE: Command = Command {
     run: |state, mut a| {
         let n = node(state, &mut a)?;
         let target = n.bitmap(&a.str_req("target")?)?;
+        target.check(Use::Modify)?;
         // Every source is looked up before the target changes.
         let mut sources = Vec::new();
         for s in a.array("bitmaps").unwrap_or_default() {
@@ -117,6 +126,7 @@ pub const MERGE: Command = Command {
                 }
                 _ => return Err(type_error("bitmaps", "string or object")),
             };
+            b.check(Use::Read)?;
             sources.push(b);
         }
         for s in sources {
