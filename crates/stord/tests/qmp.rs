@@ -74,3 +74,8 @@ fn qmp_dirty_bitmaps_answer_as_qsd() {
 fn qmp_persistent_bitmaps_in_qcow2_as_qsd() {
     run_script("persistent_bitmaps.py");
 }
+
+#[test]
+fn nbd_exports_dirty_bitmaps_as_qsd() {
+    run_script("nbd_bitmaps.py");
+}

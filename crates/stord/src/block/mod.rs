@@ -570,6 +570,20 @@ impl BlockNode {
         self.detect_zeroes
     }
 
+    /// The node below this one that QEMU's bdrv_filter_or_cow_bs names: the backing
+    /// node, else a filter's (raw, throttle) file node.
+    pub fn filtered_or_backing(&self) -> Option<Arc<BlockNode>> {
+        let children = self.children();
+        let pick = |role: &str| children.iter().find(|(r, _)| *r == role);
+        pick("backing")
+            .or_else(|| {
+                matches!(self.driver_name(), "raw" | "throttle")
+                    .then(|| pick("file"))
+                    .flatten()
+            })
+            .map(|(_, n)| (*n).clone())
+    }
+
     /// How many backing files lie below this node (QEMU's `backing_file_depth`: the
     /// chain of `backing` children; filters and files have none of their own).
     pub fn backing_depth(&self) -> u32 {

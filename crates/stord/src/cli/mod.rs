@@ -143,8 +143,9 @@ With no options, serves data/default.img (created sparse, 1 GiB) over NBD on a u
                             the NBD server; with tls-creds every client must use TLS
   --export type=nbd,id=<id>,node-name=<name>[,name=<export name>][,description=<text>]
            [,writable=on|off][,multi-conn=on|off|auto][,allocation-depth=on|off]
+           [,bitmaps.0=<bitmap>,bitmaps.1=<bitmap>...]
            [,iothread=<id> | ,iothread.0=<id>,iothread.1=<id>...]
-                            export a node over NBD
+                            export a node over NBD (each bitmap as qemu:dirty-bitmap:<name>)
   --export type=fuse,id=<id>,node-name=<name>,mountpoint=<file>[,writable=on|off][,growable=on|off]
            [,allow-other=on|off|auto][,io-uring=on|off|auto][,iothread=<id> | ,iothread.0=<id>...]
                             export a node as a regular file (FUSE)

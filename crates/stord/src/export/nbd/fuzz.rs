@@ -115,6 +115,7 @@ pub fn transmission(input: &[u8]) -> Vec<u8> {
         meta: super::handshake::MetaContexts {
             base_allocation: structured,
             allocation_depth: structured,
+            bitmaps: 0,
         },
         pending: Vec::new(),
         tls: None,

@@ -51,12 +51,34 @@ pub struct MetaContexts {
     pub base_allocation: bool,
     /// qemu:allocation-depth (offered when the export has `allocation-depth=on`).
     pub allocation_depth: bool,
+    /// qemu:dirty-bitmap:NAME of the export's bitmaps: bit `i` for its bitmap `i`.
+    pub bitmaps: u32,
 }
 
 impl MetaContexts {
     /// Whether BLOCK_STATUS has anything to report.
     pub fn any(&self) -> bool {
-        self.base_allocation || self.allocation_depth
+        self.base_allocation || self.allocation_depth || self.bitmaps != 0
+    }
+
+    /// The selected contexts as (id, name), in id order.
+    pub fn selected(&self, export: &NbdExport) -> Vec<(u32, String)> {
+        let mut v = Vec::new();
+        if self.base_allocation {
+            v.push((META_BASE_ALLOCATION_ID, META_BASE_ALLOCATION.to_string()));
+        }
+        if self.allocation_depth {
+            v.push((META_ALLOCATION_DEPTH_ID, META_ALLOCATION_DEPTH.to_string()));
+        }
+        for (i, b) in export.bitmaps.iter().enumerate() {
+            if self.bitmaps & (1 << i) != 0 {
+                v.push((
+                    META_DIRTY_BITMAP_FIRST_ID + i as u32,
+                    format!("{META_DIRTY_BITMAP_PREFIX}{}", b.name),
+                ));
+            }
+        }
+        v
     }
 }
 
@@ -67,9 +89,18 @@ fn matching_contexts(export: &NbdExport, queries: &[String], list: bool) -> Meta
         let ns = &name[..name.find(':').map_or(0, |i| i + 1)];
         (list && queries.is_empty()) || queries.iter().any(|q| q == name || (list && q == ns))
     };
+    let mut bitmaps = 0;
+    for (i, b) in export.bitmaps.iter().enumerate() {
+        let name = format!("{META_DIRTY_BITMAP_PREFIX}{}", b.name);
+        // LIST also takes the prefix alone: every bitmap (as QEMU answers).
+        if matches(&name) || (list && queries.iter().any(|q| q == META_DIRTY_BITMAP_PREFIX)) {
+            bitmaps |= 1 << i;
+        }
+    }
     MetaContexts {
         base_allocation: matches(META_BASE_ALLOCATION),
         allocation_depth: export.allocation_depth && matches(META_ALLOCATION_DEPTH),
+        bitmaps,
     }
 }
 
@@ -485,24 +516,11 @@ pub async fn negotiate(
                             }
                             Some(export) => {
                                 let sel = matching_contexts(&export, &qs, !set);
-                                for (on, id, ctx) in [
-                                    (
-                                        sel.base_allocation,
-                                        META_BASE_ALLOCATION_ID,
-                                        META_BASE_ALLOCATION,
-                                    ),
-                                    (
-                                        sel.allocation_depth,
-                                        META_ALLOCATION_DEPTH_ID,
-                                        META_ALLOCATION_DEPTH,
-                                    ),
-                                ] {
-                                    if on {
-                                        let id = if set { id } else { 0 };
-                                        let mut d = id.to_be_bytes().to_vec();
-                                        d.extend_from_slice(ctx.as_bytes());
-                                        replies.extend(opt_reply(opt, REP_META_CONTEXT, &d));
-                                    }
+                                for (id, ctx) in sel.selected(&export) {
+                                    let id = if set { id } else { 0 };
+                                    let mut d = id.to_be_bytes().to_vec();
+                                    d.extend_from_slice(ctx.as_bytes());
+                                    replies.extend(opt_reply(opt, REP_META_CONTEXT, &d));
                                 }
                                 replies.extend(opt_reply(opt, REP_ACK, &[]));
                                 if set {

@@ -34,6 +34,7 @@ use stord_aio::{AioContext, Remote};
 use std::task::{Context, Poll};
 
 use crate::accept::Acceptor;
+use crate::block::dirty_bitmap::{DirtyBitmap, Use};
 use crate::block::BlockNode;
 use crate::cli::keyval::{KeyVal, OptionError};
 use crate::export::budget::MemoryBudget;
@@ -62,6 +63,9 @@ pub struct NbdExport {
     pub multi_conn: bool,
     /// Offer the qemu:allocation-depth metadata context (`allocation-depth=on`).
     pub allocation_depth: bool,
+    /// Dirty bitmaps offered as qemu:dirty-bitmap:NAME contexts (`bitmaps=`), busy while
+    /// exported.
+    pub bitmaps: Vec<Arc<DirtyBitmap>>,
     /// `writethrough=on`: every write is durable before it is acknowledged (FUA).
     pub writethrough: bool,
     /// Sockets of the connections in transmission phase now.
@@ -70,6 +74,14 @@ pub struct NbdExport {
     pub shutting_down: AtomicBool,
     /// Woken when a connection leaves `clients`.
     drain: DrainSignal,
+}
+
+impl Drop for NbdExport {
+    fn drop(&mut self) {
+        for b in &self.bitmaps {
+            b.set_busy(false);
+        }
+    }
 }
 
 impl NbdExport {
@@ -94,6 +106,7 @@ impl NbdExport {
             load,
             multi_conn,
             allocation_depth: false,
+            bitmaps: Vec::new(),
             writethrough: false,
             clients: Mutex::default(),
             shutting_down: AtomicBool::new(false),
@@ -235,6 +248,63 @@ pub struct NbdExportHandle {
     table: ExportTable,
 }
 
+/// Most bitmaps one export offers.
+const MAX_EXPORT_BITMAPS: usize = 32;
+
+/// The `bitmaps` an export offers: each a name found on the node or down its chain of
+/// filters and backing files, or `{node, name}` (QEMU's rules and texts).
+fn export_bitmaps(
+    env: &ExportEnv<'_>,
+    kv: &mut KeyVal,
+    node: &Arc<BlockNode>,
+    writable: bool,
+) -> Result<Vec<Arc<DirtyBitmap>>, ExportError> {
+    let mut out: Vec<Arc<DirtyBitmap>> = Vec::new();
+    for i in 0.. {
+        let key = format!("bitmaps.{i}");
+        let (b, owner) = if let Some(name) = kv.take(&key) {
+            let mut at = Some(node.clone());
+            let mut found = None;
+            while let Some(n) = at {
+                if let Ok(b) = n.bitmap(&name) {
+                    found = Some((b, n));
+                    break;
+                }
+                at = n.filtered_or_backing();
+            }
+            found.ok_or_else(|| ExportError::Invalid(format!("Bitmap '{name}' is not found")))?
+        } else if let Some(mut o) = kv.take_prefixed(&key) {
+            let node_name = o.take_required("node")?;
+            let name = o.take_required("name")?;
+            o.finish()?;
+            let n = env
+                .node(&kv.what, &node_name)
+                .map_err(|_| ExportError::Invalid(format!("Node '{node_name}' not found")))?;
+            let b = n
+                .bitmap(&name)
+                .map_err(|e| ExportError::Invalid(e.to_string()))?;
+            (b, n)
+        } else {
+            break;
+        };
+        b.check(Use::AllowReadOnly)
+            .map_err(|e| ExportError::Invalid(e.to_string()))?;
+        if !writable && !owner.is_read_only() && b.is_recording() {
+            return Err(ExportError::Invalid(format!(
+                "Enabled bitmap '{}' incompatible with readonly export",
+                b.name
+            )));
+        }
+        if out.len() == MAX_EXPORT_BITMAPS {
+            return Err(ExportError::Invalid(format!(
+                "an export offers at most {MAX_EXPORT_BITMAPS} bitmaps"
+            )));
+        }
+        out.push(b);
+    }
+    Ok(out)
+}
+
 /// `--export type=nbd` / `block-export-add`: needs the NBD server running.
 pub fn create(env: &ExportEnv<'_>, mut kv: KeyVal) -> Result<Box<dyn Export>, ExportError> {
     let id = kv.take_required("id")?;
@@ -247,6 +317,7 @@ pub fn create(env: &ExportEnv<'_>, mut kv: KeyVal) -> Result<Box<dyn Export>, Ex
     let _ = kv.take_bool("fixed-iothread", false)?;
     let allocation_depth = kv.take_bool("allocation-depth", false)?;
     let names = kv.take_list("iothread");
+    let bitmaps = export_bitmaps(env, &mut kv, &node, writable)?;
     // multi-conn is safe whenever it is asked for or left to us: every connection reaches
     // the same node, and a flush (fdatasync of the one file) covers every write completed
     // before it, whichever connection sent it.
@@ -269,6 +340,11 @@ pub fn create(env: &ExportEnv<'_>, mut kv: KeyVal) -> Result<Box<dyn Export>, Ex
     let mut export = NbdExport::new(id, name, description, node, writable, iothreads, multi_conn);
     export.allocation_depth = allocation_depth;
     export.writethrough = writethrough;
+    // Busy from now until the export goes (its Drop), as QEMU marks them.
+    for b in &bitmaps {
+        b.set_busy(true);
+    }
+    export.bitmaps = bitmaps;
     let export = Arc::new(export);
     table
         .add(export.clone())

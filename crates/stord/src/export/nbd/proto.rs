@@ -84,6 +84,12 @@ pub const META_BASE_ALLOCATION_ID: u32 = 1;
 pub const META_ALLOCATION_DEPTH: &str = "qemu:allocation-depth";
 /// The context id stord gives qemu:allocation-depth.
 pub const META_ALLOCATION_DEPTH_ID: u32 = 2;
+/// qemu:dirty-bitmap:NAME, one per exported bitmap: extents dirty in the bitmap or not.
+pub const META_DIRTY_BITMAP_PREFIX: &str = "qemu:dirty-bitmap:";
+/// The context id of an export's first bitmap (the next ones follow).
+pub const META_DIRTY_BITMAP_FIRST_ID: u32 = 3;
+/// The flag of a dirty extent in a qemu:dirty-bitmap context.
+pub const STATE_DIRTY: u32 = 1;
 
 // Errors on the wire.
 pub const EPERM: u32 = 1;

@@ -538,21 +538,21 @@ async fn block_status(conn: &Conn, req: &Request) {
     let node = &conn.export.node;
     let one = req.flags & CMD_FLAG_REQ_ONE != 0;
     let mut chunks: Vec<Vec<u8>> = Vec::new();
-    for (on, id) in [
-        (conn.meta.base_allocation, META_BASE_ALLOCATION_ID),
-        (conn.meta.allocation_depth, META_ALLOCATION_DEPTH_ID),
-    ] {
-        if !on {
-            continue;
-        }
+    for (id, _) in conn.meta.selected(&conn.export) {
         let extents = extents(req, one, |off, len| async move {
-            if id == META_BASE_ALLOCATION_ID {
-                let st = node.block_status(off, len).await?;
-                let flags = (if st.allocated { 0 } else { STATE_HOLE })
-                    | (if st.zero { STATE_ZERO } else { 0 });
-                Ok((st.len, flags))
-            } else {
-                node.allocation_depth(off, len).await
+            match id {
+                META_BASE_ALLOCATION_ID => {
+                    let st = node.block_status(off, len).await?;
+                    let flags = (if st.allocated { 0 } else { STATE_HOLE })
+                        | (if st.zero { STATE_ZERO } else { 0 });
+                    Ok((st.len, flags))
+                }
+                META_ALLOCATION_DEPTH_ID => node.allocation_depth(off, len).await,
+                _ => {
+                    let b = &conn.export.bitmaps[(id - META_DIRTY_BITMAP_FIRST_ID) as usize];
+                    let (len, dirty) = b.extent(off, len);
+                    Ok((len, if dirty { STATE_DIRTY } else { 0 }))
+                }
             }
         })
         .await;

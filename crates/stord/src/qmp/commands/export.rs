@@ -50,9 +50,21 @@ pub const BLOCK_EXPORT_ADD: Command = Command {
         opt("writethrough", Ty::Bool),
         opt("fixed-iothread", Ty::Bool),
         opt("allocation-depth", Ty::Bool),
+        opt("bitmaps", Ty::Array),
     ],
     open: true,
     run: |state, mut a| {
+        // bitmaps: names or {node, name} objects, as bitmaps.0=..., bitmaps.1.node=...
+        if let Some(Value::Array(list)) = a.take("bitmaps") {
+            let mut o = serde_json::Map::new();
+            for (i, b) in list.into_iter().enumerate() {
+                if !(b.is_string() || b.is_object()) {
+                    return Err(type_error("bitmaps", "string or object"));
+                }
+                o.insert(i.to_string(), b);
+            }
+            a.insert("bitmaps".into(), Value::Object(o));
+        }
         match a.take("iothread") {
             // A list of iothreads (FUSE multi-queue): iothread.0, iothread.1, ...
             Some(Value::Array(list)) => {
