@@ -311,6 +311,19 @@ impl DirtyBitmap {
         self.words().fill(0);
     }
 
+    /// A copy of the bits, to put back if a transaction aborts.
+    pub fn backup(&self) -> Vec<u64> {
+        self.words().clone()
+    }
+
+    /// Puts back bits [`Self::backup`] took (if the size did not change since).
+    pub fn restore(&self, bits: Vec<u64>) {
+        let mut w = self.words();
+        if w.len() == bits.len() {
+            *w = bits;
+        }
+    }
+
     pub fn set_recording(&self, on: bool) {
         self.recording.store(on, Ordering::Relaxed);
     }

@@ -516,15 +516,31 @@ impl BlockNode {
     pub async fn remove_bitmap(&self, name: &str) -> Result<(), dirty_bitmap::BitmapError> {
         let b = self.bitmap(name)?;
         b.check(dirty_bitmap::Use::Remove)?;
+        self.unstore_bitmap(&b).await?;
+        self.forget_bitmap(&b);
+        Ok(())
+    }
+
+    /// Takes a persistent bitmap out of the image (it stays on the node: stored again at
+    /// close if it is not forgotten by then).
+    pub async fn unstore_bitmap(
+        &self,
+        b: &dirty_bitmap::DirtyBitmap,
+    ) -> Result<(), dirty_bitmap::BitmapError> {
+        let name = b.name.as_str();
         if b.is_persistent() {
             self.driver.remove_stored_bitmap(name).await.map_err(|e| {
                 dirty_bitmap::BitmapError::Io(format!("Failed to update bitmap extension: {e}"))
             })?;
         }
-        let mut list = self.bitmaps.write().unwrap_or_else(|e| e.into_inner());
-        list.retain(|x| !Arc::ptr_eq(x, &b));
-        self.has_bitmaps.store(!list.is_empty(), Relaxed);
         Ok(())
+    }
+
+    /// Drops a bitmap from the node.
+    pub fn forget_bitmap(&self, b: &Arc<dirty_bitmap::DirtyBitmap>) {
+        let mut list = self.bitmaps.write().unwrap_or_else(|e| e.into_inner());
+        list.retain(|x| !Arc::ptr_eq(x, b));
+        self.has_bitmaps.store(!list.is_empty(), Relaxed);
     }
 
     /// Puts the node in service (see [`BlockDriver::activate`]); only nodes that carry

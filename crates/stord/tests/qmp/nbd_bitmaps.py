@@ -3,8 +3,9 @@ against qsd and stord, as an incremental backup tool runs it:
 
 - a checkpoint (a persistent bitmap) is added and a full backup taken with nbdcopy;
 - the guest writes through a writable export (qemu-io), of every kind;
-- the next checkpoint starts, the first stops recording, and a read-only export offers
-  it with `bitmaps`; nbdinfo lists the contexts and maps the bitmap;
+- the next checkpoint starts and the first stops recording in one `transaction` (after
+  failing ones that must leave nothing behind), and a read-only export offers the first
+  with `bitmaps`; nbdinfo lists the contexts and maps the bitmap;
 - the dirty extents are copied onto the full backup: it then equals the image;
 - QEMU's refusals: an unknown bitmap, an enabled one on a read-only export, changing or
   removing an exported (busy) bitmap; once the export goes, it may change again.
@@ -54,8 +55,25 @@ def flow(binary, tag, base):
             "-c", "write -P 0x41 0 4k", "-c", "write -P 0x42 3M 200k",
             "-c", "write -z 10M 1M", "-c", "write -P 0x43 33M 64k",
             "-c", "discard 1M 64k", "-c", "write -P 0x44 63M 1M", live)
-        c("block-dirty-bitmap-add", node="disk", name="c2", persistent=True)
-        c("block-dirty-bitmap-disable", node="disk", name="c1")
+        # The next checkpoint as libvirt makes it: one transaction. A failing one first:
+        # everything it did is undone (c1's bits come back, c2 goes).
+        def act(t, **data):
+            return {"type": t, "data": data}
+        add_c2 = act("block-dirty-bitmap-add", node="disk", name="c2", persistent=True)
+        c("transaction", actions=[add_c2, act("block-dirty-bitmap-clear", node="disk", name="c1"),
+                                  act("block-dirty-bitmap-disable", node="disk", name="c1"),
+                                  act("abort")])
+        c("transaction", actions=[add_c2, act("block-dirty-bitmap-merge", node="disk",
+                                              target="c2", bitmaps=["c1"]),
+                                  act("block-dirty-bitmap-add", node="disk", name="c1")])
+        bitmaps("after failed transactions")
+        c("x-debug-block-dirty-bitmap-sha256", node="disk", name="c1")
+        c("transaction", actions=[add_c2, act("block-dirty-bitmap-disable", node="disk",
+                                              name="c1")])
+        c("transaction", actions=[act("block-dirty-bitmap-remove", node="disk", name="c2"),
+                                  act("block-dirty-bitmap-enable", node="disk", name="c1"),
+                                  act("abort")])
+        bitmaps("after the checkpoint")
         c("block-export-add", type="nbd", id="bad", **{"node-name": "disk"},
           bitmaps=["nope"])
         c("block-export-add", type="nbd", id="bad", **{"node-name": "disk"},

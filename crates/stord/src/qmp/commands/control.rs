@@ -35,28 +35,55 @@ pub const QUERY_QMP_SCHEMA: Command = Command {
     run: |_, _| Ok(super::schema()),
 };
 
-/// QEMU's transaction actions are backups, snapshots and dirty bitmaps, none of which
-/// stord has yet; `abort` (which fails the transaction) is the one it honours.
+/// `transaction`: every action or none. Of QEMU's actions stord has the dirty bitmap ones
+/// and `abort`; each action is done in turn, and when one fails those before it are undone
+/// in reverse order (QEMU's prepare / abort / commit).
 pub const TRANSACTION: Command = Command {
     name: "transaction",
     args: &[req("actions", Ty::Array), opt("properties", Ty::Object)],
     open: false,
-    run: |_, mut a| {
+    run: |state, mut a| {
         let actions = a.array("actions").unwrap_or_default();
-        let mut abort = false;
-        for act in &actions {
-            match act.get("type").and_then(Value::as_str) {
-                Some("abort") => abort = true,
-                Some(t) => {
-                    return Err(QmpError::generic(format!(
-                        "transaction: action '{t}' is not supported by stord (supported: abort)"
-                    )))
+        let mut done: Vec<super::bitmap::Prepared> = Vec::new();
+        let mut fail = None;
+        for act in actions {
+            let ty = match act.get("type").and_then(Value::as_str) {
+                Some(t) => t.to_string(),
+                None => {
+                    fail = Some(super::missing("type"));
+                    break;
                 }
-                None => return Err(super::missing("type")),
+            };
+            let data = match act.get("data") {
+                Some(Value::Object(o)) => o.clone(),
+                _ => Default::default(),
+            };
+            let r = if ty == "abort" {
+                Err(QmpError::generic("Transaction aborted using Abort action"))
+            } else {
+                super::bitmap::transaction_action(state, &ty, data).unwrap_or_else(|| {
+                    Err(QmpError::generic(format!(
+                        "transaction: action '{ty}' is not supported by stord (supported: \
+                         abort and the block-dirty-bitmap actions)"
+                    )))
+                })
+            };
+            match r {
+                Ok(p) => done.push(p),
+                Err(e) => {
+                    fail = Some(e);
+                    break;
+                }
             }
         }
-        if abort {
-            return Err(QmpError::generic("Transaction aborted using Abort action"));
+        if let Some(e) = fail {
+            for p in done.into_iter().rev() {
+                (p.abort)();
+            }
+            return Err(e);
+        }
+        for p in done {
+            (p.commit)();
         }
         Ok(json!({}))
     },
