@@ -41,6 +41,9 @@ pub(super) const MAX_NAME: usize = 1023;
 const ENTRY_RESERVED: u64 = 0xff00_0000_0000_01fe;
 const ENTRY_OFFSET: u64 = 0x00ff_ffff_ffff_fe00;
 const ENTRY_ALL_ONES: u64 = 1;
+/// The most memory the bits of one image's bitmaps take together (a 1 TiB disk needs 2 MiB
+/// per bitmap at 64 KiB granularity).
+const MAX_LOADED_BITS_BYTES: u64 = 256 << 20;
 /// Length of the extension's data.
 const EXT_LEN: usize = 24;
 /// Length of an entry's fixed part.
@@ -209,6 +212,14 @@ pub(super) fn encode_dir(entries: &[DirEntry]) -> Vec<u8> {
     out
 }
 
+/// Memory the bits of `entries` take over an image of `size` bytes.
+fn loaded_bits_bytes(entries: &[DirEntry], size: u64) -> u64 {
+    entries
+        .iter()
+        .map(|e| size.div_ceil(1 << e.granularity_bits).div_ceil(64) * 8)
+        .sum()
+}
+
 /// A bitmap table entry as QEMU checks it: no reserved bit, an aligned offset, the
 /// all-ones flag only without one.
 fn table_entry_ok(entry: u64, cluster_size: u64) -> bool {
@@ -269,6 +280,18 @@ pub(super) async fn load(
     }
     let raw = read_bytes(f, offset, size).await.map_err(io)?;
     let entries = parse_dir(&raw, nb, cs, h.size)?;
+    // What the bits of all bitmaps take in memory, bounded before any is allocated: an
+    // image must not make the daemon hold without bound (thousands of entries, each
+    // within the per-bitmap limit, would).
+    let total = loaded_bits_bytes(&entries, h.size);
+    if total > MAX_LOADED_BITS_BYTES {
+        return Err(format!(
+            "the image's {} bitmaps would take {} MiB of memory (stord loads at most {} MiB)",
+            entries.len(),
+            total >> 20,
+            MAX_LOADED_BITS_BYTES >> 20
+        ));
+    }
     let mut refs = vec![(offset, size)];
     let mut bitmaps = Vec::new();
     for e in &entries {
@@ -629,5 +652,18 @@ mod tests {
         assert!(!table_entry_ok(2, 65536));
         assert_eq!(table_entries(1 << 30, 65536, 65536), 1);
         assert_eq!(table_entries(1 << 30, 512, 512), 512);
+    }
+
+    #[test]
+    fn the_memory_all_bitmaps_take_is_bounded() {
+        // 1 TiB at 64 KiB granularity: 2 MiB of bits per bitmap.
+        let one = entry("b", FLAG_IN_USE);
+        assert_eq!(
+            loaded_bits_bytes(std::slice::from_ref(&one), 1 << 40),
+            2 << 20
+        );
+        let many = vec![one; 129];
+        assert!(loaded_bits_bytes(&many[..128], 1 << 40) <= MAX_LOADED_BITS_BYTES);
+        assert!(loaded_bits_bytes(&many, 1 << 40) > MAX_LOADED_BITS_BYTES);
     }
 }
