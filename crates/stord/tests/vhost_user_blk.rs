@@ -245,9 +245,12 @@ fn read_write(qsd: bool, queues: u16, iothreads: usize, extra: &str) -> (String,
     );
     assert_eq!(field(&out, "QUEUES"), Some(queues.to_string().as_str()));
     assert_eq!(field(&out, "SECTORS"), Some("131072"));
+    // The guest discards 8 MiB. The host filesystem may spend a block or so of the freed
+    // space on its own extent tree once the hole splits the file's extents (seen once
+    // with qsd: 4 KiB short), so a few blocks less still show the discard went through.
     let freed = before.saturating_sub(allocated(&img));
     assert!(
-        freed >= 8 << 20,
+        freed >= (8 << 20) - (64 << 10),
         "{who}: discard freed only {freed} bytes of the image"
     );
     (out, per_queue)
