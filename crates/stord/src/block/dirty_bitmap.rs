@@ -55,6 +55,14 @@ pub const MAX_BITS_BYTES: u64 = 64 << 20;
 /// Bitmaps one node keeps at most.
 pub const MAX_PER_NODE: usize = 64;
 
+/// Bitmaps alive in the process: while there are none, a write checks nothing else.
+static LIVE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Whether any bitmap exists (one relaxed load on every write).
+pub fn any_exist() -> bool {
+    LIVE.load(Ordering::Relaxed) != 0
+}
+
 /// Whether a bitmap of `granularity` can cover `size` bytes within [`MAX_BITS_BYTES`].
 pub fn fits(size: u64, granularity: u64) -> bool {
     size.div_ceil(granularity).div_ceil(64) * 8 <= MAX_BITS_BYTES
@@ -124,6 +132,7 @@ impl DirtyBitmap {
             granules: Default::default(),
         };
         b.resize(size);
+        LIVE.fetch_add(1, Ordering::Relaxed);
         Ok(b)
     }
 
@@ -359,6 +368,12 @@ impl DirtyBitmap {
             v["inconsistent"] = json!(true);
         }
         v
+    }
+}
+
+impl Drop for DirtyBitmap {
+    fn drop(&mut self) {
+        LIVE.fetch_sub(1, Ordering::Relaxed);
     }
 }
 

@@ -158,6 +158,11 @@ pub trait BlockDriver: Send + Sync {
     fn children(&self) -> Vec<(&'static str, &Arc<BlockNode>)> {
         Vec::new()
     }
+    /// For a filter: the child every write goes to unchanged but for an offset added
+    /// (its bitmaps see the write too, as each QEMU node marks what passes through it).
+    fn passes_through(&self) -> Option<(&Arc<BlockNode>, u64)> {
+        None
+    }
     /// What this node takes of its child `role` (and lets others hold) when its users
     /// together take `perm` and share `shared`, and the node is `writable`. The default
     /// passes them through, as QEMU's filters do; format nodes need more of their file.
@@ -366,6 +371,15 @@ impl BlockNode {
         &*self.driver
     }
 
+    /// A filter's discard handed to this node's driver: dropped unless this node passes
+    /// discards on (`discard=unmap`), as QEMU's bdrv_co_pdiscard checks each node's flag.
+    pub fn driver_discard(&self, offset: u64, len: u64) -> BoxFut<'_, io::Result<()>> {
+        if !self.unmap {
+            return Box::pin(std::future::ready(Ok(())));
+        }
+        self.driver.discard(offset, len)
+    }
+
     /// Bytes of host storage the node takes, if known.
     pub fn allocated_bytes(&self) -> Option<u64> {
         self.driver.allocated_bytes()
@@ -377,18 +391,29 @@ impl BlockNode {
     }
 
     /// Marks [offset, offset + len) in every recording bitmap (after the write, whatever
-    /// its outcome, as QEMU's write_req_finish).
+    /// its outcome, as QEMU's write_req_finish), here and in the nodes below that a filter
+    /// passes the write to (a discard only as far down as the nodes pass discards on).
     fn mark_dirty(&self, offset: u64, len: u64) {
-        if !self.has_bitmaps.load(Relaxed) {
+        self.mark_dirty_as(offset, len, false)
+    }
+
+    fn mark_dirty_as(&self, offset: u64, len: u64, discard: bool) {
+        // A node that drops discards passes none on (QEMU checks each node's flag).
+        if !dirty_bitmap::any_exist() || (discard && !self.unmap) {
             return;
         }
-        for b in self
-            .bitmaps
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-        {
-            b.mark(offset, len);
+        if self.has_bitmaps.load(Relaxed) {
+            for b in self
+                .bitmaps
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
+                .iter()
+            {
+                b.mark(offset, len);
+            }
+        }
+        if let Some((child, shift)) = self.driver.passes_through() {
+            child.mark_dirty_as(offset + shift, len, discard);
         }
     }
 
@@ -424,7 +449,7 @@ impl BlockNode {
     ) -> Result<(), dirty_bitmap::BitmapError> {
         let mut list = self.bitmaps.write().unwrap_or_else(|e| e.into_inner());
         if list.iter().any(|x| x.name == b.name) {
-            return Err(dirty_bitmap::BitmapError::Exists(b.name));
+            return Err(dirty_bitmap::BitmapError::Exists(b.name.clone()));
         }
         if list.len() >= dirty_bitmap::MAX_PER_NODE {
             return Err(dirty_bitmap::BitmapError::TooMany);
@@ -763,7 +788,7 @@ impl BlockNode {
             Ok(()) if !self.unmap => Ok(()),
             Ok(()) => {
                 let r = self.driver.discard(offset, len).await;
-                self.mark_dirty(offset, len);
+                self.mark_dirty_as(offset, len, true);
                 r
             }
             Err(e) => Err(e),

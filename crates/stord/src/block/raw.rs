@@ -112,7 +112,7 @@ impl BlockDriver for RawDriver {
         self.child_driver().flush()
     }
     fn discard(&self, offset: u64, len: u64) -> BoxFut<'_, io::Result<()>> {
-        self.child_driver().discard(self.offset + offset, len)
+        self.child.driver_discard(self.offset + offset, len)
     }
     fn write_zeroes(&self, offset: u64, len: u64, may_unmap: bool) -> BoxFut<'_, io::Result<()>> {
         self.child_driver()
@@ -161,6 +161,9 @@ impl BlockDriver for RawDriver {
     }
     fn children(&self) -> Vec<(&'static str, &Arc<BlockNode>)> {
         vec![("file", &self.child)]
+    }
+    fn passes_through(&self) -> Option<(&Arc<BlockNode>, u64)> {
+        Some((&self.child, self.offset))
     }
 }
 

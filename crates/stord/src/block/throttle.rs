@@ -280,7 +280,7 @@ impl BlockDriver for ThrottleDriver {
         Box::pin(async move {
             // Counted as one write operation; its length moves no data.
             self.group.admit(true, 0).await;
-            self.child.driver().discard(offset, len).await
+            self.child.driver_discard(offset, len).await
         })
     }
     fn write_zeroes(&self, offset: u64, len: u64, may_unmap: bool) -> BoxFut<'_, io::Result<()>> {
@@ -312,6 +312,9 @@ impl BlockDriver for ThrottleDriver {
     }
     fn children(&self) -> Vec<(&'static str, &Arc<BlockNode>)> {
         vec![("file", &self.child)]
+    }
+    fn passes_through(&self) -> Option<(&Arc<BlockNode>, u64)> {
+        Some((&self.child, 0))
     }
 }
 

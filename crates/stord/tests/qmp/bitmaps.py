@@ -1,4 +1,4 @@
-"""Transient dirty bitmaps, the same flow against qsd and stord: add (default and explicit
+"""Transient dirty bitmaps, the same flows against qsd and stord: add (default and explicit
 granularity, disabled), writes of every kind through an NBD export (qemu-io), enable,
 disable, clear, merge, remove; every return, error text, query-named-block-nodes
 'dirty-bitmaps' entry and x-debug-block-dirty-bitmap-sha256 digest equal."""
@@ -74,9 +74,46 @@ def flow(binary, tag):
     return out
 
 
+def through_filters(binary, tag):
+    """Bitmaps on the nodes below a raw node with an offset and a throttle filter see the
+    writes that enter above (each QEMU node marks what passes through it); a discard only
+    marks the nodes that pass discards on."""
+    img = common.sparse(f"bmf-{tag}.img", 64 << 20)
+    sock = common.path(f"bmf-{tag}.sock")
+    d = common.Daemon([
+        "--object", "throttle-group,id=tg",
+        "--blockdev", f"driver=file,node-name=disk,filename={img},discard=unmap",
+        "--blockdev", "driver=throttle,node-name=thr,throttle-group=tg,file=disk",
+        "--blockdev", "driver=raw,node-name=top,file=thr,offset=1048576,discard=unmap",
+        "--nbd-server", f"addr.type=unix,addr.path={sock}",
+        "--export", "type=nbd,id=e,node-name=top,name=top,writable=on",
+    ], binary=binary, tag=tag)
+    out = []
+    try:
+        q = d.qmp()
+        for node in ("disk", "thr", "top"):
+            ok(q.cmd_raw("block-dirty-bitmap-add",
+                         {"node": node, "name": "b", "granularity": 4096}))
+        args = ["qemu-io", "-f", "raw"]
+        for c in ["write -P 0x11 0 4k", "write -z 2M 64k", "discard 8M 64k",
+                  "write -P 0x12 20M 12k"]:
+            args += ["-c", c]
+        subprocess.run(args + [f"nbd+unix:///top?socket={sock}"], check=True,
+                       capture_output=True)
+        nodes = ok(q.cmd_raw("query-named-block-nodes"))
+        for n in sorted(nodes, key=lambda n: n["node-name"]):
+            out.append((n["node-name"], n.get("dirty-bitmaps"),
+                        q.cmd_raw("x-debug-block-dirty-bitmap-sha256",
+                                  {"node": n["node-name"], "name": "b"})))
+        q.close()
+    finally:
+        d.stop()
+    return out
+
+
 def test():
-    theirs = flow("qemu-storage-daemon", "qsd")
-    ours = flow(common.STORD, "stord")
+    theirs = flow("qemu-storage-daemon", "qsd") + through_filters("qemu-storage-daemon", "qsd")
+    ours = flow(common.STORD, "stord") + through_filters(common.STORD, "stord")
     assert len(theirs) == len(ours), (len(theirs), len(ours))
     for a, b in zip(theirs, ours):
         assert a == b, f"\nqsd   {a}\nstord {b}"

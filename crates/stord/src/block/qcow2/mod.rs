@@ -932,8 +932,8 @@ impl Qcow2Driver {
             // Under the metadata lock: once it is released, a freed cluster can be
             // allocated again, and a discard after that would drop the new data.
             for host in freed {
-                // The child may drop the data now; it decides whether discards do anything.
-                let _ = self.file.driver().discard(host, self.cluster_size).await;
+                // Dropped unless the file node passes discards on (its `discard=` option).
+                let _ = self.file.driver_discard(host, self.cluster_size).await;
             }
         }
         drop(m);
