@@ -5,6 +5,7 @@
 //! request futures are not `Send`: a request runs entirely on the IoThread that issued it
 //! (for the io_uring backend, on that thread's own ring).
 
+pub mod blocker;
 pub mod create;
 pub mod dirty_bitmap;
 pub mod file;
@@ -155,7 +156,7 @@ pub trait BlockDriver: Send + Sync {
         None
     }
     /// The child nodes, each with its role (`file`), for the graph's bookkeeping.
-    fn children(&self) -> Vec<(&'static str, &Arc<BlockNode>)> {
+    fn children(&self) -> Vec<(&'static str, Arc<BlockNode>)> {
         Vec::new()
     }
     /// For a filter: the child every write goes to unchanged but for an offset added
@@ -200,6 +201,33 @@ pub trait BlockDriver: Send + Sync {
     /// Takes a persistent bitmap out of the image.
     fn remove_stored_bitmap<'a>(&'a self, _name: &'a str) -> BoxFut<'a, io::Result<()>> {
         Box::pin(std::future::ready(Ok(())))
+    }
+    /// Copies what the backing chain holds in `[offset, offset + len)` into this image
+    /// where it has nothing of its own (QEMU's copy-on-read, as block-stream uses it): the
+    /// content reads the same before and after.
+    fn populate(&self, _offset: u64, _len: u64) -> BoxFut<'_, io::Result<()>> {
+        Box::pin(std::future::ready(Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            "the driver has no backing file to copy from",
+        ))))
+    }
+    /// Points the backing link at `new` (QEMU's bdrv_set_backing_hd); the old one back.
+    fn set_backing(&self, _new: Option<Arc<BlockNode>>) -> Result<Option<Arc<BlockNode>>, String> {
+        Err(format!(
+            "Driver '{}' of node does not support backing files",
+            self.driver_name()
+        ))
+    }
+    /// Writes the backing file's name and format into the image (QEMU's
+    /// bdrv_change_backing_file); None: the image names no backing file.
+    fn change_backing_file<'a>(
+        &'a self,
+        _backing: Option<(&'a str, Option<&'a str>)>,
+    ) -> BoxFut<'a, io::Result<()>> {
+        Box::pin(std::future::ready(Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            "Operation not supported",
+        ))))
     }
 }
 
@@ -295,6 +323,8 @@ pub struct BlockNode {
     /// none.
     bitmaps: std::sync::RwLock<Vec<Arc<dirty_bitmap::DirtyBitmap>>>,
     has_bitmaps: std::sync::atomic::AtomicBool,
+    /// Why other jobs and graph changes must leave the node alone now ([`blocker`]).
+    blocked: std::sync::Mutex<Option<String>>,
     driver: Box<dyn BlockDriver>,
 }
 
@@ -317,6 +347,7 @@ impl BlockNode {
             users: Default::default(),
             bitmaps: Default::default(),
             has_bitmaps: Default::default(),
+            blocked: Default::default(),
             driver,
         }
     }
@@ -386,7 +417,7 @@ impl BlockNode {
     }
 
     /// The child nodes with their roles.
-    pub fn children(&self) -> Vec<(&'static str, &Arc<BlockNode>)> {
+    pub fn children(&self) -> Vec<(&'static str, Arc<BlockNode>)> {
         self.driver.children()
     }
 

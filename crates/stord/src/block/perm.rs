@@ -312,6 +312,40 @@ impl BlockNode {
         self.driver.set_perm(perm, shared)
     }
 
+    /// Points this node's backing link at `new` (QEMU's bdrv_set_backing_hd): the node's
+    /// claim moves from the old backing node to the new one, taken first, so a conflict
+    /// leaves everything as it was. The old backing node is given back.
+    pub fn set_backing(
+        &self,
+        new: Option<Arc<BlockNode>>,
+    ) -> Result<Option<Arc<BlockNode>>, String> {
+        let mut users = self.users.lock().expect("node users");
+        let claimed = !users.children.is_empty();
+        let claim = match (&new, claimed) {
+            (Some(b), true) => {
+                let (perm, shared) = users.cumulative();
+                let (p, s) = self
+                    .driver
+                    .child_perms("backing", perm, shared, !self.is_read_only());
+                Some(
+                    b.claim(&self.name, "backing", p, s)
+                        .map_err(|e| e.to_string())?,
+                )
+            }
+            _ => None,
+        };
+        let old = self.driver.set_backing(new)?;
+        if claimed {
+            // The children's claims follow children()'s order: the file's, then the
+            // backing node's.
+            if let Some(old) = &old {
+                users.children.retain(|c| !Arc::ptr_eq(c.node(), old));
+            }
+            users.children.extend(claim);
+        }
+        Ok(old)
+    }
+
     /// What user `id` takes and shares now.
     fn use_of(&self, id: u64) -> (Perm, Perm) {
         let users = self.users.lock().expect("node users");

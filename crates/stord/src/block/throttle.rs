@@ -310,8 +310,8 @@ impl BlockDriver for ThrottleDriver {
     fn allocated_bytes(&self) -> Option<u64> {
         self.child.allocated_bytes()
     }
-    fn children(&self) -> Vec<(&'static str, &Arc<BlockNode>)> {
-        vec![("file", &self.child)]
+    fn children(&self) -> Vec<(&'static str, Arc<BlockNode>)> {
+        vec![("file", self.child.clone())]
     }
     fn passes_through(&self) -> Option<(&Arc<BlockNode>, u64)> {
         Some((&self.child, 0))

@@ -74,6 +74,46 @@ pub fn with_bitmaps_ext(
     bitmaps: Option<&[u8]>,
     autoclear: u64,
 ) -> Result<Vec<u8>, HeaderError> {
+    rewrite_area(
+        cluster0,
+        AreaChange {
+            bitmaps: Some(bitmaps),
+            backing: None,
+            autoclear: Some(autoclear),
+        },
+    )
+}
+
+/// The image's first cluster naming `backing` (file name and format) as its backing file,
+/// or none: the name and the backing format extension change, everything else is kept
+/// (QEMU's qcow2_change_backing_file).
+pub fn with_backing(
+    cluster0: &[u8],
+    backing: Option<(&str, Option<&str>)>,
+) -> Result<Vec<u8>, HeaderError> {
+    if let Some((name, _)) = backing {
+        if name.len() > MAX_BACKING_NAME as usize {
+            return Err(invalid("backing file name too long"));
+        }
+    }
+    rewrite_area(
+        cluster0,
+        AreaChange {
+            bitmaps: None,
+            backing: Some(backing),
+            autoclear: None,
+        },
+    )
+}
+
+/// What a rewrite of the extension area changes (None: keep as it is).
+struct AreaChange<'a> {
+    bitmaps: Option<Option<&'a [u8]>>,
+    backing: Option<Option<(&'a str, Option<&'a str>)>>,
+    autoclear: Option<u64>,
+}
+
+fn rewrite_area(cluster0: &[u8], change: AreaChange<'_>) -> Result<Vec<u8>, HeaderError> {
     let h = Header::parse(cluster0)?;
     let cs = (h.cluster_size() as usize).min(cluster0.len());
     let mut out = cluster0[..h.header_length as usize].to_vec();
@@ -93,31 +133,48 @@ pub fn with_bitmaps_ext(
             break;
         }
         // parse() checked every extension lies within the cluster.
-        if ty != ext::BITMAPS {
+        let replaced = (ty == ext::BITMAPS && change.bitmaps.is_some())
+            || (ty == ext::BACKING_FORMAT && change.backing.is_some());
+        if !replaced {
             push(&mut out, ty, &cluster0[at..at + len]);
         }
         at += len.div_ceil(8) * 8;
     }
     old_end = old_end.max(at);
-    if let Some(b) = bitmaps {
+    if let Some(Some((_, Some(fmt)))) = change.backing {
+        // QEMU writes the format first among the extensions it adds.
+        push(&mut out, ext::BACKING_FORMAT, fmt.as_bytes());
+    }
+    if let Some(Some(b)) = change.bitmaps {
         push(&mut out, ext::BITMAPS, b);
     }
     out.extend_from_slice(&[0; 8]);
     let name_off = be64(cluster0, 8) as usize;
     let name_len = be32(cluster0, 16) as usize;
     if name_off != 0 {
-        let name = &cluster0[name_off..name_off + name_len];
-        let new_off = out.len() as u64;
-        out.extend_from_slice(name);
-        out[8..16].copy_from_slice(&new_off.to_be_bytes());
         old_end = old_end.max(name_off + name_len);
+    }
+    let name = match change.backing {
+        Some(b) => b.map(|(n, _)| n.as_bytes()),
+        None => (name_off != 0).then(|| &cluster0[name_off..name_off + name_len]),
+    };
+    match name {
+        Some(name) => {
+            let new_off = out.len() as u64;
+            out.extend_from_slice(name);
+            out[8..16].copy_from_slice(&new_off.to_be_bytes());
+            out[16..20].copy_from_slice(&(name.len() as u32).to_be_bytes());
+        }
+        None => {
+            out[8..20].fill(0);
+        }
     }
     if out.len() > cs {
         return Err(invalid(
             "the header extensions do not fit in the first cluster",
         ));
     }
-    if h.version >= 3 {
+    if let (true, Some(autoclear)) = (h.version >= 3, change.autoclear) {
         out[88..96].copy_from_slice(&autoclear.to_be_bytes());
     }
     // What the old area held past the new end reads as zeroes.
@@ -454,6 +511,34 @@ mod tests {
         let h = Header::parse(&b).unwrap();
         assert_eq!(h.backing_file.as_deref(), Some("base.img"));
         assert_eq!(h.backing_format.as_deref(), Some("qcow2"));
+    }
+
+    #[test]
+    fn the_backing_file_changes_and_goes_keeping_other_extensions() {
+        let mut b = v3();
+        b[112..116].copy_from_slice(&ext::BACKING_FORMAT.to_be_bytes());
+        b[116..120].copy_from_slice(&5u32.to_be_bytes());
+        b[120..125].copy_from_slice(b"qcow2");
+        // An extension stord does not know, kept as it is.
+        b[128..132].copy_from_slice(&0x1234_5678u32.to_be_bytes());
+        b[132..136].copy_from_slice(&3u32.to_be_bytes());
+        b[136..139].copy_from_slice(b"abc");
+        b[8..16].copy_from_slice(&300u64.to_be_bytes());
+        b[16..20].copy_from_slice(&8u32.to_be_bytes());
+        b[300..308].copy_from_slice(b"base.img");
+        let changed = with_backing(&b, Some(("/images/mid.qcow2", Some("raw")))).unwrap();
+        let h = Header::parse(&changed).unwrap();
+        assert_eq!(h.backing_file.as_deref(), Some("/images/mid.qcow2"));
+        assert_eq!(h.backing_format.as_deref(), Some("raw"));
+        let unknown = 0x1234_5678u32.to_be_bytes();
+        assert!(changed.windows(4).any(|w| w == unknown));
+        let gone = with_backing(&changed, None).unwrap();
+        let h = Header::parse(&gone).unwrap();
+        assert_eq!((h.backing_file, h.backing_format), (None, None));
+        assert_eq!(be64(&gone, 8), 0);
+        assert!(gone.windows(4).any(|w| w == unknown));
+        // The old name's bytes read as zeroes.
+        assert!(!gone.windows(8).any(|w| w == b"base.img"));
     }
 
     #[test]

@@ -422,7 +422,9 @@ impl Image {
 /// See the module docs.
 pub struct Qcow2Driver {
     file: Arc<BlockNode>,
-    backing: Option<Arc<BlockNode>>,
+    /// The backing node; stream and commit change it (under `meta`, so a lookup and the
+    /// node it sends a read to agree).
+    backing: std::sync::RwLock<Option<Arc<BlockNode>>>,
     version: u32,
     cluster_bits: u32,
     cluster_size: u64,
@@ -491,6 +493,10 @@ struct Piece {
 /// A request's pieces: one, mostly (no allocation then).
 type Pieces = smallvec::SmallVec<[Piece; 2]>;
 
+/// A range looked up: its pieces, the request counted in flight, and the backing node
+/// its backing pieces read from.
+type Mapped<'a> = (Pieces, Inflight<'a>, Option<Arc<BlockNode>>);
+
 impl Qcow2Driver {
     /// A driver for a loaded image over `file`, reading through to `backing`.
     pub fn new(
@@ -520,7 +526,7 @@ impl Qcow2Driver {
         };
         Self {
             file,
-            backing,
+            backing: std::sync::RwLock::new(backing),
             version: h.version,
             cluster_bits: h.cluster_bits,
             cluster_size: cs,
@@ -542,10 +548,29 @@ impl Qcow2Driver {
         off & !(self.cluster_size - 1)
     }
 
+    /// The backing node now.
+    fn backing(&self) -> Option<Arc<BlockNode>> {
+        self.backing
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    fn has_backing(&self) -> bool {
+        self.backing
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
+    }
+
     /// Maps `[offset, offset + len)` to pieces, merging neighbours from one source.
-    async fn map_range(&self, offset: u64, len: u64) -> io::Result<(Pieces, Inflight<'_>)> {
+    /// With them, the backing node the lookup saw where a piece reads from it: the read
+    /// goes there even if a job changes the backing link meanwhile.
+    async fn map_range(&self, offset: u64, len: u64) -> io::Result<Mapped<'_>> {
         let mut m = self.meta.lock().await;
         let mut pieces = Pieces::new();
+        let mut backing = self.backing();
+        let has_backing = backing.is_some();
         let end = offset + len;
         let mut pos = offset;
         while pos < end {
@@ -555,7 +580,7 @@ impl Qcow2Driver {
             let src = match self.lookup(&mut m, pos).await? {
                 Mapping::Data { host, .. } => Source::Host(host + within),
                 Mapping::Zero { .. } => Source::Zero,
-                Mapping::Unallocated if self.backing.is_some() => Source::Backing,
+                Mapping::Unallocated if has_backing => Source::Backing,
                 Mapping::Unallocated => Source::Unmapped,
                 Mapping::Compressed { offset, len } => Source::Compressed {
                     offset,
@@ -581,18 +606,24 @@ impl Qcow2Driver {
             pos += n;
         }
         let inflight = Inflight::new(&self.io_inflight);
+        if !pieces.iter().any(|p| p.src == Source::Backing) {
+            backing = None;
+        }
         drop(m);
-        Ok((pieces, inflight))
+        Ok((pieces, inflight, backing))
     }
 
     /// Reads `dst.len()` bytes of the backing node at `guest` (zeroes past its end).
-    async fn read_backing(&self, guest: u64, dst: &mut [u8]) -> io::Result<()> {
-        let n = match &self.backing {
+    async fn read_backing(
+        backing: Option<&Arc<BlockNode>>,
+        guest: u64,
+        dst: &mut [u8],
+    ) -> io::Result<()> {
+        let n = match backing {
             Some(b) => (dst.len() as u64).min(b.size().saturating_sub(guest)) as usize,
             None => 0,
         };
-        if n > 0 {
-            let b = self.backing.as_ref().expect("n > 0");
+        if let (Some(b), true) = (backing, n > 0) {
             let (r, buf) = b.driver().read(guest, request_buf(n)).await;
             r?;
             dst[..n].copy_from_slice(&buf);
@@ -636,13 +667,19 @@ impl Qcow2Driver {
     }
 
     /// Fills `buf` (the guest range at `offset`) from its pieces.
-    async fn read_pieces(&self, offset: u64, pieces: &[Piece], buf: &mut [u8]) -> io::Result<()> {
+    async fn read_pieces(
+        &self,
+        offset: u64,
+        pieces: &[Piece],
+        backing: Option<&Arc<BlockNode>>,
+        buf: &mut [u8],
+    ) -> io::Result<()> {
         for p in pieces {
             let at = (p.guest - offset) as usize;
             let dst = &mut buf[at..at + p.len as usize];
             match p.src {
                 Source::Zero | Source::Unmapped => dst.fill(0),
-                Source::Backing => self.read_backing(p.guest, dst).await?,
+                Source::Backing => Self::read_backing(backing, p.guest, dst).await?,
                 Source::Host(h) => {
                     let b = self.file_read(h, dst.len()).await?;
                     dst.copy_from_slice(&b);
@@ -661,7 +698,7 @@ impl Qcow2Driver {
     }
 
     async fn read_impl(&self, offset: u64, mut buf: Buf) -> (io::Result<()>, Buf) {
-        let (pieces, inflight) = match self.map_range(offset, buf.len() as u64).await {
+        let (pieces, inflight, backing) = match self.map_range(offset, buf.len() as u64).await {
             Ok(p) => p,
             Err(e) => return (Err(e), buf),
         };
@@ -674,7 +711,9 @@ impl Qcow2Driver {
             drop(inflight);
             return r;
         }
-        let r = self.read_pieces(offset, &pieces, &mut buf).await;
+        let r = self
+            .read_pieces(offset, &pieces, backing.as_ref(), &mut buf)
+            .await;
         drop(inflight);
         (r, buf)
     }
@@ -713,10 +752,10 @@ impl Qcow2Driver {
         let cs = self.cluster_size as usize;
         match old {
             Mapping::Zero { .. } => Ok(None),
-            Mapping::Unallocated => match &self.backing {
+            Mapping::Unallocated => match &self.backing() {
                 Some(b) if cstart < b.size() => {
                     let mut v = vec![0u8; cs];
-                    self.read_backing(cstart, &mut v).await?;
+                    Self::read_backing(Some(b), cstart, &mut v).await?;
                     Ok(Some(v))
                 }
                 _ => Ok(None),
@@ -917,6 +956,80 @@ impl Qcow2Driver {
         (r, buf)
     }
 
+    /// See [`BlockDriver::populate`]: each run of clusters this image does not allocate
+    /// gets the backing chain's content (clusters of zeroes become zero clusters), under
+    /// the allocation lock so a guest write to the same clusters waits or wins.
+    async fn populate_impl(&self, offset: u64, len: u64) -> io::Result<()> {
+        let cs = self.cluster_size;
+        let start = self.cluster_start(offset);
+        let end = self.cluster_start(offset + len + cs - 1);
+        let _lock = self.alloc_locks.lock(start, end).await;
+        let Some(backing) = self.backing() else {
+            return Ok(());
+        };
+        let zero_clusters = self.version >= 3;
+        let mut pos = start;
+        while pos < end {
+            let mut run_end = pos;
+            {
+                let mut m = self.meta.lock().await;
+                while run_end < end && self.lookup(&mut m, run_end).await? == Mapping::Unallocated {
+                    run_end += cs;
+                }
+            }
+            if run_end == pos {
+                pos += cs;
+                continue;
+            }
+            let mut data = vec![0u8; (run_end - pos) as usize];
+            Self::read_backing(Some(&backing), pos, &mut data).await?;
+            let zero_at = |p: u64| {
+                let i = (p - pos) as usize;
+                zero_clusters && data[i..i + cs as usize].iter().all(|&b| b == 0)
+            };
+            let mut p = pos;
+            while p < run_end {
+                if zero_at(p) {
+                    let mut m = self.meta.lock().await;
+                    self.set_l2(&mut m, p, ZERO).await?;
+                    p += cs;
+                    continue;
+                }
+                let mut q = p + cs;
+                while q < run_end && !zero_at(q) {
+                    q += cs;
+                }
+                let bytes = &data[(p - pos) as usize..(q - pos) as usize];
+                p = match self.write_whole_clusters(p, bytes).await? {
+                    Some(next) => next,
+                    None => {
+                        self.allocating_write(p, 0, &bytes[..cs as usize], Mapping::Unallocated)
+                            .await?;
+                        p + cs
+                    }
+                };
+            }
+            pos = run_end;
+        }
+        Ok(())
+    }
+
+    async fn change_backing_file_impl(
+        &self,
+        backing: Option<(&str, Option<&str>)>,
+    ) -> io::Result<()> {
+        let m = self.meta.lock().await;
+        let c0 = self.file_read(0, self.cluster_size as usize).await?;
+        let new = header::with_backing(&c0, backing)
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
+        self.check_overlap(&m, 0, new.len() as u64, Some(metadata::MetaKind::Header))
+            .await?;
+        self.file_write(0, &new).await?;
+        self.file.driver().flush().await?;
+        drop(m);
+        Ok(())
+    }
+
     async fn flush_impl(&self) -> io::Result<()> {
         let mut m = self.meta.lock().await;
         self.write_back(&mut m).await?;
@@ -1005,7 +1118,7 @@ impl Qcow2Driver {
         // Only whole clusters; the rest of the range keeps its data, as discard allows.
         let start = self.cluster_start(offset + self.cluster_size - 1);
         let end = self.cluster_start(offset + len).max(start);
-        let backing = self.backing.is_some();
+        let backing = self.has_backing();
         let v3 = self.version >= 3;
         self.unmap_clusters(start, end, |old| match old {
             Mapping::Unallocated if !backing => None,
@@ -1046,7 +1159,7 @@ impl Qcow2Driver {
     }
 
     async fn allocation_depth_impl(&self, offset: u64, len: u64) -> io::Result<(u64, u32)> {
-        let (pieces, inflight) = self
+        let (pieces, inflight, backing) = self
             .map_range(offset, len.min(self.cluster_size << self.l2_bits))
             .await?;
         drop(inflight);
@@ -1061,7 +1174,7 @@ impl Qcow2Driver {
         if first_here {
             return Ok((run, 1));
         }
-        match &self.backing {
+        match &backing {
             Some(b) if offset < b.size() => {
                 let n = run.min(b.size() - offset);
                 let (n, d) = b.driver().allocation_depth(offset, n).await?;
@@ -1076,7 +1189,7 @@ impl Qcow2Driver {
     /// when a table is not cached, the metadata is busy, or the backing node must answer.
     fn block_status_from_cache(&self, offset: u64, len: u64) -> Option<BlockStatus> {
         let mut m = self.meta.try_lock()?;
-        let no_backing = self.backing.is_none();
+        let no_backing = !self.has_backing();
         // (allocated, zero) of a mapping; None for one the backing node answers for.
         let kind = |mp: Mapping| match mp {
             Mapping::Data { .. } | Mapping::Compressed { .. } => Some((true, false)),
@@ -1100,7 +1213,7 @@ impl Qcow2Driver {
     }
 
     async fn block_status_impl(&self, offset: u64, len: u64) -> io::Result<BlockStatus> {
-        let (pieces, inflight) = self
+        let (pieces, inflight, backing) = self
             .map_range(offset, len.min(self.cluster_size << self.l2_bits))
             .await?;
         drop(inflight);
@@ -1127,18 +1240,15 @@ impl Qcow2Driver {
                 zero: true,
             }),
             Source::Backing => {
-                let b = self
-                    .backing
-                    .as_ref()
-                    .expect("a backing piece has a backing node");
-                let bsize = b.size();
-                if offset >= bsize {
+                let b = backing;
+                let bsize = b.as_ref().map_or(0, |b| b.size());
+                let Some(b) = b.filter(|_| offset < bsize) else {
                     return Ok(BlockStatus {
                         len: run,
                         allocated: false,
                         zero: true,
                     });
-                }
+                };
                 let n = run.min(bsize - offset);
                 let mut st = match b.driver().block_status_cached(offset, n) {
                     Some(st) => st,
@@ -1177,7 +1287,7 @@ impl BlockDriver for Qcow2Driver {
     }
     fn readv(&self, offset: u64, iov: IoVec) -> BoxFut<'_, (io::Result<()>, IoVec)> {
         Box::pin(async move {
-            let (pieces, inflight) = match self.map_range(offset, iov.len() as u64).await {
+            let (pieces, inflight, backing) = match self.map_range(offset, iov.len() as u64).await {
                 Ok(p) => p,
                 Err(e) => return (Err(e), iov),
             };
@@ -1192,7 +1302,9 @@ impl BlockDriver for Qcow2Driver {
             }
             crate::block::count_bounce();
             let mut buf = request_buf(iov.len());
-            let r = self.read_pieces(offset, &pieces, &mut buf).await;
+            let r = self
+                .read_pieces(offset, &pieces, backing.as_ref(), &mut buf)
+                .await;
             drop(inflight);
             let mut iov = iov;
             if r.is_ok() {
@@ -1276,9 +1388,22 @@ impl BlockDriver for Qcow2Driver {
     fn remove_stored_bitmap<'a>(&'a self, name: &'a str) -> BoxFut<'a, io::Result<()>> {
         Box::pin(self.remove_bitmap_impl(name))
     }
-    fn children(&self) -> Vec<(&'static str, &Arc<BlockNode>)> {
-        let mut v = vec![("file", &self.file)];
-        if let Some(b) = &self.backing {
+    fn populate(&self, offset: u64, len: u64) -> BoxFut<'_, io::Result<()>> {
+        Box::pin(self.populate_impl(offset, len))
+    }
+    fn set_backing(&self, new: Option<Arc<BlockNode>>) -> Result<Option<Arc<BlockNode>>, String> {
+        let mut b = self.backing.write().unwrap_or_else(|e| e.into_inner());
+        Ok(std::mem::replace(&mut *b, new))
+    }
+    fn change_backing_file<'a>(
+        &'a self,
+        backing: Option<(&'a str, Option<&'a str>)>,
+    ) -> BoxFut<'a, io::Result<()>> {
+        Box::pin(self.change_backing_file_impl(backing))
+    }
+    fn children(&self) -> Vec<(&'static str, Arc<BlockNode>)> {
+        let mut v = vec![("file", self.file.clone())];
+        if let Some(b) = self.backing() {
             v.push(("backing", b));
         }
         v

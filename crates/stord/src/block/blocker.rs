@@ -1,0 +1,79 @@
+//! Op blockers: a job marks the nodes it works on busy, and other jobs and graph changes
+//! on them are refused with QEMU's message ("Node 'x' is busy: ...") until the job ends.
+//! Permissions say who may read, write or resize; a blocker says nobody may restructure.
+
+use std::sync::Arc;
+
+use super::BlockNode;
+
+/// Why an operation on a node was refused.
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
+#[error("Node '{node}' is busy: {reason}")]
+pub struct Busy {
+    pub node: String,
+    pub reason: String,
+}
+
+/// A node marked busy; the mark goes when this is dropped.
+pub struct Blocker {
+    node: Arc<BlockNode>,
+}
+
+impl Drop for Blocker {
+    fn drop(&mut self) {
+        *self.node.blocked.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    }
+}
+
+impl BlockNode {
+    /// Refused while a job has the node (QEMU's bdrv_op_is_blocked).
+    pub fn check_not_busy(&self) -> Result<(), Busy> {
+        match &*self.blocked.lock().unwrap_or_else(|e| e.into_inner()) {
+            Some(reason) => Err(Busy {
+                node: self.name.clone(),
+                reason: reason.clone(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Marks the node busy for `reason` (refused if it already is).
+    pub fn block_ops(self: &Arc<Self>, reason: String) -> Result<Blocker, Busy> {
+        let mut b = self.blocked.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(r) = &*b {
+            return Err(Busy {
+                node: self.name.clone(),
+                reason: r.clone(),
+            });
+        }
+        *b = Some(reason);
+        Ok(Blocker { node: self.clone() })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_node_is_busy_while_blocked_and_free_after() {
+        let n = Arc::new(BlockNode::new(
+            "n".into(),
+            Box::new(crate::block::null::NullDriver::new(1 << 20, false)),
+            false,
+            false,
+        ));
+        n.check_not_busy().unwrap();
+        let b = n
+            .block_ops("block device is in use by block job: stream".into())
+            .unwrap();
+        let e = n.check_not_busy().unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "Node 'n' is busy: block device is in use by block job: stream"
+        );
+        assert!(n.block_ops("again".into()).is_err());
+        drop(b);
+        n.check_not_busy().unwrap();
+    }
+}
