@@ -1,4 +1,5 @@
-//! QMP events: what the daemon announces (BLOCK_EXPORT_DELETED, SHUTDOWN, job events),
+//! QMP events: what the daemon announces (BLOCK_EXPORT_DELETED, SHUTDOWN, job and block
+//! job events),
 //! fanned out to whoever listens.
 //!
 //! The daemon emits without knowing who listens; the QMP monitor subscribes each
@@ -14,7 +15,7 @@ use std::task::{Poll, Waker};
 use serde_json::{json, Value};
 
 /// An event the daemon sends, for `query-qmp-schema`: its name and data members (QAPI
-/// builtin type names).
+/// builtin type names; a name starting with `?` is optional, as QAPI marks it).
 pub struct EventInfo {
     pub name: &'static str,
     pub members: &'static [(&'static str, &'static str)],
@@ -34,6 +35,42 @@ pub const EVENTS: &[EventInfo] = &[
         name: "JOB_STATUS_CHANGE",
         members: &[("id", "str"), ("status", "any")],
     },
+    EventInfo {
+        name: "BLOCK_JOB_COMPLETED",
+        members: &[
+            ("type", "any"),
+            ("device", "str"),
+            ("len", "int"),
+            ("offset", "int"),
+            ("speed", "int"),
+            ("?error", "str"),
+        ],
+    },
+    EventInfo {
+        name: "BLOCK_JOB_CANCELLED",
+        members: BLOCK_JOB_MEMBERS,
+    },
+    EventInfo {
+        name: "BLOCK_JOB_READY",
+        members: BLOCK_JOB_MEMBERS,
+    },
+    EventInfo {
+        name: "BLOCK_JOB_PENDING",
+        members: &[("type", "any"), ("id", "str")],
+    },
+    EventInfo {
+        name: "BLOCK_JOB_ERROR",
+        members: &[("device", "str"), ("operation", "any"), ("action", "any")],
+    },
+];
+
+/// The data of BLOCK_JOB_CANCELLED and _READY (BLOCK_JOB_COMPLETED adds `error`).
+const BLOCK_JOB_MEMBERS: &[(&str, &str)] = &[
+    ("type", "any"),
+    ("device", "str"),
+    ("len", "int"),
+    ("offset", "int"),
+    ("speed", "int"),
 ];
 
 /// A receiver of events (one QMP connection).

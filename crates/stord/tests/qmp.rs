@@ -66,6 +66,11 @@ fn qmp_blockdev_create_jobs_answer_as_qsd() {
 }
 
 #[test]
+fn qmp_block_stream_and_job_verbs_answer_as_qsd() {
+    run_script("stream.py");
+}
+
+#[test]
 fn qmp_dirty_bitmaps_answer_as_qsd() {
     run_script("bitmaps.py");
 }

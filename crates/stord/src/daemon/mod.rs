@@ -6,6 +6,7 @@
 //! [`graph`] opens nodes (the driver table, inline children, rollback); [`objects`] holds
 //! the `--object` types.
 
+mod block_jobs;
 mod graph;
 mod objects;
 
@@ -21,6 +22,7 @@ use std::sync::Arc;
 
 use stord_aio::{AioContext, IoThread, Remote};
 
+pub use self::block_jobs::StreamOptions;
 use crate::block::throttle::ThrottleGroup;
 use crate::block::BlockNode;
 use crate::cli::keyval::{KeyVal, OptionError};
@@ -101,7 +103,10 @@ pub enum DaemonError {
 impl DaemonError {
     /// The QMP error class: qsd reports all of these as GenericError.
     pub fn qmp_class(&self) -> &'static str {
-        "GenericError"
+        match self {
+            DaemonError::Job(e) => e.qmp_class(),
+            _ => "GenericError",
+        }
     }
 }
 
@@ -197,10 +202,7 @@ impl State {
             ),
             CreateOptions::File(_) => None,
         };
-        let opts = crate::job::JobOptions {
-            auto_finalize: true,
-            auto_dismiss: false,
-        };
+        let opts = crate::job::JobOptions::plain(true, false);
         self.jobs.start(
             job_id,
             "create",
@@ -225,7 +227,7 @@ impl State {
                 .await;
                 // As QEMU: the one step counts as done whatever its outcome.
                 job.set_progress(1, 1);
-                r
+                r.map(|()| None)
             },
         )?;
         Ok(())
@@ -391,7 +393,16 @@ impl State {
             // qsd's words: the node was opened inline by its parent, not by blockdev-add.
             return Err(DaemonError::NodeNotOwned(name.into()));
         }
-        if let Some((parent, role)) = self.parents_of(name).into_iter().next() {
+        node.check_not_busy()
+            .map_err(|e| DaemonError::Invalid(e.to_string()))?;
+        let parents = self.parents_of(name);
+        // QEMU blocks every operation on a backing node for its overlay's sake.
+        if let Some((parent, _)) = parents.iter().find(|(_, role)| *role == "backing") {
+            return Err(DaemonError::Invalid(format!(
+                "Node '{name}' is busy: node is used as backing hd of '{parent}'"
+            )));
+        }
+        if let Some((parent, role)) = parents.into_iter().next() {
             return Err(DaemonError::NodeIsChild {
                 name: name.into(),
                 parent,

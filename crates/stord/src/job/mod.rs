@@ -2,17 +2,26 @@
 //! verbs and events.
 //!
 //! A job is a task on the main loop (its I/O runs wherever its nodes are served). Every
-//! state change is announced as JOB_STATUS_CHANGE, in QEMU's order: created, running, then
-//! on success waiting, pending, concluded; on failure aborting, concluded; and null once
-//! dismissed (at once with `auto-dismiss`). `query-jobs` shows each job's state, progress
-//! and error; `job-dismiss` and `job-finalize` are accepted in the states QEMU accepts them
-//! in (its transition table), with its texts otherwise. This first version runs jobs that
-//! need no pause or cancel points (blockdev-create).
+//! state change is announced as JOB_STATUS_CHANGE, in QEMU's order: created, running
+//! (paused and back, ready and standby for jobs that wait to be completed), then on
+//! success waiting, pending, concluded; on failure or cancel aborting, concluded; and null
+//! once dismissed (at once with `auto-dismiss`). Block jobs (stream, commit) also send
+//! the BLOCK_JOB_* events and are listed by `query-block-jobs`. Verbs are accepted in the
+//! states QEMU's verb table accepts them in, with its texts otherwise.
+//!
+//! The work is a future that calls [`Job::pause_point`] and [`Job::ratelimit`] between
+//! its steps (where pause, cancel and the speed limit take effect) and returns what is to
+//! be done at finalize ([`Finish`]: QEMU's prepare, which changes the graph).
+
+pub mod stream;
 
 use std::cell::{Cell, RefCell};
 use std::collections::BTreeMap;
 use std::future::Future;
+use std::pin::Pin;
 use std::rc::Rc;
+use std::task::{Poll, Waker};
+use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
@@ -22,11 +31,17 @@ use crate::events::Events;
 /// clients can make it hold.
 pub const MAX_JOBS: usize = 1024;
 
+/// The length of a rate limit slice (QEMU's BLOCK_JOB_SLICE_TIME).
+const SLICE: Duration = Duration::from_millis(100);
+
 /// QEMU's JobStatus.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum JobStatus {
     Created,
     Running,
+    Paused,
+    Ready,
+    Standby,
     Waiting,
     Pending,
     Aborting,
@@ -40,6 +55,9 @@ impl JobStatus {
         match self {
             JobStatus::Created => "created",
             JobStatus::Running => "running",
+            JobStatus::Paused => "paused",
+            JobStatus::Ready => "ready",
+            JobStatus::Standby => "standby",
             JobStatus::Waiting => "waiting",
             JobStatus::Pending => "pending",
             JobStatus::Aborting => "aborting",
@@ -49,11 +67,56 @@ impl JobStatus {
     }
 }
 
+/// QEMU's JobVerb, with the states that accept each (its JobVerbTable).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verb {
+    Cancel,
+    Pause,
+    Resume,
+    SetSpeed,
+    Complete,
+    Finalize,
+    Dismiss,
+}
+
+impl Verb {
+    fn name(self) -> &'static str {
+        match self {
+            Verb::Cancel => "cancel",
+            Verb::Pause => "pause",
+            Verb::Resume => "resume",
+            Verb::SetSpeed => "set-speed",
+            Verb::Complete => "complete",
+            Verb::Finalize => "finalize",
+            Verb::Dismiss => "dismiss",
+        }
+    }
+
+    fn allowed(self, s: JobStatus) -> bool {
+        use JobStatus::*;
+        match self {
+            Verb::Cancel => matches!(
+                s,
+                Created | Running | Paused | Ready | Standby | Waiting | Pending
+            ),
+            Verb::Pause | Verb::Resume | Verb::SetSpeed => {
+                matches!(s, Created | Running | Paused | Ready | Standby)
+            }
+            Verb::Complete => s == Ready,
+            Verb::Finalize => s == Pending,
+            Verb::Dismiss => s == Concluded,
+        }
+    }
+}
+
 /// Why a job command was refused (QEMU's texts).
 #[derive(Debug, thiserror::Error)]
 pub enum JobError {
     #[error("Job not found")]
     NotFound,
+    /// A `block-job-*` command naming no block job (class DeviceNotActive).
+    #[error("Block job '{0}' not found")]
+    BlockJobNotFound(String),
     #[error("Job ID '{0}' already in use")]
     IdInUse(String),
     #[error("Invalid job ID '{0}'")]
@@ -66,13 +129,121 @@ pub enum JobError {
         state: &'static str,
         verb: &'static str,
     },
+    #[error("Job is already paused")]
+    AlreadyPaused,
+    #[error("Can't resume a job that was not paused")]
+    NotPaused,
+    #[error("The active block job '{0}' cannot be completed")]
+    CannotComplete(String),
+    #[error("The block job for device '{0}' is currently paused")]
+    Paused(String),
+    #[error("Parameter 'speed' expects a non-negative value")]
+    Speed,
+}
+
+impl JobError {
+    /// The QMP error class (QEMU's).
+    pub fn qmp_class(&self) -> &'static str {
+        match self {
+            JobError::BlockJobNotFound(_) => "DeviceNotActive",
+            _ => "GenericError",
+        }
+    }
+}
+
+/// What a job does on an I/O error (QEMU's BlockdevOnError).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnError {
+    /// Fail the job.
+    Report,
+    /// Go on as if the step had succeeded.
+    Ignore,
+    /// Pause the job (the user resumes it to retry).
+    Stop,
+    /// Stop on ENOSPC, report anything else.
+    Enospc,
+}
+
+impl OnError {
+    /// From its QMP name.
+    pub fn parse(s: &str) -> Option<OnError> {
+        Some(match s {
+            "report" => OnError::Report,
+            "ignore" => OnError::Ignore,
+            "stop" => OnError::Stop,
+            "enospc" => OnError::Enospc,
+            _ => return None,
+        })
+    }
+}
+
+/// What the job does with one failed step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorAction {
+    Report,
+    Ignore,
+    /// Paused: retry the step once resumed.
+    Stop,
+}
+
+/// QEMU's prepare: what a job that did its work changes once it is finalized (the graph
+/// change of stream and commit). It runs only if the job was not cancelled first.
+pub type Finish = Option<Pin<Box<dyn Future<Output = Result<(), String>>>>>;
+
+/// A rate limit in QEMU's manner (util/ratelimit.h): a quota of bytes per slice; bytes
+/// beyond it push the end of the slice out, and the job sleeps until then.
+#[derive(Clone, Copy)]
+struct RateLimit {
+    quota: u64,
+    start: Instant,
+    end: Instant,
+    dispatched: u64,
+}
+
+impl RateLimit {
+    fn new(speed: u64) -> Self {
+        let now = Instant::now();
+        let quota = if speed == 0 {
+            0
+        } else {
+            ((speed as f64 * SLICE.as_secs_f64()) as u64).max(1)
+        };
+        RateLimit {
+            quota,
+            start: now,
+            end: now,
+            dispatched: 0,
+        }
+    }
+
+    /// Counts `n` bytes; how long to wait before the next step.
+    fn delay(&mut self, n: u64) -> Duration {
+        if self.quota == 0 {
+            return Duration::ZERO;
+        }
+        let now = Instant::now();
+        if self.end < now {
+            self.start = now;
+            self.end = now + SLICE;
+            self.dispatched = 0;
+        }
+        self.dispatched += n;
+        if self.dispatched < self.quota {
+            return Duration::ZERO;
+        }
+        let slices = self.dispatched as f64 / self.quota as f64;
+        self.end = self.start + SLICE.mul_f64(slices);
+        self.end.saturating_duration_since(now)
+    }
 }
 
 /// One job.
 pub struct Job {
     id: String,
-    /// QEMU's JobType name (`create`).
+    /// QEMU's JobType name (`create`, `stream`, `commit`).
     kind: &'static str,
+    /// A block job: BLOCK_JOB_* events, `query-block-jobs`, the `block-job-*` verbs.
+    block: bool,
     status: Cell<JobStatus>,
     /// (current, total) progress.
     progress: Cell<(u64, u64)>,
@@ -82,22 +253,229 @@ pub struct Job {
     events: Events,
     /// `job-finalize` was given (auto-finalize off).
     finalized: Cell<bool>,
-    /// Woken by `job-finalize` while the job waits in `pending`.
-    finalize: RefCell<Option<std::task::Waker>>,
+    speed: Cell<u64>,
+    limit: Cell<RateLimit>,
+    /// Pause requests (the user's and an error's stop); the job pauses at its next pause
+    /// point while this is above zero.
+    pause_count: Cell<u32>,
+    user_paused: Cell<bool>,
+    cancelled: Cell<bool>,
+    force_cancel: Cell<bool>,
+    /// `job-complete` was accepted (jobs that wait in ready).
+    complete_requested: Cell<bool>,
+    /// Whether the job can be completed (it waits in ready for it).
+    completable: bool,
+    /// The last I/O error stopped the job (`io-status`).
+    io_failed: Cell<bool>,
+    /// Asleep or waiting (not `busy`).
+    idle: Cell<bool>,
+    /// A verb happened: a sleeping job wakes to look.
+    kicked: Cell<bool>,
+    /// The job's task, parked.
+    waker: RefCell<Option<Waker>>,
 }
 
 impl Job {
     fn set(&self, s: JobStatus) {
-        self.status.set(s);
+        if self.status.replace(s) == s {
+            return;
+        }
         self.events.emit(
             "JOB_STATUS_CHANGE",
             json!({ "status": s.name(), "id": self.id }),
         );
     }
 
+    /// The job's id.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
     /// Sets the progress shown by query-jobs.
     pub fn set_progress(&self, current: u64, total: u64) {
         self.progress.set((current, total));
+    }
+
+    /// Adds `n` bytes to the progress made.
+    pub fn progress_add(&self, n: u64) {
+        let (c, t) = self.progress.get();
+        self.progress.set((c + n, t.max(c + n)));
+    }
+
+    /// Sets the total so that `remaining` bytes are left.
+    pub fn set_remaining(&self, remaining: u64) {
+        let (c, _) = self.progress.get();
+        self.progress.set((c, c + remaining));
+    }
+
+    /// Whether the job was cancelled (it stops at its next step, changing nothing).
+    pub fn is_cancelled(&self) -> bool {
+        self.cancelled.get()
+    }
+
+    /// Whether `job-complete` was accepted.
+    pub fn complete_requested(&self) -> bool {
+        self.complete_requested.get()
+    }
+
+    fn wake(&self) {
+        self.kicked.set(true);
+        if let Some(w) = self.waker.borrow_mut().take() {
+            w.wake();
+        }
+    }
+
+    /// Waits (idle) until `cond` holds; every verb re-checks it.
+    async fn wait_until(&self, cond: impl Fn() -> bool) {
+        self.idle.set(true);
+        std::future::poll_fn(|cx| {
+            if cond() {
+                return Poll::Ready(());
+            }
+            *self.waker.borrow_mut() = Some(cx.waker().clone());
+            Poll::Pending
+        })
+        .await;
+        self.idle.set(false);
+    }
+
+    /// Where a pause takes effect: paused (standby when ready) until resumed or
+    /// cancelled, then back to the state before.
+    pub async fn pause_point(&self) {
+        if self.pause_count.get() == 0 || self.cancelled.get() {
+            return;
+        }
+        let before = self.status.get();
+        self.set(if before == JobStatus::Ready {
+            JobStatus::Standby
+        } else {
+            JobStatus::Paused
+        });
+        self.wait_until(|| self.pause_count.get() == 0 || self.cancelled.get())
+            .await;
+        self.io_failed.set(false);
+        self.set(before);
+    }
+
+    /// Sleeps `d` (a verb cuts it short), then a pause point.
+    async fn sleep(&self, d: Duration) {
+        if self.cancelled.get() {
+            return;
+        }
+        if self.pause_count.get() == 0 {
+            self.kicked.set(false);
+            self.idle.set(true);
+            let mut s = std::pin::pin!(stord_aio::sleep(d));
+            std::future::poll_fn(|cx| {
+                if self.kicked.get() || s.as_mut().poll(cx).is_ready() {
+                    return Poll::Ready(());
+                }
+                *self.waker.borrow_mut() = Some(cx.waker().clone());
+                Poll::Pending
+            })
+            .await;
+            self.idle.set(false);
+        }
+        self.pause_point().await;
+    }
+
+    /// Counts `n` bytes against the speed limit.
+    pub fn ratelimit_processed(&self, n: u64) {
+        let mut l = self.limit.get();
+        l.delay(n);
+        self.limit.set(l);
+    }
+
+    /// Between steps: waits as long as the speed limit asks (yielding to the loop even
+    /// when it asks nothing), then a pause point.
+    pub async fn ratelimit(&self) {
+        let mut l = self.limit.get();
+        let d = l.delay(0);
+        self.limit.set(l);
+        if d.is_zero() {
+            stord_aio::yield_now().await;
+            self.pause_point().await;
+        } else {
+            self.sleep(d).await;
+        }
+    }
+
+    /// Ready: the job's copy is in step and it waits for `job-complete` (or a cancel),
+    /// pausing to standby on request meanwhile.
+    pub async fn ready_until_completed(&self) {
+        self.set(JobStatus::Ready);
+        self.block_event("BLOCK_JOB_READY", None);
+        loop {
+            self.pause_point().await;
+            if self.cancelled.get() || self.complete_requested.get() {
+                return;
+            }
+            self.wait_until(|| {
+                self.cancelled.get() || self.complete_requested.get() || self.pause_count.get() > 0
+            })
+            .await;
+        }
+    }
+
+    /// What to do with a failed step under `on_error` (BLOCK_JOB_ERROR tells the user);
+    /// with Stop the job is paused by the time this returns.
+    pub fn error_action(&self, on_error: OnError, read: bool, e: &std::io::Error) -> ErrorAction {
+        let action = match on_error {
+            OnError::Report => ErrorAction::Report,
+            OnError::Ignore => ErrorAction::Ignore,
+            OnError::Stop => ErrorAction::Stop,
+            OnError::Enospc if e.raw_os_error() == Some(libc::ENOSPC) => ErrorAction::Stop,
+            OnError::Enospc => ErrorAction::Report,
+        };
+        let name = match action {
+            ErrorAction::Report => "report",
+            ErrorAction::Ignore => "ignore",
+            ErrorAction::Stop => "stop",
+        };
+        self.events.emit(
+            "BLOCK_JOB_ERROR",
+            json!({
+                "device": self.id,
+                "operation": if read { "read" } else { "write" },
+                "action": name,
+            }),
+        );
+        if action == ErrorAction::Stop {
+            // As a user's pause (the user resumes it), with the failure in io-status.
+            self.user_paused.set(true);
+            self.pause_count.set(self.pause_count.get() + 1);
+            self.io_failed.set(true);
+        }
+        action
+    }
+
+    fn block_event(&self, name: &str, error: Option<&str>) {
+        if !self.block {
+            return;
+        }
+        let (cur, total) = self.progress.get();
+        let mut data = json!({
+            "type": self.kind,
+            "device": self.id,
+            "len": total,
+            "offset": cur,
+            "speed": self.speed.get(),
+        });
+        if let Some(e) = error {
+            data["error"] = e.into();
+        }
+        self.events.emit(name, data);
+    }
+
+    fn check(&self, verb: Verb) -> Result<(), JobError> {
+        if verb.allowed(self.status.get()) {
+            return Ok(());
+        }
+        Err(JobError::BadVerb {
+            id: self.id.clone(),
+            state: self.status.get().name(),
+            verb: verb.name(),
+        })
     }
 
     fn info(&self) -> Value {
@@ -114,6 +492,29 @@ impl Job {
         }
         v
     }
+
+    fn block_info(&self) -> Value {
+        let (cur, total) = self.progress.get();
+        let s = self.status.get();
+        let mut v = json!({
+            "type": self.kind,
+            "device": self.id,
+            "len": total,
+            "offset": cur,
+            "busy": !self.idle.get(),
+            "paused": self.pause_count.get() > 0,
+            "speed": self.speed.get(),
+            "io-status": if self.io_failed.get() { "failed" } else { "ok" },
+            "ready": matches!(s, JobStatus::Ready | JobStatus::Standby),
+            "status": s.name(),
+            "auto-finalize": self.auto_finalize,
+            "auto-dismiss": self.auto_dismiss,
+        });
+        if let Some(e) = &*self.error.borrow() {
+            v["error"] = e.clone().into();
+        }
+        v
+    }
 }
 
 /// Every job, by id (main thread only).
@@ -124,13 +525,54 @@ pub struct Jobs {
     order: Rc<RefCell<Vec<String>>>,
 }
 
-/// How a job ends when its work is done.
+/// How a job is made and ends.
 pub struct JobOptions {
     pub auto_finalize: bool,
     pub auto_dismiss: bool,
+    /// A block job (BLOCK_JOB_* events).
+    pub block: bool,
+    /// Bytes per second (0: unlimited).
+    pub speed: u64,
+    /// It waits in ready for `job-complete`.
+    pub completable: bool,
+}
+
+impl JobOptions {
+    /// A job that is not a block job (blockdev-create).
+    pub fn plain(auto_finalize: bool, auto_dismiss: bool) -> Self {
+        JobOptions {
+            auto_finalize,
+            auto_dismiss,
+            block: false,
+            speed: 0,
+            completable: false,
+        }
+    }
 }
 
 impl Jobs {
+    /// Whether `id` could start now (well formed, free, within the limit).
+    pub fn check_new(&self, id: &str) -> Result<(), JobError> {
+        if !crate::daemon::id_wellformed(id) {
+            return Err(JobError::InvalidId(id.into()));
+        }
+        if self.map.borrow().contains_key(id) {
+            return Err(JobError::IdInUse(id.into()));
+        }
+        if self.map.borrow().len() >= MAX_JOBS {
+            return Err(JobError::TooMany);
+        }
+        Ok(())
+    }
+
+    /// A job refused after QEMU would have created it (a block job's negative speed):
+    /// QEMU announces it created, then null.
+    pub fn early_fail(&self, id: &str, events: &Events) {
+        for status in ["created", "null"] {
+            events.emit("JOB_STATUS_CHANGE", json!({ "status": status, "id": id }));
+        }
+    }
+
     /// Starts `work` as job `id` of type `kind`; its state changes go to `events`.
     pub fn start<F>(
         &self,
@@ -141,20 +583,13 @@ impl Jobs {
         work: impl FnOnce(Rc<Job>) -> F,
     ) -> Result<(), JobError>
     where
-        F: Future<Output = Result<(), String>> + 'static,
+        F: Future<Output = Result<Finish, String>> + 'static,
     {
-        if !crate::daemon::id_wellformed(id) {
-            return Err(JobError::InvalidId(id.into()));
-        }
-        if self.map.borrow().contains_key(id) {
-            return Err(JobError::IdInUse(id.into()));
-        }
-        if self.map.borrow().len() >= MAX_JOBS {
-            return Err(JobError::TooMany);
-        }
+        self.check_new(id)?;
         let job = Rc::new(Job {
             id: id.into(),
             kind,
+            block: opts.block,
             status: Cell::new(JobStatus::Created),
             progress: Cell::new((0, 0)),
             error: RefCell::new(None),
@@ -162,38 +597,39 @@ impl Jobs {
             auto_dismiss: opts.auto_dismiss,
             events: events.clone(),
             finalized: Cell::new(false),
-            finalize: RefCell::new(None),
+            speed: Cell::new(opts.speed),
+            limit: Cell::new(RateLimit::new(opts.speed)),
+            pause_count: Cell::new(0),
+            user_paused: Cell::new(false),
+            cancelled: Cell::new(false),
+            force_cancel: Cell::new(false),
+            complete_requested: Cell::new(false),
+            completable: opts.completable,
+            io_failed: Cell::new(false),
+            idle: Cell::new(false),
+            kicked: Cell::new(false),
+            waker: RefCell::new(None),
         });
         self.map.borrow_mut().insert(id.into(), job.clone());
         self.order.borrow_mut().push(id.into());
-        job.set(JobStatus::Created);
+        job.events.emit(
+            "JOB_STATUS_CHANGE",
+            json!({ "status": "created", "id": job.id }),
+        );
         let fut = work(job.clone());
         let (map, order) = (self.map.clone(), self.order.clone());
         stord_aio::spawn_detached(async move {
             // The command's reply goes out before the job runs, as in QEMU.
             stord_aio::yield_now().await;
             job.set(JobStatus::Running);
-            match fut.await {
-                Ok(()) => {
-                    job.set(JobStatus::Waiting);
-                    job.set(JobStatus::Pending);
-                    if !job.auto_finalize {
-                        std::future::poll_fn(|cx| {
-                            if job.finalized.get() {
-                                return std::task::Poll::Ready(());
-                            }
-                            *job.finalize.borrow_mut() = Some(cx.waker().clone());
-                            std::task::Poll::Pending
-                        })
-                        .await;
-                    }
-                }
-                Err(e) => {
-                    *job.error.borrow_mut() = Some(e);
-                    job.set(JobStatus::Aborting);
-                }
-            }
-            job.set(JobStatus::Concluded);
+            // As QEMU's job_co_entry: a pause asked for before the start holds here.
+            job.pause_point().await;
+            let r = if job.cancelled.get() {
+                Ok(None)
+            } else {
+                fut.await
+            };
+            Self::conclude(&job, r).await;
             if job.auto_dismiss {
                 job.set(JobStatus::Null);
                 map.borrow_mut().remove(&job.id);
@@ -203,53 +639,188 @@ impl Jobs {
         Ok(())
     }
 
+    /// From the end of the work to concluded, in QEMU's order.
+    async fn conclude(job: &Rc<Job>, r: Result<Finish, String>) {
+        let fail = |e: String, cancelled: bool| {
+            *job.error.borrow_mut() = Some(e.clone());
+            job.set(JobStatus::Aborting);
+            if cancelled {
+                job.block_event("BLOCK_JOB_CANCELLED", None);
+            } else {
+                job.block_event("BLOCK_JOB_COMPLETED", Some(&e));
+            }
+        };
+        let finish = match r {
+            _ if job.cancelled.get() => {
+                fail("Operation canceled".into(), true);
+                None
+            }
+            Err(e) => {
+                fail(e, false);
+                None
+            }
+            Ok(f) => Some(f),
+        };
+        if let Some(f) = finish {
+            job.set(JobStatus::Waiting);
+            job.set(JobStatus::Pending);
+            if !job.auto_finalize {
+                if job.block {
+                    job.events.emit(
+                        "BLOCK_JOB_PENDING",
+                        json!({ "type": job.kind, "id": job.id }),
+                    );
+                }
+                job.wait_until(|| job.finalized.get() || job.cancelled.get())
+                    .await;
+            }
+            if job.cancelled.get() {
+                fail("Operation canceled".into(), true);
+            } else {
+                match f {
+                    Some(f) => match f.await {
+                        Ok(()) => job.block_event("BLOCK_JOB_COMPLETED", None),
+                        Err(e) => fail(e, false),
+                    },
+                    None => job.block_event("BLOCK_JOB_COMPLETED", None),
+                }
+            }
+        }
+        job.set(JobStatus::Concluded);
+    }
+
     fn get(&self, id: &str) -> Result<Rc<Job>, JobError> {
         self.map.borrow().get(id).cloned().ok_or(JobError::NotFound)
     }
 
-    /// `job-dismiss`: a concluded job goes (null).
-    pub fn dismiss(&self, id: &str) -> Result<(), JobError> {
-        let job = self.get(id)?;
-        if job.status.get() != JobStatus::Concluded {
-            return Err(JobError::BadVerb {
-                id: id.into(),
-                state: job.status.get().name(),
-                verb: "dismiss",
-            });
+    /// A block job by the id `block-job-*` commands call `device`.
+    pub fn get_block(&self, id: &str) -> Result<Rc<Job>, JobError> {
+        match self.map.borrow().get(id) {
+            Some(j) if j.block => Ok(j.clone()),
+            _ => Err(JobError::BlockJobNotFound(id.into())),
         }
+    }
+
+    /// The job `id`, `block` ones looked up as `block-job-*` commands do.
+    pub fn find(&self, id: &str, block: bool) -> Result<Rc<Job>, JobError> {
+        if block {
+            self.get_block(id)
+        } else {
+            self.get(id)
+        }
+    }
+
+    /// `job-dismiss`: a concluded job goes (null).
+    pub fn dismiss(&self, job: &Job) -> Result<(), JobError> {
+        job.check(Verb::Dismiss)?;
         job.set(JobStatus::Null);
-        self.map.borrow_mut().remove(id);
-        self.order.borrow_mut().retain(|j| j != id);
+        self.map.borrow_mut().remove(&job.id);
+        self.order.borrow_mut().retain(|j| *j != job.id);
         Ok(())
     }
 
     /// `job-finalize`: a job waiting in pending (auto-finalize off) concludes.
-    pub fn finalize(&self, id: &str) -> Result<(), JobError> {
-        let job = self.get(id)?;
-        if job.status.get() != JobStatus::Pending || job.finalized.get() {
+    pub fn finalize(&self, job: &Job) -> Result<(), JobError> {
+        job.check(Verb::Finalize)?;
+        if job.finalized.replace(true) {
             return Err(JobError::BadVerb {
-                id: id.into(),
+                id: job.id.clone(),
                 state: job.status.get().name(),
                 verb: "finalize",
             });
         }
-        // The job's task concludes it; it only waits for this.
-        job.finalized.set(true);
-        if let Some(w) = job.finalize.borrow_mut().take() {
-            w.wake();
+        job.wake();
+        Ok(())
+    }
+
+    /// `job-pause`: the job pauses at its next pause point.
+    pub fn pause(&self, job: &Job) -> Result<(), JobError> {
+        job.check(Verb::Pause)?;
+        if job.user_paused.get() {
+            return Err(JobError::AlreadyPaused);
+        }
+        job.user_paused.set(true);
+        job.pause_count.set(job.pause_count.get() + 1);
+        job.wake();
+        Ok(())
+    }
+
+    /// `job-resume`.
+    pub fn resume(&self, job: &Job) -> Result<(), JobError> {
+        if !job.user_paused.get() || job.pause_count.get() == 0 {
+            return Err(JobError::NotPaused);
+        }
+        job.check(Verb::Resume)?;
+        job.user_paused.set(false);
+        job.pause_count.set(job.pause_count.get() - 1);
+        job.wake();
+        Ok(())
+    }
+
+    /// `job-cancel` (force) and `block-job-cancel`: a paused job is resumed to stop.
+    pub fn cancel(&self, job: &Job, force: bool) -> Result<(), JobError> {
+        job.check(Verb::Cancel)?;
+        if job.user_paused.replace(false) {
+            job.pause_count.set(job.pause_count.get().saturating_sub(1));
+        }
+        job.cancelled.set(true);
+        job.force_cancel.set(job.force_cancel.get() | force);
+        job.wake();
+        Ok(())
+    }
+
+    /// `block-job-cancel`: refused for a paused job unless forced, as QEMU.
+    pub fn block_cancel(&self, job: &Job, force: bool) -> Result<(), JobError> {
+        if job.user_paused.get() && !force {
+            return Err(JobError::Paused(job.id.clone()));
+        }
+        self.cancel(job, force)
+    }
+
+    /// `job-complete`: a ready job finishes its work.
+    pub fn complete(&self, job: &Job) -> Result<(), JobError> {
+        job.check(Verb::Complete)?;
+        if job.pause_count.get() > 0 || job.cancelled.get() || !job.completable {
+            return Err(JobError::CannotComplete(job.id.clone()));
+        }
+        job.complete_requested.set(true);
+        job.wake();
+        Ok(())
+    }
+
+    /// `block-job-set-speed`.
+    pub fn set_speed(&self, job: &Job, speed: i64) -> Result<(), JobError> {
+        job.check(Verb::SetSpeed)?;
+        let Ok(speed) = u64::try_from(speed) else {
+            return Err(JobError::Speed);
+        };
+        let old = job.speed.replace(speed);
+        job.limit.set(RateLimit::new(speed));
+        if speed == 0 || speed > old {
+            // A job asleep for the old limit goes on now.
+            job.wake();
         }
         Ok(())
     }
 
     /// `query-jobs`: newest first.
     pub fn query(&self) -> Value {
+        self.list(|j| Some(j.info()))
+    }
+
+    /// `query-block-jobs`: the block jobs, newest first.
+    pub fn query_block(&self) -> Value {
+        self.list(|j| j.block.then(|| j.block_info()))
+    }
+
+    fn list(&self, f: impl Fn(&Job) -> Option<Value>) -> Value {
         let map = self.map.borrow();
         Value::Array(
             self.order
                 .borrow()
                 .iter()
                 .rev()
-                .filter_map(|id| map.get(id).map(|j| j.info()))
+                .filter_map(|id| map.get(id).and_then(|j| f(j)))
                 .collect(),
         )
     }
@@ -279,6 +850,28 @@ mod tests {
     }
 
     #[test]
+    fn the_rate_limit_holds_a_slice_quota_and_pushes_the_slice_out() {
+        let mut l = RateLimit::new(10 << 20);
+        // 1 MiB per 100 ms slice: under it no wait, past it about the excess.
+        assert_eq!(l.delay(512 << 10), Duration::ZERO);
+        let d = l.delay(1536 << 10);
+        assert!(
+            d > Duration::from_millis(150) && d <= Duration::from_millis(200),
+            "{d:?}"
+        );
+        assert_eq!(RateLimit::new(0).delay(u64::MAX / 2), Duration::ZERO);
+    }
+
+    #[test]
+    fn verbs_follow_qemus_table() {
+        use JobStatus::*;
+        assert!(Verb::Complete.allowed(Ready) && !Verb::Complete.allowed(Running));
+        assert!(Verb::Cancel.allowed(Pending) && !Verb::Cancel.allowed(Concluded));
+        assert!(Verb::Pause.allowed(Standby) && !Verb::Pause.allowed(Waiting));
+        assert!(Verb::Dismiss.allowed(Concluded) && !Verb::Dismiss.allowed(Aborting));
+    }
+
+    #[test]
     fn states_follow_qemus_order_with_and_without_auto_finalize() {
         let ctx = stord_aio::AioContext::new(Default::default()).unwrap();
         let events = Events::default();
@@ -286,16 +879,10 @@ mod tests {
         let sink: Rc<dyn EventSink> = seen.clone();
         events.subscribe(Rc::downgrade(&sink));
         let jobs = Jobs::default();
-        let manual = JobOptions {
-            auto_finalize: false,
-            auto_dismiss: true,
-        };
-        jobs.start("a", "create", manual, &events, |_| async { Ok(()) })
+        let manual = JobOptions::plain(false, true);
+        jobs.start("a", "create", manual, &events, |_| async { Ok(None) })
             .unwrap();
-        let auto = JobOptions {
-            auto_finalize: true,
-            auto_dismiss: false,
-        };
+        let auto = JobOptions::plain(true, false);
         jobs.start("b", "create", auto, &events, |_| async {
             Err("no".to_string())
         })
@@ -304,16 +891,16 @@ mod tests {
             jobs.start(
                 "b",
                 "create",
-                JobOptions {
-                    auto_finalize: true,
-                    auto_dismiss: true
-                },
+                JobOptions::plain(true, true),
                 &events,
-                |_| async { Ok(()) }
+                |_| async { Ok(None) }
             ),
             Err(JobError::IdInUse(_))
         ));
-        assert!(matches!(jobs.dismiss("a"), Err(JobError::BadVerb { .. })));
+        assert!(matches!(
+            jobs.dismiss(&jobs.get("a").unwrap()),
+            Err(JobError::BadVerb { .. })
+        ));
         ctx.block_on(async {
             for _ in 0..10 {
                 stord_aio::yield_now().await;
@@ -322,13 +909,13 @@ mod tests {
         // a waits in pending for job-finalize; b failed and stays concluded.
         assert_eq!(jobs.query()[1]["status"], "pending");
         assert_eq!(jobs.query()[0]["error"], "no");
-        jobs.finalize("a").unwrap();
+        jobs.finalize(&jobs.get("a").unwrap()).unwrap();
         ctx.block_on(async {
             for _ in 0..10 {
                 stord_aio::yield_now().await;
             }
         });
-        jobs.dismiss("b").unwrap();
+        jobs.dismiss(&jobs.get("b").unwrap()).unwrap();
         let got = seen.0.borrow().clone();
         let of = |id: &str| -> Vec<String> {
             got.iter()

@@ -1,4 +1,5 @@
-//! Jobs: `blockdev-create`, `query-jobs`, `job-dismiss`, `job-finalize`.
+//! Jobs: `blockdev-create`, `block-stream`, the `job-*` and `block-job-*` verbs,
+//! `query-jobs` and `query-block-jobs`.
 
 use serde_json::{json, Map, Value};
 
@@ -9,7 +10,10 @@ use crate::qmp::QmpError;
 
 impl From<crate::job::JobError> for QmpError {
     fn from(e: crate::job::JobError) -> Self {
-        QmpError::generic(e.to_string())
+        QmpError {
+            class: e.qmp_class(),
+            desc: e.to_string(),
+        }
     }
 }
 
@@ -152,22 +156,171 @@ pub const QUERY_JOBS: Command = Command {
     run: |state, _| Ok(state.borrow().jobs().query()),
 };
 
+pub const QUERY_BLOCK_JOBS: Command = Command {
+    name: "query-block-jobs",
+    args: &[],
+    open: false,
+    run: |state, _| Ok(state.borrow().jobs().query_block()),
+};
+
+/// Applies a verb to the job named by argument `key` (`block`: as `block-job-*` commands
+/// look jobs up, with their error class).
+fn verb(
+    state: &crate::daemon::SharedState,
+    a: &mut Args,
+    key: &str,
+    block: bool,
+    f: impl FnOnce(&crate::job::Jobs, &crate::job::Job) -> Result<(), crate::job::JobError>,
+) -> Result<Value, QmpError> {
+    let id = a.str_req(key)?;
+    let st = state.borrow();
+    let job = st.jobs().find(&id, block)?;
+    f(st.jobs(), &job)?;
+    Ok(json!({}))
+}
+
 pub const JOB_DISMISS: Command = Command {
     name: "job-dismiss",
     args: &[req("id", Ty::Str)],
     open: false,
-    run: |state, mut a| {
-        state.borrow().jobs().dismiss(&a.str_req("id")?)?;
-        Ok(json!({}))
-    },
+    run: |state, mut a| verb(state, &mut a, "id", false, |j, job| j.dismiss(job)),
 };
 
 pub const JOB_FINALIZE: Command = Command {
     name: "job-finalize",
     args: &[req("id", Ty::Str)],
     open: false,
+    run: |state, mut a| verb(state, &mut a, "id", false, |j, job| j.finalize(job)),
+};
+
+pub const JOB_PAUSE: Command = Command {
+    name: "job-pause",
+    args: &[req("id", Ty::Str)],
+    open: false,
+    run: |state, mut a| verb(state, &mut a, "id", false, |j, job| j.pause(job)),
+};
+
+pub const JOB_RESUME: Command = Command {
+    name: "job-resume",
+    args: &[req("id", Ty::Str)],
+    open: false,
+    run: |state, mut a| verb(state, &mut a, "id", false, |j, job| j.resume(job)),
+};
+
+pub const JOB_CANCEL: Command = Command {
+    name: "job-cancel",
+    args: &[req("id", Ty::Str)],
+    open: false,
+    run: |state, mut a| verb(state, &mut a, "id", false, |j, job| j.cancel(job, true)),
+};
+
+pub const JOB_COMPLETE: Command = Command {
+    name: "job-complete",
+    args: &[req("id", Ty::Str)],
+    open: false,
+    run: |state, mut a| verb(state, &mut a, "id", false, |j, job| j.complete(job)),
+};
+
+pub const BLOCK_JOB_DISMISS: Command = Command {
+    name: "block-job-dismiss",
+    args: &[req("id", Ty::Str)],
+    open: false,
+    run: |state, mut a| verb(state, &mut a, "id", true, |j, job| j.dismiss(job)),
+};
+
+pub const BLOCK_JOB_FINALIZE: Command = Command {
+    name: "block-job-finalize",
+    args: &[req("id", Ty::Str)],
+    open: false,
+    run: |state, mut a| verb(state, &mut a, "id", true, |j, job| j.finalize(job)),
+};
+
+pub const BLOCK_JOB_PAUSE: Command = Command {
+    name: "block-job-pause",
+    args: &[req("device", Ty::Str)],
+    open: false,
+    run: |state, mut a| verb(state, &mut a, "device", true, |j, job| j.pause(job)),
+};
+
+pub const BLOCK_JOB_RESUME: Command = Command {
+    name: "block-job-resume",
+    args: &[req("device", Ty::Str)],
+    open: false,
+    run: |state, mut a| verb(state, &mut a, "device", true, |j, job| j.resume(job)),
+};
+
+pub const BLOCK_JOB_CANCEL: Command = Command {
+    name: "block-job-cancel",
+    args: &[req("device", Ty::Str), opt("force", Ty::Bool)],
+    open: false,
     run: |state, mut a| {
-        state.borrow().jobs().finalize(&a.str_req("id")?)?;
+        let force = a.bool("force").unwrap_or(false);
+        verb(state, &mut a, "device", true, |j, job| {
+            j.block_cancel(job, force)
+        })
+    },
+};
+
+pub const BLOCK_JOB_COMPLETE: Command = Command {
+    name: "block-job-complete",
+    args: &[req("device", Ty::Str)],
+    open: false,
+    run: |state, mut a| verb(state, &mut a, "device", true, |j, job| j.complete(job)),
+};
+
+pub const BLOCK_JOB_SET_SPEED: Command = Command {
+    name: "block-job-set-speed",
+    args: &[req("device", Ty::Str), req("speed", Ty::Int)],
+    open: false,
+    run: |state, mut a| {
+        let speed = a.i64("speed").unwrap_or(0);
+        verb(state, &mut a, "device", true, |j, job| {
+            j.set_speed(job, speed)
+        })
+    },
+};
+
+pub const BLOCK_STREAM: Command = Command {
+    name: "block-stream",
+    args: &[
+        opt("job-id", Ty::Str),
+        req("device", Ty::Str),
+        opt("base", Ty::Str),
+        opt("base-node", Ty::Str),
+        opt("backing-file", Ty::Str),
+        opt("backing-mask-protocol", Ty::Bool),
+        opt("bottom", Ty::Str),
+        opt("speed", Ty::Int),
+        opt("on-error", Ty::Str),
+        opt("filter-node-name", Ty::Str),
+        opt("auto-finalize", Ty::Bool),
+        opt("auto-dismiss", Ty::Bool),
+    ],
+    open: false,
+    run: |state, mut a| {
+        let on_error = match a.str("on-error") {
+            None => crate::job::OnError::Report,
+            Some(s) => crate::job::OnError::parse(&s).ok_or_else(|| {
+                QmpError::generic(format!("Parameter 'on-error' does not accept value '{s}'"))
+            })?,
+        };
+        let o = crate::daemon::StreamOptions {
+            job_id: a.str("job-id"),
+            device: a.str_req("device")?,
+            base: a.str("base"),
+            base_node: a.str("base-node"),
+            backing_file: a.str("backing-file"),
+            backing_mask_protocol: a.bool("backing-mask-protocol").unwrap_or(false),
+            bottom: a.str("bottom"),
+            speed: a.i64("speed").unwrap_or(0),
+            on_error,
+            filter_node_name: a.str("filter-node-name"),
+            auto_finalize: a.bool("auto-finalize").unwrap_or(true),
+            auto_dismiss: a.bool("auto-dismiss").unwrap_or(true),
+        };
+        state
+            .borrow_mut()
+            .block_stream(o, std::rc::Rc::downgrade(state))?;
         Ok(json!({}))
     },
 };

@@ -144,6 +144,19 @@ pub const COMMANDS: &[Command] = &[
     job::QUERY_JOBS,
     job::JOB_DISMISS,
     job::JOB_FINALIZE,
+    job::JOB_PAUSE,
+    job::JOB_RESUME,
+    job::JOB_CANCEL,
+    job::JOB_COMPLETE,
+    job::QUERY_BLOCK_JOBS,
+    job::BLOCK_JOB_DISMISS,
+    job::BLOCK_JOB_FINALIZE,
+    job::BLOCK_JOB_PAUSE,
+    job::BLOCK_JOB_RESUME,
+    job::BLOCK_JOB_CANCEL,
+    job::BLOCK_JOB_COMPLETE,
+    job::BLOCK_JOB_SET_SPEED,
+    job::BLOCK_STREAM,
     control::TRANSACTION,
     control::QUIT,
 ];
@@ -319,14 +332,15 @@ pub fn schema() -> Value {
             .members
             .iter()
             .map(|(name, ty)| Arg {
-                name,
+                // QAPI's mark for an optional member.
+                name: name.trim_start_matches('?'),
                 ty: match *ty {
                     "str" => Ty::Str,
                     "bool" => Ty::Bool,
                     "int" => Ty::Int,
                     _ => Ty::Any,
                 },
-                required: true,
+                required: !name.starts_with('?'),
             })
             .collect();
         let arg_type = object(&mut out, &members);
