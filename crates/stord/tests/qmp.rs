@@ -71,6 +71,11 @@ fn qmp_block_stream_and_job_verbs_answer_as_qsd() {
 }
 
 #[test]
+fn qmp_block_commit_of_intermediate_images_answers_as_qsd() {
+    run_script("commit.py");
+}
+
+#[test]
 fn qmp_dirty_bitmaps_answer_as_qsd() {
     run_script("bitmaps.py");
 }

@@ -51,6 +51,36 @@ impl BlockNode {
     }
 }
 
+/// A job's attachment to the node it runs on (QEMU gives the job a BlockBackend there,
+/// so the node is no longer a root node while the job lasts).
+pub struct JobAttachment {
+    node: Arc<BlockNode>,
+}
+
+impl Drop for JobAttachment {
+    fn drop(&mut self) {
+        self.node
+            .jobs_attached
+            .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+impl BlockNode {
+    /// Attaches a job to the node until the attachment is dropped.
+    pub fn attach_job(self: &Arc<Self>) -> JobAttachment {
+        self.jobs_attached
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        JobAttachment { node: self.clone() }
+    }
+
+    /// Whether a job runs on the node.
+    pub fn has_job(&self) -> bool {
+        self.jobs_attached
+            .load(std::sync::atomic::Ordering::Relaxed)
+            > 0
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

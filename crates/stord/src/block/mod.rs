@@ -325,6 +325,8 @@ pub struct BlockNode {
     has_bitmaps: std::sync::atomic::AtomicBool,
     /// Why other jobs and graph changes must leave the node alone now ([`blocker`]).
     blocked: std::sync::Mutex<Option<String>>,
+    /// Jobs running on the node ([`blocker::JobAttachment`]).
+    jobs_attached: std::sync::atomic::AtomicUsize,
     driver: Box<dyn BlockDriver>,
 }
 
@@ -348,6 +350,7 @@ impl BlockNode {
             bitmaps: Default::default(),
             has_bitmaps: Default::default(),
             blocked: Default::default(),
+            jobs_attached: Default::default(),
             driver,
         }
     }

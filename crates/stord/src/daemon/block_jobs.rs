@@ -9,8 +9,9 @@ use std::sync::Arc;
 use super::{DaemonError, State};
 use crate::block::perm::Perm;
 use crate::block::BlockNode;
+use crate::job::commit::Commit;
 use crate::job::stream::Stream;
-use crate::job::{JobOptions, OnError};
+use crate::job::{run_copy, CopyJob, Holds, JobOptions, OnError};
 
 /// `block-stream`'s arguments.
 pub struct StreamOptions {
@@ -22,6 +23,23 @@ pub struct StreamOptions {
     pub backing_file: Option<String>,
     pub backing_mask_protocol: bool,
     pub bottom: Option<String>,
+    pub speed: i64,
+    pub on_error: OnError,
+    pub filter_node_name: Option<String>,
+    pub auto_finalize: bool,
+    pub auto_dismiss: bool,
+}
+
+/// `block-commit`'s arguments.
+pub struct CommitOptions {
+    pub job_id: Option<String>,
+    pub device: String,
+    pub base_node: Option<String>,
+    pub base: Option<String>,
+    pub top_node: Option<String>,
+    pub top: Option<String>,
+    pub backing_file: Option<String>,
+    pub backing_mask_protocol: bool,
     pub speed: i64,
     pub on_error: OnError,
     pub filter_node_name: Option<String>,
@@ -50,6 +68,31 @@ fn chain(top: &Arc<BlockNode>) -> Vec<(Arc<BlockNode>, u32)> {
         }
     }
     out
+}
+
+/// The name and format an image's header gives `base` as its backing file: `given`, else
+/// the path of the first non-filter node (QEMU's bdrv_skip_filters and `filename`), and
+/// its driver (a protocol driver as `raw` with `mask_protocol`).
+fn backing_name(
+    base: &Arc<BlockNode>,
+    given: Option<String>,
+    mask_protocol: bool,
+) -> (String, String) {
+    let mut unfiltered = base.clone();
+    while unfiltered.driver_name() == "throttle" {
+        match unfiltered.filtered_or_backing() {
+            Some(n) => unfiltered = n,
+            None => break,
+        }
+    }
+    let fmt = match unfiltered.driver_name() {
+        "file" | "host_device" if mask_protocol => "raw",
+        f => f,
+    };
+    (
+        given.or_else(|| unfiltered.filename()).unwrap_or_default(),
+        fmt.to_string(),
+    )
 }
 
 fn invalid(s: impl Into<String>) -> DaemonError {
@@ -186,54 +229,207 @@ impl State {
             );
         }
         let base_depth = base.as_ref().map(|_| chain[end].1);
-        // The name and format the image will give its new backing file.
-        let backing = base.as_ref().map(|b| {
-            let mut unfiltered = b.clone();
-            while unfiltered.driver_name() == "throttle" {
-                match unfiltered.filtered_or_backing() {
-                    Some(n) => unfiltered = n,
-                    None => break,
-                }
-            }
-            let fmt = match unfiltered.driver_name() {
-                "file" | "host_device" if o.backing_mask_protocol => "raw",
-                f => f,
-            };
-            (
-                o.backing_file
-                    .clone()
-                    .or_else(|| unfiltered.filename())
-                    .unwrap_or_default(),
-                fmt.to_string(),
-            )
-        });
+        let backing = base
+            .as_ref()
+            .map(|b| backing_name(b, o.backing_file.clone(), o.backing_mask_protocol));
         let removed: Vec<String> = chain[1..end].iter().map(|(n, _)| n.name.clone()).collect();
         let stream = Stream {
+            holds: Holds {
+                claims,
+                blockers,
+                attached: top.attach_job(),
+            },
             top,
             base,
             base_depth,
             backing,
             on_error: o.on_error,
-            claims,
-            blockers,
         };
+        let how = (o.auto_finalize, o.auto_dismiss, speed);
+        self.start_copy_job(&job_id, "stream", how, stream, removed, me)
+    }
+
+    /// Starts a copying block job; the nodes in `removed` go once its graph change is done
+    /// and nothing uses them, as QEMU frees nodes with their last reference.
+    fn start_copy_job<T: CopyJob>(
+        &mut self,
+        job_id: &str,
+        kind: &'static str,
+        (auto_finalize, auto_dismiss, speed): (bool, bool, u64),
+        work: T,
+        removed: Vec<String>,
+        me: Weak<RefCell<State>>,
+    ) -> Result<(), DaemonError> {
         let opts = JobOptions {
-            auto_finalize: o.auto_finalize,
-            auto_dismiss: o.auto_dismiss,
+            auto_finalize,
+            auto_dismiss,
             block: true,
             speed,
             completable: false,
         };
         self.jobs
-            .start(&job_id, "stream", opts, &self.events, move |job| {
-                stream.run(job, move || {
-                    // The nodes the chain lost go once nothing uses them, as QEMU frees
-                    // them with their last reference.
+            .start(job_id, kind, opts, &self.events, move |job| {
+                run_copy(work, job, move || {
                     if let Some(state) = me.upgrade() {
                         state.borrow_mut().drop_implicit(removed);
                     }
                 })
             })?;
         Ok(())
+    }
+
+    /// `block-commit` of an intermediate image: the images from `top` to just above `base`
+    /// are copied into `base`, then the overlay of `top` backs onto `base` (QEMU's checks
+    /// in its order, its texts). Committing the active layer needs an export to move to
+    /// `base` at the end, which stord cannot do yet: it is refused by name.
+    pub fn block_commit(
+        &mut self,
+        o: CommitOptions,
+        me: Weak<RefCell<State>>,
+    ) -> Result<(), DaemonError> {
+        let Some(dev) = self.nodes.get(&o.device).cloned() else {
+            return Err(DaemonError::DeviceNotFound(o.device.clone()));
+        };
+        if !self.parents_of(&dev.name).is_empty() || dev.has_job() {
+            return Err(invalid("Need a root block node"));
+        }
+        dev.check_not_busy().map_err(|e| invalid(e.to_string()))?;
+        let chain = chain(&dev);
+        let position = |n: &Arc<BlockNode>| chain.iter().position(|(c, _)| Arc::ptr_eq(c, n));
+        let by_file = |from: usize, f: &str| {
+            chain
+                .iter()
+                .skip(from)
+                .position(|(n, _)| n.filename().as_deref() == Some(f))
+                .map(|i| i + from)
+        };
+        let top = match (&o.top_node, &o.top) {
+            (Some(_), Some(_)) => {
+                return Err(invalid("'top-node' and 'top' are mutually exclusive"))
+            }
+            (Some(t), None) => {
+                let n = self.lookup_node(t)?;
+                position(&n)
+                    .ok_or_else(|| invalid(format!("'{t}' is not in this backing file chain")))?
+            }
+            (None, Some(t)) => {
+                by_file(0, t).ok_or_else(|| invalid(format!("Top image file {t} not found")))?
+            }
+            (None, None) => 0,
+        };
+        let base = match (&o.base_node, &o.base) {
+            (Some(_), Some(_)) => {
+                return Err(invalid("'base-node' and 'base' are mutually exclusive"))
+            }
+            (Some(b), None) => {
+                let n = self.lookup_node(b)?;
+                match position(&n) {
+                    Some(i) if i >= top => i,
+                    _ => return Err(invalid(format!("'{b}' is not in this backing file chain"))),
+                }
+            }
+            (None, Some(b)) => by_file(top, b)
+                .ok_or_else(|| invalid(format!("Can't find '{b}' in the backing chain")))?,
+            // The bottom of the chain.
+            (None, None) => match chain.len() {
+                1 => return Err(invalid("There is no backimg image")),
+                n => n - 1,
+            },
+        };
+        for (n, _) in &chain[top..base] {
+            n.check_not_busy().map_err(|e| invalid(e.to_string()))?;
+        }
+        if top == base {
+            return Err(invalid("cannot commit an image into itself"));
+        }
+        let (top_node, top_depth) = chain[top].clone();
+        let writer = top_node.cumulative_perms().0.contains(Perm::WRITE);
+        if top == 0 || writer {
+            if o.backing_file.is_some() {
+                return Err(invalid(if top == 0 {
+                    "'backing-file' specified, but 'top' is the active layer"
+                } else {
+                    "'backing-file' specified, but 'top' has a writer on it"
+                }));
+            }
+            return Err(invalid(
+                "block-commit of the active layer (a node with a writer) is not supported by \
+                 stord yet: commit intermediate images",
+            ));
+        }
+        if o.filter_node_name.is_some() {
+            return Err(invalid(
+                "block-commit: 'filter-node-name' is not supported by stord yet",
+            ));
+        }
+        let job_id = o.job_id.clone().unwrap_or_default();
+        self.jobs.check_new(&job_id)?;
+        let Ok(speed) = u64::try_from(o.speed) else {
+            self.jobs.early_fail(&job_id, &self.events);
+            return Err(invalid("Parameter 'speed' expects a non-negative value"));
+        };
+        let base_node = chain[base].0.clone();
+        if base_node.is_read_only() {
+            return Err(invalid(format!(
+                "Block node '{}' is read-only: stord commits only into a writable node",
+                base_node.name
+            )));
+        }
+        // The overlay: the image right above top that has it as its backing node.
+        let overlay = chain[..top]
+            .iter()
+            .rev()
+            .find(|(n, _)| {
+                n.children()
+                    .iter()
+                    .any(|(r, c)| *r == "backing" && Arc::ptr_eq(c, &top_node))
+            })
+            .map(|(n, _)| n.clone())
+            .ok_or_else(|| invalid("the image above 'top' has no backing link to it"))?;
+        let user = format!("commit job '{job_id}'");
+        let reason = "block device is in use by block job: commit".to_string();
+        let mut claims = Vec::new();
+        let mut blockers = Vec::new();
+        // The job reads the committed images; as QEMU's, it leaves their permissions to
+        // the op blockers (their overlays' claims pass down what the overlays' users
+        // share, and the base must take writes).
+        for (n, _) in &chain[top..base] {
+            claims.push(n.claim(&user, "intermediate node", Perm::CONSISTENT_READ, Perm::ALL)?);
+            blockers.push(
+                n.block_ops(reason.clone())
+                    .map_err(|e| invalid(e.to_string()))?,
+            );
+        }
+        claims.push(base_node.claim(
+            &user,
+            "base",
+            Perm::CONSISTENT_READ | Perm::WRITE | Perm::RESIZE,
+            Perm::CONSISTENT_READ | Perm::WRITE_UNCHANGED,
+        )?);
+        blockers.push(
+            base_node
+                .block_ops(reason)
+                .map_err(|e| invalid(e.to_string()))?,
+        );
+        let backing = backing_name(&base_node, o.backing_file.clone(), o.backing_mask_protocol);
+        let removed: Vec<String> = chain[top..base]
+            .iter()
+            .map(|(n, _)| n.name.clone())
+            .collect();
+        let commit = Commit {
+            holds: Holds {
+                claims,
+                blockers,
+                attached: dev.attach_job(),
+            },
+            overlay,
+            top: top_node,
+            base_depth: chain[base].1 - top_depth + 1,
+            base: base_node,
+            backing,
+            on_error: o.on_error,
+        };
+        let how = (o.auto_finalize, o.auto_dismiss, speed);
+        self.start_copy_job(&job_id, "commit", how, commit, removed, me)
     }
 }

@@ -22,7 +22,7 @@ use std::sync::Arc;
 
 use stord_aio::{AioContext, IoThread, Remote};
 
-pub use self::block_jobs::StreamOptions;
+pub use self::block_jobs::{CommitOptions, StreamOptions};
 use crate::block::throttle::ThrottleGroup;
 use crate::block::BlockNode;
 use crate::cli::keyval::{KeyVal, OptionError};
@@ -68,6 +68,9 @@ pub enum DaemonError {
         parent: String,
         role: &'static str,
     },
+    /// A `device` naming nothing (class DeviceNotFound, which libvirt probes for).
+    #[error("Device '{0}' not found")]
+    DeviceNotFound(String),
     #[error("Node {0} is not owned by the monitor")]
     NodeNotOwned(String),
     #[error("Node {0} is in use")]
@@ -105,6 +108,7 @@ impl DaemonError {
     pub fn qmp_class(&self) -> &'static str {
         match self {
             DaemonError::Job(e) => e.qmp_class(),
+            DaemonError::DeviceNotFound(_) => "DeviceNotFound",
             _ => "GenericError",
         }
     }

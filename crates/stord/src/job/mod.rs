@@ -13,6 +13,7 @@
 //! its steps (where pause, cancel and the speed limit take effect) and returns what is to
 //! be done at finalize ([`Finish`]: QEMU's prepare, which changes the graph).
 
+pub mod commit;
 pub mod stream;
 
 use std::cell::{Cell, RefCell};
@@ -189,6 +190,54 @@ pub enum ErrorAction {
 /// QEMU's prepare: what a job that did its work changes once it is finalized (the graph
 /// change of stream and commit). It runs only if the job was not cancelled first.
 pub type Finish = Option<Pin<Box<dyn Future<Output = Result<(), String>>>>>;
+
+/// A job that copies in steps (stream, commit), run by [`run_copy`].
+#[allow(async_fn_in_trait)] // Jobs are tasks on one thread: no Send bound is wanted.
+pub trait CopyJob: 'static {
+    /// The most one step handles.
+    const CHUNK: u64;
+    /// Bytes to go over.
+    fn bytes(&self) -> u64;
+    fn on_error(&self) -> OnError;
+    /// Before the first step.
+    async fn prepare(&self) -> Result<(), String> {
+        Ok(())
+    }
+    /// One run at `offset` of up to `want` bytes: see [`Job::run_steps`].
+    async fn step(&self, offset: u64, want: u64) -> Result<(u64, bool), (std::io::Error, bool)>;
+    /// The graph change at finalize (QEMU's prepare).
+    async fn finish(&self) -> Result<(), String>;
+}
+
+/// Runs a copying job step by step; at finalize its graph change, then its holds (the
+/// claims and blockers it owns) go and `after` runs.
+pub async fn run_copy<T: CopyJob>(
+    t: T,
+    job: Rc<Job>,
+    after: impl FnOnce() + 'static,
+) -> Result<Finish, String> {
+    t.prepare().await?;
+    if !job
+        .run_steps(t.bytes(), T::CHUNK, t.on_error(), |o, n| t.step(o, n))
+        .await?
+    {
+        return Ok(None);
+    }
+    Ok(Some(Box::pin(async move {
+        let r = t.finish().await;
+        drop(t);
+        after();
+        r
+    })))
+}
+
+/// What a block job holds on the graph while it lasts.
+pub struct Holds {
+    pub claims: Vec<crate::block::perm::Claim>,
+    pub blockers: Vec<crate::block::blocker::Blocker>,
+    /// The job on the node it was started on.
+    pub attached: crate::block::blocker::JobAttachment,
+}
 
 /// A rate limit in QEMU's manner (util/ratelimit.h): a quota of bytes per slice; bytes
 /// beyond it push the end of the slice out, and the job sleeps until then.
@@ -447,6 +496,58 @@ impl Job {
             self.io_failed.set(true);
         }
         action
+    }
+
+    /// The loop of a copying job (stream, commit): `step(offset, max)` handles one run of
+    /// up to `chunk` bytes and says how long it was and whether it copied (what the speed
+    /// limit counts), or fails with whether reading failed. Between steps the speed limit,
+    /// pause and cancel take effect; a failed step goes as `on_error` says. Ok(false) when
+    /// cancelled; an ignored error fails the job at the end, as QEMU leaves the graph then.
+    pub async fn run_steps<F, Fut>(
+        &self,
+        len: u64,
+        chunk: u64,
+        on_error: OnError,
+        mut step: F,
+    ) -> Result<bool, String>
+    where
+        F: FnMut(u64, u64) -> Fut,
+        Fut: Future<Output = Result<(u64, bool), (std::io::Error, bool)>>,
+    {
+        self.set_remaining(len);
+        let mut offset = 0;
+        let mut ignored = None;
+        while offset < len {
+            self.ratelimit().await;
+            if self.is_cancelled() {
+                return Ok(false);
+            }
+            let want = chunk.min(len - offset);
+            match step(offset, want).await {
+                Ok((n, copied)) => {
+                    let n = n.clamp(1, want);
+                    self.progress_add(n);
+                    if copied {
+                        self.ratelimit_processed(n);
+                    }
+                    offset += n;
+                }
+                Err((e, read)) => match self.error_action(on_error, read, &e) {
+                    // Paused now; the step is tried again once resumed.
+                    ErrorAction::Stop => {}
+                    ErrorAction::Ignore => {
+                        ignored.get_or_insert(e);
+                        self.progress_add(want);
+                        offset += want;
+                    }
+                    ErrorAction::Report => return Err(e.to_string()),
+                },
+            }
+        }
+        match ignored {
+            Some(e) => Err(e.to_string()),
+            None => Ok(true),
+        }
     }
 
     fn block_event(&self, name: &str, error: Option<&str>) {

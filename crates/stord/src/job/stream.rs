@@ -4,12 +4,9 @@
 //! stream_run and stream_prepare). Guest writes go on meanwhile: a copy only fills
 //! clusters the image does not allocate, under the image's allocation lock.
 
-use std::rc::Rc;
 use std::sync::Arc;
 
-use super::{ErrorAction, Finish, Job, OnError};
-use crate::block::blocker::Blocker;
-use crate::block::perm::Claim;
+use super::{CopyJob, Holds, OnError};
 use crate::block::BlockNode;
 
 /// How much one step looks at (QEMU's STREAM_CHUNK).
@@ -26,63 +23,36 @@ pub struct Stream {
     pub backing: Option<(String, String)>,
     pub on_error: OnError,
     /// Held until the job ends.
-    pub claims: Vec<Claim>,
-    pub blockers: Vec<Blocker>,
+    pub holds: Holds,
 }
 
-impl Stream {
-    /// The job's work; `after` runs once the graph changed and the holds are gone.
-    pub async fn run(self, job: Rc<Job>, after: impl FnOnce() + 'static) -> Result<Finish, String> {
-        let len = self.top.size();
-        job.set_remaining(len);
-        let mut offset = 0;
-        let mut ignored = None;
-        while offset < len {
-            job.ratelimit().await;
-            if job.is_cancelled() {
-                return Ok(None);
-            }
-            let want = CHUNK.min(len - offset);
-            match self.step(offset, want).await {
-                Ok((n, copied)) => {
-                    job.progress_add(n);
-                    if copied {
-                        job.ratelimit_processed(n);
-                    }
-                    offset += n;
-                }
-                Err(e) => match job.error_action(self.on_error, true, &e) {
-                    // Paused now; the step is tried again once resumed.
-                    ErrorAction::Stop => {}
-                    ErrorAction::Ignore => {
-                        ignored.get_or_insert(e);
-                        job.progress_add(want);
-                        offset += want;
-                    }
-                    ErrorAction::Report => return Err(e.to_string()),
-                },
-            }
-        }
-        // An ignored error leaves the chain as it is.
-        if let Some(e) = ignored {
-            return Err(e.to_string());
-        }
-        Ok(Some(Box::pin(async move {
-            let r = self.finish().await;
-            drop(self);
-            after();
-            r
-        })))
+impl CopyJob for Stream {
+    const CHUNK: u64 = CHUNK;
+    fn bytes(&self) -> u64 {
+        self.top.size()
+    }
+    fn on_error(&self) -> OnError {
+        self.on_error
     }
 
     /// Copies what lies between top and base in one run at `offset`: its length, and
     /// whether it was copied.
-    async fn step(&self, offset: u64, want: u64) -> std::io::Result<(u64, bool)> {
-        let (n, depth) = self.top.driver().allocation_depth(offset, want).await?;
+    async fn step(&self, offset: u64, want: u64) -> Result<(u64, bool), (std::io::Error, bool)> {
+        let (n, depth) = self
+            .top
+            .driver()
+            .allocation_depth(offset, want)
+            .await
+            .map_err(|e| (e, true))?;
         let n = n.clamp(1, want);
         let copy = depth >= 2 && self.base_depth.is_none_or(|b| depth < b);
         if copy {
-            self.top.driver().populate(offset, n).await?;
+            // A failed copy-on-read counts as a read error, as QEMU reports it.
+            self.top
+                .driver()
+                .populate(offset, n)
+                .await
+                .map_err(|e| (e, true))?;
         }
         Ok((n, copy))
     }

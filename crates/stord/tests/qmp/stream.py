@@ -267,4 +267,5 @@ def test():
         assert r.returncode == 0, r.stdout + r.stderr
 
 
-common.main(test)
+if __name__ == "__main__":
+    common.main(test)

@@ -298,12 +298,7 @@ pub const BLOCK_STREAM: Command = Command {
     ],
     open: false,
     run: |state, mut a| {
-        let on_error = match a.str("on-error") {
-            None => crate::job::OnError::Report,
-            Some(s) => crate::job::OnError::parse(&s).ok_or_else(|| {
-                QmpError::generic(format!("Parameter 'on-error' does not accept value '{s}'"))
-            })?,
-        };
+        let on_error = on_error(&mut a)?;
         let o = crate::daemon::StreamOptions {
             job_id: a.str("job-id"),
             device: a.str_req("device")?,
@@ -324,3 +319,54 @@ pub const BLOCK_STREAM: Command = Command {
         Ok(json!({}))
     },
 };
+
+pub const BLOCK_COMMIT: Command = Command {
+    name: "block-commit",
+    args: &[
+        opt("job-id", Ty::Str),
+        req("device", Ty::Str),
+        opt("base-node", Ty::Str),
+        opt("base", Ty::Str),
+        opt("top-node", Ty::Str),
+        opt("top", Ty::Str),
+        opt("backing-file", Ty::Str),
+        opt("backing-mask-protocol", Ty::Bool),
+        opt("speed", Ty::Int),
+        opt("on-error", Ty::Str),
+        opt("filter-node-name", Ty::Str),
+        opt("auto-finalize", Ty::Bool),
+        opt("auto-dismiss", Ty::Bool),
+    ],
+    open: false,
+    run: |state, mut a| {
+        let o = crate::daemon::CommitOptions {
+            job_id: a.str("job-id"),
+            device: a.str_req("device")?,
+            base_node: a.str("base-node"),
+            base: a.str("base"),
+            top_node: a.str("top-node"),
+            top: a.str("top"),
+            backing_file: a.str("backing-file"),
+            backing_mask_protocol: a.bool("backing-mask-protocol").unwrap_or(false),
+            speed: a.i64("speed").unwrap_or(0),
+            on_error: on_error(&mut a)?,
+            filter_node_name: a.str("filter-node-name"),
+            auto_finalize: a.bool("auto-finalize").unwrap_or(true),
+            auto_dismiss: a.bool("auto-dismiss").unwrap_or(true),
+        };
+        state
+            .borrow_mut()
+            .block_commit(o, std::rc::Rc::downgrade(state))?;
+        Ok(json!({}))
+    },
+};
+
+/// `on-error` (QEMU's BlockdevOnError; `report` when absent).
+fn on_error(a: &mut Args) -> Result<crate::job::OnError, QmpError> {
+    match a.str("on-error") {
+        None => Ok(crate::job::OnError::Report),
+        Some(s) => crate::job::OnError::parse(&s).ok_or_else(|| {
+            QmpError::generic(format!("Parameter 'on-error' does not accept value '{s}'"))
+        }),
+    }
+}

@@ -157,6 +157,7 @@ pub const COMMANDS: &[Command] = &[
     job::BLOCK_JOB_COMPLETE,
     job::BLOCK_JOB_SET_SPEED,
     job::BLOCK_STREAM,
+    job::BLOCK_COMMIT,
     control::TRANSACTION,
     control::QUIT,
 ];

@@ -1,0 +1,81 @@
+//! block-commit of an intermediate image: what the images from `top` down to just above
+//! `base` hold is copied into `base`, chunk by chunk; at finalize the overlay of `top`
+//! names `base` as its backing file and its backing link skips the committed images
+//! (QEMU's commit_run and commit_prepare). The overlay keeps serving reads meanwhile: its
+//! chain reads the same before and after, since only images below it change.
+
+use std::sync::Arc;
+
+use super::{CopyJob, Holds, OnError};
+use crate::block::{request_buf, BlockNode};
+
+/// How much one step copies at most (QEMU's COMMIT_BUFFER_SIZE).
+const CHUNK: u64 = 512 << 10;
+
+/// A commit job's nodes and holds.
+pub struct Commit {
+    /// The image whose backing link changes.
+    pub overlay: Arc<BlockNode>,
+    /// The topmost image committed.
+    pub top: Arc<BlockNode>,
+    pub base: Arc<BlockNode>,
+    /// The base's allocation depth below `top` (top is 1).
+    pub base_depth: u32,
+    /// The backing file name and format the overlay's header will name.
+    pub backing: (String, String),
+    pub on_error: OnError,
+    /// Held until the job ends.
+    pub holds: Holds,
+}
+
+impl CopyJob for Commit {
+    const CHUNK: u64 = CHUNK;
+    fn bytes(&self) -> u64 {
+        self.top.size()
+    }
+    fn on_error(&self) -> OnError {
+        self.on_error
+    }
+
+    /// Base grows to top's size first.
+    async fn prepare(&self) -> Result<(), String> {
+        let len = self.top.size();
+        if self.base.size() < len {
+            self.base.resize(len).await.map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    }
+
+    /// Copies one run at `offset` into base if an image above base holds it: its length,
+    /// whether it was copied; an error with whether it was the read.
+    async fn step(&self, offset: u64, want: u64) -> Result<(u64, bool), (std::io::Error, bool)> {
+        let (n, depth) = self
+            .top
+            .driver()
+            .allocation_depth(offset, want)
+            .await
+            .map_err(|e| (e, true))?;
+        let n = n.clamp(1, want);
+        if depth == 0 || depth >= self.base_depth {
+            return Ok((n, false));
+        }
+        let (r, buf) = self.top.read(offset, request_buf(n as usize)).await;
+        r.map_err(|e| (e, true))?;
+        let (r, _) = self.base.write(offset, buf, false).await;
+        r.map_err(|e| (e, false))?;
+        Ok((n, true))
+    }
+
+    /// QEMU's commit_prepare: base durable, then the overlay's link and header skip the
+    /// committed images.
+    async fn finish(&self) -> Result<(), String> {
+        self.base.flush().await.map_err(|e| e.to_string())?;
+        self.overlay.set_backing(Some(self.base.clone()))?;
+        let (name, fmt) = &self.backing;
+        self.overlay
+            .driver()
+            .change_backing_file(Some((name.as_str(), Some(fmt.as_str()))))
+            .await
+            .map_err(|e| e.to_string())
+    }
+}
