@@ -107,6 +107,19 @@ impl State {
             .ok_or_else(|| invalid(format!("Cannot find device='' nor node-name='{name}'")))
     }
 
+    /// A new block job's id (QEMU names one without an id after the device, which has no
+    /// name in a storage daemon: refused) and speed (a negative one is refused after QEMU
+    /// announced the job, created then gone).
+    fn new_block_job(&self, id: Option<&str>, speed: i64) -> Result<(String, u64), DaemonError> {
+        let id = id.unwrap_or_default().to_string();
+        self.jobs.check_new(&id)?;
+        let Ok(speed) = u64::try_from(speed) else {
+            self.jobs.early_fail(&id, &self.events);
+            return Err(invalid("Parameter 'speed' expects a non-negative value"));
+        };
+        Ok((id, speed))
+    }
+
     /// `block-stream`: the content of the chain between `device` and its base is copied
     /// into `device`, then `device`'s backing link skips it (QEMU's checks and texts).
     pub fn block_stream(
@@ -178,7 +191,7 @@ impl State {
             };
         }
         for (n, _) in &chain[..end] {
-            n.check_not_busy().map_err(|e| invalid(e.to_string()))?;
+            n.check_not_busy()?;
         }
         let base = chain.get(end).map(|(n, _)| n.clone());
         if base.is_none() && o.backing_file.is_some() {
@@ -191,12 +204,7 @@ impl State {
                 "block-stream: 'filter-node-name' is not supported by stord yet",
             ));
         }
-        let job_id = o.job_id.clone().unwrap_or_default();
-        self.jobs.check_new(&job_id)?;
-        let Ok(speed) = u64::try_from(o.speed) else {
-            self.jobs.early_fail(&job_id, &self.events);
-            return Err(invalid("Parameter 'speed' expects a non-negative value"));
-        };
+        let (job_id, speed) = self.new_block_job(o.job_id.as_deref(), o.speed)?;
         if top.is_read_only() {
             return Err(invalid(format!(
                 "Block node '{}' is read-only: stord streams only into a writable node",
@@ -223,10 +231,7 @@ impl State {
                     Perm::CONSISTENT_READ | Perm::WRITE_UNCHANGED,
                 )?);
             }
-            blockers.push(
-                n.block_ops(reason.clone())
-                    .map_err(|e| invalid(e.to_string()))?,
-            );
+            blockers.push(n.block_ops(reason.clone())?);
         }
         let base_depth = base.as_ref().map(|_| chain[end].1);
         let backing = base
@@ -293,7 +298,7 @@ impl State {
         if !self.parents_of(&dev.name).is_empty() || dev.has_job() {
             return Err(invalid("Need a root block node"));
         }
-        dev.check_not_busy().map_err(|e| invalid(e.to_string()))?;
+        dev.check_not_busy()?;
         let chain = chain(&dev);
         let position = |n: &Arc<BlockNode>| chain.iter().position(|(c, _)| Arc::ptr_eq(c, n));
         let by_file = |from: usize, f: &str| {
@@ -337,7 +342,7 @@ impl State {
             },
         };
         for (n, _) in &chain[top..base] {
-            n.check_not_busy().map_err(|e| invalid(e.to_string()))?;
+            n.check_not_busy()?;
         }
         if top == base {
             return Err(invalid("cannot commit an image into itself"));
@@ -362,12 +367,7 @@ impl State {
                 "block-commit: 'filter-node-name' is not supported by stord yet",
             ));
         }
-        let job_id = o.job_id.clone().unwrap_or_default();
-        self.jobs.check_new(&job_id)?;
-        let Ok(speed) = u64::try_from(o.speed) else {
-            self.jobs.early_fail(&job_id, &self.events);
-            return Err(invalid("Parameter 'speed' expects a non-negative value"));
-        };
+        let (job_id, speed) = self.new_block_job(o.job_id.as_deref(), o.speed)?;
         let base_node = chain[base].0.clone();
         if base_node.is_read_only() {
             return Err(invalid(format!(
@@ -395,10 +395,7 @@ impl State {
         // share, and the base must take writes).
         for (n, _) in &chain[top..base] {
             claims.push(n.claim(&user, "intermediate node", Perm::CONSISTENT_READ, Perm::ALL)?);
-            blockers.push(
-                n.block_ops(reason.clone())
-                    .map_err(|e| invalid(e.to_string()))?,
-            );
+            blockers.push(n.block_ops(reason.clone())?);
         }
         claims.push(base_node.claim(
             &user,
@@ -406,11 +403,7 @@ impl State {
             Perm::CONSISTENT_READ | Perm::WRITE | Perm::RESIZE,
             Perm::CONSISTENT_READ | Perm::WRITE_UNCHANGED,
         )?);
-        blockers.push(
-            base_node
-                .block_ops(reason)
-                .map_err(|e| invalid(e.to_string()))?,
-        );
+        blockers.push(base_node.block_ops(reason)?);
         let backing = backing_name(&base_node, o.backing_file.clone(), o.backing_mask_protocol);
         let removed: Vec<String> = chain[top..base]
             .iter()

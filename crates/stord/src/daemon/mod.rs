@@ -91,6 +91,9 @@ pub enum DaemonError {
     Listen { addr: String, source: io::Error },
     #[error(transparent)]
     Perm(#[from] crate::block::perm::PermError),
+    /// A job has the node ("Node 'x' is busy: ...").
+    #[error(transparent)]
+    Busy(#[from] crate::block::blocker::Busy),
     #[error(transparent)]
     Property(#[from] crate::iothread::PropertyError),
     #[error(transparent)]
@@ -397,8 +400,7 @@ impl State {
             // qsd's words: the node was opened inline by its parent, not by blockdev-add.
             return Err(DaemonError::NodeNotOwned(name.into()));
         }
-        node.check_not_busy()
-            .map_err(|e| DaemonError::Invalid(e.to_string()))?;
+        node.check_not_busy()?;
         let parents = self.parents_of(name);
         // QEMU blocks every operation on a backing node for its overlay's sake.
         if let Some((parent, _)) = parents.iter().find(|(_, role)| *role == "backing") {

@@ -107,6 +107,7 @@ def flow(binary, tag):
 
         # Refused, with QEMU's words.
         c("block-stream", device="nope")
+        c("block-stream", device="top")
         c("block-stream", device="top", base="x", **{"base-node": "base"})
         c("block-stream", device="top", bottom="mid", **{"base-node": "base"})
         c("block-stream", device="top", **{"job-id": "s", "base-node": "top"})

@@ -422,9 +422,12 @@ impl Image {
 /// See the module docs.
 pub struct Qcow2Driver {
     file: Arc<BlockNode>,
-    /// The backing node; stream and commit change it (under `meta`, so a lookup and the
-    /// node it sends a read to agree).
+    /// The backing node; stream and commit change it.
     backing: std::sync::RwLock<Option<Arc<BlockNode>>>,
+    /// Whether there is a backing node (bit 0) and how often the link changed (the rest):
+    /// lookups read this instead of taking the lock, and take it only to read from the
+    /// backing node, checking that the link did not change since they looked.
+    backing_state: std::sync::atomic::AtomicU64,
     version: u32,
     cluster_bits: u32,
     cluster_size: u64,
@@ -526,6 +529,7 @@ impl Qcow2Driver {
         };
         Self {
             file,
+            backing_state: (backing.is_some() as u64).into(),
             backing: std::sync::RwLock::new(backing),
             version: h.version,
             cluster_bits: h.cluster_bits,
@@ -557,10 +561,7 @@ impl Qcow2Driver {
     }
 
     fn has_backing(&self) -> bool {
-        self.backing
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .is_some()
+        self.backing_state.load(Ordering::Acquire) & 1 != 0
     }
 
     /// Maps `[offset, offset + len)` to pieces, merging neighbours from one source.
@@ -568,16 +569,40 @@ impl Qcow2Driver {
     /// goes there even if a job changes the backing link meanwhile.
     async fn map_range(&self, offset: u64, len: u64) -> io::Result<Mapped<'_>> {
         let mut m = self.meta.lock().await;
+        loop {
+            let state = self.backing_state.load(Ordering::Acquire);
+            let pieces = self.pieces(&mut m, offset, len, state & 1 != 0).await?;
+            let backing = if pieces.iter().any(|p| p.src == Source::Backing) {
+                let b = self.backing();
+                if self.backing_state.load(Ordering::Acquire) != state {
+                    // The link moved while we looked: look again.
+                    continue;
+                }
+                b
+            } else {
+                None
+            };
+            let inflight = Inflight::new(&self.io_inflight);
+            drop(m);
+            return Ok((pieces, inflight, backing));
+        }
+    }
+
+    async fn pieces(
+        &self,
+        m: &mut Meta,
+        offset: u64,
+        len: u64,
+        has_backing: bool,
+    ) -> io::Result<Pieces> {
         let mut pieces = Pieces::new();
-        let mut backing = self.backing();
-        let has_backing = backing.is_some();
         let end = offset + len;
         let mut pos = offset;
         while pos < end {
             let cstart = self.cluster_start(pos);
             let n = (cstart + self.cluster_size).min(end) - pos;
             let within = pos - cstart;
-            let src = match self.lookup(&mut m, pos).await? {
+            let src = match self.lookup(m, pos).await? {
                 Mapping::Data { host, .. } => Source::Host(host + within),
                 Mapping::Zero { .. } => Source::Zero,
                 Mapping::Unallocated if has_backing => Source::Backing,
@@ -605,12 +630,7 @@ impl Qcow2Driver {
             }
             pos += n;
         }
-        let inflight = Inflight::new(&self.io_inflight);
-        if !pieces.iter().any(|p| p.src == Source::Backing) {
-            backing = None;
-        }
-        drop(m);
-        Ok((pieces, inflight, backing))
+        Ok(pieces)
     }
 
     /// Reads `dst.len()` bytes of the backing node at `guest` (zeroes past its end).
@@ -1393,6 +1413,9 @@ impl BlockDriver for Qcow2Driver {
     }
     fn set_backing(&self, new: Option<Arc<BlockNode>>) -> Result<Option<Arc<BlockNode>>, String> {
         let mut b = self.backing.write().unwrap_or_else(|e| e.into_inner());
+        let changes = (self.backing_state.load(Ordering::Relaxed) >> 1) + 1;
+        self.backing_state
+            .store(changes << 1 | new.is_some() as u64, Ordering::Release);
         Ok(std::mem::replace(&mut *b, new))
     }
     fn change_backing_file<'a>(
