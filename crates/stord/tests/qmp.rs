@@ -76,6 +76,16 @@ fn qmp_block_commit_of_intermediate_images_answers_as_qsd() {
 }
 
 #[test]
+fn qmp_mirror_and_active_commit_pivot_exports_as_qsd() {
+    run_script("mirror.py");
+}
+
+#[test]
+fn qmp_external_snapshots_move_exports_as_qsd() {
+    run_script("snapshot.py");
+}
+
+#[test]
 fn qmp_dirty_bitmaps_answer_as_qsd() {
     run_script("bitmaps.py");
 }

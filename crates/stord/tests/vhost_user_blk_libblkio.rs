@@ -559,3 +559,104 @@ fn a_frontend_that_shrinks_its_memory_costs_only_its_connection() {
     assert_eq!((cap, data), (64 << 20, vec![0; 4096]));
     drop(s);
 }
+
+/// A guest on a vhost-user-blk export keeps going through a mirror's pivot: a libblkio
+/// client writes and reads back its pattern in a loop while blockdev-mirror copies the
+/// disk to another file, becomes ready and is completed. No request fails or reads wrong,
+/// the export then serves the target (query-block-exports), and the target file holds
+/// every byte the client wrote last, before and after the pivot.
+#[test]
+fn a_libblkio_client_runs_through_a_mirror_pivot() {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::Arc;
+    let dir = tmpdir("blkio-mirror");
+    let (img, dst) = (dir.join("disk.img"), dir.join("dst.img"));
+    common::sparse_image(&img, IMAGE);
+    common::sparse_image(&dst, IMAGE);
+    let sock = dir.join("vhost.sock");
+    let mut args: Vec<String> = ["--object", "iothread,id=io0", "--blockdev"]
+        .map(String::from)
+        .to_vec();
+    args.push(format!(
+        "driver=file,node-name=disk,filename={},aio=io_uring",
+        img.display()
+    ));
+    args.push("--blockdev".into());
+    args.push(format!(
+        "driver=file,node-name=dst,filename={},aio=io_uring",
+        dst.display()
+    ));
+    args.push("--export".into());
+    args.push(format!(
+        "type=vhost-user-blk,id=vu0,node-name=disk,addr.type=unix,addr.path={},\
+         writable=on,iothread=io0",
+        sock.display()
+    ));
+    args.extend(monitor_args(&dir.join("qmp.sock")));
+    let mut s = Stord::start(&dir, &args);
+    let mut q = RawQmp::connect(&dir.join("qmp.sock"));
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let rounds = Arc::new(AtomicUsize::new(0));
+    let (stop2, rounds2) = (stop.clone(), rounds.clone());
+    let client = std::thread::spawn(move || {
+        let mut c = connect(&sock, 1, false);
+        let buf = c.region.addr;
+        let q0 = &mut c.queues[0];
+        let mut round = 0usize;
+        let mut last = Vec::new();
+        while !stop2.load(Ordering::SeqCst) || round < 3 {
+            // SAFETY: the region is mapped for SPAN bytes while `c` lives, and no request
+            // uses it between the calls below.
+            let mem = unsafe { std::slice::from_raw_parts_mut(buf as *mut u8, SPAN) };
+            for (j, b) in mem.iter_mut().enumerate() {
+                *b = pattern(round, j);
+            }
+            for k in (0..SPAN).step_by(BS) {
+                assert_eq!(one(q0, true, 8 * SPAN as u64 + k as u64, buf + k, BS), 0);
+            }
+            // SAFETY: as above.
+            unsafe { std::slice::from_raw_parts_mut(buf as *mut u8, SPAN) }.fill(0);
+            for k in (0..SPAN).step_by(BS) {
+                assert_eq!(one(q0, false, 8 * SPAN as u64 + k as u64, buf + k, BS), 0);
+            }
+            // SAFETY: as above.
+            let mem = unsafe { std::slice::from_raw_parts(buf as *const u8, SPAN) };
+            let bad = (0..SPAN).find(|&j| mem[j] != pattern(round, j));
+            assert_eq!(bad, None, "round {round}: read back differs");
+            last = mem.to_vec();
+            round += 1;
+            rounds2.store(round, Ordering::SeqCst);
+        }
+        last
+    });
+    while rounds.load(Ordering::SeqCst) < 2 {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let r = q.send(
+        r#"{"execute":"blockdev-mirror","arguments":{"job-id":"m","device":"disk","target":"dst","sync":"full"}}"#,
+    );
+    assert!(r.get("return").is_some(), "{r}");
+    q.wait_event("BLOCK_JOB_READY", "device", "m");
+    let before = rounds.load(Ordering::SeqCst);
+    let r = q.send(r#"{"execute":"job-complete","arguments":{"id":"m"}}"#);
+    assert!(r.get("return").is_some(), "{r}");
+    let done = q.wait_event("BLOCK_JOB_COMPLETED", "device", "m");
+    assert!(done["data"].get("error").is_none(), "{done}");
+    let r = q.send(r#"{"execute":"query-block-exports"}"#);
+    assert_eq!(r["return"][0]["node-name"], "dst", "{r}");
+    // A few more rounds on the target, then stop.
+    let after = rounds.load(Ordering::SeqCst);
+    while rounds.load(Ordering::SeqCst) < after + 3 {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    stop.store(true, Ordering::SeqCst);
+    let last = client.join().expect("the client saw an error");
+    assert!(rounds.load(Ordering::SeqCst) > before);
+    s.stop_and_stderr();
+    let image = std::fs::read(&dst).unwrap();
+    assert!(
+        image[8 * SPAN..9 * SPAN] == last[..],
+        "the target does not hold the client's last round"
+    );
+}

@@ -98,6 +98,8 @@ pub struct DirtyBitmap {
     bits: Mutex<Vec<u64>>,
     /// Granules the node's size covers (bits past them stay clear).
     granules: std::sync::atomic::AtomicU64,
+    /// A job's own record of writes (a mirror's): no name users see, not listed.
+    internal: bool,
 }
 
 impl DirtyBitmap {
@@ -130,10 +132,51 @@ impl DirtyBitmap {
             busy: AtomicBool::new(false),
             bits: Mutex::new(Vec::new()),
             granules: Default::default(),
+            internal: false,
         };
         b.resize(size);
         LIVE.fetch_add(1, Ordering::Relaxed);
         Ok(b)
+    }
+
+    /// A job's record of the writes to a node (a mirror's): recording, listed nowhere.
+    pub fn tracker(job: &str, granularity: u64, size: u64) -> Result<Self, BitmapError> {
+        let mut b = Self::new(job, granularity, size, true)?;
+        b.internal = true;
+        Ok(b)
+    }
+
+    /// Whether this is a job's [`tracker`](Self::tracker).
+    pub fn is_internal(&self) -> bool {
+        self.internal
+    }
+
+    /// Takes the first dirty run at or after `from` (else from the start): at most `max`
+    /// bytes (at least one granule), clean once returned. None when nothing is dirty.
+    pub fn take_dirty(&self, from: u64, max: u64) -> Option<(u64, u64)> {
+        let g = self.granularity;
+        let n = self.granules.load(Ordering::Relaxed);
+        let mut w = self.words();
+        let find = |w: &[u64], start: u64| -> Option<u64> {
+            let mut i = start;
+            while i < n {
+                let word = w[(i / 64) as usize] >> (i % 64);
+                if word != 0 {
+                    let at = i + u64::from(word.trailing_zeros());
+                    return (at < n).then_some(at);
+                }
+                i = (i / 64 + 1) * 64;
+            }
+            None
+        };
+        let first = find(&w, (from / g).min(n)).or_else(|| find(&w, 0))?;
+        let most = (max / g).max(1);
+        let mut end = first;
+        while end < n && end - first < most && w[(end / 64) as usize] & (1 << (end % 64)) != 0 {
+            w[(end / 64) as usize] &= !(1 << (end % 64));
+            end += 1;
+        }
+        Some((first * g, (end - first) * g))
     }
 
     fn words(&self) -> std::sync::MutexGuard<'_, Vec<u64>> {
@@ -380,6 +423,23 @@ impl Drop for DirtyBitmap {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_tracker_hands_out_dirty_runs_and_forgets_them() {
+        let b = DirtyBitmap::tracker("job", 4096, 1 << 20).unwrap();
+        assert!(b.is_internal() && b.take_dirty(0, 1 << 20).is_none());
+        b.mark(8192, 3 * 4096);
+        b.mark(200 * 4096, 1);
+        // From the cursor on, at most `max` bytes, then the next run; then from the start.
+        assert_eq!(b.take_dirty(0, 8192), Some((8192, 8192)));
+        assert_eq!(b.take_dirty(16384, 1 << 20), Some((16384, 4096)));
+        assert_eq!(b.take_dirty(300 * 4096, 1 << 20), Some((200 * 4096, 4096)));
+        assert_eq!(b.take_dirty(0, 1 << 20), None);
+        // Runs across a 64-granule word.
+        b.mark(60 * 4096, 10 * 4096);
+        assert_eq!(b.take_dirty(0, 1 << 20), Some((60 * 4096, 10 * 4096)));
+        assert_eq!(b.count(), 0);
+    }
 
     #[test]
     fn marks_whole_granules_counts_and_clears() {

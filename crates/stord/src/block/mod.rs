@@ -11,6 +11,7 @@ pub mod dirty_bitmap;
 pub mod file;
 pub mod graph;
 pub mod iov;
+pub mod link;
 pub mod null;
 pub mod perm;
 pub mod qcow2;
@@ -451,15 +452,28 @@ impl BlockNode {
         }
     }
 
-    /// The bitmaps, newest first (as QEMU lists them).
+    /// The bitmaps, newest first (as QEMU lists them); jobs' trackers are not among them.
     pub fn bitmaps(&self) -> Vec<Arc<dirty_bitmap::DirtyBitmap>> {
-        let mut v = self
+        let mut v: Vec<_> = self
             .bitmaps
             .read()
             .unwrap_or_else(|e| e.into_inner())
-            .clone();
+            .iter()
+            .filter(|b| !b.is_internal())
+            .cloned()
+            .collect();
         v.reverse();
         v
+    }
+
+    /// Starts a job's record of the writes to this node (see
+    /// [`dirty_bitmap::DirtyBitmap::tracker`]); [`Self::forget_bitmap`] ends it.
+    pub fn add_tracker(&self, b: dirty_bitmap::DirtyBitmap) -> Arc<dirty_bitmap::DirtyBitmap> {
+        let b = Arc::new(b);
+        let mut list = self.bitmaps.write().unwrap_or_else(|e| e.into_inner());
+        list.push(b.clone());
+        self.has_bitmaps.store(true, Relaxed);
+        b
     }
 
     /// The bitmap `name`.
@@ -471,7 +485,7 @@ impl BlockNode {
             .read()
             .unwrap_or_else(|e| e.into_inner())
             .iter()
-            .find(|b| b.name == name)
+            .find(|b| b.name == name && !b.is_internal())
             .cloned()
             .ok_or_else(|| dirty_bitmap::BitmapError::NotFound(name.into()))
     }
@@ -482,10 +496,10 @@ impl BlockNode {
         b: dirty_bitmap::DirtyBitmap,
     ) -> Result<(), dirty_bitmap::BitmapError> {
         let mut list = self.bitmaps.write().unwrap_or_else(|e| e.into_inner());
-        if list.iter().any(|x| x.name == b.name) {
+        if list.iter().any(|x| x.name == b.name && !x.is_internal()) {
             return Err(dirty_bitmap::BitmapError::Exists(b.name.clone()));
         }
-        if list.len() >= dirty_bitmap::MAX_PER_NODE {
+        if list.iter().filter(|x| !x.is_internal()).count() >= dirty_bitmap::MAX_PER_NODE {
             return Err(dirty_bitmap::BitmapError::TooMany);
         }
         list.push(Arc::new(b));

@@ -200,6 +200,19 @@ impl Claim {
     pub fn set(&self, perm: Perm, shared: Perm) -> Result<(), PermError> {
         self.node.update_use(self.id, perm, shared)
     }
+
+    /// The same use (user, role, permissions) of node `to`, for a parent whose link
+    /// moves there: taken while this one is still held, so a conflict leaves all as it was.
+    pub fn transfer(&self, to: &Arc<BlockNode>) -> Result<Claim, PermError> {
+        let (user, role, perm, shared) = {
+            let users = self.node.users.lock().expect("node users");
+            match users.list.iter().find(|u| u.id == self.id) {
+                Some(u) => (u.user.clone(), u.role, u.perm, u.shared),
+                None => return to.claim("", "root", Perm::NONE, Perm::ALL),
+            }
+        };
+        to.claim(&user, role, perm, shared)
+    }
 }
 
 impl Drop for Claim {

@@ -7,9 +7,11 @@ use std::rc::Weak;
 use std::sync::Arc;
 
 use super::{DaemonError, State};
+use crate::block::link::NodeLink;
 use crate::block::perm::Perm;
 use crate::block::BlockNode;
 use crate::job::commit::Commit;
+use crate::job::mirror::{Mirror, Parents, Scope};
 use crate::job::stream::Stream;
 use crate::job::{run_copy, CopyJob, Holds, JobOptions, OnError};
 
@@ -45,6 +47,48 @@ pub struct CommitOptions {
     pub filter_node_name: Option<String>,
     pub auto_finalize: bool,
     pub auto_dismiss: bool,
+}
+
+/// `blockdev-mirror`'s arguments.
+pub struct MirrorOptions {
+    pub job_id: Option<String>,
+    pub device: String,
+    pub target: String,
+    pub replaces: Option<String>,
+    /// `full`, `top` or `none`.
+    pub sync: String,
+    pub speed: i64,
+    pub granularity: Option<i64>,
+    pub buf_size: Option<i64>,
+    pub on_source_error: OnError,
+    pub on_target_error: OnError,
+    pub filter_node_name: Option<String>,
+    /// `background` or `write-blocking`.
+    pub copy_mode: Option<String>,
+    pub auto_finalize: bool,
+    pub auto_dismiss: bool,
+}
+
+/// The exports a mirror moves, reached through the daemon while the job runs.
+struct ExportParents(Weak<RefCell<State>>);
+
+impl Parents for ExportParents {
+    fn links_on(&self, node: &Arc<BlockNode>) -> Vec<Arc<NodeLink>> {
+        self.0
+            .upgrade()
+            .map(|s| s.borrow().export_links_on(node))
+            .unwrap_or_default()
+    }
+
+    fn replace(&self, from: &Arc<BlockNode>, to: &Arc<BlockNode>) -> Result<(), String> {
+        match self.0.upgrade() {
+            Some(s) => s
+                .borrow_mut()
+                .repoint_exports(from, to)
+                .map_err(|e| e.to_string()),
+            None => Ok(()),
+        }
+    }
 }
 
 /// The chain below `top` as bdrv_filter_or_cow_bs walks it, `top` first, each node with
@@ -357,10 +401,13 @@ impl State {
                     "'backing-file' specified, but 'top' has a writer on it"
                 }));
             }
-            return Err(invalid(
-                "block-commit of the active layer (a node with a writer) is not supported by \
-                 stord yet: commit intermediate images",
-            ));
+            if top != 0 {
+                return Err(invalid(
+                    "block-commit of an image with a writer that is not the active layer \
+                     is not supported by stord",
+                ));
+            }
+            return self.active_commit(o, chain, base, me);
         }
         if o.filter_node_name.is_some() {
             return Err(invalid(
@@ -370,10 +417,7 @@ impl State {
         let (job_id, speed) = self.new_block_job(o.job_id.as_deref(), o.speed)?;
         let base_node = chain[base].0.clone();
         if base_node.is_read_only() {
-            return Err(invalid(format!(
-                "Block node '{}' is read-only: stord commits only into a writable node",
-                base_node.name
-            )));
+            self.reopen_read_only(&base_node.name.clone(), false)?;
         }
         // The overlay: the image right above top that has it as its backing node.
         let overlay = chain[..top]
@@ -424,5 +468,213 @@ impl State {
         };
         let how = (o.auto_finalize, o.auto_dismiss, speed);
         self.start_copy_job(&job_id, "commit", how, commit, removed, me)
+    }
+
+    /// Commit of the active layer (QEMU's commit_active_start): a mirror from `device`
+    /// into the base that, once completed, moves the exports of `device` to the base.
+    fn active_commit(
+        &mut self,
+        o: CommitOptions,
+        chain: Vec<(Arc<BlockNode>, u32)>,
+        base: usize,
+        me: Weak<RefCell<State>>,
+    ) -> Result<(), DaemonError> {
+        if o.filter_node_name.is_some() {
+            return Err(invalid(
+                "block-commit: 'filter-node-name' is not supported by stord yet",
+            ));
+        }
+        let (job_id, speed) = self.new_block_job(o.job_id.as_deref(), o.speed)?;
+        let top = chain[0].0.clone();
+        let (base_node, base_depth) = chain[base].clone();
+        // QEMU reopens a read-only base read-write for the commit (stord can if the node
+        // was opened writable).
+        if base_node.is_read_only() {
+            self.reopen_read_only(&base_node.name.clone(), false)?;
+        }
+        let user = format!("commit job '{job_id}'");
+        let reason = "block device is in use by block job: commit".to_string();
+        let mut claims = Vec::new();
+        let mut blockers = Vec::new();
+        for (n, _) in &chain[..base] {
+            claims.push(n.claim(
+                &user,
+                "source",
+                Perm::CONSISTENT_READ,
+                Perm::ALL & Perm::RESIZE.complement(),
+            )?);
+            blockers.push(n.block_ops(reason.clone())?);
+        }
+        let target_claim = base_node.claim(
+            &user,
+            "target",
+            Perm::WRITE | Perm::RESIZE,
+            Perm::ALL & Perm::RESIZE.complement(),
+        )?;
+        blockers.push(base_node.block_ops(reason)?);
+        let mirror = Mirror {
+            granularity: base_node.default_bitmap_granularity().max(4096),
+            source: top.clone(),
+            target_attached: base_node.attach_job(),
+            target: base_node,
+            scope: Scope::AboveBase(base_depth),
+            unmap: true,
+            on_source_error: o.on_error,
+            on_target_error: o.on_error,
+            target_claim,
+            holds: Holds {
+                claims,
+                blockers,
+                attached: top.attach_job(),
+            },
+            parents: Box::new(ExportParents(me)),
+        };
+        self.start_mirror_job(
+            &job_id,
+            "commit",
+            (o.auto_finalize, o.auto_dismiss, speed),
+            mirror,
+        )
+    }
+
+    fn start_mirror_job(
+        &mut self,
+        job_id: &str,
+        kind: &'static str,
+        (auto_finalize, auto_dismiss, speed): (bool, bool, u64),
+        mirror: Mirror,
+    ) -> Result<(), DaemonError> {
+        let opts = JobOptions {
+            auto_finalize,
+            auto_dismiss,
+            block: true,
+            speed,
+            completable: true,
+        };
+        self.jobs
+            .start(job_id, kind, opts, &self.events, move |job| {
+                crate::job::mirror::run(mirror, job, || {})
+            })?;
+        Ok(())
+    }
+
+    /// `blockdev-mirror`: `device`'s content is copied to `target` while clients write;
+    /// ready once in step, and on `job-complete` the exports of `device` move to `target`.
+    pub fn blockdev_mirror(
+        &mut self,
+        o: MirrorOptions,
+        me: Weak<RefCell<State>>,
+    ) -> Result<(), DaemonError> {
+        let source = self.nodes.get(&o.device).cloned().ok_or_else(|| {
+            invalid(format!(
+                "Cannot find device='{0}' nor node-name='{0}'",
+                o.device
+            ))
+        })?;
+        if !self.parents_of(&source.name).is_empty() || source.has_job() {
+            return Err(invalid("Need a root block node"));
+        }
+        let target = self.nodes.get(&o.target).cloned().ok_or_else(|| {
+            invalid(format!(
+                "Cannot find device='{0}' nor node-name='{0}'",
+                o.target
+            ))
+        })?;
+        let mut scope = match o.sync.as_str() {
+            "full" => Scope::Full,
+            "top" => Scope::Top,
+            "none" => Scope::None,
+            other => {
+                return Err(invalid(format!(
+                    "blockdev-mirror: sync mode '{other}' is not supported by stord"
+                )))
+            }
+        };
+        if let Some(g) = o.granularity {
+            if g != 0 && !(512..=64 << 20).contains(&g) {
+                return Err(invalid(
+                    "Parameter 'granularity' expects a value in range [512B, 64MB]",
+                ));
+            }
+            if g & (g - 1) != 0 {
+                return Err(invalid("Parameter 'granularity' expects a power of 2"));
+            }
+        }
+        if o.buf_size.is_some_and(|b| b < 0) {
+            return Err(invalid("Parameter 'buf-size' expects a non-negative value"));
+        }
+        source.check_not_busy()?;
+        target.check_not_busy()?;
+        if scope == Scope::Top && source.backing_depth() == 0 {
+            scope = Scope::Full;
+        }
+        if o.replaces.as_ref().is_some_and(|r| *r != o.device) {
+            return Err(invalid(
+                "blockdev-mirror: 'replaces' naming another node than 'device' is not \
+                 supported by stord",
+            ));
+        }
+        if o.filter_node_name.is_some() {
+            return Err(invalid(
+                "blockdev-mirror: 'filter-node-name' is not supported by stord yet",
+            ));
+        }
+        if o.copy_mode.as_deref().is_some_and(|m| m != "background") {
+            return Err(invalid(
+                "blockdev-mirror: copy-mode 'write-blocking' is not supported by stord yet",
+            ));
+        }
+        if Arc::ptr_eq(&source, &target) {
+            return Err(invalid("Can't mirror node into itself"));
+        }
+        let (job_id, speed) = self.new_block_job(o.job_id.as_deref(), o.speed)?;
+        if target.is_read_only() {
+            return Err(invalid(format!(
+                "Block node '{}' is read-only",
+                target.name
+            )));
+        }
+        let user = format!("mirror job '{job_id}'");
+        let reason = "block device is in use by block job: mirror".to_string();
+        let claims = vec![source.claim(
+            &user,
+            "source",
+            Perm::CONSISTENT_READ,
+            Perm::ALL & Perm::RESIZE.complement(),
+        )?];
+        let target_claim = target.claim(
+            &user,
+            "target",
+            Perm::WRITE,
+            Perm::WRITE_UNCHANGED | Perm::CONSISTENT_READ,
+        )?;
+        let blockers = vec![source.block_ops(reason.clone())?, target.block_ops(reason)?];
+        let granularity = match o.granularity {
+            Some(g) if g > 0 => g as u64,
+            _ => target.default_bitmap_granularity().clamp(4096, 65536),
+        };
+        let mirror = Mirror {
+            granularity,
+            source: source.clone(),
+            target_attached: target.attach_job(),
+            target,
+            scope,
+            unmap: true,
+            on_source_error: o.on_source_error,
+            on_target_error: o.on_target_error,
+            target_claim,
+            holds: Holds {
+                claims,
+                blockers,
+                attached: source.attach_job(),
+            },
+            parents: Box::new(ExportParents(me)),
+        };
+        self.start_mirror_job(
+            &job_id,
+            "mirror",
+            (o.auto_finalize, o.auto_dismiss, speed),
+            mirror,
+        )
     }
 }

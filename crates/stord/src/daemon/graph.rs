@@ -49,6 +49,40 @@ impl State {
         }
     }
 
+    /// A node opened by a command other than blockdev-add (blockdev-snapshot-sync's
+    /// overlay): as in QEMU the monitor does not own it (it goes once nothing uses it),
+    /// and without a `node-name` it gets a `#blockNNN` one. Its name back.
+    pub(super) fn add_blockdev_unowned(&mut self, kv: KeyVal) -> Result<String, DaemonError> {
+        let implicit = true;
+        let mut b = Builder {
+            st: self,
+            added: Vec::new(),
+            inherit: Vec::new(),
+            backing_depth: 0,
+        };
+        match b.open_node(kv, implicit) {
+            Ok(n) => Ok(n.name.clone()),
+            Err(e) => {
+                b.roll_back();
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Takes a node that nothing uses out of the graph again, with its implicit children.
+    pub(super) fn forget_node(&mut self, name: &str) {
+        if let Some(node) = self.nodes.remove(name) {
+            self.implicit.remove(name);
+            let children = node
+                .children()
+                .iter()
+                .map(|(_, c)| c.name.clone())
+                .collect();
+            drop(node);
+            self.drop_implicit(children);
+        }
+    }
+
     /// A fresh name for an inline child, as qsd's `#blockNNN`.
     fn implicit_name(&mut self) -> String {
         loop {

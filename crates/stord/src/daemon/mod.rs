@@ -9,6 +9,7 @@
 mod block_jobs;
 mod graph;
 mod objects;
+mod snapshot;
 
 pub use graph::id_wellformed;
 
@@ -22,7 +23,9 @@ use std::sync::Arc;
 
 use stord_aio::{AioContext, IoThread, Remote};
 
-pub use self::block_jobs::{CommitOptions, StreamOptions};
+pub use self::block_jobs::{CommitOptions, MirrorOptions, StreamOptions};
+pub use self::snapshot::{SnapshotDone, SnapshotSyncOptions};
+use crate::block::link::NodeLink;
 use crate::block::throttle::ThrottleGroup;
 use crate::block::BlockNode;
 use crate::cli::keyval::{KeyVal, OptionError};
@@ -400,6 +403,11 @@ impl State {
             // qsd's words: the node was opened inline by its parent, not by blockdev-add.
             return Err(DaemonError::NodeNotOwned(name.into()));
         }
+        // A job's own user of the node (a mirror's target) comes first, as QEMU checks
+        // for a BlockBackend before the op blockers.
+        if node.has_job() {
+            return Err(DaemonError::NodeInUse(name.into()));
+        }
         node.check_not_busy()?;
         let parents = self.parents_of(name);
         // QEMU blocks every operation on a backing node for its overlay's sake.
@@ -686,6 +694,51 @@ impl State {
             drop(e);
             drop(claim);
         }));
+    }
+
+    /// The links of the exports that serve `node` now.
+    pub fn export_links_on(&self, node: &Arc<BlockNode>) -> Vec<Arc<NodeLink>> {
+        self.exports
+            .values()
+            .filter(|e| Arc::ptr_eq(&e.node(), node))
+            .map(|e| e.link().clone())
+            .collect()
+    }
+
+    /// Points every export that serves `from` at `to` (QEMU's bdrv_replace_node, for the
+    /// exports' root links): each export's permissions are taken on `to` before any moves,
+    /// so a conflict leaves everything as it was. Requests in flight finish on `from`.
+    pub fn repoint_exports(
+        &mut self,
+        from: &Arc<BlockNode>,
+        to: &Arc<BlockNode>,
+    ) -> Result<(), DaemonError> {
+        let ids: Vec<String> = self
+            .exports
+            .values()
+            .filter(|e| Arc::ptr_eq(&e.node(), from))
+            .map(|e| e.id().to_string())
+            .collect();
+        let mut moved = Vec::new();
+        for id in &ids {
+            let e = &self.exports[id];
+            if e.writable() && to.is_read_only() {
+                return Err(DaemonError::Invalid(format!(
+                    "Cannot move writable export '{id}' to read-only node '{}'",
+                    to.name
+                )));
+            }
+            if let Some(c) = self.export_claims.get(id) {
+                moved.push((id.clone(), c.transfer(to)?));
+            }
+        }
+        for id in &ids {
+            self.exports[id].link().repoint(to.clone());
+        }
+        for (id, c) in moved {
+            self.export_claims.insert(id, c);
+        }
+        Ok(())
     }
 
     /// Deletes every export, disconnecting its clients and unmounting FUSE files.

@@ -25,6 +25,7 @@ use std::time::{Duration, Instant};
 
 use stord_aio::{IoThread, Remote};
 
+use crate::block::link::NodeLink;
 use crate::block::BlockNode;
 use crate::cli::keyval::{KeyVal, OptionError};
 
@@ -34,8 +35,12 @@ pub trait Export {
     fn id(&self) -> &str;
     /// The export type as on the command line (`nbd`, `fuse`, `vhost-user-blk`).
     fn kind(&self) -> &'static str;
-    /// The node served.
-    fn node(&self) -> &Arc<BlockNode>;
+    /// The link to the node served (a snapshot or a pivot points it elsewhere).
+    fn link(&self) -> &Arc<NodeLink>;
+    /// The node served now.
+    fn node(&self) -> Arc<BlockNode> {
+        self.link().current()
+    }
     /// Whether clients may write (the node must stay writable).
     fn writable(&self) -> bool;
     /// Whether it serves on the IoThread `thread` (which then cannot be deleted).

@@ -14,6 +14,7 @@
 //! be done at finalize ([`Finish`]: QEMU's prepare, which changes the graph).
 
 pub mod commit;
+pub mod mirror;
 pub mod stream;
 
 use std::cell::{Cell, RefCell};
@@ -310,6 +311,9 @@ pub struct Job {
     user_paused: Cell<bool>,
     cancelled: Cell<bool>,
     force_cancel: Cell<bool>,
+    /// A ready job was cancelled without force: it ends as completed, its graph change
+    /// left undone (QEMU's mirror_cancel).
+    soft_cancelled: Cell<bool>,
     /// `job-complete` was accepted (jobs that wait in ready).
     complete_requested: Cell<bool>,
     /// Whether the job can be completed (it waits in ready for it).
@@ -367,6 +371,25 @@ impl Job {
         self.complete_requested.get()
     }
 
+    /// Whether a ready job was cancelled without force (it stops in step, unchanged).
+    pub fn soft_cancelled(&self) -> bool {
+        self.soft_cancelled.get()
+    }
+
+    /// Whether the job is ready (or in standby, paused while ready).
+    pub fn is_ready(&self) -> bool {
+        matches!(self.status.get(), JobStatus::Ready | JobStatus::Standby)
+    }
+
+    /// The job's copy is in step: ready (once), BLOCK_JOB_READY announced.
+    pub fn set_ready(&self) {
+        if self.is_ready() {
+            return;
+        }
+        self.set(JobStatus::Ready);
+        self.block_event("BLOCK_JOB_READY", None);
+    }
+
     fn wake(&self) {
         self.kicked.set(true);
         if let Some(w) = self.waker.borrow_mut().take() {
@@ -407,7 +430,7 @@ impl Job {
     }
 
     /// Sleeps `d` (a verb cuts it short), then a pause point.
-    async fn sleep(&self, d: Duration) {
+    pub async fn sleep(&self, d: Duration) {
         if self.cancelled.get() {
             return;
         }
@@ -704,6 +727,7 @@ impl Jobs {
             user_paused: Cell::new(false),
             cancelled: Cell::new(false),
             force_cancel: Cell::new(false),
+            soft_cancelled: Cell::new(false),
             complete_requested: Cell::new(false),
             completable: opts.completable,
             io_failed: Cell::new(false),
@@ -863,6 +887,11 @@ impl Jobs {
         job.check(Verb::Cancel)?;
         if job.user_paused.replace(false) {
             job.pause_count.set(job.pause_count.get().saturating_sub(1));
+        }
+        if !force && job.completable && job.is_ready() {
+            job.soft_cancelled.set(true);
+            job.wake();
+            return Ok(());
         }
         job.cancelled.set(true);
         job.force_cancel.set(job.force_cancel.get() | force);

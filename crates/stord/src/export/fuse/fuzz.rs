@@ -19,7 +19,7 @@ fn shared() -> FuseShared {
         false,
     ));
     FuseShared {
-        node,
+        link: crate::block::link::NodeLink::new(node),
         writable: true,
         writethrough: false,
         growable: false,

@@ -68,7 +68,14 @@ impl FuseShared {
             RELEASE | DESTROY => Ok(Vec::new()),
             READ => return done(self.read(&f).await),
             WRITE => self.write(&f, body).await,
-            FSYNC | FLUSH => self.node.flush().await.map(|()| Vec::new()).map_err(errno),
+            FSYNC | FLUSH => self
+                .link
+                .enter()
+                .await
+                .flush()
+                .await
+                .map(|()| Vec::new())
+                .map_err(errno),
             FALLOCATE => self.fallocate(&f).await,
             LSEEK => self.lseek(&f).await,
             STATFS => Ok(self.statfs()),
@@ -120,7 +127,7 @@ impl FuseShared {
 
     fn attr_out(&self) -> Vec<u8> {
         let s = self;
-        let size = s.node.size();
+        let size = s.link.current().size();
         let blocks = s.allocated_bytes().div_ceil(512);
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -131,7 +138,7 @@ impl FuseShared {
             mode: s.mode.load(Ordering::Relaxed),
             uid: s.uid,
             gid: s.gid,
-            blksize: if s.node.direct { 4096 } else { 512 },
+            blksize: if s.link.current().direct { 4096 } else { 512 },
             time_s: now.as_secs(),
             time_ns: now.subsec_nanos(),
         };
@@ -144,6 +151,7 @@ impl FuseShared {
     }
 
     async fn setattr(&self, f: &Fields<'_>) -> Result<Vec<u8>, i32> {
+        let node = self.link.enter().await;
         let s = self;
         let valid = f.u32(0).ok_or(libc::EINVAL)?;
         let supported = FATTR_SIZE | FATTR_MODE | FATTR_UID | FATTR_GID;
@@ -177,10 +185,10 @@ impl FuseShared {
             if !s.writable {
                 return Err(libc::EACCES);
             }
-            if size > s.node.size() && !s.growable {
+            if size > node.size() && !s.growable {
                 return Err(libc::EPERM);
             }
-            s.node.resize(size).await.map_err(errno)?;
+            node.resize(size).await.map_err(errno)?;
         }
         Ok(self.attr_out())
     }
@@ -194,20 +202,21 @@ impl FuseShared {
     /// READ into `buf` (whose capacity must cover the request): on success `buf` holds
     /// exactly the bytes to return (clamped at the end of the image).
     pub async fn read_into(&self, f: &Fields<'_>, mut buf: Buf) -> (Result<usize, i32>, Buf) {
+        let node = self.link.enter().await;
         let (Some(offset), Some(size)) = (f.u64(8), f.u32(16)) else {
             return (Err(libc::EINVAL), buf);
         };
         if size > super::MAX_READ || size as usize > buf.capacity() {
             return (Err(libc::EINVAL), buf);
         }
-        let len = self.node.size();
+        let len = node.size();
         if offset >= len || size == 0 {
             buf.set_len(0);
             return (Ok(0), buf);
         }
         let n = (size as u64).min(len - offset) as usize;
         buf.set_len(n);
-        let (r, buf): (io::Result<()>, Buf) = self.node.read(offset, buf).await;
+        let (r, buf): (io::Result<()>, Buf) = node.read(offset, buf).await;
         (r.map(|()| n).map_err(errno), buf)
     }
 
@@ -225,6 +234,7 @@ impl FuseShared {
 
     /// WRITE of `buf` (holding the request's data): the count written.
     pub async fn write_from(&self, f: &Fields<'_>, mut buf: Buf) -> (Result<u32, i32>, Buf) {
+        let node = self.link.enter().await;
         let (Some(offset), Some(size)) = (f.u64(8), f.u32(16)) else {
             return (Err(libc::EINVAL), buf);
         };
@@ -239,23 +249,24 @@ impl FuseShared {
             return (Err(libc::EINVAL), buf);
         };
         let mut n = size;
-        if end > self.node.size() {
+        if end > node.size() {
             if self.growable {
-                if let Err(e) = self.node.resize(end).await {
+                if let Err(e) = node.resize(end).await {
                     return (Err(errno(e)), buf);
                 }
-            } else if offset >= self.node.size() {
+            } else if offset >= node.size() {
                 return (Err(libc::ENOSPC), buf);
             } else {
-                n = (self.node.size() - offset) as usize;
+                n = (node.size() - offset) as usize;
             }
         }
         buf.set_len(n);
-        let (r, buf) = self.node.write(offset, buf, self.writethrough).await;
+        let (r, buf) = node.write(offset, buf, self.writethrough).await;
         (r.map(|()| n as u32).map_err(errno), buf)
     }
 
     async fn fallocate(&self, f: &Fields<'_>) -> Result<Vec<u8>, i32> {
+        let node = self.link.enter().await;
         let s = self;
         let (offset, length, mode) = (
             f.u64(8).ok_or(libc::EINVAL)?,
@@ -265,7 +276,7 @@ impl FuseShared {
         if !s.writable {
             return Err(libc::EACCES);
         }
-        let size = s.node.size();
+        let size = node.size();
         let keep = mode & libc::FALLOC_FL_KEEP_SIZE != 0;
         let end = offset.checked_add(length).ok_or(libc::EINVAL)?;
         let clamp = |end: u64| end.min(size);
@@ -274,8 +285,7 @@ impl FuseShared {
                 return Err(libc::EINVAL);
             }
             if offset < size {
-                s.node
-                    .write_zeroes(offset, clamp(end) - offset, true)
+                node.write_zeroes(offset, clamp(end) - offset, true)
                     .await
                     .map_err(errno)?;
             }
@@ -284,12 +294,11 @@ impl FuseShared {
                 if !s.growable {
                     return Err(libc::EPERM);
                 }
-                s.node.resize(end).await.map_err(errno)?;
+                node.resize(end).await.map_err(errno)?;
             }
-            let size = s.node.size();
+            let size = node.size();
             if offset < size {
-                s.node
-                    .write_zeroes(offset, end.min(size) - offset, false)
+                node.write_zeroes(offset, end.min(size) - offset, false)
                     .await
                     .map_err(errno)?;
             }
@@ -300,7 +309,7 @@ impl FuseShared {
                 if !s.growable {
                     return Err(libc::EPERM);
                 }
-                s.node.resize(end).await.map_err(errno)?;
+                node.resize(end).await.map_err(errno)?;
             }
         } else {
             return Err(libc::EOPNOTSUPP);
@@ -309,13 +318,13 @@ impl FuseShared {
     }
 
     async fn lseek(&self, f: &Fields<'_>) -> Result<Vec<u8>, i32> {
-        let s = self;
+        let node = self.link.enter().await;
         let offset = f.u64(8).ok_or(libc::EINVAL)?;
         let whence = f.u32(16).ok_or(libc::EINVAL)? as i32;
         if whence != libc::SEEK_DATA && whence != libc::SEEK_HOLE {
             return Err(libc::EINVAL);
         }
-        let len = s.node.size();
+        let len = node.size();
         if offset >= len {
             return Err(libc::ENXIO);
         }
@@ -328,7 +337,7 @@ impl FuseShared {
                 }
                 return Ok(len.to_le_bytes().to_vec());
             }
-            let st = s.node.block_status(pos, len - pos).await.map_err(errno)?;
+            let st = node.block_status(pos, len - pos).await.map_err(errno)?;
             // Allocated extents are data (even if they read as zeroes), as for SEEK_DATA on
             // the backing file; unallocated ones are holes.
             if (whence == libc::SEEK_DATA) == st.allocated {
@@ -340,7 +349,7 @@ impl FuseShared {
 
     fn statfs(&self) -> Vec<u8> {
         let s = self;
-        let blocks = s.node.size().div_ceil(512);
+        let blocks = s.link.current().size().div_ceil(512);
         let mut v = Vec::with_capacity(80);
         v.extend_from_slice(&blocks.to_le_bytes());
         v.extend_from_slice(&0u64.to_le_bytes()); // bfree

@@ -26,6 +26,7 @@ use stord_aio::Remote;
 
 use std::task::{Context, Poll};
 
+use crate::block::link::NodeLink;
 use crate::block::BlockNode;
 use crate::cli::keyval::KeyVal;
 use crate::export::{DrainSignal, Export, ExportEnv, ExportError};
@@ -41,7 +42,8 @@ type UringPlan = Vec<(Option<Remote>, Vec<u16>)>;
 
 /// State shared by all of an export's queues.
 pub struct FuseShared {
-    node: Arc<BlockNode>,
+    /// The node served (a pivot may move it).
+    link: Arc<NodeLink>,
     writable: bool,
     /// `writethrough=on`: writes are durable before they complete (FUA).
     writethrough: bool,
@@ -120,9 +122,8 @@ impl FuseShared {
     }
 
     fn allocated_bytes(&self) -> u64 {
-        self.node
-            .allocated_bytes()
-            .unwrap_or_else(|| self.node.size())
+        let node = self.link.current();
+        node.allocated_bytes().unwrap_or_else(|| node.size())
     }
 }
 
@@ -148,8 +149,6 @@ pub enum AllowOther {
 pub struct FuseExport {
     /// Block-export id.
     pub id: String,
-    /// The node.
-    pub node: Arc<BlockNode>,
     /// Where it is mounted.
     pub mountpoint: PathBuf,
     shared: Arc<FuseShared>,
@@ -300,7 +299,7 @@ impl FuseExport {
         };
         let watchdog = UnmountWatchdog::spawn(&opts.mountpoint).ok();
         let shared = Arc::new(FuseShared {
-            node: node.clone(),
+            link: NodeLink::new(node),
             writable: opts.writable,
             writethrough: opts.writethrough,
             growable: opts.growable,
@@ -322,7 +321,6 @@ impl FuseExport {
         });
         let mut export = FuseExport {
             id: opts.id,
-            node,
             mountpoint: opts.mountpoint,
             shared: shared.clone(),
             queues: Vec::new(),
@@ -472,8 +470,8 @@ impl Export for FuseExport {
     fn writable(&self) -> bool {
         self.shared.writable
     }
-    fn node(&self) -> &Arc<BlockNode> {
-        &self.node
+    fn link(&self) -> &Arc<NodeLink> {
+        &self.shared.link
     }
     fn runs_on(&self, thread: &Remote) -> bool {
         self.queues

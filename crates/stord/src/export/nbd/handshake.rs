@@ -182,7 +182,7 @@ fn sanitize(name: &str) -> String {
 fn export_info(e: &NbdExport, structured: bool) -> Vec<u8> {
     let mut v = Vec::with_capacity(12);
     v.extend_from_slice(&INFO_EXPORT.to_be_bytes());
-    v.extend_from_slice(&e.node.size().to_be_bytes());
+    v.extend_from_slice(&e.link.current().size().to_be_bytes());
     v.extend_from_slice(&e.transmission_flags(structured).to_be_bytes());
     v
 }
@@ -376,7 +376,7 @@ pub async fn negotiate(
                     return Err(invalid("unknown export"));
                 };
                 let mut v = Vec::with_capacity(10 + 124);
-                v.extend_from_slice(&export.node.size().to_be_bytes());
+                v.extend_from_slice(&export.link.current().size().to_be_bytes());
                 v.extend_from_slice(&export.transmission_flags(structured).to_be_bytes());
                 if !no_zeroes {
                     v.extend_from_slice(&[0u8; 124]);

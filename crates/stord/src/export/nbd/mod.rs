@@ -35,6 +35,7 @@ use std::task::{Context, Poll};
 
 use crate::accept::Acceptor;
 use crate::block::dirty_bitmap::{DirtyBitmap, Use};
+use crate::block::link::NodeLink;
 use crate::block::BlockNode;
 use crate::cli::keyval::{KeyVal, OptionError};
 use crate::export::budget::MemoryBudget;
@@ -50,8 +51,8 @@ pub struct NbdExport {
     pub name: String,
     /// Free text shown by NBD_OPT_LIST / INFO.
     pub description: String,
-    /// The node served.
-    pub node: Arc<BlockNode>,
+    /// The node served (a pivot may move it).
+    pub link: Arc<NodeLink>,
     /// Writes allowed.
     pub writable: bool,
     /// Where connections run (empty: the main loop). Each new connection goes to the one
@@ -100,7 +101,7 @@ impl NbdExport {
             id,
             name,
             description,
-            node,
+            link: NodeLink::new(node),
             writable,
             iothreads,
             load,
@@ -365,8 +366,8 @@ impl Export for NbdExportHandle {
     fn writable(&self) -> bool {
         self.export.writable
     }
-    fn node(&self) -> &Arc<BlockNode> {
-        &self.export.node
+    fn link(&self) -> &Arc<NodeLink> {
+        &self.export.link
     }
     fn runs_on(&self, thread: &Remote) -> bool {
         self.export

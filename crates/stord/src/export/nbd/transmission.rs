@@ -31,7 +31,7 @@ use super::handshake::{MetaContexts, Negotiated};
 use super::io::{send, OutChunk, SharedTls, SockReader};
 use super::proto::*;
 use super::NbdExport;
-use crate::block::Buf;
+use crate::block::{BlockNode, Buf};
 use crate::export::budget::MemoryBudget;
 
 /// Requests a connection may have between its header being read and its reply sent.
@@ -422,7 +422,7 @@ async fn read_loop(conn: &Rc<Conn>, pending: Vec<u8>, cipher: Vec<u8>) -> io::Re
 }
 
 /// Validation common to all commands: the wire error, if the request is refused.
-fn check(conn: &Conn, req: &Request) -> Result<(), u32> {
+fn check(conn: &Conn, node: &BlockNode, req: &Request) -> Result<(), u32> {
     let export = &conn.export;
     let writes = matches!(req.kind, CMD_WRITE | CMD_TRIM | CMD_WRITE_ZEROES);
     let known = matches!(
@@ -443,7 +443,7 @@ fn check(conn: &Conn, req: &Request) -> Result<(), u32> {
     }
     if req.kind != CMD_FLUSH {
         let end = req.offset.checked_add(req.len as u64);
-        if end.is_none_or(|e| e > export.node.size()) {
+        if end.is_none_or(|e| e > node.size()) {
             return Err(EINVAL);
         }
     }
@@ -451,17 +451,19 @@ fn check(conn: &Conn, req: &Request) -> Result<(), u32> {
 }
 
 async fn handle(conn: &Conn, req: Request, payload: Option<Buf>) {
-    if let Err(e) = check(conn, &req) {
+    // The request runs on the node the export serves now, even if a pivot moves it.
+    let node = conn.export.link.enter().await;
+    let node: &BlockNode = &node;
+    if let Err(e) = check(conn, node, &req) {
         return conn.error_reply(&req, e);
     }
-    let node = &conn.export.node;
     let fua = req.flags & CMD_FLAG_FUA != 0 || conn.export.writethrough;
     let result = match req.kind {
         CMD_READ => {
             if conn.structured
                 && req.flags & CMD_FLAG_DF == 0
                 && req.len > 0
-                && read_hole(conn, &req).await
+                && read_hole(conn, node, &req).await
             {
                 return;
             }
@@ -505,7 +507,7 @@ async fn handle(conn: &Conn, req: Request, payload: Option<Buf>) {
                 other => other,
             }
         }
-        CMD_BLOCK_STATUS => return block_status(conn, &req).await,
+        CMD_BLOCK_STATUS => return block_status(conn, node, &req).await,
         _ => unreachable!("checked above"),
     };
     match result {
@@ -518,9 +520,9 @@ async fn handle(conn: &Conn, req: Request, payload: Option<Buf>) {
 /// answers with one OFFSET_HOLE chunk instead of the data, as qemu's server does. True if
 /// it replied. Block status is cheap here (the null device knows; a file remembers its last
 /// extent); a range that is only partly zero is read and sent as data.
-async fn read_hole(conn: &Conn, req: &Request) -> bool {
+async fn read_hole(conn: &Conn, node: &BlockNode, req: &Request) -> bool {
     let len = u64::from(req.len);
-    match conn.export.node.block_status(req.offset, len).await {
+    match node.block_status(req.offset, len).await {
         Ok(st) if st.zero && st.len >= len => {
             let h = Conn::chunk_header(req.handle, REPLY_FLAG_DONE, REPLY_TYPE_OFFSET_HOLE, 12);
             conn.queue(
@@ -534,8 +536,7 @@ async fn read_hole(conn: &Conn, req: &Request) -> bool {
     }
 }
 
-async fn block_status(conn: &Conn, req: &Request) {
-    let node = &conn.export.node;
+async fn block_status(conn: &Conn, node: &BlockNode, req: &Request) {
     let one = req.flags & CMD_FLAG_REQ_ONE != 0;
     let mut chunks: Vec<Vec<u8>> = Vec::new();
     for (id, _) in conn.meta.selected(&conn.export) {

@@ -8,6 +8,7 @@ use virtio_bindings::virtio_blk::*;
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::virtio_ring::{VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC};
 
+use crate::block::link::NodeLink;
 use crate::block::BlockNode;
 
 /// `VHOST_USER_F_PROTOCOL_FEATURES`: the frontend may negotiate protocol features.
@@ -63,7 +64,8 @@ impl GuestFault {
 pub struct BlkDevice {
     /// Block-export id (also the disk's serial number, as GET_ID returns).
     pub id: String,
-    pub node: Arc<BlockNode>,
+    /// The node served (a pivot may move it).
+    pub link: Arc<NodeLink>,
     pub writable: bool,
     /// Logical block size: 512 or 4096.
     pub logical_block_size: u32,
@@ -89,7 +91,7 @@ impl BlkDevice {
     ) -> Self {
         Self {
             id,
-            node,
+            link: NodeLink::new(node),
             writable,
             logical_block_size,
             num_queues,
@@ -123,7 +125,7 @@ impl BlkDevice {
     /// as the frontend asks for; bytes past our fields read as zero.
     pub fn config(&self, offset: u32, size: u32, queue_size: u16) -> Vec<u8> {
         let mut c = [0u8; 96];
-        let sectors = self.node.size() / 512;
+        let sectors = self.link.current().size() / 512;
         c[0..8].copy_from_slice(&sectors.to_le_bytes());
         // size_max (8): 0, no limit on a segment's size.
         let seg_max = u32::from(queue_size.max(4)) - 2;

@@ -31,6 +31,7 @@ use stord_aio::{Interest, Remote};
 use vhost::vhost_user::{BackendReqHandler, Error as VuError};
 
 use crate::accept::Acceptor;
+use crate::block::link::NodeLink;
 use crate::block::BlockNode;
 use crate::cli::keyval::KeyVal;
 use crate::export::{Export, ExportEnv, ExportError};
@@ -118,7 +119,6 @@ struct Frontends {
 /// A listening vhost-user-blk export.
 pub struct VhostUserBlkExport {
     pub id: String,
-    pub node: Arc<BlockNode>,
     pub path: PathBuf,
     /// Guests may write.
     writable: bool,
@@ -166,7 +166,7 @@ impl VhostUserBlkExport {
             .map_err(|e| format!("{what}: {e}"))?;
         let dev = Arc::new(BlkDevice::new(
             opts.id.clone(),
-            node.clone(),
+            node,
             opts.writable,
             opts.logical_block_size,
             opts.num_queues,
@@ -190,7 +190,6 @@ impl VhostUserBlkExport {
         .map_err(|e| format!("{what}: {e}"))?;
         Ok(Self {
             id: opts.id,
-            node,
             path: opts.path,
             writable: opts.writable,
             dev,
@@ -291,8 +290,8 @@ impl Export for VhostUserBlkExport {
     fn writable(&self) -> bool {
         self.writable
     }
-    fn node(&self) -> &Arc<BlockNode> {
-        &self.node
+    fn link(&self) -> &Arc<NodeLink> {
+        &self.dev.link
     }
     fn runs_on(&self, thread: &Remote) -> bool {
         self.remotes

@@ -15,7 +15,7 @@ use virtio_queue::desc::split::Descriptor;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
 
 use super::device::{BlkDevice, MAX_DISCARD_SECTORS, MAX_REQUEST_BYTES};
-use crate::block::{request_buf, IoVec};
+use crate::block::{request_buf, BlockNode, IoVec};
 
 /// One guest buffer: address and length.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -249,7 +249,7 @@ fn malformed(why: impl Into<String>) -> Failure {
 }
 
 /// Checks a request range; returns the byte offset.
-fn check_range(dev: &BlkDevice, sector: u64, bytes: u64) -> Result<u64, Failure> {
+fn check_range(node: &BlockNode, dev: &BlkDevice, sector: u64, bytes: u64) -> Result<u64, Failure> {
     let lbs = u64::from(dev.logical_block_size);
     let offset = sector
         .checked_mul(512)
@@ -257,10 +257,10 @@ fn check_range(dev: &BlkDevice, sector: u64, bytes: u64) -> Result<u64, Failure>
     let end = offset
         .checked_add(bytes)
         .ok_or_else(|| malformed("request range overflows"))?;
-    if end > dev.node.size() {
+    if end > node.size() {
         return Err(malformed(format!(
             "request [{offset}, {end}) beyond the disk's {} bytes",
-            dev.node.size()
+            node.size()
         )));
     }
     if !offset.is_multiple_of(lbs) || !bytes.is_multiple_of(lbs) {
@@ -279,19 +279,22 @@ async fn run(dev: &BlkDevice, mem: &Arc<GuestMemoryMmap>, chain: &Chain) -> Resu
     }
     let kind = u32::from_le_bytes(hdr[0..4].try_into().unwrap());
     let sector = u64::from_le_bytes(hdr[8..16].try_into().unwrap());
+    // The request runs on the node the export serves now, even if a pivot moves it.
+    let node = dev.link.enter().await;
+    let node: &BlockNode = &node;
     match kind {
         VIRTIO_BLK_T_IN => {
             let len = chain.data_in_len();
             if len > MAX_REQUEST_BYTES {
                 return Err(malformed(format!("read of {len} bytes is too large")));
             }
-            let offset = check_range(dev, sector, len)?;
+            let offset = check_range(node, dev, sector, len)?;
             if let Some(iov) = guest_iov(mem, &chain.inn, 0, len) {
-                dev.node.readv(offset, iov).await.0?;
+                node.readv(offset, iov).await.0?;
                 return Ok(len);
             }
             crate::block::count_bounce();
-            let (r, buf) = dev.node.read(offset, request_buf(len as usize)).await;
+            let (r, buf) = node.read(offset, request_buf(len as usize)).await;
             r?;
             if !scatter(mem, &chain.inn, &buf) {
                 return Err(malformed("read buffer outside guest memory"));
@@ -306,10 +309,10 @@ async fn run(dev: &BlkDevice, mem: &Arc<GuestMemoryMmap>, chain: &Chain) -> Resu
             if len > MAX_REQUEST_BYTES {
                 return Err(malformed(format!("write of {len} bytes is too large")));
             }
-            let offset = check_range(dev, sector, len)?;
+            let offset = check_range(node, dev, sector, len)?;
             let fua = !dev.writeback.load(std::sync::atomic::Ordering::Relaxed);
             if let Some(iov) = guest_iov(mem, &chain.out, 16, len) {
-                dev.node.writev(offset, iov, fua).await.0?;
+                node.writev(offset, iov, fua).await.0?;
                 return Ok(0);
             }
             crate::block::count_bounce();
@@ -317,12 +320,12 @@ async fn run(dev: &BlkDevice, mem: &Arc<GuestMemoryMmap>, chain: &Chain) -> Resu
             if !gather(mem, &chain.out, 16, &mut buf) {
                 return Err(malformed("write buffer outside guest memory"));
             }
-            let (r, _) = dev.node.write(offset, buf, fua).await;
+            let (r, _) = node.write(offset, buf, fua).await;
             r?;
             Ok(0)
         }
         VIRTIO_BLK_T_FLUSH => {
-            dev.node.flush().await?;
+            node.flush().await?;
             Ok(0)
         }
         VIRTIO_BLK_T_GET_ID => {
@@ -358,15 +361,15 @@ async fn run(dev: &BlkDevice, mem: &Arc<GuestMemoryMmap>, chain: &Chain) -> Resu
                 )));
             }
             let len = u64::from(count) * 512;
-            let offset = check_range(dev, sector, len)?;
+            let offset = check_range(node, dev, sector, len)?;
             if kind == VIRTIO_BLK_T_DISCARD {
                 if flags != 0 {
                     return Err(Failure::Unsupported);
                 }
-                dev.node.discard(offset, len).await?;
+                node.discard(offset, len).await?;
             } else {
                 let unmap = flags & VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP != 0;
-                dev.node.write_zeroes(offset, len, unmap).await?;
+                node.write_zeroes(offset, len, unmap).await?;
             }
             Ok(0)
         }

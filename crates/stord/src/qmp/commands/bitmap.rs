@@ -23,6 +23,13 @@ fn node(state: &SharedState, a: &mut Args) -> Result<Arc<BlockNode>, QmpError> {
     Ok(state.borrow().node_by_name(&name)?)
 }
 
+/// The node of an existing bitmap (QEMU's block_dirty_bitmap_lookup and its text).
+fn bitmap_node(state: &SharedState, a: &mut Args) -> Result<Arc<BlockNode>, QmpError> {
+    let name = a.str_req("node")?;
+    let n = state.borrow().node_by_name(&name).ok();
+    n.ok_or_else(|| QmpError::generic(format!("Node '{name}' not found")))
+}
+
 const NODE_NAME: &[super::Arg] = &[req("node", Ty::Str), req("name", Ty::Str)];
 
 pub const ADD: Command = Command {
@@ -53,7 +60,7 @@ pub const REMOVE: Command = Command {
     args: NODE_NAME,
     open: false,
     run: |state, mut a| {
-        let n = node(state, &mut a)?;
+        let n = bitmap_node(state, &mut a)?;
         let name = a.str_req("name")?;
         // A persistent bitmap leaves the image now: a few writes, waited for here as
         // QEMU's monitor does.
@@ -68,7 +75,7 @@ pub const CLEAR: Command = Command {
     args: NODE_NAME,
     open: false,
     run: |state, mut a| {
-        let n = node(state, &mut a)?;
+        let n = bitmap_node(state, &mut a)?;
         let b = n.bitmap(&a.str_req("name")?)?;
         b.check(Use::Modify)?;
         b.clear();
@@ -81,7 +88,7 @@ pub const ENABLE: Command = Command {
     args: NODE_NAME,
     open: false,
     run: |state, mut a| {
-        let n = node(state, &mut a)?;
+        let n = bitmap_node(state, &mut a)?;
         let b = n.bitmap(&a.str_req("name")?)?;
         b.check(Use::AllowReadOnly)?;
         b.set_recording(true);
@@ -94,7 +101,7 @@ pub const DISABLE: Command = Command {
     args: NODE_NAME,
     open: false,
     run: |state, mut a| {
-        let n = node(state, &mut a)?;
+        let n = bitmap_node(state, &mut a)?;
         let b = n.bitmap(&a.str_req("name")?)?;
         b.check(Use::AllowReadOnly)?;
         b.set_recording(false);
@@ -124,7 +131,7 @@ fn merge_bitmaps(
     state: &SharedState,
     a: &mut Args,
 ) -> Result<(Arc<DirtyBitmap>, Vec<Arc<DirtyBitmap>>), QmpError> {
-    let n = node(state, a)?;
+    let n = bitmap_node(state, a)?;
     let target = n.bitmap(&a.str_req("target")?)?;
     target.check(Use::Modify)?;
     let mut sources = Vec::new();
@@ -189,7 +196,11 @@ pub fn transaction_action(
             merge_into(&target, &sources);
             return Ok(prepared(move || target.restore(before)));
         }
-        let n = node(state, &mut a)?;
+        let n = if ty == "block-dirty-bitmap-add" {
+            node(state, &mut a)?
+        } else {
+            bitmap_node(state, &mut a)?
+        };
         let name = a.str_req("name")?;
         if ty == "block-dirty-bitmap-add" {
             (ADD.run)(state, a_with(&n.name, &name, a))?;
@@ -240,7 +251,7 @@ pub const SHA256: Command = Command {
     args: NODE_NAME,
     open: false,
     run: |state, mut a| {
-        let n = node(state, &mut a)?;
+        let n = bitmap_node(state, &mut a)?;
         Ok(json!({ "sha256": n.bitmap(&a.str_req("name")?)?.sha256() }))
     },
 };

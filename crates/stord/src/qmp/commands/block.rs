@@ -23,6 +23,86 @@ pub const BLOCKDEV_ADD: Command = Command {
     },
 };
 
+pub const BLOCKDEV_SNAPSHOT: Command = Command {
+    name: "blockdev-snapshot",
+    args: &[req("node", Ty::Str), req("overlay", Ty::Str)],
+    open: false,
+    run: |state, mut a| {
+        let (node, overlay) = (a.str_req("node")?, a.str_req("overlay")?);
+        state.borrow_mut().blockdev_snapshot(&node, &overlay)?;
+        Ok(json!({}))
+    },
+};
+
+pub const BLOCKDEV_SNAPSHOT_SYNC: Command = Command {
+    name: "blockdev-snapshot-sync",
+    args: &[
+        opt("device", Ty::Str),
+        opt("node-name", Ty::Str),
+        req("snapshot-file", Ty::Str),
+        opt("snapshot-node-name", Ty::Str),
+        opt("format", Ty::Str),
+        opt("mode", Ty::Str),
+    ],
+    open: false,
+    run: |state, mut a| {
+        let o = snapshot_sync_options(&mut a)?;
+        state.borrow_mut().blockdev_snapshot_sync(o)?;
+        Ok(json!({}))
+    },
+};
+
+/// A snapshot action of a `transaction` (None: not one): done now, undone if a later
+/// action fails.
+pub fn snapshot_action(
+    state: &crate::daemon::SharedState,
+    ty: &str,
+    data: serde_json::Map<String, Value>,
+) -> Option<Result<super::bitmap::Prepared, QmpError>> {
+    let spec = match ty {
+        "blockdev-snapshot" => BLOCKDEV_SNAPSHOT.args,
+        "blockdev-snapshot-sync" => BLOCKDEV_SNAPSHOT_SYNC.args,
+        _ => return None,
+    };
+    let run = || -> Result<super::bitmap::Prepared, QmpError> {
+        let mut a = Args::check(data, spec, false)?;
+        let done = if ty == "blockdev-snapshot" {
+            let (node, overlay) = (a.str_req("node")?, a.str_req("overlay")?);
+            state.borrow_mut().blockdev_snapshot(&node, &overlay)?
+        } else {
+            let o = snapshot_sync_options(&mut a)?;
+            state.borrow_mut().blockdev_snapshot_sync(o)?
+        };
+        let st = state.clone();
+        Ok(super::bitmap::Prepared {
+            abort: Box::new(move || st.borrow_mut().undo_snapshot(done)),
+            commit: Box::new(|| {}),
+        })
+    };
+    Some(run())
+}
+
+/// blockdev-snapshot-sync's arguments (also a transaction action's).
+pub fn snapshot_sync_options(a: &mut Args) -> Result<crate::daemon::SnapshotSyncOptions, QmpError> {
+    let existing = match a.str("mode").as_deref() {
+        None | Some("absolute-paths") => false,
+        Some("existing") => true,
+        Some(m) => {
+            return Err(QmpError::generic(format!(
+                "Parameter 'mode' does not accept value '{m}'"
+            )))
+        }
+    };
+    Ok(crate::daemon::SnapshotSyncOptions {
+        device: a.str("device"),
+        node_name: a.str("node-name"),
+        snapshot_file: a.str_req("snapshot-file")?,
+        snapshot_node_name: a.str("snapshot-node-name"),
+        format: a.str("format"),
+        existing,
+    })
+}
+
 pub const BLOCKDEV_DEL: Command = Command {
     name: "blockdev-del",
     args: &[req("node-name", Ty::Str)],

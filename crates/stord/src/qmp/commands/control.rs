@@ -35,8 +35,8 @@ pub const QUERY_QMP_SCHEMA: Command = Command {
     run: |_, _| Ok(super::schema()),
 };
 
-/// `transaction`: every action or none. Of QEMU's actions stord has the dirty bitmap ones
-/// and `abort`; each action is done in turn, and when one fails those before it are undone
+/// `transaction`: every action or none. Of QEMU's actions stord has the snapshot and dirty
+/// bitmap ones and `abort`; each action is done in turn, and when one fails those before it are undone
 /// in reverse order (QEMU's prepare / abort / commit).
 pub const TRANSACTION: Command = Command {
     name: "transaction",
@@ -61,12 +61,15 @@ pub const TRANSACTION: Command = Command {
             let r = if ty == "abort" {
                 Err(QmpError::generic("Transaction aborted using Abort action"))
             } else {
-                super::bitmap::transaction_action(state, &ty, data).unwrap_or_else(|| {
-                    Err(QmpError::generic(format!(
-                        "transaction: action '{ty}' is not supported by stord (supported: \
-                         abort and the block-dirty-bitmap actions)"
-                    )))
-                })
+                super::block::snapshot_action(state, &ty, data.clone())
+                    .or_else(|| super::bitmap::transaction_action(state, &ty, data))
+                    .unwrap_or_else(|| {
+                        Err(QmpError::generic(format!(
+                            "transaction: action '{ty}' is not supported by stord \
+                             (supported: abort, blockdev-snapshot, blockdev-snapshot-sync \
+                             and the block-dirty-bitmap actions)"
+                        )))
+                    })
             };
             match r {
                 Ok(p) => done.push(p),

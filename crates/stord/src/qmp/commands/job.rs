@@ -361,12 +361,77 @@ pub const BLOCK_COMMIT: Command = Command {
     },
 };
 
+pub const BLOCKDEV_MIRROR: Command = Command {
+    name: "blockdev-mirror",
+    args: &[
+        opt("job-id", Ty::Str),
+        req("device", Ty::Str),
+        req("target", Ty::Str),
+        opt("replaces", Ty::Str),
+        req("sync", Ty::Str),
+        opt("speed", Ty::Int),
+        opt("granularity", Ty::Int),
+        opt("buf-size", Ty::Int),
+        opt("on-source-error", Ty::Str),
+        opt("on-target-error", Ty::Str),
+        opt("filter-node-name", Ty::Str),
+        opt("copy-mode", Ty::Str),
+        opt("auto-finalize", Ty::Bool),
+        opt("auto-dismiss", Ty::Bool),
+    ],
+    open: false,
+    run: |state, mut a| {
+        let sync = a.str_req("sync")?;
+        if !matches!(
+            sync.as_str(),
+            "full" | "top" | "none" | "incremental" | "bitmap"
+        ) {
+            return Err(QmpError::generic(format!(
+                "Parameter 'sync' does not accept value '{sync}'"
+            )));
+        }
+        let copy_mode = a.str("copy-mode");
+        if let Some(m) = &copy_mode {
+            if !matches!(m.as_str(), "background" | "write-blocking") {
+                return Err(QmpError::generic(format!(
+                    "Parameter 'copy-mode' does not accept value '{m}'"
+                )));
+            }
+        }
+        let o = crate::daemon::MirrorOptions {
+            job_id: a.str("job-id"),
+            device: a.str_req("device")?,
+            target: a.str_req("target")?,
+            replaces: a.str("replaces"),
+            sync,
+            speed: a.i64("speed").unwrap_or(0),
+            granularity: a.i64("granularity"),
+            buf_size: a.i64("buf-size"),
+            on_source_error: error_policy(&mut a, "on-source-error")?,
+            on_target_error: error_policy(&mut a, "on-target-error")?,
+            filter_node_name: a.str("filter-node-name"),
+            copy_mode,
+            auto_finalize: a.bool("auto-finalize").unwrap_or(true),
+            auto_dismiss: a.bool("auto-dismiss").unwrap_or(true),
+        };
+        state
+            .borrow_mut()
+            .blockdev_mirror(o, std::rc::Rc::downgrade(state))?;
+        Ok(json!({}))
+    },
+};
+
 /// `on-error` (QEMU's BlockdevOnError; `report` when absent).
 fn on_error(a: &mut Args) -> Result<crate::job::OnError, QmpError> {
-    match a.str("on-error") {
+    error_policy(a, "on-error")
+}
+
+/// A BlockdevOnError argument named `key`.
+fn error_policy(a: &mut Args, key: &str) -> Result<crate::job::OnError, QmpError> {
+    match a.str(key) {
         None => Ok(crate::job::OnError::Report),
         Some(s) => crate::job::OnError::parse(&s).ok_or_else(|| {
-            QmpError::generic(format!("Parameter 'on-error' does not accept value '{s}'"))
+            QmpError::generic(format!("Parameter '{key}' does not accept value '{s}'"))
         }),
     }
 }

@@ -158,6 +158,9 @@ pub const COMMANDS: &[Command] = &[
     job::BLOCK_JOB_SET_SPEED,
     job::BLOCK_STREAM,
     job::BLOCK_COMMIT,
+    job::BLOCKDEV_MIRROR,
+    block::BLOCKDEV_SNAPSHOT,
+    block::BLOCKDEV_SNAPSHOT_SYNC,
     control::TRANSACTION,
     control::QUIT,
 ];

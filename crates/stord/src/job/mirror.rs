@@ -1,0 +1,257 @@
+//! Mirror (blockdev-mirror, and block-commit of the active layer, which QEMU runs as a
+//! mirror into the base): the source's content is copied to the target while clients
+//! keep writing to the source. A tracker bitmap on the source records every write; the
+//! job copies what it marks, a run at a time, until nothing is left (ready), and goes on
+//! copying new writes while ready. On `job-complete` it holds the links of the exports
+//! that serve the source (new requests wait, those in flight finish), copies the rest,
+//! flushes the target, and at finalize points those exports at the target with their
+//! permissions (QEMU's mirror_exit_common and bdrv_replace_node). Cancelled without force
+//! once ready, it stops in step the same way but leaves the exports where they are.
+
+use std::rc::Rc;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::{ErrorAction, Finish, Holds, Job, OnError};
+use crate::block::blocker::JobAttachment;
+use crate::block::dirty_bitmap::DirtyBitmap;
+use crate::block::link::{Hold, NodeLink};
+use crate::block::perm::{Claim, Perm};
+use crate::block::{request_buf, BlockNode};
+
+/// How much one step copies at most.
+const CHUNK: u64 = 1 << 20;
+
+/// How long a ready job with nothing to copy waits before it looks again (QEMU's
+/// BLOCK_JOB_SLICE_TIME); a verb wakes it sooner.
+const IDLE: Duration = Duration::from_millis(100);
+
+/// What the first pass copies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scope {
+    /// Everything the source reads (`sync=full`); unallocated ranges become zeroes.
+    Full,
+    /// What the source holds itself, not its backing chain (`sync=top`).
+    Top,
+    /// Nothing: only what clients write from now on (`sync=none`).
+    None,
+    /// What the images above the base hold, the base at this allocation depth below the
+    /// source (an active commit: the base is the target).
+    AboveBase(u32),
+}
+
+/// What the daemon does for a mirror: find and move the exports on a node.
+pub trait Parents {
+    /// The links of the exports that serve `node` now.
+    fn links_on(&self, node: &Arc<BlockNode>) -> Vec<Arc<NodeLink>>;
+    /// Points every export on `from` at `to`, its permissions moved with it (all or
+    /// nothing).
+    fn replace(&self, from: &Arc<BlockNode>, to: &Arc<BlockNode>) -> Result<(), String>;
+}
+
+/// The tracker bitmap, taken off the source when the job ends however it ends.
+struct Tracker {
+    node: Arc<BlockNode>,
+    bitmap: Arc<DirtyBitmap>,
+}
+
+impl Drop for Tracker {
+    fn drop(&mut self) {
+        self.node.forget_bitmap(&self.bitmap);
+    }
+}
+
+/// A mirror job's nodes and settings.
+pub struct Mirror {
+    pub source: Arc<BlockNode>,
+    pub target: Arc<BlockNode>,
+    pub scope: Scope,
+    /// Bytes per bit of the tracker.
+    pub granularity: u64,
+    /// Zero ranges may be left unallocated in the target.
+    pub unmap: bool,
+    pub on_source_error: OnError,
+    pub on_target_error: OnError,
+    /// The job's write claim on the target, given up before the exports move there.
+    pub target_claim: Claim,
+    /// The job's user of the target (QEMU's BlockBackend there).
+    pub target_attached: JobAttachment,
+    /// Held until the job ends.
+    pub holds: Holds,
+    pub parents: Box<dyn Parents>,
+}
+
+/// What one range needs.
+enum Action {
+    Skip,
+    Zero,
+    Copy,
+}
+
+impl Mirror {
+    fn action(&self, depth: u32) -> Action {
+        match (self.scope, depth) {
+            (Scope::AboveBase(base), d) if d == 0 || d >= base => Action::Skip,
+            (_, 0) => Action::Zero,
+            _ => Action::Copy,
+        }
+    }
+
+    /// Marks what the first pass copies.
+    async fn mark_initial(&self, t: &DirtyBitmap) -> Result<(), String> {
+        let size = self.source.size();
+        let wanted = |depth: u32| match self.scope {
+            Scope::Full => true,
+            Scope::Top => depth == 1,
+            Scope::None => false,
+            Scope::AboveBase(b) => depth >= 1 && depth < b,
+        };
+        match self.scope {
+            Scope::None => return Ok(()),
+            Scope::Full => {
+                t.set_granules(0, size.div_ceil(self.granularity));
+                return Ok(());
+            }
+            _ => {}
+        }
+        let mut at = 0;
+        while at < size {
+            let (n, depth) = self
+                .source
+                .driver()
+                .allocation_depth(at, (size - at).min(1 << 30))
+                .await
+                .map_err(|e| e.to_string())?;
+            let n = n.max(1);
+            if wanted(depth) {
+                t.mark(at, n);
+            }
+            at += n;
+        }
+        Ok(())
+    }
+
+    /// Brings `[offset, offset + len)` of the target in step with the source: the bytes
+    /// copied, or the error with whether it was the source's.
+    async fn copy(&self, offset: u64, len: u64) -> Result<u64, (std::io::Error, bool)> {
+        let end = (offset + len).min(self.source.size());
+        let mut at = offset;
+        let mut copied = 0;
+        while at < end {
+            let (n, depth) = self
+                .source
+                .driver()
+                .allocation_depth(at, end - at)
+                .await
+                .map_err(|e| (e, true))?;
+            let n = n.clamp(1, end - at);
+            match self.action(depth) {
+                Action::Skip => {}
+                Action::Zero => self
+                    .target
+                    .write_zeroes(at, n, self.unmap)
+                    .await
+                    .map_err(|e| (e, false))?,
+                Action::Copy => {
+                    let (r, buf) = self.source.read(at, request_buf(n as usize)).await;
+                    r.map_err(|e| (e, true))?;
+                    let (r, _) = self.target.write(at, buf, false).await;
+                    r.map_err(|e| (e, false))?;
+                    copied += n;
+                }
+            }
+            at += n;
+        }
+        Ok(copied)
+    }
+}
+
+/// Runs a mirror job; `after` runs once it is over (its holds gone).
+pub async fn run(
+    m: Mirror,
+    job: Rc<Job>,
+    after: impl FnOnce() + 'static,
+) -> Result<Finish, String> {
+    let len = m.source.size();
+    if let Scope::AboveBase(_) = m.scope {
+        // The base grows to the source's size first, as QEMU's mirror_run does.
+        if m.target.size() < len {
+            m.target.resize(len).await.map_err(|e| e.to_string())?;
+        }
+    } else if m.target.size() != len {
+        // QEMU finds this once the job runs: the job fails, not the command.
+        return Err("Source and target image have different sizes".into());
+    }
+    let bitmap = DirtyBitmap::tracker(job.id(), m.granularity, m.source.size())
+        .map_err(|e| e.to_string())?;
+    let tracker = Tracker {
+        bitmap: m.source.add_tracker(bitmap),
+        node: m.source.clone(),
+    };
+    let t = &tracker.bitmap;
+    m.mark_initial(t).await?;
+    let mut cursor = 0;
+    loop {
+        job.set_remaining(t.count());
+        job.ratelimit().await;
+        if job.is_cancelled() {
+            return Ok(None);
+        }
+        match t.take_dirty(cursor, CHUNK) {
+            Some((offset, len)) => match m.copy(offset, len).await {
+                Ok(copied) => {
+                    cursor = offset + len;
+                    job.progress_add(len);
+                    job.ratelimit_processed(copied);
+                }
+                Err((e, read)) => {
+                    // Copied again later, whatever the policy says now.
+                    t.mark(offset, len);
+                    let on = if read {
+                        m.on_source_error
+                    } else {
+                        m.on_target_error
+                    };
+                    match job.error_action(on, read, &e) {
+                        ErrorAction::Report => return Err(e.to_string()),
+                        ErrorAction::Stop => {}
+                        ErrorAction::Ignore => job.sleep(IDLE).await,
+                    }
+                }
+            },
+            None if job.complete_requested() || job.soft_cancelled() => break,
+            None => {
+                job.set_ready();
+                job.sleep(IDLE).await;
+            }
+        }
+    }
+    // In step: the exports on the source wait at their door while the last writes are
+    // copied; they stay held until the graph change at finalize (QEMU's drained section).
+    let mut held: Vec<Hold> = Vec::new();
+    for link in m.parents.links_on(&m.source) {
+        held.push(link.hold().await);
+    }
+    while let Some((offset, len)) = t.take_dirty(0, CHUNK) {
+        m.copy(offset, len).await.map_err(|(e, _)| e.to_string())?;
+        job.progress_add(len);
+    }
+    job.set_remaining(0);
+    m.target.flush().await.map_err(|e| e.to_string())?;
+    let pivot = job.complete_requested() && !job.soft_cancelled();
+    Ok(Some(Box::pin(async move {
+        let r = if pivot {
+            // The job's own write permission on the target goes first: the exports'
+            // take its place.
+            let _ = m.target_claim.set(Perm::NONE, Perm::ALL);
+            m.parents.replace(&m.source, &m.target)
+        } else {
+            Ok(())
+        };
+        drop(held);
+        drop(tracker);
+        drop(m);
+        after();
+        r
+    })))
+}
