@@ -155,8 +155,9 @@ impl DirtyBitmap {
     /// bytes (at least one granule), clean once returned. None when nothing is dirty.
     pub fn take_dirty(&self, from: u64, max: u64) -> Option<(u64, u64)> {
         let g = self.granularity;
-        let n = self.granules.load(Ordering::Relaxed);
         let mut w = self.words();
+        // Read under the lock: resize changes both together.
+        let n = self.granules.load(Ordering::Relaxed);
         let find = |w: &[u64], start: u64| -> Option<u64> {
             let mut i = start;
             while i < n {

@@ -16,7 +16,6 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::task::{Poll, Waker};
 
 use super::BlockNode;
-use crate::export::DrainSignal;
 
 /// Set in [`NodeLink::state`] while someone holds the link.
 const HELD: u64 = 1 << 63;
@@ -28,8 +27,9 @@ pub struct NodeLink {
     state: AtomicU64,
     /// Holds granted or being waited for (the bit is set while above zero).
     holders: Mutex<u32>,
-    /// Woken when the last request leaves a held link.
-    drained: DrainSignal,
+    /// Holders waiting for the last request to leave (several may wait at once: a
+    /// snapshot's drain and a mirror's pivot).
+    drained: Mutex<Vec<Waker>>,
     /// Requests waiting at the door of a held link.
     waiting: Mutex<Vec<Waker>>,
 }
@@ -50,7 +50,7 @@ impl Deref for Entered<'_> {
 impl Drop for Entered<'_> {
     fn drop(&mut self) {
         if self.link.state.fetch_sub(1, SeqCst) == HELD | 1 {
-            self.link.drained.wake();
+            self.link.wake_holders();
         }
     }
 }
@@ -90,7 +90,7 @@ impl NodeLink {
             node: RwLock::new(node),
             state: AtomicU64::new(0),
             holders: Mutex::new(0),
-            drained: DrainSignal::default(),
+            drained: Mutex::new(Vec::new()),
             waiting: Mutex::new(Vec::new()),
         })
     }
@@ -104,7 +104,7 @@ impl NodeLink {
     pub fn try_enter(&self) -> Option<Entered<'_>> {
         if self.state.fetch_add(1, SeqCst) & HELD != 0 {
             if self.state.fetch_sub(1, SeqCst) == HELD | 1 {
-                self.drained.wake();
+                self.wake_holders();
             }
             return None;
         }
@@ -140,8 +140,25 @@ impl NodeLink {
             self.state.fetch_or(HELD, SeqCst);
         }
         let hold = Hold { link: self.clone() };
-        poll_fn(|cx| self.drained.poll(cx, || self.state.load(SeqCst) == HELD)).await;
+        // The waker is registered and the count checked under one lock, which the last
+        // request to leave takes after its decrement: no wake-up falls between.
+        poll_fn(|cx| {
+            let mut waiting = self.drained.lock().unwrap_or_else(|e| e.into_inner());
+            if self.state.load(SeqCst) == HELD {
+                return Poll::Ready(());
+            }
+            waiting.push(cx.waker().clone());
+            Poll::Pending
+        })
+        .await;
         hold
+    }
+
+    fn wake_holders(&self) {
+        let waiting = std::mem::take(&mut *self.drained.lock().unwrap_or_else(|e| e.into_inner()));
+        for w in waiting {
+            w.wake();
+        }
     }
 
     /// Points the link at `node`; the node it pointed to is given back. Requests inside
@@ -202,6 +219,26 @@ mod tests {
             drop(next);
             holder.await;
             assert_eq!(link.state.load(SeqCst), 0);
+        });
+    }
+
+    #[test]
+    fn two_holds_waiting_together_are_both_granted() {
+        let ctx = stord_aio::AioContext::new(Default::default()).unwrap();
+        ctx.block_on(async {
+            let link = NodeLink::new(null("a"));
+            let inside = link.enter().await;
+            let (l1, l2) = (link.clone(), link.clone());
+            let a = stord_aio::spawn(async move { l1.hold().await });
+            let b = stord_aio::spawn(async move { l2.hold().await });
+            stord_aio::yield_now().await;
+            drop(inside);
+            let (ha, hb) = (a.await, b.await);
+            assert!(link.try_enter().is_none());
+            drop(ha);
+            assert!(link.try_enter().is_none());
+            drop(hb);
+            assert!(link.try_enter().is_some());
         });
     }
 }

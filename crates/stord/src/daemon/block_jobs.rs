@@ -80,11 +80,16 @@ impl Parents for ExportParents {
             .unwrap_or_default()
     }
 
-    fn replace(&self, from: &Arc<BlockNode>, to: &Arc<BlockNode>) -> Result<(), String> {
+    fn replace(
+        &self,
+        links: &[Arc<NodeLink>],
+        from: &Arc<BlockNode>,
+        to: &Arc<BlockNode>,
+    ) -> Result<(), String> {
         match self.0.upgrade() {
             Some(s) => s
                 .borrow_mut()
-                .repoint_exports(from, to)
+                .repoint_exports(from, to, Some(links))
                 .map_err(|e| e.to_string()),
             None => Ok(()),
         }

@@ -24,7 +24,7 @@ use std::sync::Arc;
 use stord_aio::{AioContext, IoThread, Remote};
 
 pub use self::block_jobs::{CommitOptions, MirrorOptions, StreamOptions};
-pub use self::snapshot::{SnapshotDone, SnapshotSyncOptions};
+pub use self::snapshot::{hold_all_exports, SnapshotDone, SnapshotSyncOptions};
 use crate::block::link::NodeLink;
 use crate::block::throttle::ThrottleGroup;
 use crate::block::BlockNode;
@@ -708,15 +708,19 @@ impl State {
     /// Points every export that serves `from` at `to` (QEMU's bdrv_replace_node, for the
     /// exports' root links): each export's permissions are taken on `to` before any moves,
     /// so a conflict leaves everything as it was. Requests in flight finish on `from`.
+    /// `only`: just the exports with these links (those a job held and drained; an export
+    /// added since stays where it is).
     pub fn repoint_exports(
         &mut self,
         from: &Arc<BlockNode>,
         to: &Arc<BlockNode>,
+        only: Option<&[Arc<NodeLink>]>,
     ) -> Result<(), DaemonError> {
         let ids: Vec<String> = self
             .exports
             .values()
             .filter(|e| Arc::ptr_eq(&e.node(), from))
+            .filter(|e| only.is_none_or(|l| l.iter().any(|l| Arc::ptr_eq(l, e.link()))))
             .map(|e| e.id().to_string())
             .collect();
         let mut moved = Vec::new();

@@ -1,6 +1,7 @@
 //! External snapshots: `blockdev-snapshot` puts an overlay above a node that exports
-//! serve (the node becomes the overlay's backing file and the exports move to the overlay,
-//! requests in flight finishing on the node), and `blockdev-snapshot-sync` first creates
+//! serve (the node becomes the overlay's backing file and the exports move to the
+//! overlay; the caller holds the exports' links meanwhile, see [`hold_all_exports`], so no
+//! request is half done on the node when the overlay starts copying from it), and `blockdev-snapshot-sync` first creates
 //! and opens that overlay. QEMU's checks in its order and its texts (external_snapshot_*).
 
 use std::sync::Arc;
@@ -116,7 +117,7 @@ impl State {
         overlay
             .set_backing(Some(old.clone()))
             .map_err(DaemonError::Invalid)?;
-        if let Err(e) = self.repoint_exports(old, overlay) {
+        if let Err(e) = self.repoint_exports(old, overlay, None) {
             let _ = overlay.set_backing(None);
             return Err(e);
         }
@@ -143,11 +144,18 @@ impl State {
             done.old.set_read_only(false);
             let _ = done.old.refresh_perms();
         }
-        if let Err(e) = self.repoint_exports(&done.overlay, &done.old) {
+        if let Err(e) = self.repoint_exports(&done.overlay, &done.old, None) {
+            // The exports stay on the overlay, which keeps its backing link and its place
+            // in the graph: they read and write as after the snapshot.
             tracing::warn!(
                 "snapshot undo: exports stay on '{}': {e}",
                 done.overlay.name
             );
+            if done.was_writable {
+                done.old.set_read_only(true);
+                let _ = done.old.refresh_perms();
+            }
+            return;
         }
         let _ = done.overlay.set_backing(None);
         if let Some(name) = done.created {
@@ -262,4 +270,28 @@ fn create_overlay(path: &str, backing: &Arc<BlockNode>) -> Result<(), DaemonErro
         Ok(Ok(())) => Ok(()),
         Ok(Err(e)) | Err(e) => Err(invalid(format!("Could not create '{path}': {e}"))),
     }
+}
+
+/// Holds the link of every export (QEMU drains everything around a snapshot): once this
+/// returns, no request is inside the graph and new ones wait until the holds are dropped.
+/// It waits with the main loop running (requests served there finish meanwhile), so the
+/// caller must not hold the state borrowed.
+pub fn hold_all_exports(state: &super::SharedState) -> Vec<crate::block::link::Hold> {
+    let links: Vec<_> = state
+        .borrow()
+        .exports
+        .values()
+        .map(|e| e.link().clone())
+        .collect();
+    if links.is_empty() {
+        return Vec::new();
+    }
+    let wait = async move {
+        let mut held = Vec::new();
+        for l in &links {
+            held.push(l.hold().await);
+        }
+        held
+    };
+    stord_aio::with_current_context(|ctx| ctx.block_on(wait)).unwrap_or_default()
 }

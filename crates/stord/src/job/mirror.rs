@@ -44,9 +44,14 @@ pub enum Scope {
 pub trait Parents {
     /// The links of the exports that serve `node` now.
     fn links_on(&self, node: &Arc<BlockNode>) -> Vec<Arc<NodeLink>>;
-    /// Points every export on `from` at `to`, its permissions moved with it (all or
-    /// nothing).
-    fn replace(&self, from: &Arc<BlockNode>, to: &Arc<BlockNode>) -> Result<(), String>;
+    /// Points the exports on `from` whose links are `links` (those held) at `to`, their
+    /// permissions moved with them (all or nothing).
+    fn replace(
+        &self,
+        links: &[Arc<NodeLink>],
+        from: &Arc<BlockNode>,
+        to: &Arc<BlockNode>,
+    ) -> Result<(), String>;
 }
 
 /// The tracker bitmap, taken off the source when the job ends however it ends.
@@ -233,7 +238,12 @@ pub async fn run(
         held.push(link.hold().await);
     }
     while let Some((offset, len)) = t.take_dirty(0, CHUNK) {
-        m.copy(offset, len).await.map_err(|(e, _)| e.to_string())?;
+        if let Err((e, _)) = m.copy(offset, len).await {
+            // The job fails and the exports stay on the source: nothing to copy later,
+            // but the record stays true while the job lasts.
+            t.mark(offset, len);
+            return Err(e.to_string());
+        }
         job.progress_add(len);
     }
     job.set_remaining(0);
@@ -244,7 +254,8 @@ pub async fn run(
             // The job's own write permission on the target goes first: the exports'
             // take its place.
             let _ = m.target_claim.set(Perm::NONE, Perm::ALL);
-            m.parents.replace(&m.source, &m.target)
+            let links: Vec<Arc<NodeLink>> = held.iter().map(|h| h.link().clone()).collect();
+            m.parents.replace(&links, &m.source, &m.target)
         } else {
             Ok(())
         };

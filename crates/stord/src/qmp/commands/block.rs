@@ -29,6 +29,7 @@ pub const BLOCKDEV_SNAPSHOT: Command = Command {
     open: false,
     run: |state, mut a| {
         let (node, overlay) = (a.str_req("node")?, a.str_req("overlay")?);
+        let _held = crate::daemon::hold_all_exports(state);
         state.borrow_mut().blockdev_snapshot(&node, &overlay)?;
         Ok(json!({}))
     },
@@ -47,6 +48,7 @@ pub const BLOCKDEV_SNAPSHOT_SYNC: Command = Command {
     open: false,
     run: |state, mut a| {
         let o = snapshot_sync_options(&mut a)?;
+        let _held = crate::daemon::hold_all_exports(state);
         state.borrow_mut().blockdev_snapshot_sync(o)?;
         Ok(json!({}))
     },

@@ -44,6 +44,19 @@ pub const TRANSACTION: Command = Command {
     open: false,
     run: |state, mut a| {
         let actions = a.array("actions").unwrap_or_default();
+        // Snapshots change what exports serve: no request may be inside the graph from
+        // the first action to the commit or abort (QEMU drains everything).
+        let snapshots = actions.iter().any(|act| {
+            matches!(
+                act.get("type").and_then(Value::as_str),
+                Some("blockdev-snapshot" | "blockdev-snapshot-sync")
+            )
+        });
+        let _held = if snapshots {
+            crate::daemon::hold_all_exports(state)
+        } else {
+            Vec::new()
+        };
         let mut done: Vec<super::bitmap::Prepared> = Vec::new();
         let mut fail = None;
         for act in actions {
