@@ -174,16 +174,7 @@ impl NodeLink {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::block::null::NullDriver;
-
-    fn null(name: &str) -> Arc<BlockNode> {
-        Arc::new(BlockNode::new(
-            name.into(),
-            Box::new(NullDriver::new(1 << 20, false)),
-            false,
-            false,
-        ))
-    }
+    use crate::block::null::test_node as null;
 
     #[test]
     fn requests_finish_on_the_node_they_entered_and_a_hold_waits_for_them() {

@@ -37,6 +37,17 @@ pub struct NullDriver {
     read_zeroes: bool,
 }
 
+/// A writable 1 MiB null node named `name`, for unit tests of the graph's mechanisms.
+#[cfg(test)]
+pub(crate) fn test_node(name: &str) -> std::sync::Arc<super::BlockNode> {
+    std::sync::Arc::new(super::BlockNode::new(
+        name.into(),
+        Box::new(NullDriver::new(1 << 20, false)),
+        false,
+        false,
+    ))
+}
+
 impl NullDriver {
     /// A null device.
     pub fn new(size: u64, read_zeroes: bool) -> Self {

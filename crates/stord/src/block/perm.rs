@@ -409,16 +409,7 @@ pub fn backing_perms(perm: Perm, shared: Perm) -> (Perm, Perm) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::block::null::NullDriver;
-
-    fn null(name: &str) -> Arc<BlockNode> {
-        Arc::new(BlockNode::new(
-            name.into(),
-            Box::new(NullDriver::new(1 << 20, false)),
-            false,
-            false,
-        ))
-    }
+    use crate::block::null::{test_node as null, NullDriver};
 
     #[test]
     fn users_that_do_not_share_conflict_with_qemus_message() {

@@ -3,7 +3,8 @@
 //! while it runs, and hands the work to [`crate::job`].
 
 use std::cell::RefCell;
-use std::rc::Weak;
+use std::future::Future;
+use std::rc::{Rc, Weak};
 use std::sync::Arc;
 
 use super::{DaemonError, State};
@@ -13,7 +14,7 @@ use crate::block::BlockNode;
 use crate::job::commit::Commit;
 use crate::job::mirror::{Mirror, Parents, Scope};
 use crate::job::stream::Stream;
-use crate::job::{run_copy, CopyJob, Holds, JobOptions, OnError};
+use crate::job::{run_copy, CopyJob, Finish, Holds, Job, JobOptions, OnError};
 
 /// `block-stream`'s arguments.
 pub struct StreamOptions {
@@ -149,11 +150,31 @@ fn invalid(s: impl Into<String>) -> DaemonError {
 }
 
 impl State {
-    fn lookup_node(&self, name: &str) -> Result<Arc<BlockNode>, DaemonError> {
+    /// A node by QEMU's bdrv_lookup_bs(device, node): stord's nodes have no device
+    /// names, so either name may match a node-name (QEMU's text otherwise).
+    pub(super) fn find_node(
+        &self,
+        device: &str,
+        node: &str,
+    ) -> Result<Arc<BlockNode>, DaemonError> {
         self.nodes
-            .get(name)
+            .get(node)
+            .or_else(|| self.nodes.get(device))
             .cloned()
-            .ok_or_else(|| invalid(format!("Cannot find device='' nor node-name='{name}'")))
+            .ok_or_else(|| {
+                invalid(format!(
+                    "Cannot find device='{device}' nor node-name='{node}'"
+                ))
+            })
+    }
+
+    fn lookup_node(&self, name: &str) -> Result<Arc<BlockNode>, DaemonError> {
+        self.find_node("", name)
+    }
+
+    /// A node named as both device and node (QEMU's lookups of a `device` argument).
+    fn device_node(&self, name: &str) -> Result<Arc<BlockNode>, DaemonError> {
+        self.find_node(name, name)
     }
 
     /// A new block job's id (QEMU names one without an id after the device, which has no
@@ -191,12 +212,7 @@ impl State {
                 "'bottom' and 'base-node' cannot be specified at the same time",
             ));
         }
-        let top = self.nodes.get(&o.device).cloned().ok_or_else(|| {
-            invalid(format!(
-                "Cannot find device='{0}' nor node-name='{0}'",
-                o.device
-            ))
-        })?;
+        let top = self.device_node(&o.device)?;
         let chain = chain(&top);
         let position = |n: &Arc<BlockNode>| chain.iter().position(|(c, _)| Arc::ptr_eq(c, n));
         // Where the streamed part of the chain ends: the index of the base in `chain`
@@ -309,33 +325,46 @@ impl State {
         &mut self,
         job_id: &str,
         kind: &'static str,
-        (auto_finalize, auto_dismiss, speed): (bool, bool, u64),
+        how: (bool, bool, u64),
         work: T,
         removed: Vec<String>,
         me: Weak<RefCell<State>>,
     ) -> Result<(), DaemonError> {
+        self.start_block_job(job_id, kind, how, false, move |job| {
+            run_copy(work, job, move || {
+                if let Some(state) = me.upgrade() {
+                    state.borrow_mut().drop_implicit(removed);
+                }
+            })
+        })
+    }
+
+    /// Starts block job `job_id`; `completable`: it waits in ready for job-complete.
+    fn start_block_job<F>(
+        &mut self,
+        job_id: &str,
+        kind: &'static str,
+        (auto_finalize, auto_dismiss, speed): (bool, bool, u64),
+        completable: bool,
+        work: impl FnOnce(Rc<Job>) -> F,
+    ) -> Result<(), DaemonError>
+    where
+        F: Future<Output = Result<Finish, String>> + 'static,
+    {
         let opts = JobOptions {
             auto_finalize,
             auto_dismiss,
             block: true,
             speed,
-            completable: false,
+            completable,
         };
-        self.jobs
-            .start(job_id, kind, opts, &self.events, move |job| {
-                run_copy(work, job, move || {
-                    if let Some(state) = me.upgrade() {
-                        state.borrow_mut().drop_implicit(removed);
-                    }
-                })
-            })?;
+        self.jobs.start(job_id, kind, opts, &self.events, work)?;
         Ok(())
     }
 
-    /// `block-commit` of an intermediate image: the images from `top` to just above `base`
-    /// are copied into `base`, then the overlay of `top` backs onto `base` (QEMU's checks
-    /// in its order, its texts). Committing the active layer needs an export to move to
-    /// `base` at the end, which stord cannot do yet: it is refused by name.
+    /// `block-commit`: the images from `top` to just above `base` are copied into `base`,
+    /// then the overlay of `top` backs onto `base` (QEMU's checks in its order, its
+    /// texts); of the active layer, a mirror into `base` ([`Self::active_commit`]).
     pub fn block_commit(
         &mut self,
         o: CommitOptions,
@@ -534,33 +563,13 @@ impl State {
             },
             parents: Box::new(ExportParents(me)),
         };
-        self.start_mirror_job(
+        self.start_block_job(
             &job_id,
             "commit",
             (o.auto_finalize, o.auto_dismiss, speed),
-            mirror,
+            true,
+            |job| crate::job::mirror::run(mirror, job),
         )
-    }
-
-    fn start_mirror_job(
-        &mut self,
-        job_id: &str,
-        kind: &'static str,
-        (auto_finalize, auto_dismiss, speed): (bool, bool, u64),
-        mirror: Mirror,
-    ) -> Result<(), DaemonError> {
-        let opts = JobOptions {
-            auto_finalize,
-            auto_dismiss,
-            block: true,
-            speed,
-            completable: true,
-        };
-        self.jobs
-            .start(job_id, kind, opts, &self.events, move |job| {
-                crate::job::mirror::run(mirror, job, || {})
-            })?;
-        Ok(())
     }
 
     /// `blockdev-mirror`: `device`'s content is copied to `target` while clients write;
@@ -570,21 +579,11 @@ impl State {
         o: MirrorOptions,
         me: Weak<RefCell<State>>,
     ) -> Result<(), DaemonError> {
-        let source = self.nodes.get(&o.device).cloned().ok_or_else(|| {
-            invalid(format!(
-                "Cannot find device='{0}' nor node-name='{0}'",
-                o.device
-            ))
-        })?;
+        let source = self.device_node(&o.device)?;
         if !self.parents_of(&source.name).is_empty() || source.has_job() {
             return Err(invalid("Need a root block node"));
         }
-        let target = self.nodes.get(&o.target).cloned().ok_or_else(|| {
-            invalid(format!(
-                "Cannot find device='{0}' nor node-name='{0}'",
-                o.target
-            ))
-        })?;
+        let target = self.device_node(&o.target)?;
         let mut scope = match o.sync.as_str() {
             "full" => Scope::Full,
             "top" => Scope::Top,
@@ -675,11 +674,12 @@ impl State {
             },
             parents: Box::new(ExportParents(me)),
         };
-        self.start_mirror_job(
+        self.start_block_job(
             &job_id,
             "mirror",
             (o.auto_finalize, o.auto_dismiss, speed),
-            mirror,
+            true,
+            |job| crate::job::mirror::run(mirror, job),
         )
     }
 }

@@ -38,18 +38,6 @@ fn invalid(s: impl Into<String>) -> DaemonError {
 }
 
 impl State {
-    fn snapshot_node(&self, device: &str, node: &str) -> Result<Arc<BlockNode>, DaemonError> {
-        self.nodes
-            .get(node)
-            .or_else(|| self.nodes.get(device))
-            .cloned()
-            .ok_or_else(|| {
-                invalid(format!(
-                    "Cannot find device='{device}' nor node-name='{node}'"
-                ))
-            })
-    }
-
     /// The checks on the node snapshotted, before the overlay is looked at: not busy, and
     /// what it holds on disk (QEMU flushes it).
     fn snapshot_prepare(&self, old: &Arc<BlockNode>) -> Result<(), DaemonError> {
@@ -171,9 +159,9 @@ impl State {
         node: &str,
         overlay: &str,
     ) -> Result<SnapshotDone, DaemonError> {
-        let old = self.snapshot_node(node, node)?;
+        let old = self.find_node(node, node)?;
         self.snapshot_prepare(&old)?;
-        let new = self.snapshot_node(overlay, overlay)?;
+        let new = self.find_node(overlay, overlay)?;
         self.snapshot_append(&old, &new)
     }
 
@@ -186,7 +174,7 @@ impl State {
     ) -> Result<SnapshotDone, DaemonError> {
         let device = o.device.clone().unwrap_or_default();
         let node_name = o.node_name.clone().unwrap_or_default();
-        let old = self.snapshot_node(&device, &node_name)?;
+        let old = self.find_node(&device, &node_name)?;
         self.snapshot_prepare(&old)?;
         if o.node_name.is_some() && o.snapshot_node_name.is_none() {
             return Err(invalid("New overlay node-name missing"));

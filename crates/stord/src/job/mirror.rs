@@ -171,12 +171,8 @@ impl Mirror {
     }
 }
 
-/// Runs a mirror job; `after` runs once it is over (its holds gone).
-pub async fn run(
-    m: Mirror,
-    job: Rc<Job>,
-    after: impl FnOnce() + 'static,
-) -> Result<Finish, String> {
+/// Runs a mirror job.
+pub async fn run(m: Mirror, job: Rc<Job>) -> Result<Finish, String> {
     let len = m.source.size();
     if let Scope::AboveBase(_) = m.scope {
         // The base grows to the source's size first, as QEMU's mirror_run does.
@@ -261,8 +257,6 @@ pub async fn run(
         };
         drop(held);
         drop(tracker);
-        drop(m);
-        after();
         r
     })))
 }

@@ -63,6 +63,11 @@ def job_events(q):
     return out
 
 
+def served(q):
+    """Which node each export serves."""
+    return [(e["id"], e["node-name"]) for e in q.cmd_raw("query-block-exports")["return"]]
+
+
 def fio_verify(sock, name, offset):
     return common.fio("--name=v", "--ioengine=nbd", f"--uri=nbd+unix:///{name}?socket={sock}",
                       "--rw=randwrite", "--bs=4k", f"--offset={offset}", "--size=4M",
@@ -135,15 +140,13 @@ def mirror_flow(binary, tag):
         t.join()
         assert fio_out["r"]["jobs"][0]["error"] == 0, fio_out
         out.append(("events m", job_events(q)))
-        out.append(("exports", [(e["id"], e["node-name"])
-                                for e in q.cmd_raw("query-block-exports")["return"]]))
+        out.append(("exports", served(q)))
         # Writes after the pivot land in the target only; they cover what fio wrote (its
         # verify headers carry timestamps).
         qemu_io(f"nbd+unix:///src?socket={sock}", "write -P 0x53 8M 4M", fmt="raw")
 
-        # The export now serves `full`: mirror it (sync=top makes no sense there without a
-        # backing file, so QEMU turns it into full) to `topt`... instead mirror `full` with
-        # sync=none, cancelled without force once ready: it completes, the export stays.
+        # The export now serves `full`: a sync=none mirror of it, cancelled without force
+        # once ready, completes and leaves the export where it is.
         c("blockdev-mirror", device="full", target="topt", sync="none",
           **{"job-id": "n"})
         common.wait_event(q, "BLOCK_JOB_READY", timeout=30)
@@ -151,8 +154,7 @@ def mirror_flow(binary, tag):
         c("block-job-cancel", device="n")
         wait_status(q, "n", "gone")
         out.append(("events n", job_events(q)))
-        out.append(("exports n", [(e["id"], e["node-name"])
-                                  for e in q.cmd_raw("query-block-exports")["return"]]))
+        out.append(("exports n", served(q)))
         # And one cancelled with job-cancel once ready.
         c("blockdev-mirror", device="full", target="topt", sync="full",
           **{"job-id": "k"})
@@ -207,8 +209,7 @@ def commit_flow(binary, tag):
         t.join()
         assert fio_out["r"]["jobs"][0]["error"] == 0, fio_out
         out.append(("events ac", job_events(q)))
-        out.append(("exports", [(e["id"], e["node-name"])
-                                for e in q.cmd_raw("query-block-exports")["return"]]))
+        out.append(("exports", served(q)))
         qemu_io(f"nbd+unix:///top?socket={sock}", "write -P 0x42 8M 4M", fmt="raw")
         for n in ("ctop", "ctop-file", "cmid", "cmid-file"):
             c("blockdev-del", **{"node-name": n})

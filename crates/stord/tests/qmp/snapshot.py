@@ -17,7 +17,7 @@ import threading
 import time
 
 import common
-from mirror import create, fio_verify, job_events
+from mirror import create, fio_verify, job_events, served
 from stream import clean, qemu_io, wait_status
 
 SIZE = 32 << 20
@@ -90,14 +90,12 @@ def flow(binary, tag):
         c("blockdev-snapshot-sync", **{"node-name": "base", "snapshot-file": ov1,
                                        "snapshot-node-name": "ov1"})
         out.append(("after sync", nodes(q)))
-        out.append(("exports sync", [(e["id"], e["node-name"])
-                                     for e in q.cmd_raw("query-block-exports")["return"]]))
+        out.append(("exports sync", served(q)))
         time.sleep(0.2)
         qemu_io(f"nbd+unix:///top?socket={sock}", "write -P 0x21 1M 64k", fmt="raw")
         c("blockdev-snapshot", node="ov1", overlay="ov2")
         out.append(("after snapshot", nodes(q)))
-        out.append(("exports", [(e["id"], e["node-name"])
-                                for e in q.cmd_raw("query-block-exports")["return"]]))
+        out.append(("exports", served(q)))
         c("blockdev-snapshot", node="ov1", overlay="ov2")
         t.join()
         assert fio_out["r"]["jobs"][0]["error"] == 0, fio_out
@@ -110,8 +108,7 @@ def flow(binary, tag):
                       "snapshot-node-name": "ov3"}},
             {"type": "abort", "data": {}}])
         out.append(("after abort", nodes(q)))
-        out.append(("exports abort", [(e["id"], e["node-name"])
-                                      for e in q.cmd_raw("query-block-exports")["return"]]))
+        out.append(("exports abort", served(q)))
 
         # Snapshot, then stream: ov1 folds into ov2, which then backs onto base.
         c("block-stream", device="ov2", **{"base-node": "base", "job-id": "s"})
@@ -131,8 +128,7 @@ def flow(binary, tag):
         assert fio_out["r"]["jobs"][0]["error"] == 0, fio_out
         out.append(("events c", job_events(q)))
         out.append(("after commit", nodes(q)))
-        out.append(("exports commit", [(e["id"], e["node-name"])
-                                       for e in q.cmd_raw("query-block-exports")["return"]]))
+        out.append(("exports commit", served(q)))
         # fio's verify headers carry timestamps: overwrite what it wrote.
         qemu_io(f"nbd+unix:///top?socket={sock}", "write -P 0x41 8M 4M", fmt="raw")
         # ov2 still backs onto base: it goes, then a snapshot and a bitmap on the new
@@ -145,9 +141,7 @@ def flow(binary, tag):
                       "snapshot-node-name": "fin"}},
             {"type": "block-dirty-bitmap-add", "data": {"node": "fin", "name": "b0"}}])
         out.append(("after transaction", nodes(q)))
-        out.append(("exports transaction",
-                    [(e["id"], e["node-name"])
-                     for e in q.cmd_raw("query-block-exports")["return"]]))
+        out.append(("exports transaction", served(q)))
         qemu_io(f"nbd+unix:///top?socket={sock}", "write -P 0x51 0 64k", fmt="raw")
         out.append(("bitmap", q.cmd_raw("x-debug-block-dirty-bitmap-sha256",
                                          {"node": "fin", "name": "b0"})))

@@ -127,7 +127,8 @@ impl FuseShared {
 
     fn attr_out(&self) -> Vec<u8> {
         let s = self;
-        let size = s.link.current().size();
+        let node = s.link.current();
+        let size = node.size();
         let blocks = s.allocated_bytes().div_ceil(512);
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -138,7 +139,7 @@ impl FuseShared {
             mode: s.mode.load(Ordering::Relaxed),
             uid: s.uid,
             gid: s.gid,
-            blksize: if s.link.current().direct { 4096 } else { 512 },
+            blksize: if node.direct { 4096 } else { 512 },
             time_s: now.as_secs(),
             time_ns: now.subsec_nanos(),
         };
