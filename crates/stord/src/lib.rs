@@ -8,6 +8,7 @@
 //! - [`qmp`]: the QMP monitor.
 //! - [`accept`]: listening sockets that survive descriptor exhaustion.
 //! - [`log`]: the tracing subscriber and rate-limited events.
+//! - [`nbd`]: the NBD protocol both the server and the client node speak.
 //! - [`secret`]: `--object secret`.
 //! - [`tls`]: TLS credentials and sessions for the NBD server.
 //! - [`daemon`]: the daemon's API over what it holds: objects, nodes, exports.
@@ -27,6 +28,7 @@ pub mod guest_fault;
 pub mod iothread;
 pub mod job;
 pub mod log;
+pub mod nbd;
 pub mod process;
 pub mod qmp;
 pub mod secret;

@@ -23,8 +23,8 @@ use std::os::fd::RawFd;
 use std::rc::Rc;
 use std::sync::Arc;
 
-use super::io::{send, OutChunk, SharedTls, SockReader};
-use super::proto::*;
+use crate::nbd::io::{send, OutChunk, SharedTls, SockReader};
+use crate::nbd::proto::*;
 use super::{ExportTable, NbdExport};
 use crate::tls::{TlsServer, TlsSession};
 

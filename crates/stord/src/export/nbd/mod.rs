@@ -14,9 +14,9 @@
 #[doc(hidden)]
 pub mod fuzz;
 mod handshake;
-mod io;
-pub mod proto;
 mod transmission;
+
+pub use crate::nbd::proto;
 
 use std::cell::{Cell, RefCell};
 

@@ -28,8 +28,8 @@ use std::sync::Arc;
 use std::task::{Poll, Waker};
 
 use super::handshake::{MetaContexts, Negotiated};
-use super::io::{send, OutChunk, SharedTls, SockReader};
-use super::proto::*;
+use crate::nbd::io::{send, OutChunk, SharedTls, SockReader};
+use crate::nbd::proto::*;
 use super::NbdExport;
 use crate::block::{BlockNode, Buf};
 use crate::export::budget::MemoryBudget;
@@ -280,7 +280,7 @@ pub async fn serve(fd: OwnedFd, n: Negotiated, budget: Arc<MemoryBudget>) {
         budget,
         reader_done: Cell::new(false),
         broken: Cell::new(false),
-        sends: super::io::IoCounters::current().sends,
+        sends: crate::nbd::io::IoCounters::current().sends,
     });
     let fd_raw = conn.raw();
     conn.export
@@ -350,7 +350,7 @@ async fn write_loop(conn: Rc<Conn>) {
 }
 
 async fn read_loop(conn: &Rc<Conn>, pending: Vec<u8>, cipher: Vec<u8>) -> io::Result<()> {
-    let counters = super::io::IoCounters::current();
+    let counters = crate::nbd::io::IoCounters::current();
     let requests = counters.requests.clone();
     let mut rd = SockReader::new(conn.raw(), pending).with_counters(counters);
     if let Some(tls) = &conn.tls {
