@@ -99,3 +99,8 @@ fn qmp_persistent_bitmaps_in_qcow2_as_qsd() {
 fn nbd_exports_dirty_bitmaps_as_qsd() {
     run_script("nbd_bitmaps.py");
 }
+
+#[test]
+fn qmp_nbd_client_node_answers_as_qsd_and_survives_its_server() {
+    run_script("nbd_client.py");
+}

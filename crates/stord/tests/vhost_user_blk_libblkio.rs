@@ -660,3 +660,64 @@ fn a_libblkio_client_runs_through_a_mirror_pivot() {
         "the target does not hold the client's last round"
     );
 }
+
+/// The export over an `nbd` node (qemu-nbd serving a file): libblkio's requests go to the
+/// node's connection from the export's IoThread and back; the server's file holds what
+/// every queue wrote.
+#[test]
+fn libblkio_round_trips_data_over_an_nbd_node() {
+    let dir = tmpdir("blkio-nbd-node");
+    let img = dir.join("disk.img");
+    std::fs::File::create(&img).unwrap().set_len(IMAGE).unwrap();
+    let nbd_sock = dir.join("server.sock");
+    let mut server = Command::new("qemu-nbd")
+        .args(["-f", "raw", "-x", "exp", "-t", "-k"])
+        .arg(&nbd_sock)
+        .arg(&img)
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn qemu-nbd");
+    let t = Instant::now();
+    while !nbd_sock.exists() {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "qemu-nbd did not listen"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let sock = dir.join("vhost.sock");
+    let mut args: Vec<String> = vec![
+        "--object".into(),
+        "iothread,id=io0".into(),
+        "--object".into(),
+        "iothread,id=io1".into(),
+        "--blockdev".into(),
+        format!(
+            "driver=nbd,node-name=disk,server.type=unix,server.path={},export=exp",
+            nbd_sock.display()
+        ),
+        "--export".into(),
+        format!(
+            "type=vhost-user-blk,id=vu0,node-name=disk,addr.type=unix,addr.path={},\
+             writable=on,num-queues=2,iothread.0=io0,iothread.1=io1",
+            sock.display()
+        ),
+    ];
+    args.extend(monitor_args(&dir.join("qmp.sock")));
+    let peer = Peer::Stord(Stord::start(&dir, &args));
+    let mut c = connect(&sock, 2, false);
+    assert_eq!(c.blkio.get_u64("capacity").unwrap(), IMAGE);
+    let written = write_and_verify(&mut c);
+    drop(c);
+    peer.stop();
+    let _ = server.kill();
+    let _ = server.wait();
+    let image = std::fs::read(&img).unwrap();
+    for (offset, data) in written {
+        let at = offset as usize;
+        assert!(
+            image[at..at + SPAN] == data[..],
+            "the server's file does not hold what the queue at {offset} wrote"
+        );
+    }
+}

@@ -108,6 +108,7 @@ pub const BLOCK_DRIVERS: &[&DriverDef] = &[
     &super::raw::DRIVER,
     &super::throttle::DRIVER,
     &super::qcow2::DRIVER,
+    &super::nbd::DRIVER,
 ];
 
 /// The driver `name` selects.

@@ -12,6 +12,7 @@ pub mod file;
 pub mod graph;
 pub mod iov;
 pub mod link;
+pub mod nbd;
 pub mod null;
 pub mod perm;
 pub mod qcow2;
@@ -147,6 +148,11 @@ pub trait BlockDriver: Send + Sync {
     /// Extra description for query commands (e.g. the file name).
     fn filename(&self) -> Option<String> {
         None
+    }
+    /// Whether query commands report the image's size on its host and a dirty flag
+    /// (false where QEMU has neither to report, as for an NBD server's export).
+    fn reports_host_size(&self) -> bool {
+        true
     }
     /// Bytes of storage the node takes on its host (st_blocks of the image file), if known.
     fn allocated_bytes(&self) -> Option<u64> {
@@ -398,6 +404,11 @@ impl BlockNode {
     /// The backing file, if any.
     pub fn filename(&self) -> Option<String> {
         self.driver.filename()
+    }
+
+    /// See [`BlockDriver::reports_host_size`].
+    pub fn reports_host_size(&self) -> bool {
+        self.driver.reports_host_size()
     }
 
     /// The driver, for a parent node that forwards requests to it (no second round of

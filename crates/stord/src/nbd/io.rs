@@ -275,27 +275,48 @@ impl SockReader {
     /// Reads exactly `n` bytes into an aligned request buffer: what is buffered is copied,
     /// the rest is received straight into the buffer.
     pub async fn read_payload(&mut self, n: usize) -> io::Result<Buf> {
-        let mut buf = request_buf(n);
-        let have = (self.end - self.start).min(n);
-        buf[..have].copy_from_slice(self.consume(have));
-        let mut got = have;
+        let (r, buf) = self.read_into(request_buf(n), 0, n).await;
+        r.map(|()| buf)
+    }
+
+    /// Fills `buf[start..end]` from the stream: what is buffered is copied, the rest is
+    /// received straight into `buf`, which comes back in every case.
+    pub async fn read_into(
+        &mut self,
+        mut buf: Buf,
+        start: usize,
+        end: usize,
+    ) -> (io::Result<()>, Buf) {
+        let have = (self.end - self.start).min(end - start);
+        buf[start..start + have].copy_from_slice(self.consume(have));
+        let mut got = start + have;
         if let Some(rx) = &mut self.tls {
-            while got < n {
-                got += rx
-                    .read_plain(self.fd, &self.counters, &mut buf[got..n])
-                    .await?;
+            while got < end {
+                match rx
+                    .read_plain(self.fd, &self.counters, &mut buf[got..end])
+                    .await
+                {
+                    Ok(k) => got += k,
+                    Err(e) => return (Err(e), buf),
+                }
             }
-            return Ok(buf);
+            return (Ok(()), buf);
         }
-        while got < n {
-            let (r, slice) = op::recv(self.fd, Slice::new(buf, got, n), 0).await;
+        while got < end {
+            let (r, slice) = op::recv(self.fd, Slice::new(buf, got, end), 0).await;
             buf = slice.into_inner();
-            match r? {
-                0 => return Err(eof()),
-                k => got += k,
+            match r {
+                Ok(0) => return (Err(eof()), buf),
+                Ok(k) => got += k,
+                Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => {
+                    if let Err(e) = op::poll_add(self.fd, Interest::READABLE).await {
+                        return (Err(e), buf);
+                    }
+                }
+                Err(e) => return (Err(e), buf),
             }
         }
-        Ok(buf)
+        (Ok(()), buf)
     }
 
     /// Skips `n` bytes.

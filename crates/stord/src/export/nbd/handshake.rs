@@ -23,9 +23,9 @@ use std::os::fd::RawFd;
 use std::rc::Rc;
 use std::sync::Arc;
 
+use super::{ExportTable, NbdExport};
 use crate::nbd::io::{send, OutChunk, SharedTls, SockReader};
 use crate::nbd::proto::*;
-use super::{ExportTable, NbdExport};
 use crate::tls::{TlsServer, TlsSession};
 
 /// What the negotiation settled.

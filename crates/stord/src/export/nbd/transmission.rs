@@ -28,11 +28,11 @@ use std::sync::Arc;
 use std::task::{Poll, Waker};
 
 use super::handshake::{MetaContexts, Negotiated};
-use crate::nbd::io::{send, OutChunk, SharedTls, SockReader};
-use crate::nbd::proto::*;
 use super::NbdExport;
 use crate::block::{BlockNode, Buf};
 use crate::export::budget::MemoryBudget;
+use crate::nbd::io::{send, OutChunk, SharedTls, SockReader};
+use crate::nbd::proto::*;
 
 /// Requests a connection may have between its header being read and its reply sent.
 pub const MAX_REQUESTS: usize = 128;

@@ -163,7 +163,7 @@ fn node_fields(n: &crate::block::BlockNode) -> Value {
         .and_then(|f| std::fs::metadata(f).ok())
         .map(|m| std::os::unix::fs::MetadataExt::blocks(&m) * 512)
         .unwrap_or(0);
-    json!({
+    let mut v = json!({
         "node-name": n.name,
         "drv": n.driver_name(),
         "ro": n.is_read_only(),
@@ -183,7 +183,14 @@ fn node_fields(n: &crate::block::BlockNode) -> Value {
             "actual-size": actual,
             "dirty-flag": false,
         },
-    })
+    });
+    if !n.reports_host_size() {
+        if let Some(image) = v["image"].as_object_mut() {
+            image.remove("actual-size");
+            image.remove("dirty-flag");
+        }
+    }
+    v
 }
 
 /// Options `blockdev-reopen` takes besides `node-name` and `read-only`: they describe the

@@ -1,0 +1,518 @@
+//! One negotiated NBD connection in transmission: many requests in flight, matched to
+//! their replies by handle.
+//!
+//! Any loop may issue a request. It sends its header (and write data) itself with one
+//! non-blocking writev under the connection's send lock, so the common request costs no
+//! hand-over; what the socket does not take goes to a backlog that the connection's
+//! sender task writes through the ring of the connection's own loop. That loop's receiver
+//! task reads every reply, fills the request's slot (read data straight into its buffer)
+//! and wakes the request's task, which is a cross-thread wake-up when the request came
+//! from another loop. When the connection fails, every request in flight ends as `Lost`
+//! and the driver decides whether to wait for a reconnect or fail it.
+
+use std::collections::HashMap;
+use std::io;
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Poll, Waker};
+
+use super::handshake::ExportInfo;
+use crate::block::{BlockStatus, Buf};
+use crate::nbd::io::{send_all, OutChunk, SockReader};
+use crate::nbd::proto::*;
+
+/// How a request ended.
+pub(super) enum Outcome {
+    /// The server answered (an error it sent is in the result).
+    Done(io::Result<Reply>),
+    /// The connection failed before the answer: the request may be sent again.
+    Lost,
+}
+
+/// What a successful reply carries besides the read data.
+#[derive(Debug, Default)]
+pub(super) struct Reply {
+    /// The first extent, for block status.
+    pub status: Option<BlockStatus>,
+}
+
+/// A request as the driver issues it.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Request {
+    pub cmd: u16,
+    pub flags: u16,
+    pub offset: u64,
+    pub len: u32,
+}
+
+/// A request in flight, shared by its task and the receiver.
+struct Slot {
+    req: Request,
+    st: Mutex<SlotState>,
+}
+
+#[derive(Default)]
+struct SlotState {
+    /// Set once the request is over.
+    done: Option<Result<(), io::Error>>,
+    lost: bool,
+    /// A read's buffer (out while the receiver fills it).
+    buf: Option<Buf>,
+    /// Bytes of a read the server has described (data or hole chunks).
+    covered: u64,
+    /// The first error chunk's errno.
+    error: Option<io::Error>,
+    status: Option<BlockStatus>,
+    waker: Option<Waker>,
+}
+
+impl Slot {
+    fn lock(&self) -> MutexGuard<'_, SlotState> {
+        self.st.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn finish(&self, r: Result<(), io::Error>) {
+        let w = {
+            let mut s = self.lock();
+            s.done = Some(r);
+            s.waker.take()
+        };
+        if let Some(w) = w {
+            w.wake();
+        }
+    }
+
+    fn lose(&self) {
+        let w = {
+            let mut s = self.lock();
+            s.lost = true;
+            s.waker.take()
+        };
+        if let Some(w) = w {
+            w.wake();
+        }
+    }
+}
+
+/// Bytes the sender task still has to write, in order.
+#[derive(Default)]
+struct Tx {
+    backlog: Vec<u8>,
+    /// The sender is writing a backlog now: new requests queue behind it.
+    sending: bool,
+    closed: bool,
+    waker: Option<Waker>,
+}
+
+/// A connected socket.
+pub(super) enum Sock {
+    Unix(std::os::unix::net::UnixStream),
+    Tcp(std::net::TcpStream),
+}
+
+impl Sock {
+    fn raw(&self) -> RawFd {
+        match self {
+            Sock::Unix(s) => s.as_raw_fd(),
+            Sock::Tcp(s) => s.as_raw_fd(),
+        }
+    }
+
+    fn shutdown(&self) {
+        let _ = match self {
+            Sock::Unix(s) => s.shutdown(std::net::Shutdown::Both),
+            Sock::Tcp(s) => s.shutdown(std::net::Shutdown::Both),
+        };
+    }
+}
+
+/// A connection in transmission.
+pub(super) struct Conn {
+    sock: Sock,
+    pub info: ExportInfo,
+    next_handle: AtomicU64,
+    tx: Mutex<Tx>,
+    pending: Mutex<HashMap<u64, Arc<Slot>>>,
+    dead: AtomicBool,
+}
+
+/// Largest block-status or error payload we read from a reply (a REQ_ONE answer is 12
+/// bytes; a server that sends megabytes of extents is cut off).
+const MAX_META_PAYLOAD: u32 = 1 << 20;
+
+fn protocol(what: &str) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::InvalidData,
+        format!("NBD protocol error: {what}"),
+    )
+}
+
+/// The host errno for an NBD error number (unknown ones are EINVAL, as QEMU maps them).
+fn host_errno(e: u32) -> io::Error {
+    let n = match e {
+        EPERM => libc::EPERM,
+        EIO => libc::EIO,
+        ENOMEM => libc::ENOMEM,
+        ENOSPC => libc::ENOSPC,
+        EOVERFLOW => libc::EOVERFLOW,
+        ENOTSUP => libc::ENOTSUP,
+        ESHUTDOWN => libc::ESHUTDOWN,
+        _ => libc::EINVAL,
+    };
+    io::Error::from_raw_os_error(n)
+}
+
+impl Conn {
+    /// A connection over a negotiated non-blocking socket; its tasks are started with
+    /// [`Conn::start`].
+    pub fn new(sock: Sock, info: ExportInfo) -> Arc<Self> {
+        Arc::new(Conn {
+            sock,
+            info,
+            next_handle: AtomicU64::new(1),
+            tx: Mutex::default(),
+            pending: Mutex::default(),
+            dead: AtomicBool::new(false),
+        })
+    }
+
+    /// Starts the sender and receiver tasks on `remote`'s loop.
+    pub fn start(self: &Arc<Self>, remote: &stord_aio::Remote) {
+        let c = self.clone();
+        remote.call(move || {
+            stord_aio::spawn_detached(receiver(c.clone()));
+            stord_aio::spawn_detached(sender(c));
+        });
+    }
+
+    pub fn is_dead(&self) -> bool {
+        self.dead.load(Ordering::Acquire)
+    }
+
+    fn tx(&self) -> MutexGuard<'_, Tx> {
+        self.tx.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn pending(&self) -> MutexGuard<'_, HashMap<u64, Arc<Slot>>> {
+        self.pending.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Ends the connection: the socket is shut down (the receiver sees the end), the
+    /// sender stops, and every request in flight is `Lost`.
+    pub fn fail(&self, why: &str) {
+        if self.dead.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        tracing::warn!(target: "stord::nbd", "NBD connection ended: {why}");
+        let w = {
+            let mut tx = self.tx();
+            tx.closed = true;
+            tx.waker.take()
+        };
+        if let Some(w) = w {
+            w.wake();
+        }
+        self.sock.shutdown();
+        let lost: Vec<_> = self.pending().drain().map(|(_, s)| s).collect();
+        for s in lost {
+            s.lose();
+        }
+    }
+
+    /// Says goodbye (NBD_CMD_DISC) if the socket takes it now, then ends the connection.
+    pub fn disconnect(&self) {
+        if !self.is_dead() {
+            let tx = self.tx();
+            if tx.backlog.is_empty() && !tx.sending && !tx.closed {
+                let hdr = header(
+                    Request {
+                        cmd: CMD_DISC,
+                        flags: 0,
+                        offset: 0,
+                        len: 0,
+                    },
+                    0,
+                );
+                let _ = stord_aio::sys::writev_now(self.sock.raw(), &[&hdr]);
+            }
+        }
+        self.fail("closed");
+    }
+
+    /// Sends `req` (with `data` for a write) and waits for its reply; a read's data lands
+    /// in `buf`, which comes back in every case.
+    pub async fn call(
+        self: &Arc<Self>,
+        req: Request,
+        data: Option<&[u8]>,
+        buf: Option<Buf>,
+    ) -> (Outcome, Option<Buf>) {
+        let handle = self.next_handle.fetch_add(1, Ordering::Relaxed);
+        let slot = Arc::new(Slot {
+            req,
+            st: Mutex::new(SlotState {
+                buf,
+                ..Default::default()
+            }),
+        });
+        // In the table before the header leaves, so the reply always finds it.
+        self.pending().insert(handle, slot.clone());
+        if self.is_dead() {
+            self.pending().remove(&handle);
+            return (Outcome::Lost, slot.lock().buf.take());
+        }
+        if let Err(e) = self.send(&header(req, handle), data.unwrap_or(&[])) {
+            self.fail(&format!("send failed: {e}"));
+        }
+        std::future::poll_fn(|cx| {
+            let mut s = slot.lock();
+            if let Some(r) = s.done.take() {
+                let status = s.status.take();
+                return Poll::Ready((Outcome::Done(r.map(|()| Reply { status })), s.buf.take()));
+            }
+            if s.lost {
+                return Poll::Ready((Outcome::Lost, s.buf.take()));
+            }
+            s.waker = Some(cx.waker().clone());
+            Poll::Pending
+        })
+        .await
+    }
+
+    /// Writes a request: straight to the socket when nothing is queued before it, else
+    /// (or for what the socket does not take) into the sender's backlog.
+    fn send(&self, hdr: &[u8], data: &[u8]) -> io::Result<()> {
+        let mut tx = self.tx();
+        if tx.closed {
+            return Ok(()); // fail() already lost the request
+        }
+        let mut sent = 0;
+        if tx.backlog.is_empty() && !tx.sending {
+            match stord_aio::sys::writev_now(self.sock.raw(), &[hdr, data]) {
+                Ok(n) => sent = n,
+                Err(e)
+                    if e.kind() == io::ErrorKind::WouldBlock
+                        || e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        let total = hdr.len() + data.len();
+        if sent == total {
+            return Ok(());
+        }
+        if sent < hdr.len() {
+            tx.backlog.extend_from_slice(&hdr[sent..]);
+            tx.backlog.extend_from_slice(data);
+        } else {
+            tx.backlog.extend_from_slice(&data[sent - hdr.len()..]);
+        }
+        if let Some(w) = tx.waker.take() {
+            drop(tx);
+            w.wake();
+        }
+        Ok(())
+    }
+}
+
+/// The 28-byte request header.
+fn header(r: Request, handle: u64) -> [u8; 28] {
+    let mut h = [0u8; 28];
+    h[0..4].copy_from_slice(&REQUEST_MAGIC.to_be_bytes());
+    h[4..6].copy_from_slice(&r.flags.to_be_bytes());
+    h[6..8].copy_from_slice(&r.cmd.to_be_bytes());
+    h[8..16].copy_from_slice(&handle.to_be_bytes());
+    h[16..24].copy_from_slice(&r.offset.to_be_bytes());
+    h[24..28].copy_from_slice(&r.len.to_be_bytes());
+    h
+}
+
+/// Writes the backlog, on the connection's loop.
+async fn sender(c: Arc<Conn>) {
+    loop {
+        let batch = std::future::poll_fn(|cx| {
+            let mut tx = c.tx();
+            if tx.closed {
+                return Poll::Ready(None);
+            }
+            if tx.backlog.is_empty() {
+                tx.sending = false;
+                tx.waker = Some(cx.waker().clone());
+                return Poll::Pending;
+            }
+            tx.sending = true;
+            Poll::Ready(Some(std::mem::take(&mut tx.backlog)))
+        })
+        .await;
+        let Some(batch) = batch else { return };
+        if let Err(e) = send_all(c.sock.raw(), vec![OutChunk::Bytes(batch)]).await {
+            c.fail(&format!("send failed: {e}"));
+            return;
+        }
+    }
+}
+
+/// Reads replies until the connection ends, on the connection's loop.
+async fn receiver(c: Arc<Conn>) {
+    let mut r = SockReader::new(c.sock.raw(), Vec::new());
+    let e = loop {
+        if let Err(e) = reply(&c, &mut r).await {
+            break e;
+        }
+    };
+    c.fail(&e.to_string());
+}
+
+fn be32(b: &[u8]) -> u32 {
+    u32::from_be_bytes(b[..4].try_into().expect("4 bytes"))
+}
+
+fn be64(b: &[u8]) -> u64 {
+    u64::from_be_bytes(b[..8].try_into().expect("8 bytes"))
+}
+
+/// The slot of `handle`, removed from the table when `last`.
+fn slot_of(c: &Conn, handle: u64, last: bool) -> io::Result<Arc<Slot>> {
+    let mut p = c.pending();
+    let s = if last {
+        p.remove(&handle)
+    } else {
+        p.get(&handle).cloned()
+    };
+    s.ok_or_else(|| protocol("reply to a request we did not send"))
+}
+
+/// Receives `len` bytes into a read's buffer at `at` (the buffer leaves the slot while
+/// the socket fills it).
+async fn read_into(r: &mut SockReader, slot: &Slot, at: usize, len: usize) -> io::Result<()> {
+    let buf = slot.lock().buf.take();
+    let Some(buf) = buf else {
+        return Err(protocol("read data for a request without a buffer"));
+    };
+    let (res, buf) = r.read_into(buf, at, at + len).await;
+    slot.lock().buf = Some(buf);
+    res
+}
+
+/// Reads and handles one reply (a simple reply, or one structured chunk).
+async fn reply(c: &Conn, r: &mut SockReader) -> io::Result<()> {
+    r.ensure(4).await?;
+    let magic = be32(r.buffered());
+    if magic == SIMPLE_REPLY_MAGIC {
+        r.ensure(16).await?;
+        let h = r.consume(16);
+        let (err, handle) = (be32(&h[4..]), be64(&h[8..]));
+        let slot = slot_of(c, handle, true)?;
+        if err != 0 {
+            slot.finish(Err(host_errno(err)));
+            return Ok(());
+        }
+        if slot.req.cmd == CMD_READ {
+            if c.info.structured {
+                return Err(protocol("simple reply with data to a structured read"));
+            }
+            let len = slot.req.len as usize;
+            read_into(r, &slot, 0, len).await?;
+        }
+        slot.finish(Ok(()));
+        return Ok(());
+    }
+    if magic != STRUCTURED_REPLY_MAGIC || !c.info.structured {
+        return Err(protocol("bad reply magic"));
+    }
+    r.ensure(20).await?;
+    let h = r.consume(20);
+    let flags = u16::from_be_bytes([h[4], h[5]]);
+    let ty = u16::from_be_bytes([h[6], h[7]]);
+    let handle = be64(&h[8..]);
+    let len = be32(&h[16..]);
+    let done = flags & REPLY_FLAG_DONE != 0;
+    let slot = slot_of(c, handle, done)?;
+    let req = slot.req;
+    match ty {
+        REPLY_TYPE_NONE if len == 0 && done => {}
+        REPLY_TYPE_OFFSET_DATA if req.cmd == CMD_READ && len > 8 => {
+            r.ensure(8).await?;
+            let off = be64(r.consume(8));
+            let n = u64::from(len - 8);
+            let at = chunk_at(req, off, n)?;
+            read_into(r, &slot, at, n as usize).await?;
+            slot.lock().covered += n;
+        }
+        REPLY_TYPE_OFFSET_HOLE if req.cmd == CMD_READ && len == 12 => {
+            r.ensure(12).await?;
+            let b = r.consume(12);
+            let (off, n) = (be64(b), u64::from(be32(&b[8..])));
+            let at = chunk_at(req, off, n)?;
+            let mut s = slot.lock();
+            if let Some(buf) = s.buf.as_mut() {
+                buf[at..at + n as usize].fill(0);
+            }
+            s.covered += n;
+        }
+        REPLY_TYPE_BLOCK_STATUS if req.cmd == CMD_BLOCK_STATUS => {
+            if !(12..=MAX_META_PAYLOAD).contains(&len) || !(len - 4).is_multiple_of(8) {
+                return Err(protocol("bad block status chunk length"));
+            }
+            let b = r.read_vec(len as usize).await?;
+            let (ctx, ext_len, ext_flags) = (be32(&b), be32(&b[4..]), be32(&b[8..]));
+            if Some(ctx) != c.info.context || ext_len == 0 {
+                return Err(protocol("block status for a context we did not ask for"));
+            }
+            slot.lock().status = Some(BlockStatus {
+                len: u64::from(ext_len).min(u64::from(req.len)),
+                allocated: ext_flags & STATE_HOLE == 0,
+                zero: ext_flags & STATE_ZERO != 0,
+            });
+        }
+        t if t & (1 << 15) != 0 => {
+            if !(6..=MAX_META_PAYLOAD).contains(&len) {
+                return Err(protocol("bad error chunk length"));
+            }
+            let b = r.read_vec(len as usize).await?;
+            let err = match be32(&b) {
+                // The spec forbids 0 in an error chunk; treat it as EIO, as QEMU does.
+                0 => EIO,
+                e => e,
+            };
+            let msg_len = usize::from(u16::from_be_bytes([b[4], b[5]]));
+            if 6 + msg_len > b.len() {
+                return Err(protocol("error message beyond its chunk"));
+            }
+            let msg = String::from_utf8_lossy(&b[6..6 + msg_len]);
+            if !msg.is_empty() {
+                tracing::debug!(target: "stord::nbd", "server error: {msg}");
+            }
+            let mut s = slot.lock();
+            if s.error.is_none() {
+                s.error = Some(host_errno(err));
+            }
+        }
+        _ => return Err(protocol("unexpected structured reply chunk")),
+    }
+    if done {
+        let res = {
+            let mut s = slot.lock();
+            match s.error.take() {
+                Some(e) => Err(e),
+                None if req.cmd == CMD_READ && s.covered < u64::from(req.len) => {
+                    Err(io::Error::other("NBD server sent an incomplete read"))
+                }
+                None if req.cmd == CMD_BLOCK_STATUS && s.status.is_none() => {
+                    Err(io::Error::other("NBD server sent no block status"))
+                }
+                None => Ok(()),
+            }
+        };
+        slot.finish(res);
+    }
+    Ok(())
+}
+
+/// Where a read chunk for `[off, off + n)` lands in the request's buffer.
+fn chunk_at(req: Request, off: u64, n: u64) -> io::Result<usize> {
+    match off.checked_sub(req.offset) {
+        Some(at) if n > 0 && at + n <= u64::from(req.len) => Ok(at as usize),
+        _ => Err(protocol("read chunk outside its request")),
+    }
+}

@@ -1,0 +1,584 @@
+//! `nbd`: a node whose data lives on an NBD server (QEMU's NBD client driver).
+//!
+//! The node owns one connection and one loop of its own (`nbd-<node>`), whose tasks write
+//! what the socket could not take at once and read every reply ([`conn`]); requests from
+//! any loop share the connection, many in flight, as QEMU's client node runs in its
+//! IoThread. Connecting and negotiating are blocking code ([`handshake`]): at open (tried
+//! again until `open-timeout` runs out) and, after the connection is lost, on a reconnect
+//! thread that tries until it succeeds or the node goes. While it tries, requests wait
+//! up to `reconnect-delay` seconds from the loss and are sent again on the new
+//! connection; after that (at once with the default 0) they fail with EIO, as QEMU's.
+
+mod conn;
+pub mod handshake;
+
+use std::future::Future;
+use std::io;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Poll, Waker};
+use std::time::Duration;
+
+use conn::{Conn, Outcome, Request, Sock};
+use handshake::ExportInfo;
+
+use super::graph::{DriverDef, GraphError, Opened};
+use super::{BlockDriver, BlockStatus, BoxFut, Buf};
+use crate::cli::keyval::KeyVal;
+use crate::nbd::proto::*;
+
+/// The driver table's entry.
+pub const DRIVER: DriverDef = DriverDef {
+    names: &["nbd"],
+    takes_discard: false,
+    takes_cache: false,
+    open: |_, kv, flags| {
+        let opts = NbdOptions::from_kv(kv)?;
+        let driver = NbdDriver::open(opts, flags.node_name)?;
+        if driver.info().has(FLAG_READ_ONLY) && !flags.read_only {
+            // QEMU's words: its auto-read-only check fails the open with EACCES.
+            tracing::debug!(target: "stord::nbd", "NBD export is read-only");
+            return Err(GraphError::Invalid(
+                "Could not open image: Permission denied".into(),
+            ));
+        }
+        Ok(Opened {
+            driver: Box::new(driver),
+            read_only: flags.read_only,
+            direct: false,
+            bitmaps: Vec::new(),
+        })
+    },
+};
+
+/// Where the server listens (QEMU's SocketAddress, `server.*`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ServerAddr {
+    Unix(String),
+    Inet(String, String),
+}
+
+impl std::fmt::Display for ServerAddr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ServerAddr::Unix(p) => write!(f, "{p}"),
+            ServerAddr::Inet(h, p) => write!(f, "{h}:{p}"),
+        }
+    }
+}
+
+/// The node's options.
+#[derive(Debug, Clone)]
+pub struct NbdOptions {
+    pub server: ServerAddr,
+    /// `export` (QEMU's default: the empty name).
+    pub export: String,
+    /// `reconnect-delay`: seconds requests wait for a lost connection to come back.
+    pub reconnect_delay: u32,
+    /// `open-timeout`: seconds the open keeps trying to connect (0: once).
+    pub open_timeout: u32,
+    /// `x-dirty-bitmap`: the metadata context block status reports instead of
+    /// `base:allocation` (`qemu:dirty-bitmap:NAME` or `qemu:allocation-depth`).
+    pub x_dirty_bitmap: Option<String>,
+}
+
+impl NbdOptions {
+    /// From `server.type`, `server.path` | `server.host`/`server.port`, `export`,
+    /// `reconnect-delay`, `open-timeout`, `x-dirty-bitmap`.
+    pub fn from_kv(kv: &mut KeyVal) -> Result<Self, GraphError> {
+        let server = match kv.take_choice("server.type", &["unix", "inet"])?.as_deref() {
+            Some("unix") => ServerAddr::Unix(kv.take_required("server.path")?),
+            Some("inet") => ServerAddr::Inet(
+                kv.take_required("server.host")?,
+                kv.take_required("server.port")?,
+            ),
+            _ => return Err(kv.missing("server.type").into()),
+        };
+        // Options of QEMU's inet addresses that change nothing on loopback or a LAN.
+        for k in [
+            "server.numeric",
+            "server.keep-alive",
+            "server.ipv4",
+            "server.ipv6",
+        ] {
+            kv.take_bool(k, false)?;
+        }
+        if kv.take("tls-creds").is_some() || kv.take("tls-hostname").is_some() {
+            return Err(GraphError::Invalid(
+                "tls-creds: stord's NBD client does not do TLS yet".into(),
+            ));
+        }
+        let u32s = 0..=u64::from(u32::MAX);
+        let reconnect_delay = kv
+            .take_u64_in("reconnect-delay", false, u32s.clone())?
+            .unwrap_or(0) as u32;
+        let open_timeout = kv.take_u64_in("open-timeout", false, u32s)?.unwrap_or(0) as u32;
+        Ok(NbdOptions {
+            server,
+            export: kv.take("export").unwrap_or_default(),
+            reconnect_delay,
+            open_timeout,
+            x_dirty_bitmap: kv.take("x-dirty-bitmap"),
+        })
+    }
+
+    fn context(&self) -> &str {
+        self.x_dirty_bitmap
+            .as_deref()
+            .unwrap_or(META_BASE_ALLOCATION)
+    }
+
+    /// QEMU's file name of the node (`nbd+unix:///EXPORT?socket=PATH`,
+    /// `nbd://HOST:PORT/EXPORT`).
+    fn filename(&self) -> String {
+        match &self.server {
+            ServerAddr::Unix(p) => format!("nbd+unix:///{}?socket={p}", self.export),
+            ServerAddr::Inet(h, port) => format!("nbd://{h}:{port}/{}", self.export),
+        }
+    }
+}
+
+/// How long one connection attempt may take (connect and negotiation).
+const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Waits between reconnect attempts: the first, doubled up to the last.
+const RETRY_FIRST: Duration = Duration::from_millis(100);
+const RETRY_MAX: Duration = Duration::from_secs(2);
+
+/// An error as strerror words it (without Rust's "(os error N)").
+fn os_text(e: &io::Error) -> String {
+    let s = e.to_string();
+    match s.find(" (os error ") {
+        Some(i) => s[..i].to_string(),
+        None => s,
+    }
+}
+
+/// Connects and negotiates once (blocking).
+fn connect(o: &NbdOptions) -> Result<(Sock, ExportInfo), String> {
+    let failed = |e: io::Error| format!("Failed to connect to '{}': {}", o.server, os_text(&e));
+    let mut sock = match &o.server {
+        ServerAddr::Unix(p) => {
+            Sock::Unix(std::os::unix::net::UnixStream::connect(p).map_err(failed)?)
+        }
+        ServerAddr::Inet(h, port) => {
+            use std::net::ToSocketAddrs;
+            let addrs = format!("{h}:{port}")
+                .to_socket_addrs()
+                .map_err(|e| format!("address resolution failed for {h}:{port}: {e}"))?;
+            let mut last = io::Error::from(io::ErrorKind::AddrNotAvailable);
+            let mut got = None;
+            for a in addrs {
+                match std::net::TcpStream::connect_timeout(&a, ATTEMPT_TIMEOUT) {
+                    Ok(s) => {
+                        got = Some(s);
+                        break;
+                    }
+                    Err(e) => last = e,
+                }
+            }
+            let s = got.ok_or_else(|| failed(last))?;
+            let _ = s.set_nodelay(true);
+            Sock::Tcp(s)
+        }
+    };
+    let info = match &mut sock {
+        Sock::Unix(s) => {
+            s.set_read_timeout(Some(ATTEMPT_TIMEOUT)).map_err(failed)?;
+            s.set_write_timeout(Some(ATTEMPT_TIMEOUT)).map_err(failed)?;
+            handshake::negotiate(s, &o.export, o.context())
+        }
+        Sock::Tcp(s) => {
+            s.set_read_timeout(Some(ATTEMPT_TIMEOUT)).map_err(failed)?;
+            s.set_write_timeout(Some(ATTEMPT_TIMEOUT)).map_err(failed)?;
+            handshake::negotiate(s, &o.export, o.context())
+        }
+    }
+    .map_err(|e| e.to_string())?;
+    if o.x_dirty_bitmap.is_some() && info.context.is_none() {
+        // QEMU reports EINVAL from the open (its own text goes to a hint nobody sees).
+        tracing::debug!(target: "stord::nbd", "requested x-dirty-bitmap {} not found", o.context());
+        return Err("Could not open image: Invalid argument".into());
+    }
+    match &sock {
+        Sock::Unix(s) => s.set_nonblocking(true),
+        Sock::Tcp(s) => s.set_nonblocking(true),
+    }
+    .map_err(failed)?;
+    Ok((sock, info))
+}
+
+/// The node's current connection, and who waits for the next.
+#[derive(Default)]
+struct LinkState {
+    conn: Option<Arc<Conn>>,
+    /// When the connection was lost (monotonic ns), while there is none.
+    lost_at: Option<u64>,
+    /// A reconnect thread is trying.
+    reconnecting: bool,
+    /// The node is going: no more reconnects.
+    closing: bool,
+    waiters: Vec<Waker>,
+}
+
+/// What the driver, its reconnect thread and its requests share.
+struct Link {
+    opts: NbdOptions,
+    /// The export as first negotiated: a reconnect must find it the same size.
+    info: ExportInfo,
+    state: Mutex<LinkState>,
+    /// The connection's loop.
+    home: stord_aio::Remote,
+}
+
+impl Link {
+    fn lock(&self) -> MutexGuard<'_, LinkState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Installs a new connection and wakes whoever waits for one.
+    fn install(&self, conn: Arc<Conn>) {
+        conn.start(&self.home);
+        let waiters = {
+            let mut st = self.lock();
+            st.conn = Some(conn);
+            st.lost_at = None;
+            st.reconnecting = false;
+            std::mem::take(&mut st.waiters)
+        };
+        for w in waiters {
+            w.wake();
+        }
+    }
+
+    /// Tries to connect again until it works or the node closes (on its own thread).
+    fn reconnect(self: Arc<Self>) {
+        let mut wait = Duration::ZERO;
+        loop {
+            std::thread::sleep(wait);
+            if self.lock().closing {
+                return;
+            }
+            match connect(&self.opts) {
+                Ok((sock, info)) if info.size == self.info.size => {
+                    tracing::info!(target: "stord::nbd", "reconnected to {}", self.opts.server);
+                    return self.install(Conn::new(sock, info));
+                }
+                Ok(_) => tracing::warn!(
+                    target: "stord::nbd",
+                    "cannot reconnect to {}: the export's size changed", self.opts.server
+                ),
+                Err(e) => tracing::debug!(target: "stord::nbd", "reconnect: {e}"),
+            }
+            wait = (wait * 2).clamp(RETRY_FIRST, RETRY_MAX);
+        }
+    }
+
+    /// A live connection: the current one, else one a reconnect brings within
+    /// `reconnect-delay` of the loss; else EIO.
+    async fn connection(self: &Arc<Self>) -> io::Result<Arc<Conn>> {
+        let mut sleep: Option<std::pin::Pin<Box<stord_aio::Sleep>>> = None;
+        std::future::poll_fn(|cx| {
+            let mut st = self.lock();
+            match &st.conn {
+                Some(c) if !c.is_dead() => return Poll::Ready(Ok(c.clone())),
+                Some(_) => st.conn = None,
+                None => {}
+            }
+            let now = stord_aio::sys::now_ns();
+            let lost_at = *st.lost_at.get_or_insert(now);
+            if !st.reconnecting && !st.closing {
+                st.reconnecting = true;
+                let link = self.clone();
+                let spawned = std::thread::Builder::new()
+                    .name("stord-nbd-reconnect".into())
+                    .spawn(move || link.reconnect());
+                if let Err(e) = spawned {
+                    st.reconnecting = false;
+                    tracing::error!("cannot start an NBD reconnect thread: {e}");
+                }
+            }
+            let deadline = lost_at + u64::from(self.opts.reconnect_delay) * 1_000_000_000;
+            if now >= deadline || st.closing {
+                tracing::debug!(target: "stord::nbd", "request failed: no connection");
+                return Poll::Ready(Err(io::Error::from_raw_os_error(libc::EIO)));
+            }
+            st.waiters.push(cx.waker().clone());
+            drop(st);
+            let s = sleep.get_or_insert_with(|| Box::pin(stord_aio::sleep_until(deadline)));
+            // Woken by the timer or a new connection; either way look again.
+            let _ = s.as_mut().poll(cx);
+            Poll::Pending
+        })
+        .await
+    }
+}
+
+/// The NBD client driver.
+pub struct NbdDriver {
+    link: Arc<Link>,
+    /// The connection's loop (stopped and joined when the node goes).
+    _thread: stord_aio::IoThread,
+}
+
+impl NbdDriver {
+    /// Connects (trying again for `open-timeout` seconds) and starts the node's loop.
+    pub fn open(opts: NbdOptions, node_name: &str) -> Result<Self, GraphError> {
+        let deadline =
+            std::time::Instant::now() + Duration::from_secs(u64::from(opts.open_timeout));
+        let mut wait = RETRY_FIRST;
+        let (sock, info) = loop {
+            match connect(&opts) {
+                Ok(c) => break c,
+                Err(e) if std::time::Instant::now() + wait >= deadline => {
+                    return Err(GraphError::Invalid(e))
+                }
+                Err(_) => {
+                    std::thread::sleep(wait);
+                    wait = (wait * 2).min(RETRY_MAX);
+                }
+            }
+        };
+        let thread = stord_aio::IoThread::spawn(stord_aio::AioContextOptions {
+            name: format!("nbd-{node_name}"),
+            ..Default::default()
+        })
+        .map_err(|e| GraphError::Invalid(format!("cannot start the node's loop: {e}")))?;
+        let link = Arc::new(Link {
+            opts,
+            info: info.clone(),
+            state: Mutex::default(),
+            home: thread.remote().clone(),
+        });
+        link.install(Conn::new(sock, info));
+        Ok(NbdDriver {
+            link,
+            _thread: thread,
+        })
+    }
+
+    fn info(&self) -> &ExportInfo {
+        &self.link.info
+    }
+
+    /// One request, sent again on a new connection if the old one is lost in between
+    /// (within `reconnect-delay`).
+    async fn call(
+        &self,
+        req: Request,
+        data: Option<&[u8]>,
+        mut buf: Option<Buf>,
+    ) -> (io::Result<conn::Reply>, Option<Buf>) {
+        loop {
+            let c = match self.link.connection().await {
+                Ok(c) => c,
+                Err(e) => return (Err(e), buf),
+            };
+            match c.call(req, data, buf).await {
+                (Outcome::Done(r), b) => return (r, b),
+                (Outcome::Lost, b) => buf = b,
+            }
+        }
+    }
+
+    async fn simple(&self, cmd: u16, flags: u16, offset: u64, len: u32) -> io::Result<()> {
+        let req = Request {
+            cmd,
+            flags,
+            offset,
+            len,
+        };
+        self.call(req, None, None).await.0.map(|_| ())
+    }
+
+    /// Largest request payload (the server's limit).
+    fn max_payload(&self) -> usize {
+        self.info().max_block as usize
+    }
+
+    /// Largest length of a request without payload (trim, write-zeroes, block status).
+    fn max_length(&self) -> u64 {
+        let align = u64::from(self.info().min_block);
+        (u64::from(u32::MAX) / align) * align
+    }
+
+    async fn read_at(&self, offset: u64, buf: Buf) -> (io::Result<()>, Buf) {
+        let len = buf.len();
+        let req = Request {
+            cmd: CMD_READ,
+            flags: 0,
+            offset,
+            len: len as u32,
+        };
+        let (r, b) = self.call(req, None, Some(buf)).await;
+        (r.map(|_| ()), b.expect("a read's buffer comes back"))
+    }
+
+    async fn write_at(&self, offset: u64, data: &[u8], fua: bool) -> io::Result<()> {
+        let native_fua = fua && self.info().has(FLAG_SEND_FUA);
+        let req = Request {
+            cmd: CMD_WRITE,
+            flags: if native_fua { CMD_FLAG_FUA } else { 0 },
+            offset,
+            len: data.len() as u32,
+        };
+        self.call(req, Some(data), None).await.0?;
+        if fua && !native_fua {
+            self.do_flush().await?;
+        }
+        Ok(())
+    }
+
+    async fn do_flush(&self) -> io::Result<()> {
+        if !self.info().has(FLAG_SEND_FLUSH) {
+            return Ok(());
+        }
+        self.simple(CMD_FLUSH, 0, 0, 0).await
+    }
+
+    /// Trim or write-zeroes over a range, in pieces the protocol's 32-bit length holds.
+    async fn ranged(&self, cmd: u16, flags: u16, mut offset: u64, len: u64) -> io::Result<()> {
+        let end = offset + len;
+        while offset < end {
+            let n = (end - offset).min(self.max_length());
+            self.simple(cmd, flags, offset, n as u32).await?;
+            offset += n;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for NbdDriver {
+    fn drop(&mut self) {
+        let conn = {
+            let mut st = self.link.lock();
+            st.closing = true;
+            st.conn.take()
+        };
+        if let Some(c) = conn {
+            c.disconnect();
+        }
+        for w in std::mem::take(&mut self.link.lock().waiters) {
+            w.wake();
+        }
+    }
+}
+
+impl BlockDriver for NbdDriver {
+    fn driver_name(&self) -> &'static str {
+        "nbd"
+    }
+    fn size(&self) -> u64 {
+        self.info().size
+    }
+    fn read(&self, offset: u64, buf: Buf) -> BoxFut<'_, (io::Result<()>, Buf)> {
+        Box::pin(async move {
+            let max = self.max_payload();
+            if buf.len() <= max {
+                return self.read_at(offset, buf).await;
+            }
+            // Larger than the server takes: in pieces, through a buffer of the largest.
+            let mut buf = buf;
+            let mut piece = super::request_buf(max);
+            let mut at = 0;
+            while at < buf.len() {
+                let n = (buf.len() - at).min(max);
+                if n < max {
+                    piece = super::request_buf(n);
+                }
+                let (r, p) = self.read_at(offset + at as u64, piece).await;
+                piece = p;
+                if let Err(e) = r {
+                    return (Err(e), buf);
+                }
+                buf[at..at + n].copy_from_slice(&piece[..n]);
+                at += n;
+            }
+            (Ok(()), buf)
+        })
+    }
+    fn write(&self, offset: u64, buf: Buf, fua: bool) -> BoxFut<'_, (io::Result<()>, Buf)> {
+        Box::pin(async move {
+            let max = self.max_payload();
+            let mut at = 0;
+            while at < buf.len() {
+                let n = (buf.len() - at).min(max);
+                let last = at + n == buf.len();
+                if let Err(e) = self
+                    .write_at(offset + at as u64, &buf[at..at + n], fua && last)
+                    .await
+                {
+                    return (Err(e), buf);
+                }
+                at += n;
+            }
+            (Ok(()), buf)
+        })
+    }
+    fn flush(&self) -> BoxFut<'_, io::Result<()>> {
+        Box::pin(self.do_flush())
+    }
+    fn discard(&self, offset: u64, len: u64) -> BoxFut<'_, io::Result<()>> {
+        Box::pin(async move {
+            if !self.info().has(FLAG_SEND_TRIM) {
+                return Ok(());
+            }
+            self.ranged(CMD_TRIM, 0, offset, len).await
+        })
+    }
+    fn write_zeroes(&self, offset: u64, len: u64, may_unmap: bool) -> BoxFut<'_, io::Result<()>> {
+        Box::pin(async move {
+            if self.info().has(FLAG_SEND_WRITE_ZEROES) {
+                let flags = if may_unmap { 0 } else { CMD_FLAG_NO_HOLE };
+                return self.ranged(CMD_WRITE_ZEROES, flags, offset, len).await;
+            }
+            // A server without it gets zeroes written.
+            let zeroes = vec![0u8; (self.max_payload() as u64).min(len).min(1 << 20) as usize];
+            let (mut at, end) = (offset, offset + len);
+            while at < end {
+                let n = (end - at).min(zeroes.len() as u64) as usize;
+                self.write_at(at, &zeroes[..n], false).await?;
+                at += n as u64;
+            }
+            Ok(())
+        })
+    }
+    fn block_status(&self, offset: u64, len: u64) -> BoxFut<'_, io::Result<BlockStatus>> {
+        Box::pin(async move {
+            if self.info().context.is_none() {
+                return Ok(BlockStatus {
+                    len,
+                    allocated: true,
+                    zero: false,
+                });
+            }
+            let n = len.min(self.max_length());
+            let req = Request {
+                cmd: CMD_BLOCK_STATUS,
+                flags: CMD_FLAG_REQ_ONE,
+                offset,
+                len: n as u32,
+            };
+            let (r, _) = self.call(req, None, None).await;
+            r?.status
+                .ok_or_else(|| io::Error::other("NBD server sent no block status"))
+        })
+    }
+    /// QEMU's block_resize truncates inexactly: a smaller size succeeds and changes
+    /// nothing (the export keeps its size); a larger one is refused.
+    fn resize(&self, size: u64) -> BoxFut<'_, io::Result<()>> {
+        let r = if size <= self.size() {
+            Ok(())
+        } else {
+            Err(io::Error::new(
+                io::ErrorKind::Unsupported,
+                "Cannot grow NBD nodes",
+            ))
+        };
+        Box::pin(std::future::ready(r))
+    }
+    fn filename(&self) -> Option<String> {
+        Some(self.link.opts.filename())
+    }
+    fn reports_host_size(&self) -> bool {
+        false
+    }
+}

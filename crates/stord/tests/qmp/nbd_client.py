@@ -1,0 +1,295 @@
+"""driver=nbd, the NBD client node: the same flows against qsd and stord, with qemu-nbd as
+the server each daemon's node connects to.
+
+- blockdev-add's refusals (no server, a refused connection, an unknown export, a read-only
+  export opened writable, an x-dirty-bitmap the server lacks) and block_resize (grow
+  refused, shrink a no-op), with QEMU's texts and classes; the node's query entry.
+- fio verify (nbd engine, many requests in flight) through an NBD export of the node, and
+  through a FUSE export of it on stord; block status passes through (qemu-img map of the
+  export equals the server's); nbdcopy of the export equals the server's file.
+- qcow2 over an nbd node (qemu-nbd serving the qcow2 file's bytes): fio verify, then the
+  same pattern written by qemu-io on both; qemu-img check clean, images compare-identical.
+- The server killed: with reconnect-delay=0 a read fails with EIO at once while another
+  export keeps serving, and works again once the server is back; with reconnect-delay=10,
+  fio verify writes across a kill and restart of the server with no error.
+- A server that stalls (SIGSTOP): QMP still answers, another export still serves, and
+  SIGTERM still stops stord (after its 10 s flush limit; qsd 10.0 waits for the server)."""
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import common
+from common import ok
+
+SIZE = 64 << 20
+
+
+class Server:
+    """qemu-nbd serving `image` (as raw bytes) on a unix socket, restartable."""
+
+    def __init__(self, tag, name, image, read_only=False):
+        self.sock = common.path(f"nc-{tag}-{name}.sock")
+        self.image = image
+        self.read_only = read_only
+        self.proc = None
+        self.start()
+
+    def start(self):
+        if os.path.exists(self.sock):
+            os.unlink(self.sock)
+        args = ["qemu-nbd", "-f", "raw", "-x", "exp", "-k", self.sock, "-e", "8", "-t"]
+        if self.read_only:
+            args.append("-r")
+        self.proc = subprocess.Popen(args + [self.image], stderr=subprocess.DEVNULL)
+        deadline = time.time() + 10
+        while not os.path.exists(self.sock):
+            assert time.time() < deadline, "qemu-nbd did not listen"
+            time.sleep(0.01)
+
+    def kill(self):
+        self.proc.kill()
+        self.proc.wait()
+
+    def server(self):
+        return {"type": "unix", "path": self.sock}
+
+
+def raw_image(tag, name, size=SIZE):
+    p = common.path(f"nc-{tag}-{name}.raw")
+    with open(p, "wb") as f:
+        f.truncate(size)
+    subprocess.run(["qemu-io", "-f", "raw", "-c", "write -P 0x3c 1M 2M", "-c",
+                    "write -P 0x7e 40M 64k", p], check=True, capture_output=True)
+    return p
+
+
+def uri(tag, name):
+    return f"nbd+unix:///{name}?socket={common.path(f'nc-{tag}-exp.sock')}"
+
+
+def fio_verify(target, offset, size="8M", extra=()):
+    return common.fio("--name=v", "--rw=randwrite", "--bs=4k", f"--offset={offset}",
+                      f"--size={size}", "--verify=crc32c", "--do_verify=1", "--iodepth=16",
+                      *target, *extra)
+
+
+def nbd_target(tag, name):
+    return ["--ioengine=nbd", f"--uri={uri(tag, name)}"]
+
+
+def qemu_io_uri(u, *cmds):
+    args = ["qemu-io", "-f", "raw"]
+    for c in cmds:
+        args += ["-c", c]
+    return subprocess.run(args + [u], capture_output=True, text=True)
+
+
+def refusals(q, tag):
+    out = []
+    d = common.path
+    ro = Server(tag, "ro", raw_image(tag, "ro"), read_only=True)
+    srv = Server(tag, "err", raw_image(tag, "err"))
+    cases = [
+        {"server": {"type": "unix", "path": d("nc-nope.sock")}, "export": "exp"},
+        {"server": {"type": "inet", "host": "127.0.0.1", "port": "1"}, "export": "exp"},
+        {"server": srv.server(), "export": "zzz"},
+        {"server": ro.server(), "export": "exp"},
+        {"server": srv.server(), "export": "exp", "x-dirty-bitmap": "qemu:dirty-bitmap:b"},
+    ]
+    for c in cases:
+        r = q.cmd_raw("blockdev-add", dict(driver="nbd", **{"node-name": "bad"}, **c))
+        out.append(r.get("error", r))
+    # Read-only, it opens; the node is read-only.
+    ok(q.cmd_raw("blockdev-add", {"driver": "nbd", "node-name": "ro", "read-only": True,
+                                  "server": ro.server(), "export": "exp"}))
+    ok(q.cmd_raw("blockdev-add", {"driver": "nbd", "node-name": "n", "server": srv.server(),
+                                  "export": "exp"}))
+    out.append(q.cmd_raw("block_resize", {"node-name": "n", "size": SIZE * 2}))
+    out.append(q.cmd_raw("block_resize", {"node-name": "n", "size": SIZE // 2}))
+    for n in q.cmd_raw("query-named-block-nodes")["return"]:
+        if n["node-name"] in ("n", "ro"):
+            n = {k: v for k, v in n.items() if k not in ("file", "image")}
+            out.append(n)
+    entry = [n for n in q.cmd_raw("query-named-block-nodes")["return"] if n["node-name"] == "n"]
+    assert entry[0]["file"] == f"nbd+unix:///exp?socket={srv.sock}", entry
+    assert entry[0]["image"]["virtual-size"] == SIZE, entry
+    ok(q.cmd_raw("blockdev-del", {"node-name": "n"}))
+    ok(q.cmd_raw("blockdev-del", {"node-name": "ro"}))
+    ro.kill()
+    srv.kill()
+    return [json.dumps(x, sort_keys=True).replace(tag, "TAG") for x in out]
+
+
+def start(binary, tag):
+    d = common.Daemon(["--object", "iothread,id=io0", "--nbd-server",
+                       f"addr.type=unix,addr.path={common.path(f'nc-{tag}-exp.sock')}"],
+                      binary=binary, tag=tag)
+    return d, d.qmp()
+
+
+def data_paths(q, tag, stord):
+    """fio verify through exports of an nbd node; the server's file ends up as read."""
+    disk = raw_image(tag, "disk")
+    srv = Server(tag, "disk", disk)
+    ok(q.cmd_raw("blockdev-add", {"driver": "nbd", "node-name": "disk",
+                                  "server": srv.server(), "export": "exp"}))
+    ok(q.cmd_raw("block-export-add", {"type": "nbd", "id": "e0", "node-name": "disk",
+                                      "name": "disk", "writable": True, "iothread": "io0"}))
+    fio_verify(nbd_target(tag, "disk"), "8M")
+    # Larger and odd requests, reads and writes mixed.
+    fio_verify(nbd_target(tag, "disk"), "20M", "16M", ("--bsrange=512-2M", "--rw=randrw"))
+    if stord:
+        mnt = common.path(f"nc-{tag}-fuse")
+        open(mnt, "w").close()
+        ok(q.cmd_raw("block-export-add", {"type": "fuse", "id": "f0", "node-name": "disk",
+                                          "mountpoint": mnt, "writable": True,
+                                          "iothread": ["io0"]}))
+        fio_verify(["--ioengine=psync", f"--filename={mnt}", "--direct=1"], "48M", "4M",
+                   ("--iodepth=1",))
+        ok(q.cmd_raw("block-export-del", {"id": "f0"}))
+        common.wait_event(q, "BLOCK_EXPORT_DELETED")
+    # Block status passes through: the export's map is the server's.
+    m1 = subprocess.run(["qemu-img", "map", "--output=json", "-f", "raw", uri(tag, "disk")],
+                        capture_output=True, text=True, check=True).stdout
+    m2 = subprocess.run(["qemu-img", "map", "--output=json", "-f", "raw",
+                         f"nbd+unix:///exp?socket={srv.sock}"],
+                        capture_output=True, text=True, check=True).stdout
+    assert m1 == m2, (m1, m2)
+    copy = common.path(f"nc-{tag}-copy.raw")
+    subprocess.run(["nbdcopy", uri(tag, "disk"), copy], check=True)
+    ok(q.cmd_raw("block-export-del", {"id": "e0"}))
+    common.wait_event(q, "BLOCK_EXPORT_DELETED")
+    ok(q.cmd_raw("blockdev-del", {"node-name": "disk"}))
+    srv.kill()
+    with open(copy, "rb") as a, open(disk, "rb") as b:
+        assert a.read() == b.read(), "the export read differs from the server's file"
+
+
+def qcow2_over_nbd(q, tag):
+    image = common.path(f"nc-{tag}-q.qcow2")
+    if os.path.exists(image):
+        os.unlink(image)
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", image, str(SIZE)], check=True)
+    # An NBD export cannot grow: the qcow2 file gets room for its clusters up front, as
+    # on a block device.
+    os.truncate(image, SIZE + (16 << 20))
+    srv = Server(tag, "q", image)
+    ok(q.cmd_raw("blockdev-add", {"driver": "qcow2", "node-name": "q",
+                                  "file": {"driver": "nbd", "server": srv.server(),
+                                           "export": "exp"}}))
+    ok(q.cmd_raw("block-export-add", {"type": "nbd", "id": "eq", "node-name": "q",
+                                      "name": "q", "writable": True, "iothread": "io0"}))
+    fio_verify(nbd_target(tag, "q"), "4M")
+    # The same bytes on both daemons' images (fio's verify headers carry timestamps).
+    r = qemu_io_uri(uri(tag, "q"), "write -P 0x61 0 16M", "write -z 24M 1M",
+                    "write -P 0x62 60M 64k", "discard 2M 1M")
+    assert r.returncode == 0 and "error" not in r.stdout, r
+    ok(q.cmd_raw("block-export-del", {"id": "eq"}))
+    common.wait_event(q, "BLOCK_EXPORT_DELETED")
+    ok(q.cmd_raw("blockdev-del", {"node-name": "q"}))
+    srv.kill()
+    subprocess.run(["qemu-img", "check", "-q", image], check=True)
+    return image
+
+
+def faults(q, tag):
+    """The server killed and restarted, with and without reconnect-delay."""
+    out = []
+    disk = raw_image(tag, "f")
+    srv = Server(tag, "f", disk)
+    ok(q.cmd_raw("blockdev-add", {"driver": "nbd", "node-name": "f0", "server": srv.server(),
+                                  "export": "exp"}))
+    ok(q.cmd_raw("blockdev-add", {"driver": "nbd", "node-name": "f10", "server": srv.server(),
+                                  "export": "exp", "reconnect-delay": 10}))
+    ok(q.cmd_raw("blockdev-add", {"driver": "null-co", "node-name": "other",
+                                  "size": 1 << 20}))
+    for n in ("f0", "f10", "other"):
+        ok(q.cmd_raw("block-export-add", {"type": "nbd", "id": n, "node-name": n, "name": n,
+                                          "writable": True, "iothread": "io0"}))
+    srv.kill()
+    r = qemu_io_uri(uri(tag, "f0"), "read -P 0x3c 1M 64k")
+    out.append(("f0 read, server gone", "Input/output error" in r.stdout + r.stderr))
+    r = qemu_io_uri(uri(tag, "other"), "read 0 64k")
+    out.append(("other export", r.returncode == 0 and "error" not in r.stdout))
+    srv.start()
+    deadline = time.time() + 10
+    while True:
+        r = qemu_io_uri(uri(tag, "f0"), "read -P 0x3c 1M 64k")
+        if r.returncode == 0 and "error" not in r.stdout and "fail" not in r.stdout:
+            break
+        assert time.time() < deadline, f"no reconnect: {r}"
+        time.sleep(0.2)
+    out.append(("f0 read, server back", True))
+
+    # reconnect-delay=10: writes wait across the kill and go on after the restart.
+    def bounce():
+        time.sleep(1.0)
+        srv.kill()
+        time.sleep(2.0)
+        srv.start()
+    t = threading.Thread(target=bounce)
+    t.start()
+    res = fio_verify(nbd_target(tag, "f10"), "16M", "16M",
+                     ("--iodepth=4", "--rate_iops=2000"))
+    t.join()
+    out.append(("f10 fio across the restart", res["jobs"][0]["error"] == 0))
+
+    # A stalled server: QMP answers, another export serves.
+    srv.proc.send_signal(signal.SIGSTOP)
+    stalled = subprocess.Popen(["qemu-io", "-f", "raw", "-c", "read 0 4k", uri(tag, "f0")],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(0.5)
+    t0 = time.time()
+    ok(q.cmd_raw("query-block-exports"))
+    out.append(("QMP answers while stalled", time.time() - t0 < 2))
+    r = qemu_io_uri(uri(tag, "other"), "read 0 64k")
+    out.append(("other export while stalled", r.returncode == 0 and "error" not in r.stdout))
+    return out, srv, stalled
+
+
+def run(binary, tag):
+    stord = tag == "stord"
+    d, q = start(binary, tag)
+    rec = {"refusals": refusals(q, tag)}
+    print(tag, "refusals done", flush=True)
+    data_paths(q, tag, stord)
+    print(tag, "data paths done", flush=True)
+    image = qcow2_over_nbd(q, tag)
+    print(tag, "qcow2 done", flush=True)
+    rec["faults"], srv, stalled = faults(q, tag)
+    print(tag, "faults done", flush=True)
+    # SIGTERM with a request stuck on the stalled server: the daemon still stops.
+    # (qsd 10.0 does not: it waits for the request; it is killed after 15 s.)
+    t0 = time.time()
+    d.signal(signal.SIGTERM)
+    try:
+        d.wait(timeout=30 if stord else 15)
+        stopped = True
+    except subprocess.TimeoutExpired:
+        stopped = False
+        d.proc.kill()
+    print(tag, "SIGTERM with a stalled server:",
+          f"stopped in {time.time() - t0:.1f} s" if stopped else "still running, killed")
+    srv.proc.send_signal(signal.SIGCONT)
+    srv.kill()
+    stalled.kill()
+    return rec, image, stopped
+
+
+def test():
+    qsd, qsd_image, _ = run("qemu-storage-daemon", "qsd")
+    st, st_image, stopped = run(common.STORD, "stord")
+    for k in qsd:
+        assert qsd[k] == st[k], f"{k}:\n qsd   {qsd[k]}\n stord {st[k]}"
+    assert all(v for _, v in st["faults"]), st["faults"]
+    assert stopped, "stord did not stop on SIGTERM with a stalled server"
+    r = subprocess.run(["qemu-img", "compare", "-q", qsd_image, st_image])
+    assert r.returncode == 0, "the qcow2 images over nbd differ"
+
+
+if __name__ == "__main__":
+    common.main(test)
