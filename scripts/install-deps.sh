@@ -25,7 +25,11 @@ fi
 # qemu-utils is impossible (both ship qemu-storage-daemon). Debian 13 has 10.0 already.
 mapfile -t bpo < <(sed -e 's/#.*//' -e '/^\s*$/d' .ci/apt-backports.txt)
 qsd_major=$(qemu-storage-daemon --version 2>/dev/null | sed -n 's/.*version \([0-9]*\)\..*/\1/p' | head -1)
-if [ "${qsd_major:-0}" -lt 10 ] || ! command -v qemu-system-x86_64 >/dev/null; then
+bpo_missing=0
+for p in "${bpo[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || bpo_missing=1
+done
+if [ "${qsd_major:-0}" -lt 10 ] || ! command -v qemu-system-x86_64 >/dev/null || [ "$bpo_missing" = 1 ]; then
     . /etc/os-release
     if [ "${VERSION_CODENAME:-}" = bookworm ]; then
         echo "install-deps: installing ${bpo[*]} from bookworm-backports"

@@ -104,3 +104,8 @@ fn nbd_exports_dirty_bitmaps_as_qsd() {
 fn qmp_nbd_client_node_answers_as_qsd_and_survives_its_server() {
     run_script("nbd_client.py");
 }
+
+#[test]
+fn qmp_rbd_node_on_a_real_ceph_cluster_answers_as_qsd() {
+    run_script("rbd.py");
+}

@@ -721,3 +721,78 @@ fn libblkio_round_trips_data_over_an_nbd_node() {
         );
     }
 }
+
+/// The export over an `rbd` node on a one-OSD Ceph cluster (scripts/ceph-cluster.sh):
+/// librbd completes on its own threads and hands each request back to the export's
+/// IoThread; `rbd export` of the image holds what every queue wrote.
+#[test]
+fn libblkio_round_trips_data_over_an_rbd_node() {
+    let dir = tmpdir("blkio-rbd-node");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/ceph-cluster.sh");
+    let ceph = dir.join("ceph");
+    let port = 37000 + std::process::id() % 1000;
+    let out = Command::new(&script)
+        .arg("start")
+        .arg(&ceph)
+        .env("CEPH_MON_PORT", port.to_string())
+        .output()
+        .expect("ceph-cluster.sh");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Stops the cluster however the test ends.
+    struct Stop<'a>(&'a Path, &'a Path);
+    impl Drop for Stop<'_> {
+        fn drop(&mut self) {
+            let _ = Command::new(self.0).arg("stop").arg(self.1).status();
+        }
+    }
+    let _stop = Stop(&script, &ceph);
+    let conf = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .last()
+        .unwrap()
+        .to_string();
+    let rbd = |args: &[&str]| {
+        let o = Command::new("rbd")
+            .arg("-c")
+            .arg(&conf)
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    };
+    rbd(&["create", "rbd/vu", "--size", "64M"]);
+    let sock = dir.join("vhost.sock");
+    let mut args: Vec<String> = vec![
+        "--object".into(),
+        "iothread,id=io0".into(),
+        "--blockdev".into(),
+        format!("driver=rbd,node-name=disk,pool=rbd,image=vu,conf={conf}"),
+        "--export".into(),
+        format!(
+            "type=vhost-user-blk,id=vu0,node-name=disk,addr.type=unix,addr.path={},\
+             writable=on,iothread=io0",
+            sock.display()
+        ),
+    ];
+    args.extend(monitor_args(&dir.join("qmp.sock")));
+    let peer = Peer::Stord(Stord::start(&dir, &args));
+    let mut c = connect(&sock, 1, false);
+    assert_eq!(c.blkio.get_u64("capacity").unwrap(), IMAGE);
+    let written = write_and_verify(&mut c);
+    drop(c);
+    peer.stop();
+    let exported = dir.join("export.raw");
+    rbd(&["export", "rbd/vu", exported.to_str().unwrap()]);
+    let image = std::fs::read(&exported).unwrap();
+    for (offset, data) in written {
+        let at = offset as usize;
+        assert!(
+            image[at..at + SPAN] == data[..],
+            "the rbd image does not hold what the queue at {offset} wrote"
+        );
+    }
+}

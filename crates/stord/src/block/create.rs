@@ -194,9 +194,17 @@ pub async fn create_qcow2(file: &Arc<BlockNode>, o: &Qcow2Create) -> io::Result<
         )
         .map_err(io::Error::other)?;
     let total = l.clusters();
-    // The file starts over: cut to nothing, then zeroed to the metadata's size.
-    file.resize(0).await?;
-    file.resize(total * cs).await?;
+    // The metadata's area reads as zeroes: grown if the file is smaller (a new file),
+    // zeroed where it held something. The rest is left as it is (as QEMU's qcow2_co_create
+    // leaves it): storage that cannot change size (an NBD export, a block device) or
+    // should not (an RBD image) keeps its size.
+    let (have, need) = (file.size(), total * cs);
+    if have < need {
+        file.resize(need).await?;
+    }
+    if have > 0 {
+        file.write_zeroes(0, have.min(need), false).await?;
+    }
     let write = |offset: u64, bytes: &[u8]| {
         let mut buf = super::new_buf(bytes.len().div_ceil(512) * 512);
         buf[..bytes.len()].copy_from_slice(bytes);
@@ -220,7 +228,7 @@ pub async fn create_qcow2(file: &Arc<BlockNode>, o: &Qcow2Create) -> io::Result<
         }
         write((1 + l.reftable_clusters + b) * cs, &block).await?;
     }
-    // The L1 table is all zero already (the file was zeroed by the resize).
+    // The L1 table is all zero already (zeroed above).
     file.flush().await
 }
 

@@ -64,6 +64,9 @@ pub trait Graph {
 
     /// The throttle group `id`.
     fn throttle_group(&self, id: &str) -> Option<Arc<ThrottleGroup>>;
+
+    /// The bytes of the `secret` object `id` (a cluster key).
+    fn secret(&self, id: &str) -> Option<Vec<u8>>;
 }
 
 /// What a driver's `open` is told besides its options.
@@ -109,6 +112,7 @@ pub const BLOCK_DRIVERS: &[&DriverDef] = &[
     &super::throttle::DRIVER,
     &super::qcow2::DRIVER,
     &super::nbd::DRIVER,
+    &super::rbd::DRIVER,
 ];
 
 /// The driver `name` selects.

@@ -18,9 +18,14 @@ pub mod perm;
 pub mod qcow2;
 pub mod range_lock;
 pub mod raw;
+pub mod rbd;
 pub mod throttle;
 
 pub use iov::IoVec;
+
+/// Runs a blocking call on the current IoThread's worker pool and completes on the loop
+/// (drivers whose libraries only offer blocking calls for some operations).
+pub(crate) use file::threads::run as offload;
 
 use std::future::Future;
 use std::io;
@@ -149,9 +154,14 @@ pub trait BlockDriver: Send + Sync {
     fn filename(&self) -> Option<String> {
         None
     }
-    /// Whether query commands report the image's size on its host and a dirty flag
-    /// (false where QEMU has neither to report, as for an NBD server's export).
+    /// Whether query commands report the image's size on its host (`actual-size`; QEMU
+    /// has none for network storage).
     fn reports_host_size(&self) -> bool {
+        true
+    }
+    /// Whether query commands report a dirty flag (QEMU's bdrv_get_info answers; it
+    /// does not for an NBD server's export).
+    fn has_image_info(&self) -> bool {
         true
     }
     /// Bytes of storage the node takes on its host (st_blocks of the image file), if known.
@@ -409,6 +419,11 @@ impl BlockNode {
     /// See [`BlockDriver::reports_host_size`].
     pub fn reports_host_size(&self) -> bool {
         self.driver.reports_host_size()
+    }
+
+    /// See [`BlockDriver::has_image_info`].
+    pub fn has_image_info(&self) -> bool {
+        self.driver.has_image_info()
     }
 
     /// The driver, for a parent node that forwards requests to it (no second round of

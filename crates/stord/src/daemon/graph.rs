@@ -302,6 +302,10 @@ impl Graph for Builder<'_> {
     fn throttle_group(&self, id: &str) -> Option<Arc<ThrottleGroup>> {
         self.st.throttle_groups.get(id).cloned()
     }
+
+    fn secret(&self, id: &str) -> Option<Vec<u8>> {
+        self.st.secret(id)
+    }
 }
 
 /// QEMU's `id_wellformed`: a letter, then letters, digits, `-`, `.` and `_` (object ids,

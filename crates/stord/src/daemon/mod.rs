@@ -189,6 +189,12 @@ pub enum CreateOptions {
         file: String,
         opts: crate::block::create::Qcow2Create,
     },
+    /// An RBD image.
+    Rbd {
+        location: crate::block::rbd::RbdOptions,
+        size: u64,
+        cluster_size: Option<u64>,
+    },
 }
 
 /// Jobs.
@@ -210,7 +216,7 @@ impl State {
                     .cloned()
                     .ok_or_else(|| format!("Cannot find device='{file}' nor node-name='{file}'")),
             ),
-            CreateOptions::File(_) => None,
+            CreateOptions::File(_) | CreateOptions::Rbd { .. } => None,
         };
         let opts = crate::job::JobOptions::plain(true, false);
         self.jobs.start(
@@ -223,6 +229,17 @@ impl State {
                 let r = async {
                     match o {
                         CreateOptions::File(f) => crate::block::create::create_file(&f),
+                        // librados blocks while it connects: on a worker.
+                        CreateOptions::Rbd {
+                            location,
+                            size,
+                            cluster_size,
+                        } => {
+                            crate::block::offload(move || {
+                                crate::block::rbd::create(&location, size, cluster_size)
+                            })
+                            .await
+                        }
                         CreateOptions::Qcow2 { opts, .. } => {
                             opts.check()?;
                             let Some(file) = node else {

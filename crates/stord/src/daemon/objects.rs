@@ -112,11 +112,7 @@ fn create_tls_creds(
     id: &str,
     mut kv: KeyVal,
 ) -> Result<(), DaemonError> {
-    let secret = |id: &str| match st.objects.get(id) {
-        Some(UserObject::Secret(s)) => Some(s.bytes().to_vec()),
-        _ => None,
-    };
-    let creds = TlsCreds::from_object(kind, &mut kv, &secret)?;
+    let creds = TlsCreds::from_object(kind, &mut kv, &|id: &str| st.secret(id))?;
     kv.finish()?;
     st.objects
         .insert(id.into(), UserObject::TlsCreds(Arc::new(creds)));
@@ -181,6 +177,16 @@ impl State {
             obj.stop();
         }
         Ok(())
+    }
+}
+
+impl State {
+    /// The bytes of the `secret` object `id`, if there is one.
+    pub(crate) fn secret(&self, id: &str) -> Option<Vec<u8>> {
+        match self.objects.get(id) {
+            Some(UserObject::Secret(s)) => Some(s.bytes().to_vec()),
+            _ => None,
+        }
     }
 }
 

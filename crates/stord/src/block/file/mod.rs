@@ -17,7 +17,7 @@
 mod extent_cache;
 mod linux_aio;
 pub(crate) mod lock;
-mod threads;
+pub(crate) mod threads;
 mod uring;
 
 pub use linux_aio::{NativeTuning, HARVEST_AFTER_SUBMIT, HARVEST_ON_EVENT};

@@ -115,7 +115,7 @@ struct Shared<T> {
 }
 
 /// Runs `f` on a worker; completes with its result on the calling loop.
-pub(super) struct PoolFuture<T> {
+pub(crate) struct PoolFuture<T> {
     shared: Arc<Mutex<Shared<T>>>,
 }
 
@@ -133,7 +133,7 @@ impl<T> Future for PoolFuture<T> {
     }
 }
 
-pub(super) fn run<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> PoolFuture<T> {
+pub(crate) fn run<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> PoolFuture<T> {
     let shared = Arc::new(Mutex::new(Shared {
         result: None,
         waker: None,

@@ -581,4 +581,7 @@ impl BlockDriver for NbdDriver {
     fn reports_host_size(&self) -> bool {
         false
     }
+    fn has_image_info(&self) -> bool {
+        false
+    }
 }

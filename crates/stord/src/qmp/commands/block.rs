@@ -184,9 +184,11 @@ fn node_fields(n: &crate::block::BlockNode) -> Value {
             "dirty-flag": false,
         },
     });
-    if !n.reports_host_size() {
-        if let Some(image) = v["image"].as_object_mut() {
+    if let Some(image) = v["image"].as_object_mut() {
+        if !n.reports_host_size() {
             image.remove("actual-size");
+        }
+        if !n.has_image_info() {
             image.remove("dirty-flag");
         }
     }

@@ -26,7 +26,7 @@ pub const BLOCKDEV_CREATE: Command = Command {
         let Some(Value::Object(options)) = a.take("options") else {
             return Err(super::missing("options"));
         };
-        let o = create_options(options)?;
+        let o = create_options(options, &|id| state.borrow().secret(id))?;
         state.borrow_mut().blockdev_create(&id, o)?;
         Ok(json!({}))
     },
@@ -59,9 +59,20 @@ const QCOW2_ARGS: &[super::Arg] = &[
     opt("compression-type", Ty::Str),
 ];
 
+const RBD_ARGS: &[super::Arg] = &[
+    req("driver", Ty::Str),
+    req("location", Ty::Object),
+    req("size", Ty::Uint),
+    opt("cluster-size", Ty::Uint),
+    opt("encrypt", Ty::Any),
+];
+
 /// QEMU's BlockdevCreateOptions for the drivers stord creates; its messages for what
-/// the schema refuses (names prefixed `options.`).
-fn create_options(m: Map<String, Value>) -> Result<CreateOptions, QmpError> {
+/// the schema refuses (names prefixed `options.`). `secret` looks up secret objects.
+fn create_options(
+    m: Map<String, Value>,
+    secret: &dyn Fn(&str) -> Option<Vec<u8>>,
+) -> Result<CreateOptions, QmpError> {
     let prefix = |e: QmpError| QmpError::generic(e.desc.replacen("'", "'options.", 1));
     let driver = match m.get("driver") {
         Some(Value::String(d)) => d.clone(),
@@ -140,11 +151,29 @@ fn create_options(m: Map<String, Value>) -> Result<CreateOptions, QmpError> {
                 },
             })
         }
+        "rbd" => {
+            let mut a = Args::check(m, RBD_ARGS, false).map_err(prefix)?;
+            if a.take("encrypt").is_some() {
+                return unsupported("'encrypt'");
+            }
+            let Some(Value::Object(loc)) = a.take("location") else {
+                return Err(super::missing("options.location"));
+            };
+            let mut kv = Args::from_map(loc).into_keyval("options.location");
+            let location = crate::block::rbd::RbdOptions::from_kv(&mut kv, secret)
+                .map_err(|e| QmpError::generic(e.to_string()))?;
+            kv.finish().map_err(|e| QmpError::generic(e.to_string()))?;
+            Ok(CreateOptions::Rbd {
+                location,
+                size: a.i64("size").unwrap_or(0) as u64,
+                cluster_size: a.i64("cluster-size").map(|v| v as u64),
+            })
+        }
         "raw" | "null-co" | "null" | "throttle" | "host_device" => Err(QmpError::generic(
             "Driver does not support blockdev-create",
         )),
         other => Err(QmpError::generic(format!(
-            "blockdev-create: stord cannot create images of driver '{other}' (it creates file and qcow2)"
+            "blockdev-create: stord cannot create images of driver '{other}' (it creates file, qcow2 and rbd)"
         ))),
     }
 }

@@ -207,6 +207,11 @@ impl Args {
         Ok(Self { map })
     }
 
+    /// A nested object's members, unchecked, for an option parser to take.
+    pub fn from_map(map: Map<String, Value>) -> Self {
+        Self { map }
+    }
+
     /// An argument as given (any type).
     pub fn take(&mut self, name: &str) -> Option<Value> {
         self.map.remove(name)
@@ -271,6 +276,15 @@ fn flatten(out: &mut Vec<(String, String)>, prefix: &str, map: &Map<String, Valu
         };
         match v {
             Value::Object(o) => flatten(out, &key, o),
+            // Lists become key.0, key.1, ... as QEMU's qdict_flatten makes them.
+            Value::Array(items) => {
+                let m: Map<String, Value> = items
+                    .iter()
+                    .enumerate()
+                    .map(|(i, x)| (i.to_string(), x.clone()))
+                    .collect();
+                flatten(out, &key, &m);
+            }
             Value::String(s) => out.push((key, s.clone())),
             Value::Bool(b) => out.push((key, if *b { "on" } else { "off" }.into())),
             other => out.push((key, other.to_string())),

@@ -1,0 +1,446 @@
+//! The part of librados' and librbd's C API the rbd driver uses, declared by hand (the
+//! handles are opaque pointers; every call is documented in librbd.h and librados.h), and
+//! the safe wrappers over it: a connected cluster with its I/O context, an open image, and
+//! asynchronous requests whose completions librbd delivers on its own threads.
+//!
+//! Every `unsafe` of the driver is here. The rules that make it sound: a handle is used
+//! only between its successful creation and its release in `Drop`; an asynchronous
+//! request's buffer and completion state are owned by an `Arc` that the completion
+//! callback holds until librbd has called it, so a request future dropped early frees
+//! nothing librbd may still write.
+
+use std::ffi::{c_char, c_int, c_void, CString};
+use std::io;
+use std::sync::{Arc, Mutex};
+use std::task::{Poll, Waker};
+
+use crate::block::Buf;
+
+type RadosT = *mut c_void;
+type IoCtxT = *mut c_void;
+type ImageT = *mut c_void;
+type CompletionT = *mut c_void;
+type Callback = extern "C" fn(CompletionT, *mut c_void);
+
+/// librbd's `rbd_image_info_t`.
+#[repr(C)]
+struct ImageInfo {
+    size: u64,
+    obj_size: u64,
+    num_objs: u64,
+    order: c_int,
+    block_name_prefix: [c_char; 24],
+    parent_pool: i64,
+    parent_name: [c_char; 96],
+}
+
+#[link(name = "rados")]
+extern "C" {
+    fn rados_create(cluster: *mut RadosT, id: *const c_char) -> c_int;
+    fn rados_conf_read_file(cluster: RadosT, path: *const c_char) -> c_int;
+    fn rados_conf_set(cluster: RadosT, option: *const c_char, value: *const c_char) -> c_int;
+    fn rados_connect(cluster: RadosT) -> c_int;
+    fn rados_shutdown(cluster: RadosT);
+    fn rados_ioctx_create(cluster: RadosT, pool: *const c_char, io: *mut IoCtxT) -> c_int;
+    fn rados_ioctx_set_namespace(io: IoCtxT, nspace: *const c_char);
+    fn rados_ioctx_destroy(io: IoCtxT);
+}
+
+#[link(name = "rbd")]
+extern "C" {
+    fn rbd_create(io: IoCtxT, name: *const c_char, size: u64, order: *mut c_int) -> c_int;
+    fn rbd_open(io: IoCtxT, name: *const c_char, image: *mut ImageT, snap: *const c_char) -> c_int;
+    fn rbd_open_read_only(
+        io: IoCtxT,
+        name: *const c_char,
+        image: *mut ImageT,
+        snap: *const c_char,
+    ) -> c_int;
+    fn rbd_close(image: ImageT) -> c_int;
+    fn rbd_stat(image: ImageT, info: *mut ImageInfo, len: usize) -> c_int;
+    fn rbd_resize(image: ImageT, size: u64) -> c_int;
+    fn rbd_aio_create_completion(arg: *mut c_void, cb: Callback, c: *mut CompletionT) -> c_int;
+    fn rbd_aio_get_return_value(c: CompletionT) -> isize;
+    fn rbd_aio_release(c: CompletionT);
+    fn rbd_aio_read(image: ImageT, off: u64, len: usize, buf: *mut c_char, c: CompletionT)
+        -> c_int;
+    fn rbd_aio_write(
+        image: ImageT,
+        off: u64,
+        len: usize,
+        buf: *const c_char,
+        c: CompletionT,
+    ) -> c_int;
+    fn rbd_aio_discard(image: ImageT, off: u64, len: u64, c: CompletionT) -> c_int;
+    fn rbd_aio_write_zeroes(
+        image: ImageT,
+        off: u64,
+        len: usize,
+        c: CompletionT,
+        zero_flags: c_int,
+        op_flags: c_int,
+    ) -> c_int;
+    fn rbd_aio_flush(image: ImageT, c: CompletionT) -> c_int;
+}
+
+/// `RBD_WRITE_ZEROES_FLAG_THICK_PROVISION`: zeroes that keep their storage allocated.
+pub const WRITE_ZEROES_THICK: c_int = 1;
+
+/// A negative errno from librados/librbd as an io::Error.
+fn errno(r: impl Into<i64>) -> io::Error {
+    io::Error::from_raw_os_error(-(r.into() as i32))
+}
+
+fn cstr(s: &str) -> io::Result<CString> {
+    CString::new(s).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "NUL in a name"))
+}
+
+/// A step of connecting that failed, with librados' errno (QEMU words each step).
+#[derive(Debug)]
+pub struct ConnectError {
+    pub step: String,
+    pub err: io::Error,
+}
+
+/// A connected cluster handle and an I/O context on one pool.
+pub struct Cluster {
+    cluster: RadosT,
+    io: IoCtxT,
+}
+
+// SAFETY: librados handles may be used from any thread (the library locks internally);
+// `Cluster` hands out no interior pointers.
+unsafe impl Send for Cluster {}
+// SAFETY: as above: concurrent calls on one handle are allowed by librados.
+unsafe impl Sync for Cluster {}
+
+/// How to reach a cluster and which pool to use.
+pub struct ConnectOptions<'a> {
+    pub user: Option<&'a str>,
+    pub conf: Option<&'a str>,
+    /// `(option, value)` pairs set after the conf file (mon_host, key, auth_client_required).
+    pub settings: Vec<(&'static str, String)>,
+    pub pool: &'a str,
+    pub namespace: Option<&'a str>,
+}
+
+impl Cluster {
+    /// Connects (blocking: the monitors answer or librados times out).
+    pub fn connect(o: &ConnectOptions<'_>) -> Result<Cluster, ConnectError> {
+        let fail = |step: String, r: c_int| ConnectError {
+            step,
+            err: errno(r),
+        };
+        let bad = |step: &str, e: io::Error| ConnectError {
+            step: step.into(),
+            err: e,
+        };
+        let user = o.user.map(cstr).transpose().map_err(|e| bad("user", e))?;
+        let mut cluster: RadosT = std::ptr::null_mut();
+        // SAFETY: `cluster` is a valid out-pointer; `user` outlives the call (or is null).
+        let r = unsafe {
+            rados_create(
+                &mut cluster,
+                user.as_ref().map_or(std::ptr::null(), |u| u.as_ptr()),
+            )
+        };
+        if r < 0 {
+            return Err(fail("error initializing".into(), r));
+        }
+        // From here on `c` owns the handle (shut down on every error path by Drop).
+        let mut c = Cluster {
+            cluster,
+            io: std::ptr::null_mut(),
+        };
+        let conf = o.conf.map(cstr).transpose().map_err(|e| bad("conf", e))?;
+        // SAFETY: a live cluster handle; the path outlives the call (null: the default
+        // locations, whose absence is not an error, as QEMU treats it).
+        let r = unsafe {
+            rados_conf_read_file(
+                c.cluster,
+                conf.as_ref().map_or(std::ptr::null(), |p| p.as_ptr()),
+            )
+        };
+        if let (Some(path), true) = (o.conf, r < 0) {
+            return Err(fail(format!("error reading conf file {path}"), r));
+        }
+        for (k, v) in &o.settings {
+            let (kc, vc) = (
+                cstr(k).map_err(|e| bad(k, e))?,
+                cstr(v).map_err(|e| bad(k, e))?,
+            );
+            // SAFETY: a live handle; both strings outlive the call.
+            let r = unsafe { rados_conf_set(c.cluster, kc.as_ptr(), vc.as_ptr()) };
+            if r < 0 {
+                return Err(fail(format!("error setting {k}"), r));
+            }
+        }
+        // SAFETY: a live handle, configured.
+        let r = unsafe { rados_connect(c.cluster) };
+        if r < 0 {
+            return Err(fail("error connecting".into(), r));
+        }
+        let pool = cstr(o.pool).map_err(|e| bad("pool", e))?;
+        // SAFETY: a connected handle; `c.io` is a valid out-pointer; `pool` outlives it.
+        let r = unsafe { rados_ioctx_create(c.cluster, pool.as_ptr(), &mut c.io) };
+        if r < 0 {
+            c.io = std::ptr::null_mut();
+            return Err(fail(format!("error opening pool {}", o.pool), r));
+        }
+        if let Some(ns) = o.namespace {
+            let nsc = cstr(ns).map_err(|e| bad("namespace", e))?;
+            // SAFETY: a live I/O context; librados copies the name.
+            unsafe { rados_ioctx_set_namespace(c.io, nsc.as_ptr()) };
+        }
+        Ok(c)
+    }
+
+    /// Opens `name` (at snapshot `snap`), read-only or not.
+    pub fn open(
+        self: &Arc<Self>,
+        name: &str,
+        snap: Option<&str>,
+        read_only: bool,
+    ) -> io::Result<Image> {
+        let n = cstr(name)?;
+        let s = snap.map(cstr).transpose()?;
+        let mut img: ImageT = std::ptr::null_mut();
+        let sp = s.as_ref().map_or(std::ptr::null(), |s| s.as_ptr());
+        // SAFETY: a live I/O context; out-pointer valid; strings outlive the call.
+        let r = unsafe {
+            if read_only {
+                rbd_open_read_only(self.io, n.as_ptr(), &mut img, sp)
+            } else {
+                rbd_open(self.io, n.as_ptr(), &mut img, sp)
+            }
+        };
+        if r < 0 {
+            return Err(errno(r));
+        }
+        Ok(Image {
+            img,
+            _cluster: self.clone(),
+        })
+    }
+
+    /// Creates image `name` of `size` bytes, with objects of 2^`order` bytes (0: librbd's
+    /// default).
+    pub fn create(&self, name: &str, size: u64, order: u32) -> io::Result<()> {
+        let n = cstr(name)?;
+        let mut order = order as c_int;
+        // SAFETY: a live I/O context; the name and out-pointer outlive the call.
+        let r = unsafe { rbd_create(self.io, n.as_ptr(), size, &mut order) };
+        if r < 0 {
+            return Err(errno(r));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        // SAFETY: the handles were created by us and are released once, I/O context first;
+        // every Image holds an Arc of this Cluster, so none is still open.
+        unsafe {
+            if !self.io.is_null() {
+                rados_ioctx_destroy(self.io);
+            }
+            rados_shutdown(self.cluster);
+        }
+    }
+}
+
+/// An open image.
+pub struct Image {
+    img: ImageT,
+    _cluster: Arc<Cluster>,
+}
+
+// SAFETY: librbd allows concurrent calls on one image handle from any thread (its aio
+// entry points queue to the image's own work queue).
+unsafe impl Send for Image {}
+// SAFETY: as above.
+unsafe impl Sync for Image {}
+
+impl Drop for Image {
+    fn drop(&mut self) {
+        // SAFETY: opened by us, closed once; rbd_close waits for requests in flight, whose
+        // buffers their completion states still own.
+        unsafe { rbd_close(self.img) };
+    }
+}
+
+/// What a request's completion callback and its future share.
+struct Shared {
+    st: Mutex<SharedState>,
+}
+
+struct SharedState {
+    ret: Option<isize>,
+    buf: Option<Buf>,
+    waker: Option<Waker>,
+}
+
+extern "C" fn on_complete(c: CompletionT, arg: *mut c_void) {
+    // SAFETY: `arg` is the `Arc::into_raw` made for this completion in `submit`; librbd
+    // calls this once per completion, so the reference is taken back exactly once.
+    let shared = unsafe { Arc::from_raw(arg as *const Shared) };
+    // SAFETY: `c` is the completion this callback was registered with; it is released
+    // here, after its value was read, and never used again.
+    let ret = unsafe {
+        let r = rbd_aio_get_return_value(c);
+        rbd_aio_release(c);
+        r
+    };
+    let waker = {
+        let mut st = shared.st.lock().unwrap_or_else(|e| e.into_inner());
+        st.ret = Some(ret);
+        st.waker.take()
+    };
+    if let Some(w) = waker {
+        // Hands the task back to its loop (a cross-thread wake-up: librbd's thread is
+        // not the loop's).
+        w.wake();
+    }
+}
+
+/// An asynchronous request.
+enum Op {
+    Read(u64),
+    Write(u64),
+    Discard(u64, u64),
+    WriteZeroes(u64, u64, c_int),
+    Flush,
+}
+
+impl Image {
+    /// Size and object size.
+    pub fn stat(&self) -> io::Result<(u64, u64)> {
+        // SAFETY: all-zero bytes are a valid ImageInfo (integers and char arrays).
+        let mut info: ImageInfo = unsafe { std::mem::zeroed() };
+        // SAFETY: an open image; `info` is a valid out-pointer of the size we pass.
+        let r = unsafe { rbd_stat(self.img, &mut info, std::mem::size_of::<ImageInfo>()) };
+        if r < 0 {
+            return Err(errno(r));
+        }
+        Ok((info.size, info.obj_size))
+    }
+
+    /// Changes the size (blocking).
+    pub fn resize(&self, size: u64) -> io::Result<()> {
+        // SAFETY: an open image.
+        let r = unsafe { rbd_resize(self.img, size) };
+        if r < 0 {
+            return Err(errno(r));
+        }
+        Ok(())
+    }
+
+    /// Starts `op` (with `buf` for reads and writes, kept alive until librbd is done with
+    /// it) and completes with librbd's return value and the buffer.
+    async fn submit(&self, op: Op, buf: Option<Buf>) -> (io::Result<isize>, Option<Buf>) {
+        let mut buf = buf;
+        let ptr = buf
+            .as_mut()
+            .map_or(std::ptr::null_mut(), |b| b.as_mut_ptr());
+        let len = buf.as_ref().map_or(0, |b| b.len());
+        let shared = Arc::new(Shared {
+            st: Mutex::new(SharedState {
+                ret: None,
+                buf,
+                waker: None,
+            }),
+        });
+        let arg = Arc::into_raw(shared.clone()) as *mut c_void;
+        let mut c: CompletionT = std::ptr::null_mut();
+        // SAFETY: `arg` stays valid until on_complete takes it back; `c` is an out-pointer.
+        let r = unsafe { rbd_aio_create_completion(arg, on_complete, &mut c) };
+        if r < 0 {
+            // SAFETY: the completion was not made: nobody else holds `arg`.
+            drop(unsafe { Arc::from_raw(arg as *const Shared) });
+            let buf = shared
+                .st
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .buf
+                .take();
+            return (Err(errno(r)), buf);
+        }
+        // SAFETY: an open image, a fresh completion, and for reads and writes `ptr` points
+        // at `len` bytes of the buffer the shared state owns (its heap bytes do not move
+        // with it) until the callback has run.
+        let r = unsafe {
+            match op {
+                Op::Read(off) => rbd_aio_read(self.img, off, len, ptr.cast(), c),
+                Op::Write(off) => rbd_aio_write(self.img, off, len, ptr.cast_const().cast(), c),
+                Op::Discard(off, n) => rbd_aio_discard(self.img, off, n, c),
+                Op::WriteZeroes(off, n, flags) => {
+                    rbd_aio_write_zeroes(self.img, off, n as usize, c, flags, 0)
+                }
+                Op::Flush => rbd_aio_flush(self.img, c),
+            }
+        };
+        if r < 0 {
+            // SAFETY: librbd refused the request, so it will not call back: the completion
+            // and the callback's reference are ours to release.
+            unsafe {
+                rbd_aio_release(c);
+                drop(Arc::from_raw(arg as *const Shared));
+            }
+            let buf = shared
+                .st
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .buf
+                .take();
+            return (Err(errno(r)), buf);
+        }
+        std::future::poll_fn(|cx| {
+            let mut st = shared.st.lock().unwrap_or_else(|e| e.into_inner());
+            match st.ret {
+                Some(ret) => {
+                    let buf = st.buf.take();
+                    Poll::Ready((
+                        if ret < 0 {
+                            Err(errno(ret as i64))
+                        } else {
+                            Ok(ret)
+                        },
+                        buf,
+                    ))
+                }
+                None => {
+                    st.waker = Some(cx.waker().clone());
+                    Poll::Pending
+                }
+            }
+        })
+        .await
+    }
+
+    pub async fn read(&self, off: u64, buf: Buf) -> (io::Result<isize>, Buf) {
+        let (r, b) = self.submit(Op::Read(off), Some(buf)).await;
+        (r, b.expect("the buffer comes back"))
+    }
+
+    pub async fn write(&self, off: u64, buf: Buf) -> (io::Result<isize>, Buf) {
+        let (r, b) = self.submit(Op::Write(off), Some(buf)).await;
+        (r, b.expect("the buffer comes back"))
+    }
+
+    pub async fn discard(&self, off: u64, len: u64) -> io::Result<()> {
+        self.submit(Op::Discard(off, len), None).await.0.map(|_| ())
+    }
+
+    pub async fn write_zeroes(&self, off: u64, len: u64, thick: bool) -> io::Result<()> {
+        let flags = if thick { WRITE_ZEROES_THICK } else { 0 };
+        self.submit(Op::WriteZeroes(off, len, flags), None)
+            .await
+            .0
+            .map(|_| ())
+    }
+
+    pub async fn flush(&self) -> io::Result<()> {
+        self.submit(Op::Flush, None).await.0.map(|_| ())
+    }
+}
