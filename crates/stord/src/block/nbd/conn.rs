@@ -59,8 +59,12 @@ struct SlotState {
     lost: bool,
     /// A read's buffer (out while the receiver fills it).
     buf: Option<Buf>,
-    /// Bytes of a read the server has described (data or hole chunks).
+    /// Bytes of a read the server has described (data or hole chunks), and the ranges,
+    /// which may not overlap (a server repeating a chunk would leave bytes unread).
     covered: u64,
+    ranges: std::collections::BTreeMap<u64, u64>,
+    /// The receiver has the read's buffer out: a loss waits until it is back.
+    filling: bool,
     /// The first error chunk's errno.
     error: Option<io::Error>,
     status: Option<BlockStatus>,
@@ -271,7 +275,7 @@ impl Conn {
                 let status = s.status.take();
                 return Poll::Ready((Outcome::Done(r.map(|()| Reply { status })), s.buf.take()));
             }
-            if s.lost {
+            if s.lost && !s.filling {
                 return Poll::Ready((Outcome::Lost, s.buf.take()));
             }
             s.waker = Some(cx.waker().clone());
@@ -385,13 +389,55 @@ fn slot_of(c: &Conn, handle: u64, last: bool) -> io::Result<Arc<Slot>> {
 /// Receives `len` bytes into a read's buffer at `at` (the buffer leaves the slot while
 /// the socket fills it).
 async fn read_into(r: &mut SockReader, slot: &Slot, at: usize, len: usize) -> io::Result<()> {
-    let buf = slot.lock().buf.take();
+    let buf = {
+        let mut s = slot.lock();
+        s.filling = true;
+        s.buf.take()
+    };
     let Some(buf) = buf else {
+        slot.lock().filling = false;
         return Err(protocol("read data for a request without a buffer"));
     };
     let (res, buf) = r.read_into(buf, at, at + len).await;
-    slot.lock().buf = Some(buf);
+    // Back in the slot before anyone may see the request end (a loss meanwhile waited).
+    let w = {
+        let mut s = slot.lock();
+        s.buf = Some(buf);
+        s.filling = false;
+        if s.lost {
+            s.waker.take()
+        } else {
+            None
+        }
+    };
+    if let Some(w) = w {
+        w.wake();
+    }
     res
+}
+
+/// Records that a read chunk described `[at, at + n)` of the request; a chunk that
+/// overlaps one before it is a protocol error.
+fn cover(slot: &Slot, at: u64, n: u64) -> io::Result<()> {
+    let mut s = slot.lock();
+    let before = s.ranges.range(..at + n).next_back().map(|(&a, &e)| (a, e));
+    if matches!(before, Some((_, end)) if end > at) {
+        return Err(protocol("read chunks overlap"));
+    }
+    s.ranges.insert(at, at + n);
+    s.covered += n;
+    Ok(())
+}
+
+/// Ends a request whose reply failed half way once its slot has left the table (the
+/// connection's failure cannot reach it there): a protocol error fails it with EIO, a lost
+/// connection makes it `Lost` (sent again after a reconnect).
+fn end_on_error(slot: &Slot, e: &io::Error) {
+    if e.kind() == io::ErrorKind::InvalidData {
+        slot.finish(Err(io::Error::from_raw_os_error(libc::EIO)));
+    } else {
+        slot.lose();
+    }
 }
 
 /// Reads and handles one reply (a simple reply, or one structured chunk).
@@ -408,11 +454,15 @@ async fn reply(c: &Conn, r: &mut SockReader) -> io::Result<()> {
             return Ok(());
         }
         if slot.req.cmd == CMD_READ {
-            if c.info.structured {
-                return Err(protocol("simple reply with data to a structured read"));
+            let r = if c.info.structured {
+                Err(protocol("simple reply with data to a structured read"))
+            } else {
+                read_into(r, &slot, 0, slot.req.len as usize).await
+            };
+            if let Err(e) = r {
+                end_on_error(&slot, &e);
+                return Err(e);
             }
-            let len = slot.req.len as usize;
-            read_into(r, &slot, 0, len).await?;
         }
         slot.finish(Ok(()));
         return Ok(());
@@ -428,6 +478,24 @@ async fn reply(c: &Conn, r: &mut SockReader) -> io::Result<()> {
     let len = be32(&h[16..]);
     let done = flags & REPLY_FLAG_DONE != 0;
     let slot = slot_of(c, handle, done)?;
+    if let Err(e) = chunk(c, r, &slot, ty, len, done).await {
+        if done {
+            end_on_error(&slot, &e);
+        }
+        return Err(e);
+    }
+    Ok(())
+}
+
+/// Handles one structured chunk for `slot` (ended here when `done`).
+async fn chunk(
+    c: &Conn,
+    r: &mut SockReader,
+    slot: &Slot,
+    ty: u16,
+    len: u32,
+    done: bool,
+) -> io::Result<()> {
     let req = slot.req;
     match ty {
         REPLY_TYPE_NONE if len == 0 && done => {}
@@ -436,19 +504,18 @@ async fn reply(c: &Conn, r: &mut SockReader) -> io::Result<()> {
             let off = be64(r.consume(8));
             let n = u64::from(len - 8);
             let at = chunk_at(req, off, n)?;
-            read_into(r, &slot, at, n as usize).await?;
-            slot.lock().covered += n;
+            cover(slot, at as u64, n)?;
+            read_into(r, slot, at, n as usize).await?;
         }
         REPLY_TYPE_OFFSET_HOLE if req.cmd == CMD_READ && len == 12 => {
             r.ensure(12).await?;
             let b = r.consume(12);
             let (off, n) = (be64(b), u64::from(be32(&b[8..])));
             let at = chunk_at(req, off, n)?;
-            let mut s = slot.lock();
-            if let Some(buf) = s.buf.as_mut() {
+            cover(slot, at as u64, n)?;
+            if let Some(buf) = slot.lock().buf.as_mut() {
                 buf[at..at + n as usize].fill(0);
             }
-            s.covered += n;
         }
         REPLY_TYPE_BLOCK_STATUS if req.cmd == CMD_BLOCK_STATUS => {
             if !(12..=MAX_META_PAYLOAD).contains(&len) || !(len - 4).is_multiple_of(8) {

@@ -214,6 +214,8 @@ pub fn negotiate<S: Read + Write>(
                         let f =
                             |i: usize| u32::from_be_bytes(data[i..i + 4].try_into().expect("4"));
                         info.min_block = f(2).max(1);
+                        // Checked before it bounds the maximum (a hostile minimum).
+                        check_limits(&info)?;
                         info.max_block = f(10).clamp(info.min_block, DEFAULT_MAX_BLOCK);
                     }
                     INFO_EXPORT | INFO_BLOCK_SIZE => {
@@ -360,6 +362,23 @@ mod tests {
         };
         let e = negotiate(&mut s, "x", "base:allocation").unwrap_err();
         assert_eq!(e.to_string(), "Requested export not available");
+    }
+
+    #[test]
+    fn a_minimum_block_size_past_the_maximum_is_refused() {
+        let mut srv = greeting();
+        srv.extend(reply(OPT_STRUCTURED_REPLY, REP_ERR_UNSUP, &[]));
+        let mut bs = INFO_BLOCK_SIZE.to_be_bytes().to_vec();
+        for v in [1u32 << 30, 1 << 30, 1 << 30] {
+            bs.extend_from_slice(&v.to_be_bytes());
+        }
+        srv.extend(reply(OPT_GO, REP_INFO, &bs));
+        let mut s = Script {
+            input: io::Cursor::new(srv),
+            output: Vec::new(),
+        };
+        let e = negotiate(&mut s, "", "base:allocation").unwrap_err();
+        assert!(e.to_string().contains("minimum block size"), "{e}");
     }
 
     #[test]

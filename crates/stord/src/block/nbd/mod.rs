@@ -206,6 +206,17 @@ fn connect(o: &NbdOptions) -> Result<(Sock, ExportInfo), String> {
     Ok((sock, info))
 }
 
+/// Whether a reconnect found the export the node was opened on: the same size and flags,
+/// block status where it had it, and room for requests as large as it took.
+fn same_export(old: &ExportInfo, new: &ExportInfo) -> bool {
+    new.size == old.size
+        && new.flags == old.flags
+        && new.structured == old.structured
+        && new.context.is_some() == old.context.is_some()
+        && new.max_block >= old.max_block
+        && new.min_block <= old.min_block
+}
+
 /// The node's current connection, and who waits for the next.
 #[derive(Default)]
 struct LinkState {
@@ -258,13 +269,14 @@ impl Link {
                 return;
             }
             match connect(&self.opts) {
-                Ok((sock, info)) if info.size == self.info.size => {
+                Ok((sock, info)) if same_export(&self.info, &info) => {
                     tracing::info!(target: "stord::nbd", "reconnected to {}", self.opts.server);
                     return self.install(Conn::new(sock, info));
                 }
                 Ok(_) => tracing::warn!(
                     target: "stord::nbd",
-                    "cannot reconnect to {}: the export's size changed", self.opts.server
+                    "cannot reconnect to {}: the export changed (size, flags or limits)",
+                    self.opts.server
                 ),
                 Err(e) => tracing::debug!(target: "stord::nbd", "reconnect: {e}"),
             }
@@ -275,7 +287,8 @@ impl Link {
     /// A live connection: the current one, else one a reconnect brings within
     /// `reconnect-delay` of the loss; else EIO.
     async fn connection(self: &Arc<Self>) -> io::Result<Arc<Conn>> {
-        let mut sleep: Option<std::pin::Pin<Box<stord_aio::Sleep>>> = None;
+        // The timer for the current deadline (it moves if a new connection is lost again).
+        let mut sleep: Option<(u64, std::pin::Pin<Box<stord_aio::Sleep>>)> = None;
         std::future::poll_fn(|cx| {
             let mut st = self.lock();
             match &st.conn {
@@ -303,9 +316,15 @@ impl Link {
             }
             st.waiters.push(cx.waker().clone());
             drop(st);
-            let s = sleep.get_or_insert_with(|| Box::pin(stord_aio::sleep_until(deadline)));
+            if !matches!(&sleep, Some((d, _)) if *d == deadline) {
+                sleep = Some((deadline, Box::pin(stord_aio::sleep_until(deadline))));
+            }
             // Woken by the timer or a new connection; either way look again.
-            let _ = s.as_mut().poll(cx);
+            if let Some((_, s)) = sleep.as_mut() {
+                if s.as_mut().poll(cx).is_ready() {
+                    cx.waker().wake_by_ref();
+                }
+            }
             Poll::Pending
         })
         .await
@@ -412,19 +431,15 @@ impl NbdDriver {
         (r.map(|_| ()), b.expect("a read's buffer comes back"))
     }
 
+    /// One write request; `fua` only where the server takes it.
     async fn write_at(&self, offset: u64, data: &[u8], fua: bool) -> io::Result<()> {
-        let native_fua = fua && self.info().has(FLAG_SEND_FUA);
         let req = Request {
             cmd: CMD_WRITE,
-            flags: if native_fua { CMD_FLAG_FUA } else { 0 },
+            flags: if fua { CMD_FLAG_FUA } else { 0 },
             offset,
             len: data.len() as u32,
         };
-        self.call(req, Some(data), None).await.0?;
-        if fua && !native_fua {
-            self.do_flush().await?;
-        }
-        Ok(())
+        self.call(req, Some(data), None).await.0.map(|_| ())
     }
 
     async fn do_flush(&self) -> io::Result<()> {
@@ -497,18 +512,23 @@ impl BlockDriver for NbdDriver {
     }
     fn write(&self, offset: u64, buf: Buf, fua: bool) -> BoxFut<'_, (io::Result<()>, Buf)> {
         Box::pin(async move {
+            // Larger than the server takes: in pieces, each with FUA when the server has
+            // it; else one flush after the last.
+            let native_fua = fua && self.info().has(FLAG_SEND_FUA);
             let max = self.max_payload();
             let mut at = 0;
             while at < buf.len() {
                 let n = (buf.len() - at).min(max);
-                let last = at + n == buf.len();
                 if let Err(e) = self
-                    .write_at(offset + at as u64, &buf[at..at + n], fua && last)
+                    .write_at(offset + at as u64, &buf[at..at + n], native_fua)
                     .await
                 {
                     return (Err(e), buf);
                 }
                 at += n;
+            }
+            if fua && !native_fua {
+                return (self.do_flush().await, buf);
             }
             (Ok(()), buf)
         })
