@@ -86,17 +86,11 @@ def fio(sock, args, runtime):
     }
 
 
-def one(binary, blockdev, case_args, runtime, tmp):
-    sock = os.path.join(tmp, "exp.sock")
-    d = Daemon(binary, blockdev, sock, tmp)
-    try:
-        # Warm the connection (rbd opens objects lazily; qemu-nbd's page cache).
-        fio(sock, ["--rw=read", "--bs=1M", "--iodepth=4", "--size=64M"], 1)
-        c0 = cpu_ns(d.proc.pid)
-        r = fio(sock, case_args, runtime)
-        c1 = cpu_ns(d.proc.pid)
-    finally:
-        d.stop()
+def one(daemon, sock, case_args, runtime):
+    """One fio run against a running daemon: its figures and the daemon's CPU per I/O."""
+    c0 = cpu_ns(daemon.proc.pid)
+    r = fio(sock, case_args, runtime)
+    c1 = cpu_ns(daemon.proc.pid)
     # fio's ramp second is not counted in its I/Os but is in the CPU: scale by time.
     r["cpu_us_per_io"] = (c1 - c0) / 1000 / max(1, r["iops"] * (runtime + 1))
     return r
@@ -165,15 +159,27 @@ def main():
     results = {}
     try:
         for medium, blockdev in media:
-            for case, args in CASES:
-                for rep in range(o.reps):
-                    order = peers if rep % 2 == 0 else peers[::-1]
-                    for name, binary in order:
-                        res = one(binary, blockdev, args, o.runtime, tmp)
-                        results.setdefault((medium, case, name), []).append(res)
-                        print(f"{medium} | {case} | {name} rep {rep}: "
-                              f"{res['iops']:.0f} IOPS, p50 {res['p50_us']:.0f} µs, "
-                              f"{res['cpu_us_per_io']:.1f} µs CPU/IO", flush=True)
+            # Both daemons run side by side for the whole medium (started once, warmed
+            # once); the runs alternate between them.
+            running = {}
+            for name, binary in peers:
+                sock = os.path.join(tmp, f"{name}.sock")
+                running[name] = (Daemon(binary, blockdev, sock, tmp), sock)
+                fio(sock, ["--rw=read", "--bs=1M", "--iodepth=4", "--size=256M"], 2)
+            try:
+                for case, args in CASES:
+                    for rep in range(o.reps):
+                        order = peers if rep % 2 == 0 else peers[::-1]
+                        for name, _ in order:
+                            d, sock = running[name]
+                            res = one(d, sock, args, o.runtime)
+                            results.setdefault((medium, case, name), []).append(res)
+                            print(f"{medium} | {case} | {name} rep {rep}: "
+                                  f"{res['iops']:.0f} IOPS, p50 {res['p50_us']:.0f} µs, "
+                                  f"{res['cpu_us_per_io']:.1f} µs CPU/IO", flush=True)
+            finally:
+                for d, _ in running.values():
+                    d.stop()
     finally:
         server.kill()
         subprocess.run([CLUSTER, "stop", ceph], capture_output=True)
@@ -186,8 +192,8 @@ def main():
         "",
         f"Measured {time.strftime('%Y-%m-%d')} by `scripts/bench_network.py --runtime "
         f"{o.runtime} --reps {o.reps}` on this project's VM (2 cores; noisy), {qsd_ver}.",
-        "Each daemon serves the node over NBD on one IoThread; fio's nbd engine (libnbd) "
-        "drives it from the same host. The rbd node is a 1 GiB image on a one-OSD cluster "
+        "Each daemon serves the node over NBD on one IoThread; both run for the whole "
+        "medium and fio's nbd engine (libnbd) drives one at a time, alternating. The rbd node is a 1 GiB image on a one-OSD cluster "
         "on 127.0.0.1 (bluestore on a file, `scripts/ceph-cluster.sh`); the nbd node "
         "connects to qemu-nbd serving a file in /dev/shm. Means ± 95 % intervals over "
         f"{o.reps} runs of {o.runtime} s, the daemons alternating; CPU is the daemon "
