@@ -103,6 +103,20 @@ def wait_event(q, name, timeout=10.0):
     raise AssertionError(f"no {name} event within {timeout}s")
 
 
+def unexport(q, export_id):
+    """block-export-del, then its BLOCK_EXPORT_DELETED event. qsd may still count an NBD
+    client that has just hung up as a user: it is asked again for up to 5 s."""
+    deadline = time.time() + 5
+    while True:
+        r = q.cmd_raw("block-export-del", {"id": export_id})
+        if "error" not in r or "still in use" not in r["error"]["desc"] \
+                or time.time() > deadline:
+            break
+        time.sleep(0.05)
+    ok(r)
+    wait_event(q, "BLOCK_EXPORT_DELETED")
+
+
 def raw_monitor(sock_path):
     """A raw socket past capabilities negotiation, for input qemu.qmp would not send."""
     s = socket.socket(socket.AF_UNIX)

@@ -7,8 +7,9 @@ the server each daemon's node connects to.
 - fio verify (nbd engine, many requests in flight) through an NBD export of the node, and
   through a FUSE export of it on stord; block status passes through (qemu-img map of the
   export equals the server's); nbdcopy of the export equals the server's file.
-- qcow2 over an nbd node (qemu-nbd serving the qcow2 file's bytes): fio verify, then the
-  same pattern written by qemu-io on both; qemu-img check clean, images compare-identical.
+- qcow2 over an nbd node (qemu-nbd serving the qcow2 file's bytes): a persistent bitmap,
+  fio verify, then the same pattern written by qemu-io on both; qemu-img check clean, the
+  bitmap stored, images compare-identical.
 - The server killed: with reconnect-delay=0 a read fails with EIO at once while another
   export keeps serving, and works again once the server is back; with reconnect-delay=10,
   fio verify writes across a kill and restart of the server with no error.
@@ -151,8 +152,7 @@ def data_paths(q, tag, stord):
                                           "iothread": ["io0"]}))
         fio_verify(["--ioengine=psync", f"--filename={mnt}", "--direct=1"], "48M", "4M",
                    ("--iodepth=1",))
-        ok(q.cmd_raw("block-export-del", {"id": "f0"}))
-        common.wait_event(q, "BLOCK_EXPORT_DELETED")
+        common.unexport(q, "f0")
     # Block status passes through: the export's map is the server's.
     m1 = subprocess.run(["qemu-img", "map", "--output=json", "-f", "raw", uri(tag, "disk")],
                         capture_output=True, text=True, check=True).stdout
@@ -162,8 +162,7 @@ def data_paths(q, tag, stord):
     assert m1 == m2, (m1, m2)
     copy = common.path(f"nc-{tag}-copy.raw")
     subprocess.run(["nbdcopy", uri(tag, "disk"), copy], check=True)
-    ok(q.cmd_raw("block-export-del", {"id": "e0"}))
-    common.wait_event(q, "BLOCK_EXPORT_DELETED")
+    common.unexport(q, "e0")
     ok(q.cmd_raw("blockdev-del", {"node-name": "disk"}))
     srv.kill()
     with open(copy, "rb") as a, open(disk, "rb") as b:
@@ -182,6 +181,9 @@ def qcow2_over_nbd(q, tag):
     ok(q.cmd_raw("blockdev-add", {"driver": "qcow2", "node-name": "q",
                                   "file": {"driver": "nbd", "server": srv.server(),
                                            "export": "exp"}}))
+    # A persistent bitmap: its table goes into the image at close, after what the
+    # refcounts count, not past the export's end.
+    ok(q.cmd_raw("block-dirty-bitmap-add", {"node": "q", "name": "b0", "persistent": True}))
     ok(q.cmd_raw("block-export-add", {"type": "nbd", "id": "eq", "node-name": "q",
                                       "name": "q", "writable": True, "iothread": "io0"}))
     fio_verify(nbd_target(tag, "q"), "4M")
@@ -189,11 +191,14 @@ def qcow2_over_nbd(q, tag):
     r = qemu_io_uri(uri(tag, "q"), "write -P 0x61 0 16M", "write -z 24M 1M",
                     "write -P 0x62 60M 64k", "discard 2M 1M")
     assert r.returncode == 0 and "error" not in r.stdout, r
-    ok(q.cmd_raw("block-export-del", {"id": "eq"}))
-    common.wait_event(q, "BLOCK_EXPORT_DELETED")
+    common.unexport(q, "eq")
     ok(q.cmd_raw("blockdev-del", {"node-name": "q"}))
     srv.kill()
     subprocess.run(["qemu-img", "check", "-q", image], check=True)
+    info = json.loads(subprocess.run(["qemu-img", "info", "--output=json", image],
+                                     capture_output=True, text=True, check=True).stdout)
+    bitmaps = info["format-specific"]["data"].get("bitmaps", [])
+    assert [b["name"] for b in bitmaps] == ["b0"], info
     return image
 
 

@@ -102,17 +102,7 @@ def export(q, name, node):
                                       "name": name, "writable": True, "iothread": "io0"}))
 
 
-def unexport(q, name):
-    # qsd may still count a client that has just hung up: ask again for a while.
-    deadline = time.time() + 5
-    while True:
-        r = q.cmd_raw("block-export-del", {"id": name})
-        if "error" not in r or "still in use" not in r["error"]["desc"] \
-                or time.time() > deadline:
-            break
-        time.sleep(0.05)
-    ok(r)
-    common.wait_event(q, "BLOCK_EXPORT_DELETED")
+unexport = common.unexport
 
 
 def run(binary, tag, c):

@@ -72,6 +72,10 @@ pub(super) struct Meta {
     /// End of the host file as far as anything was ever written or allocated: clusters
     /// allocated at or past it read as zeroes until written.
     pub file_end: u64,
+    /// End of everything allocated (from the refcounts at open, then as allocation goes):
+    /// contiguous metadata (a grown L1 or refcount table, bitmap tables) goes past it,
+    /// never past `file_end`, which on storage of a fixed size is its end.
+    pub used_end: u64,
     /// Host clusters whose refcount drops once the tables that referenced them are
     /// durable (see the module docs).
     pub pending_free: Vec<u64>,
@@ -323,6 +327,7 @@ impl Qcow2Driver {
                 m.reftable[bi] = host;
                 m.reftable_dirty.insert(bi);
                 m.file_end = m.file_end.max(host + self.cluster_size);
+                m.used_end = m.used_end.max(host + self.cluster_size);
                 m.free_hint = c + 1;
                 continue;
             }
@@ -341,6 +346,7 @@ impl Qcow2Driver {
                     self.check_overlap(m, host, self.cluster_size, None).await?;
                     let fresh = host >= m.file_end;
                     m.file_end = m.file_end.max(host + self.cluster_size);
+                    m.used_end = m.used_end.max(host + self.cluster_size);
                     return Ok((host, fresh));
                 }
             }
@@ -362,7 +368,7 @@ impl Qcow2Driver {
         let covered = old as u64 * per_block;
         // Past every cluster in use, and outside the old table's reach (where blocks
         // exist for every range, all of it in use, or we would not be here).
-        let area = m.file_end.div_ceil(cs).max(covered);
+        let area = m.used_end.div_ceil(cs).max(covered);
         let mut entries = need.max(old * 2).max(old + 1);
         let (table_clusters, blocks) = loop {
             let table_clusters = (entries as u64 * 8).div_ceil(cs);
@@ -451,6 +457,7 @@ impl Qcow2Driver {
         );
         m.reftable_dirty.clear();
         m.file_end = m.file_end.max(end * cs);
+        m.used_end = m.used_end.max(end * cs);
         // The old table is referenced by nothing durable now: free it at once.
         for i in 0..old_clusters {
             self.change_refcount(m, old_offset + i * cs, -1).await?;
@@ -509,8 +516,9 @@ impl Qcow2Driver {
     pub(super) async fn alloc_contiguous(&self, m: &mut Meta, n: u64) -> io::Result<u64> {
         let cs = self.cluster_size;
         let bits = self.refblock_bits();
-        let start = m.file_end.div_ceil(cs);
-        m.file_end = (start + n) * cs;
+        let start = m.used_end.div_ceil(cs);
+        m.used_end = (start + n) * cs;
+        m.file_end = m.file_end.max(m.used_end);
         let hint = m.free_hint;
         m.free_hint = start + n;
         for c in start..start + n {

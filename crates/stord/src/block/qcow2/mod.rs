@@ -200,6 +200,8 @@ pub struct Image {
     l1: Vec<u64>,
     reftable: Vec<u64>,
     file_end: u64,
+    /// The end of the last cluster the refcounts call in use.
+    used_end: u64,
     regions: std::collections::BTreeMap<u64, metadata::MetaKind>,
     /// The persistent dirty bitmaps (their directory stays with the driver, the bitmaps go
     /// to the node).
@@ -407,8 +409,14 @@ impl Image {
             Err(e) => return Err(Qcow2Error::Corrupt(e)),
         };
         let cs = header.cluster_size();
+        let used_end = if writable {
+            used_end(f, &header, &reftable).await?
+        } else {
+            0
+        };
         Ok(Image {
             file_end: f.size().div_ceil(cs) * cs,
+            used_end,
             header,
             l1,
             reftable,
@@ -417,6 +425,31 @@ impl Image {
             writable,
         })
     }
+}
+
+/// The end of the last cluster the refcounts call in use: where metadata that must be
+/// contiguous goes (QEMU finds such runs from the refcounts too, not from the file's size,
+/// which for a block device, an RBD image or an NBD export is the storage's whole size).
+/// Reads the last refcount block (and earlier ones only if it counts nothing).
+async fn used_end(f: &dyn BlockDriver, header: &Header, reftable: &[u64]) -> io::Result<u64> {
+    let cs = header.cluster_size();
+    let codec = table::RefcountCodec::new(header.refcount_order);
+    let per_block = (cs * 8) >> header.refcount_order;
+    for (bi, e) in reftable.iter().enumerate().rev() {
+        let off = e & OFFSET_MASK;
+        if off == 0 {
+            continue;
+        }
+        let (r, block) = f.read(off, request_buf(cs as usize)).await;
+        r?;
+        if let Some(i) = (0..per_block as usize)
+            .rev()
+            .find(|&i| codec.get(&block, i) != 0)
+        {
+            return Ok((bi as u64 * per_block + i as u64 + 1) * cs);
+        }
+    }
+    Ok(0)
 }
 
 /// See the module docs.
@@ -523,6 +556,7 @@ impl Qcow2Driver {
             refblocks: TableCache::new(rc_tables),
             free_hint: 0,
             file_end: image.file_end,
+            used_end: image.used_end,
             pending_free: Vec::new(),
             needs_sync: false,
             bitmap_dir: image.bitmaps.map(|l| l.dir).unwrap_or_default(),
