@@ -64,6 +64,16 @@ pub(crate) fn count_bounce() {
     stord_aio::with_current_context(|c| c.counter("block.bounced").add(1));
 }
 
+/// An I/O error as strerror words it, as QEMU's messages quote it (without Rust's
+/// " (os error N)").
+pub(crate) fn os_text(e: &io::Error) -> String {
+    let s = e.to_string();
+    match s.find(" (os error ") {
+        Some(i) => s[..i].to_string(),
+        None => s,
+    }
+}
+
 /// Runs a block request future to completion from code that is not on a loop, or
 /// that may not wait inside its own (a node being opened reads its image): on a short-lived
 /// thread with a loop of its own, as every driver can serve requests from any thread.

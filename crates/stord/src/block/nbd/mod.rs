@@ -143,18 +143,15 @@ const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(10);
 const RETRY_FIRST: Duration = Duration::from_millis(100);
 const RETRY_MAX: Duration = Duration::from_secs(2);
 
-/// An error as strerror words it (without Rust's "(os error N)").
-fn os_text(e: &io::Error) -> String {
-    let s = e.to_string();
-    match s.find(" (os error ") {
-        Some(i) => s[..i].to_string(),
-        None => s,
-    }
-}
-
 /// Connects and negotiates once (blocking).
 fn connect(o: &NbdOptions) -> Result<(Sock, ExportInfo), String> {
-    let failed = |e: io::Error| format!("Failed to connect to '{}': {}", o.server, os_text(&e));
+    let failed = |e: io::Error| {
+        format!(
+            "Failed to connect to '{}': {}",
+            o.server,
+            super::os_text(&e)
+        )
+    };
     let mut sock = match &o.server {
         ServerAddr::Unix(p) => {
             Sock::Unix(std::os::unix::net::UnixStream::connect(p).map_err(failed)?)

@@ -95,3 +95,16 @@ pub fn fuzz_image(data: &[u8]) {
         assert_eq!(&now[..], &header_before[..], "the header was overwritten");
     }
 }
+
+#[cfg(test)]
+mod tests {
+    /// Inputs the fuzzer once broke, run on every `cargo test`.
+    #[test]
+    fn past_crashes_stay_fixed() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../fuzz/corpus/qcow2_image");
+        for name in ["seed-contiguous-metadata-under-undercounted-refcounts"] {
+            let data = std::fs::read(format!("{dir}/{name}")).expect(name);
+            super::fuzz_image(&data);
+        }
+    }
+}

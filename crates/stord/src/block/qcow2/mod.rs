@@ -20,7 +20,7 @@
 //! images marked dirty or corrupt.
 
 mod bitmaps;
-#[cfg(fuzzing)]
+#[cfg(any(test, fuzzing))]
 #[doc(hidden)]
 pub mod fuzz;
 mod header;
@@ -542,6 +542,15 @@ impl Qcow2Driver {
         opts: &Qcow2Options,
     ) -> Self {
         let h = image.header;
+        // Contiguous metadata goes past every cluster the refcounts count and every table
+        // this open found (an image whose refcounts undercount its metadata must not get
+        // it overwritten).
+        let used_end = image.used_end.max(
+            image
+                .regions
+                .last_key_value()
+                .map_or(0, |(&c, _)| (c + 1) << h.cluster_bits),
+        );
         let cs = h.cluster_size();
         let (l2_tables, rc_tables) = opts.cache_tables(h.size, cs);
         let meta = Meta {
@@ -556,7 +565,7 @@ impl Qcow2Driver {
             refblocks: TableCache::new(rc_tables),
             free_hint: 0,
             file_end: image.file_end,
-            used_end: image.used_end,
+            used_end,
             pending_free: Vec::new(),
             needs_sync: false,
             bitmap_dir: image.bitmaps.map(|l| l.dir).unwrap_or_default(),

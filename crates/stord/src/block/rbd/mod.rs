@@ -133,7 +133,7 @@ impl RbdOptions {
             namespace: self.namespace.as_deref(),
         })
         .map(Arc::new)
-        .map_err(|e| format!("{}: {}", e.step, os_text(&e.err)))
+        .map_err(|e| format!("{}: {}", e.step, super::os_text(&e.err)))
     }
 
     /// QEMU's file name of the node: `json:{...}` with the location, spaced as QEMU
@@ -159,15 +159,6 @@ impl RbdOptions {
     }
 }
 
-/// An error as strerror words it (without Rust's "(os error N)").
-fn os_text(e: &io::Error) -> String {
-    let s = e.to_string();
-    match s.find(" (os error ") {
-        Some(i) => s[..i].to_string(),
-        None => s,
-    }
-}
-
 /// `blockdev-create` of an rbd image: connects as a node would and creates it, with
 /// objects of `cluster_size` bytes if given (QEMU's checks and words).
 pub fn create(opts: &RbdOptions, size: u64, cluster_size: Option<u64>) -> Result<(), String> {
@@ -183,7 +174,7 @@ pub fn create(opts: &RbdOptions, size: u64, cluster_size: Option<u64>) -> Result
     let cluster = opts.connect()?;
     cluster
         .create(&opts.image, size, order)
-        .map_err(|e| format!("error rbd create: {}", os_text(&e)))
+        .map_err(|e| format!("error rbd create: {}", super::os_text(&e)))
 }
 
 /// The rbd driver.
@@ -201,12 +192,18 @@ impl RbdDriver {
         let cluster = opts.connect()?;
         let image = cluster
             .open(&opts.image, opts.snapshot.as_deref(), read_only)
-            .map_err(|e| format!("error reading header from {}: {}", opts.image, os_text(&e)))?;
+            .map_err(|e| {
+                format!(
+                    "error reading header from {}: {}",
+                    opts.image,
+                    super::os_text(&e)
+                )
+            })?;
         let (size, object_size) = image.stat().map_err(|e| {
             format!(
                 "error getting image info from {}: {}",
                 opts.image,
-                os_text(&e)
+                super::os_text(&e)
             )
         })?;
         Ok(RbdDriver {
