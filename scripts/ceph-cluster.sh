@@ -251,9 +251,19 @@ start)
     ceph-mon -c "$conf" -i a || { tail -n 20 "$dir/log/mon.a.log" >&2; exit 1; }
     step "mon started"
 
-    # Register OSD 0 with the monitor, then format its store.
+    # Register OSD 0 with the monitor, then format its store. A monitor just started can
+    # refuse its first commands ("EPERM: problem getting command descriptions", seen on a
+    # fresh machine): `osd new` with the same uuid is idempotent, so try again a while.
     osd_uuid=$(cat /proc/sys/kernel/random/uuid)
-    id=$(cephc osd new "$osd_uuid")
+    deadline=$((SECONDS + timeout_s))
+    until id=$(cephc osd new "$osd_uuid" 2>"$dir/log/osd-new.err"); do
+        if ((SECONDS >= deadline)); then
+            log "ceph osd new failed: $(cat "$dir/log/osd-new.err")"
+            diagnose
+            exit 1
+        fi
+        sleep 0.3
+    done
     [ "$id" = 0 ] || { log "expected osd id 0, got '$id'"; diagnose; exit 1; }
     mon_cmd osd crush add osd.0 1.0 root=default host=localhost
     step "osd registered"
