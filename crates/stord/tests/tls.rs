@@ -539,17 +539,18 @@ fn tls_over_qmp_with_an_encrypted_key() {
         r#"{{"execute":"object-add","arguments":{{"qom-type":"tls-creds-x509","id":"tls0","endpoint":"server","dir":"{server}","verify-peer":true,"passwordid":"sec0"}}}}"#
     ));
     assert_eq!(r["return"], serde_json::json!({}), "{r}");
-    // Unsupported values name the option and what is supported.
+    // Client credentials (the nbd block driver's) cannot serve, in QEMU's words.
     let r = q.send(&format!(
         r#"{{"execute":"object-add","arguments":{{"qom-type":"tls-creds-x509","id":"tls1","endpoint":"client","dir":"{server}"}}}}"#
     ));
-    assert!(
-        r["error"]["desc"]
-            .as_str()
-            .unwrap()
-            .contains("endpoint=client"),
+    assert_eq!(r["return"], serde_json::json!({}), "{r}");
+    let r = q.send(r#"{"execute":"nbd-server-start","arguments":{"addr":{"type":"unix","data":{"path":"/tmp/x.sock"}},"tls-creds":"tls1"}}"#);
+    assert_eq!(
+        r["error"]["desc"], "Expected TLS credentials for a server endpoint",
         "{r}"
     );
+    let r = q.send(r#"{"execute":"object-del","arguments":{"id":"tls1"}}"#);
+    assert_eq!(r["return"], serde_json::json!({}), "{r}");
     let r = q.send(r#"{"execute":"object-add","arguments":{"qom-type":"tls-creds-x509","id":"tls1","endpoint":"server","dir":"/nonexistent"}}"#);
     assert!(
         r["error"]["desc"].as_str().unwrap().contains("ca-cert.pem"),
@@ -654,4 +655,309 @@ fn memory_of_stalled_tls_handshakes_goes_back_after_they_are_cut() {
     );
     drop(stalled);
     stop(child);
+}
+
+/// A port on 127.0.0.1 free a moment ago.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// qemu-nbd serving `image` as `disk` on `addr` (`-k SOCK` or `-b HOST -p PORT`) with
+/// server credentials `object` (none: plain NBD), until killed.
+fn qemu_nbd(addr: &[&str], object: Option<&str>, image: &Path) -> Child {
+    let mut cmd = Command::new("qemu-nbd");
+    // Persistent, and many clients at once (both daemons' nodes, a reconnect).
+    cmd.args(["-f", "raw", "-x", "disk", "-t", "-e", "16"])
+        .args(addr);
+    if let Some(o) = object {
+        cmd.args(["--object", o, "--tls-creds", "tls0"]);
+    }
+    let child = cmd
+        .arg(image)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn qemu-nbd");
+    let start = Instant::now();
+    let listening = || match addr {
+        ["-k", path] => Path::new(path).exists(),
+        [.., "-p", port] => std::net::TcpStream::connect(format!("127.0.0.1:{port}")).is_ok(),
+        _ => unreachable!(),
+    };
+    while !listening() {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "qemu-nbd did not listen"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child
+}
+
+/// A daemon with only a QMP monitor, and its monitor.
+fn qmp_daemon(program: &str, dir: &Path) -> (Child, RawQmp) {
+    let qmp = dir.join(format!("qmp-{}.sock", std::process::id()));
+    let _ = std::fs::remove_file(&qmp);
+    let child = Command::new(program)
+        .args(monitor_args(&qmp))
+        .current_dir(dir)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| panic!("spawn {program}: {e}"));
+    let start = Instant::now();
+    while !qmp.exists() {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "{program} did not start"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    (child, RawQmp::connect(&qmp))
+}
+
+/// The reply's error class and text, or "ok".
+fn outcome(r: &serde_json::Value) -> String {
+    match r.get("error") {
+        Some(e) => format!(
+            "{}: {}",
+            e["class"].as_str().unwrap(),
+            e["desc"].as_str().unwrap()
+        ),
+        None => {
+            assert_eq!(r["return"], serde_json::json!({}), "{r}");
+            "ok".into()
+        }
+    }
+}
+
+/// The `nbd` block driver as a TLS client of qemu-nbd, beside qsd's: the same QMP flow
+/// (x509 with and without the host name checked, the wrong CA, server credentials, a
+/// server without TLS, PSK with the right and a wrong key) gets the same answers from both
+/// daemons; then stord's node carries data both ways through an NBD export of its own
+/// and comes back after the server restarts.
+#[test]
+fn nbd_client_node_over_tls_answers_as_qsd_and_carries_data() {
+    let dir = tmpdir("tls-nbd-client");
+    let pki = Pki::new(&dir);
+    // Credentials whose CA is not the server's.
+    let wrong_ca = pki.root.join("wrong-ca");
+    std::fs::create_dir_all(&wrong_ca).unwrap();
+    std::fs::copy(pki.root.join("ca2-cert.pem"), wrong_ca.join("ca-cert.pem")).unwrap();
+    // A keys.psk with alice's key in `name`/.
+    let psk_dir = |name: &str, key: &str| {
+        let d = dir.join(name);
+        std::fs::create_dir_all(&d).unwrap();
+        std::fs::write(d.join("keys.psk"), format!("alice:{key}\n")).unwrap();
+        d
+    };
+    let keys = psk_dir("keys", "0123456789abcdef0123456789abcdef");
+    let bad_keys = psk_dir("bad-keys", "00112233445566778899aabbccddeeff");
+
+    let image = dir.join("disk.raw");
+    sparse_image(&image, 32 << 20);
+    let port = free_port().to_string();
+    let x509_server = format!(
+        "tls-creds-x509,id=tls0,endpoint=server,dir={}",
+        pki.dir("server")
+    );
+    let mut tcp = qemu_nbd(
+        &["-b", "127.0.0.1", "-p", &port],
+        Some(&x509_server),
+        &image,
+    );
+    let plain_port = free_port().to_string();
+    let mut plain = qemu_nbd(&["-b", "127.0.0.1", "-p", &plain_port], None, &image);
+    let psk_sock = dir.join("psk.sock");
+    let psk_sock_s = psk_sock.display().to_string();
+    let mut psk = qemu_nbd(
+        &["-k", &psk_sock_s],
+        Some(&format!(
+            "tls-creds-psk,id=tls0,endpoint=server,dir={}",
+            keys.display()
+        )),
+        &image,
+    );
+
+    let objects = [
+        ("x509", "tls-creds-x509", "client", pki.dir("client")),
+        (
+            "wrongca",
+            "tls-creds-x509",
+            "client",
+            wrong_ca.display().to_string(),
+        ),
+        ("srv", "tls-creds-x509", "server", pki.dir("server")),
+        ("psk", "tls-creds-psk", "client", keys.display().to_string()),
+        (
+            "badpsk",
+            "tls-creds-psk",
+            "client",
+            bad_keys.display().to_string(),
+        ),
+    ];
+    let inet = |p: &str| format!(r#""server":{{"type":"inet","host":"127.0.0.1","port":"{p}"}}"#);
+    let unix = format!(r#""server":{{"type":"unix","path":"{psk_sock_s}"}}"#);
+    let cases: Vec<(&str, String, &str)> = vec![
+        // The certificate names localhost, not 127.0.0.1.
+        ("n1", inet(&port), r#""tls-creds":"x509""#),
+        (
+            "n2",
+            inet(&port),
+            r#""tls-creds":"x509","tls-hostname":"localhost""#,
+        ),
+        (
+            "n3",
+            inet(&port),
+            r#""tls-creds":"wrongca","tls-hostname":"localhost""#,
+        ),
+        ("n4", inet(&port), r#""tls-creds":"srv""#),
+        ("n5", inet(&port), r#""tls-creds":"nope""#),
+        (
+            "n6",
+            inet(&plain_port),
+            r#""tls-creds":"x509","tls-hostname":"localhost""#,
+        ),
+        ("n7", unix.clone(), r#""tls-creds":"psk""#),
+        ("n8", unix.clone(), r#""tls-creds":"badpsk""#),
+        // TLS required, none offered.
+        ("n9", inet(&port), r#""export":"disk""#),
+    ];
+    let mut seen: Vec<Vec<String>> = Vec::new();
+    for program in [env!("CARGO_BIN_EXE_stord"), "qemu-storage-daemon"] {
+        let (mut child, mut q) = qmp_daemon(program, &dir);
+        for (id, ty, endpoint, d) in &objects {
+            // PSK clients name themselves (QEMU's default is "qemu").
+            let user = if ty.ends_with("psk") {
+                r#","username":"alice""#
+            } else {
+                ""
+            };
+            let r = q.send(&format!(
+                r#"{{"execute":"object-add","arguments":{{"qom-type":"{ty}","id":"{id}","endpoint":"{endpoint}","dir":"{d}"{user}}}}}"#
+            ));
+            assert_eq!(outcome(&r), "ok", "{program} object {id}");
+        }
+        let mut answers = Vec::new();
+        for (node, server, extra) in &cases {
+            let export = if extra.contains("export") {
+                ""
+            } else {
+                r#","export":"disk""#
+            };
+            let r = q.send(&format!(
+                r#"{{"execute":"blockdev-add","arguments":{{"driver":"nbd","node-name":"{node}",{server}{export},{extra}}}}}"#
+            ));
+            answers.push(format!("{node}: {}", outcome(&r)));
+        }
+        if program == env!("CARGO_BIN_EXE_stord") {
+            stord_carries_data(&mut q, &dir, &image, &mut tcp, &port, &x509_server);
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        seen.push(answers);
+    }
+    for p in [&mut plain, &mut psk, &mut tcp] {
+        let _ = p.kill();
+        let _ = p.wait();
+    }
+    let (stord, qsd) = (&seen[0], &seen[1]);
+    eprintln!("stord: {stord:#?}\nqsd: {qsd:#?}");
+    for (s, q) in stord.iter().zip(qsd) {
+        let ok = |a: &str| a.ends_with(": ok");
+        assert_eq!(ok(s), ok(q), "stord {s} / qsd {q}");
+        // The words too, where they are QEMU's own (a TLS library's alert texts differ).
+        if !q.contains("TLS handshake failed") && !q.contains("Cannot read from TLS channel") {
+            assert_eq!(s, q);
+        }
+    }
+    for n in ["n2", "n7"] {
+        assert!(stord.iter().any(|a| a == &format!("{n}: ok")), "{stord:?}");
+    }
+}
+
+/// Node n2 (x509 to qemu-nbd on `port`) exported by stord: qemu-io writes through it and
+/// reads back; the server's file holds the data; a server restarted under a node with
+/// `reconnect-delay` serves the next read over a new TLS session.
+fn stord_carries_data(
+    q: &mut RawQmp,
+    dir: &Path,
+    image: &Path,
+    tcp: &mut Child,
+    port: &str,
+    x509_server: &str,
+) {
+    let sock = dir.join("export.sock");
+    let _ = std::fs::remove_file(&sock);
+    let r = q.send(&format!(
+        r#"{{"execute":"blockdev-add","arguments":{{"driver":"nbd","node-name":"rc","server":{{"type":"inet","host":"127.0.0.1","port":"{port}"}},"export":"disk","tls-creds":"x509","tls-hostname":"localhost","reconnect-delay":20}}}}"#
+    ));
+    assert_eq!(outcome(&r), "ok");
+    let r = q.send(&format!(
+        r#"{{"execute":"nbd-server-start","arguments":{{"addr":{{"type":"unix","data":{{"path":"{}"}}}}}}}}"#,
+        sock.display()
+    ));
+    assert_eq!(outcome(&r), "ok");
+    for (id, node) in [("e2", "n2"), ("erc", "rc")] {
+        let r = q.send(&format!(
+            r#"{{"execute":"block-export-add","arguments":{{"type":"nbd","id":"{id}","node-name":"{node}","name":"{node}","writable":true}}}}"#
+        ));
+        assert_eq!(outcome(&r), "ok");
+    }
+    let uri = |name: &str| format!("nbd+unix:///{name}?socket={}", sock.display());
+    // Many small requests in flight over one TLS session, verified.
+    fio_write_and_verify(&["--ioengine=nbd", &format!("--uri={}", uri("n2"))], "4M");
+    // One request of 32 MiB, sent while the server is stopped: the socket fills, and
+    // the connection's sender writes the rest of the records once the server reads again.
+    let pid = tcp.id().to_string();
+    run_ok("kill", &["-STOP", &pid]);
+    let writer = Command::new("qemu-io")
+        .args([
+            "-f",
+            "raw",
+            &uri("n2"),
+            "-c",
+            "write -P 0x3c 0 32M",
+            "-c",
+            "flush",
+        ])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    run_ok("kill", &["-CONT", &pid]);
+    let out = writer.wait_with_output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && !text.contains("error"), "{text}");
+    let out = run_ok(
+        "qemu-io",
+        &["-f", "raw", &uri("n2"), "-c", "read -P 0x3c 0 32M"],
+    );
+    assert!(!out.contains("verification failed"), "{out}");
+    let data = std::fs::read(image).unwrap();
+    assert!(data[..32 << 20].iter().all(|&b| b == 0x3c));
+    // The server goes and comes back on the same port: the node's reconnect negotiates
+    // TLS again and the read waits for it.
+    let _ = tcp.kill();
+    let _ = tcp.wait();
+    let args = ["-b", "127.0.0.1", "-p", port];
+    let restart = {
+        let (x509, image) = (x509_server.to_string(), image.to_path_buf());
+        let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_secs(1));
+            let a: Vec<&str> = args.iter().map(String::as_str).collect();
+            qemu_nbd(&a, Some(&x509), &image)
+        })
+    };
+    let out = run_ok(
+        "qemu-io",
+        &["-f", "raw", &uri("rc"), "-c", "read -P 0x3c 1M 64k"],
+    );
+    assert!(!out.contains("verification failed"), "{out}");
+    *tcp = restart.join().unwrap();
 }

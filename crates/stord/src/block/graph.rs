@@ -67,6 +67,9 @@ pub trait Graph {
 
     /// The bytes of the `secret` object `id` (a cluster key).
     fn secret(&self, id: &str) -> Option<Vec<u8>>;
+
+    /// The `endpoint=client` TLS credentials `id` (an NBD client's), or why not.
+    fn client_tls_creds(&self, id: &str) -> Result<Arc<crate::tls::TlsCreds>, String>;
 }
 
 /// What a driver's `open` is told besides its options.

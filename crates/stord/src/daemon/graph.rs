@@ -306,6 +306,10 @@ impl Graph for Builder<'_> {
     fn secret(&self, id: &str) -> Option<Vec<u8>> {
         self.st.secret(id)
     }
+
+    fn client_tls_creds(&self, id: &str) -> Result<Arc<crate::tls::TlsCreds>, String> {
+        self.st.client_tls_creds(id)
+    }
 }
 
 /// QEMU's `id_wellformed`: a letter, then letters, digits, `-`, `.` and `_` (object ids,

@@ -581,6 +581,11 @@ impl State {
                 let Some(UserObject::TlsCreds(creds)) = self.objects.get(id) else {
                     return Err(DaemonError::NoTlsCreds(id.clone()));
                 };
+                if creds.is_client() {
+                    return Err(DaemonError::Invalid(
+                        "Expected TLS credentials for a server endpoint".into(),
+                    ));
+                }
                 let authz = match &opts.tls_authz {
                     None => None,
                     Some(a) => match self.objects.get(a) {

@@ -188,6 +188,18 @@ impl State {
             _ => None,
         }
     }
+
+    /// The `endpoint=client` TLS credentials `id`, or why not, in QEMU's words.
+    pub(crate) fn client_tls_creds(&self, id: &str) -> Result<Arc<TlsCreds>, String> {
+        match self.objects.get(id) {
+            Some(UserObject::TlsCreds(c)) if c.is_client() => Ok(c.clone()),
+            Some(UserObject::TlsCreds(_)) => {
+                Err("Expected TLS credentials for a client endpoint".into())
+            }
+            Some(_) => Err(format!("Object with id '{id}' is not TLS credentials")),
+            None => Err(format!("No TLS credentials with id '{id}'")),
+        }
+    }
 }
 
 #[cfg(test)]

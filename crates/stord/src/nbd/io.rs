@@ -4,18 +4,29 @@
 //! received as before and decrypted into the reader's buffer; replies are encrypted as one
 //! batch and the records written straight to the socket.
 
-use std::cell::RefCell;
 use std::io;
 use std::os::fd::RawFd;
-use std::rc::Rc;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use stord_aio::{op, Interest, IoBuf, Slice};
 
 use crate::block::{request_buf, Buf};
 use crate::tls::TlsSession;
 
-/// A connection's TLS session, shared by its reader and its writer (one thread).
-pub type SharedTls = Rc<RefCell<Box<dyn TlsSession>>>;
+/// A connection's TLS session, shared by its reader and its writers (the server's
+/// connection keeps both on one thread; the NBD client's requests send from any loop).
+#[derive(Clone)]
+pub struct SharedTls(Arc<Mutex<Box<dyn TlsSession>>>);
+
+impl SharedTls {
+    pub fn new(sess: Box<dyn TlsSession>) -> Self {
+        SharedTls(Arc::new(Mutex::new(sess)))
+    }
+
+    pub fn lock(&self) -> MutexGuard<'_, Box<dyn TlsSession>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
 
 const READ_BUF: usize = 256 << 10;
 
@@ -79,7 +90,7 @@ impl TlsRx {
         dst: &mut [u8],
     ) -> io::Result<usize> {
         loop {
-            match self.sess.borrow_mut().read_plain(dst) {
+            match self.sess.lock().read_plain(dst) {
                 Ok(0) => return Err(eof()),
                 Ok(n) => return Ok(n),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
@@ -115,7 +126,7 @@ impl TlsRx {
                 Err(e) => return Err(e),
             }
         }
-        let mut sess = self.sess.borrow_mut();
+        let mut sess = self.sess.lock();
         let mut have = &self.cbuf.as_ref().expect("buffer")[self.start..self.end];
         let n = sess.read_tls(&mut have)?;
         self.start += n;
@@ -170,7 +181,7 @@ impl SockReader {
         let rx = self.tls.as_mut().expect("start_tls first");
         loop {
             flush_tls(self.fd, &rx.sess).await?;
-            if !rx.sess.borrow().is_handshaking() {
+            if !rx.sess.lock().is_handshaking() {
                 return Ok(());
             }
             if let Err(e) = rx.feed(self.fd, &self.counters).await {
@@ -381,14 +392,14 @@ pub async fn send(fd: RawFd, tls: Option<&SharedTls>, chunks: Vec<OutChunk>) -> 
     };
     {
         let views: Vec<io::IoSlice<'_>> = chunks.iter().map(|c| io::IoSlice::new(c)).collect();
-        tls.borrow_mut().write_plain(&views)?;
+        tls.lock().write_plain(&views)?;
     }
     drop(chunks);
     flush_tls(fd, tls).await
 }
 
 /// A non-blocking socket as `io::Write`, for the session to write its records into.
-struct FdWriter(RawFd);
+pub struct FdWriter(pub RawFd);
 
 impl io::Write for FdWriter {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
@@ -407,7 +418,7 @@ impl io::Write for FdWriter {
 pub async fn flush_tls(fd: RawFd, tls: &SharedTls) -> io::Result<()> {
     loop {
         let r = {
-            let mut s = tls.borrow_mut();
+            let mut s = tls.lock();
             if !s.wants_write() {
                 return Ok(());
             }

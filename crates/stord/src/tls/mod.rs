@@ -1,5 +1,7 @@
-//! TLS for the NBD server: the credentials objects (`tls-creds-x509`, `tls-creds-psk`), the
-//! `authz-simple` check, and the sessions a connection drives over its own socket.
+//! TLS for NBD: the credentials objects (`tls-creds-x509`, `tls-creds-psk`, with
+//! `endpoint=server` for stord's NBD server and `endpoint=client` for the `nbd` block
+//! driver), the `authz-simple` check, and the sessions a connection drives over its own
+//! socket.
 //!
 //! A session is sans-I/O ([`TlsSession`]): the connection feeds it the ciphertext it
 //! received and takes from it the ciphertext to send, so the NBD negotiation and
@@ -8,6 +10,7 @@
 //! pre-shared keys, which rustls does not implement, by OpenSSL. Objects and files follow
 //! qemu-storage-daemon's: the same property names, the same file names in `dir`.
 
+pub mod blocking;
 pub mod psk;
 pub mod session;
 pub mod x509;
@@ -63,18 +66,10 @@ impl TlsCreds {
         secret: &dyn Fn(&str) -> Option<Vec<u8>>,
     ) -> Result<Self, TlsError> {
         let what = kv.what.clone();
-        if kv
+        let client = kv
             .take_choice("endpoint", &["server", "client"])?
             .as_deref()
-            == Some("client")
-        {
-            return Err(TlsError::Unsupported {
-                what,
-                detail: "endpoint=client is not supported: stord only serves (use \
-                         endpoint=server)"
-                    .into(),
-            });
-        }
+            == Some("client");
         if kv.take("priority").is_some() {
             return Err(TlsError::Unsupported {
                 what,
@@ -99,7 +94,12 @@ impl TlsCreds {
                 let verify_peer = kv.take_bool("verify-peer", true)?;
                 // The files are checked on load whatever this says.
                 kv.take_bool("sanity-check", true)?;
-                Ok(TlsCreds::X509(x509::X509Creds::load(
+                let load = if client {
+                    x509::X509Creds::load_client
+                } else {
+                    x509::X509Creds::load
+                };
+                Ok(TlsCreds::X509(load(
                     &what,
                     &dir,
                     verify_peer,
@@ -107,21 +107,49 @@ impl TlsCreds {
                 )?))
             }
             _ => {
-                if kv.take("username").is_some() {
-                    return Err(TlsError::Unsupported {
-                        what,
-                        detail: "username is a client property (endpoint=client)".into(),
-                    });
+                let username = kv.take("username");
+                if !client {
+                    if username.is_some() {
+                        return Err(TlsError::Unsupported {
+                            what,
+                            detail: "username is a client property (endpoint=client)".into(),
+                        });
+                    }
+                    return Ok(TlsCreds::Psk(psk::PskCreds::load(&what, &dir)?));
                 }
-                Ok(TlsCreds::Psk(psk::PskCreds::load(&what, &dir)?))
+                // QEMU's default identity.
+                let username = username.unwrap_or_else(|| "qemu".into());
+                Ok(TlsCreds::Psk(psk::PskCreds::load_client(
+                    &what, &dir, &username,
+                )?))
             }
         }
     }
 
-    /// A new server session for one connection.
+    /// Whether these are `endpoint=client` credentials.
+    pub fn is_client(&self) -> bool {
+        match self {
+            TlsCreds::X509(c) => matches!(c, x509::X509Creds::Client { .. }),
+            TlsCreds::Psk(c) => c.is_client(),
+        }
+    }
+
+    /// A new server session for one connection (server credentials).
     pub fn new_session(&self) -> Result<Box<dyn TlsSession>, TlsError> {
         match self {
             TlsCreds::X509(c) => c.new_session(),
+            TlsCreds::Psk(c) => c.new_session(),
+        }
+    }
+
+    /// A new client session for one connection (client credentials); an x509 server's
+    /// certificate must name `hostname`, if given.
+    pub fn new_client_session(
+        &self,
+        hostname: Option<&str>,
+    ) -> Result<Box<dyn TlsSession>, TlsError> {
+        match self {
+            TlsCreds::X509(c) => c.new_client_session(hostname),
             TlsCreds::Psk(c) => c.new_session(),
         }
     }

@@ -1,6 +1,8 @@
 //! `tls-creds-psk`: pre-shared keys from `dir`/keys.psk (a `username:hexkey` line per
 //! client, as GnuTLS's psktool writes them and qsd reads them), served by OpenSSL, since
 //! rustls has no PSK support. The client's username is its identity for `authz-simple`.
+//! With `endpoint=client` the session proves `username` (QEMU's default: `qemu`) with its
+//! key from the same file.
 
 use std::collections::HashMap;
 use std::io;
@@ -15,11 +17,12 @@ use openssl::ssl::{
 use super::session::TlsSession;
 use super::TlsError;
 
-/// Loaded PSK server credentials.
+/// Loaded PSK credentials, for one side.
 pub struct PskCreds {
     ctx: SslContext,
-    /// Where a session keeps the username its client proved.
+    /// Where a server session keeps the username its client proved.
     identity: Index<Ssl, String>,
+    client: bool,
 }
 
 /// Parses keys.psk: `username:hexkey` lines; blank lines are skipped.
@@ -61,17 +64,7 @@ fn decode_hex(s: &str) -> Option<Vec<u8>> {
 
 impl PskCreds {
     pub fn load(what: &str, dir: &Path) -> Result<Self, TlsError> {
-        let path = dir.join("keys.psk");
-        let text = std::fs::read_to_string(&path).map_err(|source| TlsError::Read {
-            what: what.into(),
-            path: path.clone(),
-            source,
-        })?;
-        let keys = Arc::new(parse_keys(&text).map_err(|detail| TlsError::BadFile {
-            what: what.into(),
-            path: path.clone(),
-            detail,
-        })?);
+        let keys = Arc::new(read_keys(what, dir)?);
         let identity = Ssl::new_ex_index::<String>()?;
         let mut b = SslContextBuilder::new(SslMethod::tls_server())?;
         b.set_min_proto_version(Some(SslVersion::TLS1_2))?;
@@ -92,17 +85,80 @@ impl PskCreds {
         Ok(Self {
             ctx: b.build(),
             identity,
+            client: false,
         })
     }
 
+    /// Client credentials: `username`'s key from `dir`/keys.psk.
+    pub fn load_client(what: &str, dir: &Path, username: &str) -> Result<Self, TlsError> {
+        let keys = read_keys(what, dir)?;
+        let key = keys
+            .get(username)
+            .cloned()
+            .ok_or_else(|| TlsError::BadFile {
+                what: what.into(),
+                path: dir.join("keys.psk"),
+                detail: format!("username {username} not found in the key file"),
+            })?;
+        let user = username.as_bytes().to_vec();
+        let mut b = SslContextBuilder::new(SslMethod::tls_client())?;
+        b.set_min_proto_version(Some(SslVersion::TLS1_2))?;
+        b.set_cipher_list("ECDHE-PSK:PSK")?;
+        b.set_psk_client_callback(move |_ssl, _hint, id, out| {
+            // The identity goes out NUL-terminated; 0 bytes of key fails the handshake.
+            if user.len() >= id.len() || key.len() > out.len() {
+                return Ok(0);
+            }
+            id[..user.len()].copy_from_slice(&user);
+            id[user.len()] = 0;
+            out[..key.len()].copy_from_slice(&key);
+            Ok(key.len())
+        });
+        Ok(Self {
+            ctx: b.build(),
+            identity: Ssl::new_ex_index::<String>()?,
+            client: true,
+        })
+    }
+
+    /// A session for one connection, on this side (a client's starts its handshake).
     pub fn new_session(&self) -> Result<Box<dyn TlsSession>, TlsError> {
-        let ssl = Ssl::new(&self.ctx)?;
+        let mut ssl = Ssl::new(&self.ctx)?;
+        if self.client {
+            ssl.set_connect_state();
+        } else {
+            ssl.set_accept_state();
+        }
         let stream = SslStream::new(ssl, MemIo::default())?;
-        Ok(Box::new(OpenSslSession {
+        let mut sess = OpenSslSession {
             stream,
             identity: self.identity,
-        }))
+        };
+        if self.client {
+            // Queues the ClientHello.
+            sess.process_new_packets()?;
+        }
+        Ok(Box::new(sess))
     }
+
+    pub fn is_client(&self) -> bool {
+        self.client
+    }
+}
+
+/// `dir`/keys.psk, parsed.
+fn read_keys(what: &str, dir: &Path) -> Result<HashMap<String, Vec<u8>>, TlsError> {
+    let path = dir.join("keys.psk");
+    let text = std::fs::read_to_string(&path).map_err(|source| TlsError::Read {
+        what: what.into(),
+        path: path.clone(),
+        source,
+    })?;
+    parse_keys(&text).map_err(|detail| TlsError::BadFile {
+        what: what.into(),
+        path,
+        detail,
+    })
 }
 
 /// OpenSSL's transport: ciphertext received and to send, in memory.
@@ -140,7 +196,7 @@ impl io::Write for MemIo {
     }
 }
 
-/// An OpenSSL server session over [`MemIo`].
+/// An OpenSSL session over [`MemIo`].
 struct OpenSslSession {
     stream: SslStream<MemIo>,
     identity: Index<Ssl, String>,
@@ -166,7 +222,7 @@ impl TlsSession for OpenSslSession {
             // Records are decrypted as they are read.
             return Ok(());
         }
-        match self.stream.accept() {
+        match self.stream.do_handshake() {
             Ok(()) => Ok(()),
             Err(e) if e.code() == ErrorCode::WANT_READ => Ok(()),
             Err(e) => Err(TlsError::Handshake(e.to_string())),

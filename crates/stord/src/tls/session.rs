@@ -4,13 +4,14 @@
 //! `process_new_packets`), takes decrypted bytes out (`read_plain`), puts bytes to send in
 //! (`write_plain`) and sends what the session has produced (`write_tls`). Both
 //! implementations (rustls for certificates, OpenSSL for pre-shared keys) fit this shape,
-//! so the NBD code drives either the same way.
+//! so the NBD code drives either the same way, on either side (stord's NBD server, and the
+//! `nbd` block driver's client connections).
 
 use std::io;
 
 use super::TlsError;
 
-/// A server-side TLS session.
+/// A TLS session, server or client side.
 pub trait TlsSession: Send {
     /// Takes received ciphertext from `rd`; returns how much it took.
     fn read_tls(&mut self, rd: &mut dyn io::Read) -> io::Result<usize>;
@@ -34,8 +35,8 @@ pub trait TlsSession: Send {
     fn describe(&self) -> String;
 }
 
-/// A rustls server connection.
-pub struct RustlsSession(pub rustls::ServerConnection);
+/// A rustls connection (server or client).
+pub struct RustlsSession(pub rustls::Connection);
 
 impl TlsSession for RustlsSession {
     fn read_tls(&mut self, rd: &mut dyn io::Read) -> io::Result<usize> {

@@ -1,21 +1,36 @@
 //! `tls-creds-x509`: a CA, a server certificate and key from qsd's file names, served by
 //! rustls; client certificates checked against the CA (and its CRL) when `verify-peer=on`.
+//! With `endpoint=client` (the `nbd` block driver's connections): the CA, and a client
+//! certificate and key if the directory has them; the server's certificate is checked
+//! against the CA and the host name as QEMU checks it (no name given, no name checked).
 
 use std::path::Path;
 use std::sync::Arc;
 
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::client::WebPkiServerVerifier;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, CertificateRevocationListDer, PrivateKeyDer};
+use rustls::pki_types::{ServerName, UnixTime};
 use rustls::server::WebPkiClientVerifier;
-use rustls::{RootCertStore, ServerConfig, ServerConnection};
+use rustls::{
+    CertificateError, ClientConfig, ClientConnection, DigitallySignedStruct, RootCertStore,
+    ServerConfig, ServerConnection, SignatureScheme,
+};
 
 use super::session::{RustlsSession, TlsSession};
 use super::TlsError;
 
-/// Loaded x509 server credentials.
-pub struct X509Creds {
+/// Loaded x509 credentials, for one side.
+pub enum X509Creds {
     /// Requires client certificates when `verify-peer=on`.
-    config: Arc<ServerConfig>,
+    Server(Arc<ServerConfig>),
+    /// `named` checks the server's certificate against a host name; `unnamed` (a unix
+    /// socket without `tls-hostname`) checks only its chain, as QEMU does.
+    Client {
+        named: Arc<ClientConfig>,
+        unnamed: Arc<ClientConfig>,
+    },
 }
 
 fn read(what: &str, path: &Path) -> Result<Vec<u8>, TlsError> {
@@ -56,31 +71,11 @@ impl X509Creds {
         password: Option<&[u8]>,
     ) -> Result<Self, TlsError> {
         let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let ca_path = dir.join("ca-cert.pem");
-        let mut roots = RootCertStore::empty();
-        for c in certs(what, &ca_path)? {
-            roots.add(c).map_err(|e| bad(what, &ca_path, e))?;
-        }
+        let (ca_path, roots) = ca(what, dir)?;
         let chain = certs(what, &dir.join("server-cert.pem"))?;
         let key_path = dir.join("server-key.pem");
-        let key_pem = read(what, &key_path)?;
-        let key = match password {
-            None => PrivateKeyDer::from_pem_slice(&key_pem).map_err(|e| bad(what, &key_path, e))?,
-            Some(pass) => {
-                let pkey = openssl::pkey::PKey::private_key_from_pem_passphrase(&key_pem, pass)
-                    .map_err(|e| bad(what, &key_path, format!("cannot decrypt the key: {e}")))?;
-                let der = pkey.private_key_to_pkcs8()?;
-                PrivateKeyDer::Pkcs8(der.into())
-            }
-        };
-        let crl_path = dir.join("ca-crl.pem");
-        let crls = if crl_path.exists() {
-            CertificateRevocationListDer::pem_slice_iter(&read(what, &crl_path)?)
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(|e| bad(what, &crl_path, e))?
-        } else {
-            Vec::new()
-        };
+        let key = private_key(what, &key_path, password)?;
+        let crls = crls(what, dir)?;
         let builder = ServerConfig::builder_with_provider(provider.clone())
             .with_safe_default_protocol_versions()?;
         let builder = if verify_peer {
@@ -98,17 +93,230 @@ impl X509Creds {
             .map_err(|e| bad(what, &key_path, e))?;
         // NBD clients connect once and stay: session tickets would only be noise.
         config.send_tls13_tickets = 0;
-        Ok(Self {
-            config: Arc::new(config),
+        Ok(X509Creds::Server(Arc::new(config)))
+    }
+
+    /// Client credentials: `dir`/ca-cert.pem (required), ca-crl.pem, and client-cert.pem
+    /// with client-key.pem if both are there (QEMU's names; one without the other is an
+    /// error, as in QEMU). `verify_peer=false` accepts any server certificate.
+    pub fn load_client(
+        what: &str,
+        dir: &Path,
+        verify_peer: bool,
+        password: Option<&[u8]>,
+    ) -> Result<Self, TlsError> {
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let (ca_path, roots) = ca(what, dir)?;
+        let (cert_path, key_path) = (dir.join("client-cert.pem"), dir.join("client-key.pem"));
+        let identity = match (cert_path.exists(), key_path.exists()) {
+            (false, false) => None,
+            (true, false) => {
+                return Err(bad(
+                    what,
+                    &cert_path,
+                    "certificate without corresponding key",
+                ))
+            }
+            (false, true) => {
+                return Err(bad(
+                    what,
+                    &key_path,
+                    "key without corresponding certificate",
+                ))
+            }
+            (true, true) => Some((
+                certs(what, &cert_path)?,
+                private_key(what, &key_path, password)?,
+            )),
+        };
+        let webpki = WebPkiServerVerifier::builder_with_provider(Arc::new(roots), provider.clone())
+            .with_crls(crls(what, dir)?)
+            .build()
+            .map_err(|e| bad(what, &ca_path, e))?;
+        let config = |check_name: bool| -> Result<Arc<ClientConfig>, TlsError> {
+            let verifier = Arc::new(ServerVerifier {
+                webpki: webpki.clone(),
+                check_chain: verify_peer,
+                check_name,
+            });
+            let builder = ClientConfig::builder_with_provider(provider.clone())
+                .with_safe_default_protocol_versions()?
+                .dangerous()
+                .with_custom_certificate_verifier(verifier);
+            let mut config = match &identity {
+                None => builder.with_no_client_auth(),
+                Some((chain, key)) => builder
+                    .with_client_auth_cert(chain.clone(), key.clone_key())
+                    .map_err(|e| bad(what, &key_path, e))?,
+            };
+            // Without a name there is nothing to indicate.
+            config.enable_sni = check_name;
+            Ok(Arc::new(config))
+        };
+        Ok(X509Creds::Client {
+            named: config(true)?,
+            unnamed: config(false)?,
         })
     }
 
     pub fn new_session(&self) -> Result<Box<dyn TlsSession>, TlsError> {
-        let mut conn = ServerConnection::new(self.config.clone())?;
+        let X509Creds::Server(config) = self else {
+            return Err(TlsError::Handshake(
+                "client credentials cannot serve".into(),
+            ));
+        };
+        let mut conn = ServerConnection::new(config.clone())?;
         // Replies are queued whole; back-pressure is the connection's own budget.
         conn.set_buffer_limit(None);
-        Ok(Box::new(RustlsSession(conn)))
+        Ok(Box::new(RustlsSession(conn.into())))
     }
+
+    /// A client session that checks the server's certificate against `hostname`, if given.
+    pub fn new_client_session(
+        &self,
+        hostname: Option<&str>,
+    ) -> Result<Box<dyn TlsSession>, TlsError> {
+        let X509Creds::Client { named, unnamed } = self else {
+            return Err(TlsError::Handshake(
+                "server credentials cannot connect".into(),
+            ));
+        };
+        let (config, name) = match hostname {
+            Some(h) => (
+                named.clone(),
+                ServerName::try_from(h.to_string())
+                    .map_err(|_| TlsError::Handshake(format!("invalid host name '{h}'")))?,
+            ),
+            // Not sent (no SNI) and not checked.
+            None => (
+                unnamed.clone(),
+                ServerName::try_from("localhost").expect("a name"),
+            ),
+        };
+        let mut conn = ClientConnection::new(config, name)?;
+        conn.set_buffer_limit(None);
+        Ok(Box::new(RustlsSession(conn.into())))
+    }
+}
+
+/// `dir`/ca-cert.pem as a root store, and its path.
+fn ca(what: &str, dir: &Path) -> Result<(std::path::PathBuf, RootCertStore), TlsError> {
+    let ca_path = dir.join("ca-cert.pem");
+    let mut roots = RootCertStore::empty();
+    for c in certs(what, &ca_path)? {
+        roots.add(c).map_err(|e| bad(what, &ca_path, e))?;
+    }
+    Ok((ca_path, roots))
+}
+
+/// A PEM private key, decrypted with `password` if it is encrypted (OpenSSL reads it;
+/// rustls takes the result).
+fn private_key(
+    what: &str,
+    path: &Path,
+    password: Option<&[u8]>,
+) -> Result<PrivateKeyDer<'static>, TlsError> {
+    let pem = read(what, path)?;
+    match password {
+        None => PrivateKeyDer::from_pem_slice(&pem).map_err(|e| bad(what, path, e)),
+        Some(pass) => {
+            let pkey = openssl::pkey::PKey::private_key_from_pem_passphrase(&pem, pass)
+                .map_err(|e| bad(what, path, format!("cannot decrypt the key: {e}")))?;
+            let der = pkey.private_key_to_pkcs8()?;
+            Ok(PrivateKeyDer::Pkcs8(der.into()))
+        }
+    }
+}
+
+/// `dir`/ca-crl.pem's revocation lists, if the file is there.
+fn crls(what: &str, dir: &Path) -> Result<Vec<CertificateRevocationListDer<'static>>, TlsError> {
+    let crl_path = dir.join("ca-crl.pem");
+    if !crl_path.exists() {
+        return Ok(Vec::new());
+    }
+    CertificateRevocationListDer::pem_slice_iter(&read(what, &crl_path)?)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| bad(what, &crl_path, e))
+}
+
+/// Checks a server's certificate as QEMU's client does: its chain against the CA (unless
+/// `verify-peer=off`), and the host name only when one was given.
+#[derive(Debug)]
+struct ServerVerifier {
+    webpki: Arc<WebPkiServerVerifier>,
+    check_chain: bool,
+    check_name: bool,
+}
+
+impl ServerCertVerifier for ServerVerifier {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        server_name: &ServerName<'_>,
+        ocsp: &[u8],
+        now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        if !self.check_chain {
+            return Ok(ServerCertVerified::assertion());
+        }
+        match self
+            .webpki
+            .verify_server_cert(end_entity, intermediates, server_name, ocsp, now)
+        {
+            Err(rustls::Error::InvalidCertificate(
+                CertificateError::NotValidForName | CertificateError::NotValidForNameContext { .. },
+            )) if !self.check_name => Ok(ServerCertVerified::assertion()),
+            r => r,
+        }
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.webpki.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.webpki.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.webpki.supported_verify_schemes()
+    }
+}
+
+/// QEMU's words for a server certificate the client refused (GnuTLS's verification
+/// status as `qcrypto_tls_session_check_certificate` names it), or `None` for other errors.
+pub fn refusal_text(e: &rustls::Error, hostname: Option<&str>) -> Option<String> {
+    let rustls::Error::InvalidCertificate(c) = e else {
+        return None;
+    };
+    Some(match c {
+        CertificateError::UnknownIssuer => "The certificate hasn't got a known issuer".into(),
+        CertificateError::NotValidForName | CertificateError::NotValidForNameContext { .. } => {
+            format!(
+                "Certificate does not match the hostname {}",
+                hostname.unwrap_or_default()
+            )
+        }
+        CertificateError::Revoked => "The certificate has been revoked".into(),
+        CertificateError::Expired | CertificateError::ExpiredContext { .. } => {
+            "The certificate has expired".into()
+        }
+        CertificateError::NotValidYet | CertificateError::NotValidYetContext { .. } => {
+            "The certificate is not yet activated".into()
+        }
+        _ => "The certificate is not trusted".into(),
+    })
 }
 
 /// A certificate's subject as QEMU names TLS clients for `authz-simple` (GnuTLS's

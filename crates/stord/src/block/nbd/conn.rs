@@ -9,6 +9,10 @@
 //! and wakes the request's task, which is a cross-thread wake-up when the request came
 //! from another loop. When the connection fails, every request in flight ends as `Lost`
 //! and the driver decides whether to wait for a reconnect or fail it.
+//!
+//! Over TLS the same shape holds with the session as the backlog: a request encrypts its
+//! header and data into the session under the send lock and writes what records the
+//! socket takes; the sender task writes the rest when the socket has room.
 
 use std::collections::HashMap;
 use std::io;
@@ -17,10 +21,11 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Poll, Waker};
 
-use super::handshake::ExportInfo;
+use super::handshake::{ExportInfo, Tls};
 use crate::block::{BlockStatus, Buf};
-use crate::nbd::io::{send_all, OutChunk, SockReader};
+use crate::nbd::io::{send_all, FdWriter, OutChunk, SharedTls, SockReader};
 use crate::nbd::proto::*;
+use crate::tls::TlsSession;
 
 /// How a request ended.
 pub(super) enum Outcome {
@@ -103,8 +108,11 @@ impl Slot {
 #[derive(Default)]
 struct Tx {
     backlog: Vec<u8>,
-    /// The sender is writing a backlog now: new requests queue behind it.
+    /// The sender is writing a backlog (or the session's records) now: new requests
+    /// queue behind it.
     sending: bool,
+    /// Over TLS: the session holds records the socket did not take.
+    records_waiting: bool,
     closed: bool,
     waker: Option<Waker>,
 }
@@ -134,6 +142,8 @@ impl Sock {
 /// A connection in transmission.
 pub(super) struct Conn {
     sock: Sock,
+    /// The TLS session negotiated on the socket, if any.
+    tls: Option<SharedTls>,
     pub info: ExportInfo,
     next_handle: AtomicU64,
     tx: Mutex<Tx>,
@@ -168,11 +178,12 @@ fn host_errno(e: u32) -> io::Error {
 }
 
 impl Conn {
-    /// A connection over a negotiated non-blocking socket; its tasks are started with
-    /// [`Conn::start`].
-    pub fn new(sock: Sock, info: ExportInfo) -> Arc<Self> {
+    /// A connection over a negotiated non-blocking socket (and its TLS session); its tasks
+    /// are started with [`Conn::start`].
+    pub fn new(sock: Sock, info: ExportInfo, tls: Tls) -> Arc<Self> {
         Arc::new(Conn {
             sock,
+            tls: tls.map(SharedTls::new),
             info,
             next_handle: AtomicU64::new(1),
             tx: Mutex::default(),
@@ -238,7 +249,17 @@ impl Conn {
                     },
                     0,
                 );
-                let _ = stord_aio::sys::writev_now(self.sock.raw(), &[&hdr]);
+                match &self.tls {
+                    Some(tls) => {
+                        let mut s = tls.lock();
+                        if s.write_plain(&[io::IoSlice::new(&hdr)]).is_ok() {
+                            let _ = write_records(&mut **s, self.sock.raw());
+                        }
+                    }
+                    None => {
+                        let _ = stord_aio::sys::writev_now(self.sock.raw(), &[&hdr]);
+                    }
+                }
             }
         }
         self.fail("closed");
@@ -291,6 +312,21 @@ impl Conn {
         if tx.closed {
             return Ok(()); // fail() already lost the request
         }
+        if let Some(tls) = &self.tls {
+            let mut s = tls.lock();
+            s.write_plain(&[io::IoSlice::new(hdr), io::IoSlice::new(data)])?;
+            // A sender at work writes these records after the ones before them.
+            if tx.sending || write_records(&mut **s, self.sock.raw())? {
+                return Ok(());
+            }
+            drop(s);
+            tx.records_waiting = true;
+            if let Some(w) = tx.waker.take() {
+                drop(tx);
+                w.wake();
+            }
+            return Ok(());
+        }
         let mut sent = 0;
         if tx.backlog.is_empty() && !tx.sending {
             match stord_aio::sys::writev_now(self.sock.raw(), &[hdr, data]) {
@@ -331,13 +367,40 @@ fn header(r: Request, handle: u64) -> [u8; 28] {
     h
 }
 
-/// Writes the backlog, on the connection's loop.
+/// Writes the session's waiting records into the non-blocking socket `fd`: `Ok(true)` when
+/// none is left, `Ok(false)` when the socket is full.
+fn write_records(s: &mut dyn TlsSession, fd: RawFd) -> io::Result<bool> {
+    while s.wants_write() {
+        match s.write_tls(&mut FdWriter(fd)) {
+            Ok(0) => return Err(io::Error::from_raw_os_error(libc::EPIPE)),
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(true)
+}
+
+/// What the sender was woken for.
+enum Work {
+    Backlog(Vec<u8>),
+    Records,
+}
+
+/// Writes the backlog, or the TLS records the socket did not take, on the connection's
+/// loop.
 async fn sender(c: Arc<Conn>) {
     loop {
-        let batch = std::future::poll_fn(|cx| {
+        let work = std::future::poll_fn(|cx| {
             let mut tx = c.tx();
             if tx.closed {
                 return Poll::Ready(None);
+            }
+            if tx.records_waiting {
+                tx.records_waiting = false;
+                tx.sending = true;
+                return Poll::Ready(Some(Work::Records));
             }
             if tx.backlog.is_empty() {
                 tx.sending = false;
@@ -345,13 +408,34 @@ async fn sender(c: Arc<Conn>) {
                 return Poll::Pending;
             }
             tx.sending = true;
-            Poll::Ready(Some(std::mem::take(&mut tx.backlog)))
+            Poll::Ready(Some(Work::Backlog(std::mem::take(&mut tx.backlog))))
         })
         .await;
-        let Some(batch) = batch else { return };
-        if let Err(e) = send_all(c.sock.raw(), vec![OutChunk::Bytes(batch)]).await {
+        let r = match work {
+            None => return,
+            Some(Work::Backlog(batch)) => {
+                send_all(c.sock.raw(), vec![OutChunk::Bytes(batch)]).await
+            }
+            Some(Work::Records) => write_all_records(&c).await,
+        };
+        if let Err(e) = r {
             c.fail(&format!("send failed: {e}"));
             return;
+        }
+    }
+}
+
+/// Writes the session's records as the socket makes room, until none is left; requests
+/// add theirs meanwhile (`sending` is set, so they leave the writing to us).
+async fn write_all_records(c: &Conn) -> io::Result<()> {
+    let tls = c.tls.as_ref().expect("records come from a session");
+    loop {
+        stord_aio::op::poll_add(c.sock.raw(), stord_aio::Interest::WRITABLE).await?;
+        // The send lock first, as requests take it: none adds records while we look.
+        let mut tx = c.tx();
+        if write_records(&mut **tls.lock(), c.sock.raw())? {
+            tx.sending = false;
+            return Ok(());
         }
     }
 }
@@ -359,6 +443,10 @@ async fn sender(c: Arc<Conn>) {
 /// Reads replies until the connection ends, on the connection's loop.
 async fn receiver(c: Arc<Conn>) {
     let mut r = SockReader::new(c.sock.raw(), Vec::new());
+    if let Some(tls) = &c.tls {
+        // Anything the negotiation received past its end is still in the session.
+        r = r.with_tls(tls.clone(), Vec::new());
+    }
     let e = loop {
         if let Err(e) = reply(&c, &mut r).await {
             break e;

@@ -5,10 +5,14 @@
 //! Asks for structured replies, the one metadata context block status reads
 //! (`base:allocation`, or what `x-dirty-bitmap` names), and the export with NBD_OPT_GO
 //! (its size, flags and block sizes); a server without NBD_OPT_GO gets NBD_OPT_EXPORT_NAME.
+//! With TLS credentials, NBD_OPT_STARTTLS comes first and everything after it is
+//! encrypted; the session goes on with the connection into transmission.
 
 use std::io::{self, Read, Write};
 
 use crate::nbd::proto::*;
+use crate::tls::blocking::BlockingTls;
+use crate::tls::{TlsError, TlsSession};
 
 /// What the server told us about the export.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -41,6 +45,9 @@ pub enum HandshakeError {
     Io(#[from] io::Error),
     #[error("{0}")]
     Protocol(String),
+    /// The TLS handshake failed (the caller words certificate refusals as QEMU does).
+    #[error("TLS handshake failed: {0}")]
+    Tls(TlsError),
 }
 
 fn proto(s: impl Into<String>) -> HandshakeError {
@@ -97,15 +104,34 @@ fn read_reply(s: &mut impl Read, opt: u32) -> Result<(u32, Vec<u8>), HandshakeEr
     Ok((ty, data))
 }
 
-/// An error reply as QEMU words it, with the server's message if it sent one.
-fn reply_error(ty: u32, data: &[u8], what: &str) -> HandshakeError {
+/// QEMU's name for option `opt` in its messages.
+fn opt_name(opt: u32) -> &'static str {
+    match opt {
+        OPT_EXPORT_NAME => "export name",
+        OPT_ABORT => "abort",
+        OPT_LIST => "list",
+        OPT_STARTTLS => "starttls",
+        OPT_INFO => "info",
+        OPT_GO => "go",
+        OPT_STRUCTURED_REPLY => "structured reply",
+        OPT_LIST_META_CONTEXT => "list meta context",
+        OPT_SET_META_CONTEXT => "set meta context",
+        _ => "<unknown>",
+    }
+}
+
+/// An error reply to option `opt` as QEMU words it, with the server's message logged.
+fn reply_error(ty: u32, data: &[u8], opt: u32) -> HandshakeError {
+    let what = format!("option {opt} ({})", opt_name(opt));
     let why = match ty {
         REP_ERR_UNKNOWN => "Requested export not available".to_string(),
-        REP_ERR_POLICY => "Denied by server for option".to_string(),
-        REP_ERR_TLS_REQD => "TLS negotiation required before option".to_string(),
-        REP_ERR_UNSUP => "Unsupported option".to_string(),
-        REP_ERR_INVALID => "Invalid parameters for option".to_string(),
-        _ => format!("Server failed {what} (reply type {ty:#x})"),
+        REP_ERR_POLICY => format!("Denied by server for {what}"),
+        REP_ERR_TLS_REQD => format!("TLS negotiation required before {what}"),
+        REP_ERR_UNSUP => format!("Unsupported option {opt} ({})", opt_name(opt)),
+        REP_ERR_INVALID => format!("Invalid parameters for {what}"),
+        REP_ERR_PLATFORM => format!("Server lacks support for {what}"),
+        REP_ERR_SHUTDOWN => format!("Server shutting down before {what}"),
+        _ => format!("Unknown error code when asking for {what}"),
     };
     // QEMU keeps the server's message out of the error's text (a hint); so do we.
     let msg = String::from_utf8_lossy(data);
@@ -122,12 +148,17 @@ fn name_field(export: &str) -> Vec<u8> {
     d
 }
 
+/// A TLS session to start before the options, and what a negotiation gives back.
+pub type Tls = Option<Box<dyn TlsSession>>;
+
 /// Negotiates `export` on a connected stream; `context` is the metadata context to use.
+/// With `tls`, the options go through that session, which comes back with the export.
 pub fn negotiate<S: Read + Write>(
     s: &mut S,
     export: &str,
     context: &str,
-) -> Result<ExportInfo, HandshakeError> {
+    tls: Tls,
+) -> Result<(ExportInfo, Tls), HandshakeError> {
     if export.len() > 4096 {
         return Err(proto("export name too long to send to server"));
     }
@@ -152,11 +183,42 @@ pub fn negotiate<S: Read + Write>(
         cflags |= FLAG_C_NO_ZEROES;
     }
     s.write_all(&cflags.to_be_bytes())?;
+    let Some(mut sess) = tls else {
+        let info = if fixed {
+            options(s, export, context, no_zeroes)?
+        } else {
+            // Only NBD_OPT_EXPORT_NAME is safe with a server that cannot refuse options.
+            export_name(s, export, no_zeroes, false, None)?
+        };
+        return Ok((info, None));
+    };
     if !fixed {
-        // Only NBD_OPT_EXPORT_NAME is safe with a server that cannot refuse options.
-        return export_name(s, export, no_zeroes, false, None);
+        return Err(proto("Server does not support STARTTLS"));
     }
+    send_option(s, OPT_STARTTLS, &[])?;
+    match read_reply(s, OPT_STARTTLS)? {
+        (REP_ACK, _) => {}
+        (REP_ERR_UNSUP, _) => return Err(proto("Server don't support STARTTLS option")),
+        (t, data) if t & (1 << 31) != 0 => return Err(reply_error(t, &data, OPT_STARTTLS)),
+        _ => return Err(proto("Unexpected reply to NBD_OPT_STARTTLS")),
+    }
+    let mut t = BlockingTls {
+        sess: &mut *sess,
+        sock: s,
+    };
+    t.handshake().map_err(HandshakeError::Tls)?;
+    let info = options(&mut t, export, context, no_zeroes)?;
+    Ok((info, Some(sess)))
+}
 
+/// The options after the greeting (and TLS): structured replies, the metadata context,
+/// and the export.
+fn options<S: Read + Write>(
+    s: &mut S,
+    export: &str,
+    context: &str,
+    no_zeroes: bool,
+) -> Result<ExportInfo, HandshakeError> {
     send_option(s, OPT_STRUCTURED_REPLY, &[])?;
     let (ty, _) = read_reply(s, OPT_STRUCTURED_REPLY)?;
     let structured = ty == REP_ACK;
@@ -227,7 +289,7 @@ pub fn negotiate<S: Read + Write>(
             REP_ACK if have_export => break,
             REP_ACK => return Err(proto("Server did not describe the export")),
             REP_ERR_UNSUP => return export_name(s, export, no_zeroes, structured, ctx_id),
-            t if t & (1 << 31) != 0 => return Err(reply_error(t, &data, "NBD_OPT_GO")),
+            t if t & (1 << 31) != 0 => return Err(reply_error(t, &data, OPT_GO)),
             _ => return Err(proto("Unexpected reply to NBD_OPT_GO")),
         }
     }
@@ -338,7 +400,7 @@ mod tests {
             input: io::Cursor::new(srv),
             output: Vec::new(),
         };
-        let info = negotiate(&mut s, "exp", "base:allocation").unwrap();
+        let info = negotiate(&mut s, "exp", "base:allocation", None).unwrap().0;
         assert_eq!(info.size, 1 << 20);
         assert!(info.has(FLAG_SEND_FLUSH) && !info.has(FLAG_SEND_FUA));
         assert_eq!((info.min_block, info.max_block), (1, 1 << 20));
@@ -360,7 +422,9 @@ mod tests {
             input: io::Cursor::new(srv),
             output: Vec::new(),
         };
-        let e = negotiate(&mut s, "x", "base:allocation").unwrap_err();
+        let e = negotiate(&mut s, "x", "base:allocation", None)
+            .map(|_| ())
+            .unwrap_err();
         assert_eq!(e.to_string(), "Requested export not available");
     }
 
@@ -377,7 +441,9 @@ mod tests {
             input: io::Cursor::new(srv),
             output: Vec::new(),
         };
-        let e = negotiate(&mut s, "", "base:allocation").unwrap_err();
+        let e = negotiate(&mut s, "", "base:allocation", None)
+            .map(|_| ())
+            .unwrap_err();
         assert!(e.to_string().contains("minimum block size"), "{e}");
     }
 
@@ -387,6 +453,6 @@ mod tests {
             input: io::Cursor::new(NBDMAGIC.to_be_bytes()[..5].to_vec()),
             output: Vec::new(),
         };
-        assert!(negotiate(&mut s, "", "base:allocation").is_err());
+        assert!(negotiate(&mut s, "", "base:allocation", None).is_err());
     }
 }

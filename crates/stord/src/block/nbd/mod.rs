@@ -19,21 +19,26 @@ use std::task::{Poll, Waker};
 use std::time::Duration;
 
 use conn::{Conn, Outcome, Request, Sock};
-use handshake::ExportInfo;
+use handshake::{ExportInfo, HandshakeError, Tls};
 
 use super::graph::{DriverDef, GraphError, Opened};
 use super::{BlockDriver, BlockStatus, BoxFut, Buf};
 use crate::cli::keyval::KeyVal;
 use crate::nbd::proto::*;
+use crate::tls::{TlsCreds, TlsError};
 
 /// The driver table's entry.
 pub const DRIVER: DriverDef = DriverDef {
     names: &["nbd"],
     takes_discard: false,
     takes_cache: false,
-    open: |_, kv, flags| {
+    open: |g, kv, flags| {
         let opts = NbdOptions::from_kv(kv)?;
-        let driver = NbdDriver::open(opts, flags.node_name)?;
+        let tls = match &opts.tls_creds {
+            Some(id) => Some(g.client_tls_creds(id).map_err(GraphError::Invalid)?),
+            None => None,
+        };
+        let driver = NbdDriver::open(opts, tls, flags.node_name)?;
         if driver.info().has(FLAG_READ_ONLY) && !flags.read_only {
             // QEMU's words: its auto-read-only check fails the open with EACCES.
             tracing::debug!(target: "stord::nbd", "NBD export is read-only");
@@ -79,11 +84,16 @@ pub struct NbdOptions {
     /// `x-dirty-bitmap`: the metadata context block status reports instead of
     /// `base:allocation` (`qemu:dirty-bitmap:NAME` or `qemu:allocation-depth`).
     pub x_dirty_bitmap: Option<String>,
+    /// `tls-creds`: the id of `endpoint=client` credentials; the connection starts TLS.
+    pub tls_creds: Option<String>,
+    /// The name the server's certificate must carry: `tls-hostname`, else an inet
+    /// server's host; none (nothing checked) for a unix socket without `tls-hostname`.
+    pub tls_hostname: Option<String>,
 }
 
 impl NbdOptions {
     /// From `server.type`, `server.path` | `server.host`/`server.port`, `export`,
-    /// `reconnect-delay`, `open-timeout`, `x-dirty-bitmap`.
+    /// `reconnect-delay`, `open-timeout`, `x-dirty-bitmap`, `tls-creds`, `tls-hostname`.
     pub fn from_kv(kv: &mut KeyVal) -> Result<Self, GraphError> {
         let server = match kv.take_choice("server.type", &["unix", "inet"])?.as_deref() {
             Some("unix") => ServerAddr::Unix(kv.take_required("server.path")?),
@@ -102,11 +112,13 @@ impl NbdOptions {
         ] {
             kv.take_bool(k, false)?;
         }
-        if kv.take("tls-creds").is_some() || kv.take("tls-hostname").is_some() {
-            return Err(GraphError::Invalid(
-                "tls-creds: stord's NBD client does not do TLS yet".into(),
-            ));
-        }
+        let tls_creds = kv.take("tls-creds");
+        // Without credentials QEMU takes the name and ignores it.
+        let tls_hostname = match (kv.take("tls-hostname"), &server) {
+            (Some(h), _) => Some(h),
+            (None, ServerAddr::Inet(h, _)) => Some(h.clone()),
+            (None, ServerAddr::Unix(_)) => None,
+        };
         let u32s = 0..=u64::from(u32::MAX);
         let reconnect_delay = kv
             .take_u64_in("reconnect-delay", false, u32s.clone())?
@@ -118,6 +130,8 @@ impl NbdOptions {
             reconnect_delay,
             open_timeout,
             x_dirty_bitmap: kv.take("x-dirty-bitmap"),
+            tls_creds,
+            tls_hostname,
         })
     }
 
@@ -143,8 +157,8 @@ const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(10);
 const RETRY_FIRST: Duration = Duration::from_millis(100);
 const RETRY_MAX: Duration = Duration::from_secs(2);
 
-/// Connects and negotiates once (blocking).
-fn connect(o: &NbdOptions) -> Result<(Sock, ExportInfo), String> {
+/// Connects and negotiates once (blocking), starting TLS with `tls` if given.
+fn connect(o: &NbdOptions, tls: Option<&TlsCreds>) -> Result<(Sock, ExportInfo, Tls), String> {
     let failed = |e: io::Error| {
         format!(
             "Failed to connect to '{}': {}",
@@ -177,19 +191,34 @@ fn connect(o: &NbdOptions) -> Result<(Sock, ExportInfo), String> {
             Sock::Tcp(s)
         }
     };
-    let info = match &mut sock {
+    let sess = match tls {
+        Some(c) => Some(
+            c.new_client_session(o.tls_hostname.as_deref())
+                .map_err(|e| e.to_string())?,
+        ),
+        None => None,
+    };
+    let (info, sess) = match &mut sock {
         Sock::Unix(s) => {
             s.set_read_timeout(Some(ATTEMPT_TIMEOUT)).map_err(failed)?;
             s.set_write_timeout(Some(ATTEMPT_TIMEOUT)).map_err(failed)?;
-            handshake::negotiate(s, &o.export, o.context())
+            handshake::negotiate(s, &o.export, o.context(), sess)
         }
         Sock::Tcp(s) => {
             s.set_read_timeout(Some(ATTEMPT_TIMEOUT)).map_err(failed)?;
             s.set_write_timeout(Some(ATTEMPT_TIMEOUT)).map_err(failed)?;
-            handshake::negotiate(s, &o.export, o.context())
+            handshake::negotiate(s, &o.export, o.context(), sess)
         }
     }
-    .map_err(|e| e.to_string())?;
+    .map_err(|e| match e {
+        // A certificate refused: QEMU's words for it.
+        HandshakeError::Tls(TlsError::Rustls(r)) => {
+            crate::tls::x509::refusal_text(&r, o.tls_hostname.as_deref())
+                .unwrap_or_else(|| format!("TLS handshake failed: {r}"))
+        }
+        HandshakeError::Tls(TlsError::Handshake(why)) => format!("TLS handshake failed: {why}"),
+        e => e.to_string(),
+    })?;
     if o.x_dirty_bitmap.is_some() && info.context.is_none() {
         // QEMU reports EINVAL from the open (its own text goes to a hint nobody sees).
         tracing::debug!(target: "stord::nbd", "requested x-dirty-bitmap {} not found", o.context());
@@ -200,7 +229,7 @@ fn connect(o: &NbdOptions) -> Result<(Sock, ExportInfo), String> {
         Sock::Tcp(s) => s.set_nonblocking(true),
     }
     .map_err(failed)?;
-    Ok((sock, info))
+    Ok((sock, info, sess))
 }
 
 /// Whether a reconnect found the export the node was opened on: the same size and flags,
@@ -230,6 +259,8 @@ struct LinkState {
 /// What the driver, its reconnect thread and its requests share.
 struct Link {
     opts: NbdOptions,
+    /// `tls-creds`, held while the node is open (`object-del` refuses them meanwhile).
+    tls: Option<Arc<TlsCreds>>,
     /// The export as first negotiated: a reconnect must find it the same size.
     info: ExportInfo,
     state: Mutex<LinkState>,
@@ -265,10 +296,10 @@ impl Link {
             if self.lock().closing {
                 return;
             }
-            match connect(&self.opts) {
-                Ok((sock, info)) if same_export(&self.info, &info) => {
+            match connect(&self.opts, self.tls.as_deref()) {
+                Ok((sock, info, sess)) if same_export(&self.info, &info) => {
                     tracing::info!(target: "stord::nbd", "reconnected to {}", self.opts.server);
-                    return self.install(Conn::new(sock, info));
+                    return self.install(Conn::new(sock, info, sess));
                 }
                 Ok(_) => tracing::warn!(
                     target: "stord::nbd",
@@ -337,12 +368,16 @@ pub struct NbdDriver {
 
 impl NbdDriver {
     /// Connects (trying again for `open-timeout` seconds) and starts the node's loop.
-    pub fn open(opts: NbdOptions, node_name: &str) -> Result<Self, GraphError> {
+    pub fn open(
+        opts: NbdOptions,
+        tls: Option<Arc<TlsCreds>>,
+        node_name: &str,
+    ) -> Result<Self, GraphError> {
         let deadline =
             std::time::Instant::now() + Duration::from_secs(u64::from(opts.open_timeout));
         let mut wait = RETRY_FIRST;
-        let (sock, info) = loop {
-            match connect(&opts) {
+        let (sock, info, sess) = loop {
+            match connect(&opts, tls.as_deref()) {
                 Ok(c) => break c,
                 Err(e) if std::time::Instant::now() + wait >= deadline => {
                     return Err(GraphError::Invalid(e))
@@ -360,11 +395,12 @@ impl NbdDriver {
         .map_err(|e| GraphError::Invalid(format!("cannot start the node's loop: {e}")))?;
         let link = Arc::new(Link {
             opts,
+            tls,
             info: info.clone(),
             state: Mutex::default(),
             home: thread.remote().clone(),
         });
-        link.install(Conn::new(sock, info));
+        link.install(Conn::new(sock, info, sess));
         Ok(NbdDriver {
             link,
             _thread: thread,

@@ -17,16 +17,14 @@
 //! After the TLS handshake (and the `tls-authz` check) the negotiation starts over inside
 //! the session.
 
-use std::cell::RefCell;
 use std::io;
 use std::os::fd::RawFd;
-use std::rc::Rc;
 use std::sync::Arc;
 
 use super::{ExportTable, NbdExport};
 use crate::nbd::io::{send, OutChunk, SharedTls, SockReader};
 use crate::nbd::proto::*;
-use crate::tls::{TlsServer, TlsSession};
+use crate::tls::TlsServer;
 
 /// What the negotiation settled.
 pub struct Negotiated {
@@ -39,7 +37,7 @@ pub struct Negotiated {
     /// Bytes the client already sent past the negotiation (decrypted, with TLS).
     pub pending: Vec<u8>,
     /// The TLS session, if the client started one.
-    pub tls: Option<Box<dyn TlsSession>>,
+    pub tls: Option<SharedTls>,
     /// Ciphertext received past the negotiation, not yet decrypted.
     pub cipher: Vec<u8>,
 }
@@ -208,11 +206,7 @@ fn settle(
         structured,
         meta,
         pending,
-        // The reader, the session's only other holder, is gone.
-        tls: sess.map(|s| match Rc::try_unwrap(s) {
-            Ok(s) => s.into_inner(),
-            Err(_) => unreachable!("the session has one owner after the reader"),
-        }),
+        tls: sess,
         cipher,
     }
 }
@@ -256,10 +250,10 @@ async fn start_tls(fd: RawFd, rd: &mut SockReader, tls: &TlsServer) -> io::Resul
         vec![OutChunk::Bytes(opt_reply(OPT_STARTTLS, REP_ACK, &[]))],
     )
     .await?;
-    let sess: SharedTls = Rc::new(RefCell::new(sess));
+    let sess = SharedTls::new(sess);
     rd.start_tls(sess.clone());
     rd.tls_handshake().await?;
-    let identity = sess.borrow().peer_identity();
+    let identity = sess.lock().peer_identity();
     if let Some((id, authz)) = &tls.authz {
         if !authz.allows(identity.as_deref()) {
             return Err(io::Error::new(
@@ -273,7 +267,7 @@ async fn start_tls(fd: RawFd, rd: &mut SockReader, tls: &TlsServer) -> io::Resul
     }
     tracing::debug!(
         "nbd: TLS session ({}, credentials '{}') with '{}'",
-        sess.borrow().describe(),
+        sess.lock().describe(),
         tls.creds_id,
         identity.as_deref().map_or("(anonymous)".into(), sanitize)
     );

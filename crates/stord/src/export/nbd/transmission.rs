@@ -268,7 +268,7 @@ pub async fn serve(fd: OwnedFd, n: Negotiated, budget: Arc<MemoryBudget>) {
     } = n;
     let conn = Rc::new(Conn {
         fd,
-        tls: tls.map(|s| Rc::new(RefCell::new(s))),
+        tls,
         export,
         structured,
         meta,
