@@ -14,7 +14,9 @@ the server each daemon's node connects to.
   export keeps serving, and works again once the server is back; with reconnect-delay=10,
   fio verify writes across a kill and restart of the server with no error.
 - A server that stalls (SIGSTOP): QMP still answers, another export still serves, and
-  SIGTERM still stops stord (after its 10 s flush limit; qsd 10.0 waits for the server)."""
+  SIGTERM still stops stord (after its 10 s flush limit; qsd 10.0 waits for the server).
+  On stord, a node with x-request-timeout=2 (stord's option; QEMU's client waits forever)
+  fails a read with EIO after 2 to 4 s."""
 
 import json
 import os
@@ -244,6 +246,14 @@ def faults(q, tag):
     t.join()
     out.append(("f10 fio across the restart", res["jobs"][0]["error"] == 0))
 
+    if tag == "stord":
+        # stord's own option: a request unanswered for 2 s gives the connection up.
+        ok(q.cmd_raw("blockdev-add", {"driver": "nbd", "node-name": "ft",
+                                      "server": srv.server(), "export": "exp",
+                                      "x-request-timeout": 2}))
+        ok(q.cmd_raw("block-export-add", {"type": "nbd", "id": "ft", "node-name": "ft",
+                                          "name": "ft", "writable": True,
+                                          "iothread": "io0"}))
     # A stalled server: QMP answers, another export serves.
     srv.proc.send_signal(signal.SIGSTOP)
     stalled = subprocess.Popen(["qemu-io", "-f", "raw", "-c", "read 0 4k", uri(tag, "f0")],
@@ -254,7 +264,16 @@ def faults(q, tag):
     out.append(("QMP answers while stalled", time.time() - t0 < 2))
     r = qemu_io_uri(uri(tag, "other"), "read 0 64k")
     out.append(("other export while stalled", r.returncode == 0 and "error" not in r.stdout))
-    return out, srv, stalled
+    timed_out = None
+    if tag == "stord":
+        # With x-request-timeout=2 a read on the stalled server fails with EIO in 2-4 s.
+        t0 = time.time()
+        r = qemu_io_uri(uri(tag, "ft"), "read 0 4k")
+        took = time.time() - t0
+        print(tag, f"read with x-request-timeout=2 on a stalled server: {took:.1f} s",
+              r.stdout.strip(), r.stderr.strip(), flush=True)
+        timed_out = "Input/output error" in r.stdout + r.stderr and 1.5 < took < 5
+    return out, srv, stalled, timed_out
 
 
 def run(binary, tag):
@@ -266,7 +285,7 @@ def run(binary, tag):
     print(tag, "data paths done", flush=True)
     image = qcow2_over_nbd(q, tag)
     print(tag, "qcow2 done", flush=True)
-    rec["faults"], srv, stalled = faults(q, tag)
+    rec["faults"], srv, stalled, timed_out = faults(q, tag)
     print(tag, "faults done", flush=True)
     # SIGTERM with a request stuck on the stalled server: the daemon still stops.
     # (qsd 10.0 does not: it waits for the request; it is killed after 15 s.)
@@ -283,12 +302,14 @@ def run(binary, tag):
     srv.proc.send_signal(signal.SIGCONT)
     srv.kill()
     stalled.kill()
-    return rec, image, stopped
+    return rec, image, stopped, timed_out
 
 
 def test():
-    qsd, qsd_image, _ = run("qemu-storage-daemon", "qsd")
-    st, st_image, stopped = run(common.STORD, "stord")
+    qsd, qsd_image, _, _ = run("qemu-storage-daemon", "qsd")
+    st, st_image, stopped, timed_out = run(common.STORD, "stord")
+    assert timed_out, "a read on a stalled server did not time out with x-request-timeout"
+
     for k in qsd:
         assert qsd[k] == st[k], f"{k}:\n qsd   {qsd[k]}\n stord {st[k]}"
     assert all(v for _, v in st["faults"]), st["faults"]

@@ -54,6 +54,8 @@ pub(super) struct Request {
 /// A request in flight, shared by its task and the receiver.
 struct Slot {
     req: Request,
+    /// When it was sent (monotonic ns), for the request timeout.
+    sent_at: u64,
     st: Mutex<SlotState>,
 }
 
@@ -149,6 +151,9 @@ pub(super) struct Conn {
     tx: Mutex<Tx>,
     pending: Mutex<HashMap<u64, Arc<Slot>>>,
     dead: AtomicBool,
+    /// How long a request may wait for its reply before the connection is given up
+    /// (`x-request-timeout`; none: as long as it takes, as QEMU's client).
+    timeout: Option<std::time::Duration>,
 }
 
 /// Largest block-status or error payload we read from a reply (a REQ_ONE answer is 12
@@ -180,7 +185,12 @@ fn host_errno(e: u32) -> io::Error {
 impl Conn {
     /// A connection over a negotiated non-blocking socket (and its TLS session); its tasks
     /// are started with [`Conn::start`].
-    pub fn new(sock: Sock, info: ExportInfo, tls: Tls) -> Arc<Self> {
+    pub fn new(
+        sock: Sock,
+        info: ExportInfo,
+        tls: Tls,
+        timeout: Option<std::time::Duration>,
+    ) -> Arc<Self> {
         Arc::new(Conn {
             sock,
             tls: tls.map(SharedTls::new),
@@ -189,13 +199,18 @@ impl Conn {
             tx: Mutex::default(),
             pending: Mutex::default(),
             dead: AtomicBool::new(false),
+            timeout,
         })
     }
 
-    /// Starts the sender and receiver tasks on `remote`'s loop.
+    /// Starts the sender and receiver tasks (and the watchdog, with a request timeout) on
+    /// `remote`'s loop.
     pub fn start(self: &Arc<Self>, remote: &stord_aio::Remote) {
         let c = self.clone();
         remote.call(move || {
+            if let Some(t) = c.timeout {
+                stord_aio::spawn_detached(watchdog(c.clone(), t));
+            }
             stord_aio::spawn_detached(receiver(c.clone()));
             stord_aio::spawn_detached(sender(c));
         });
@@ -276,6 +291,11 @@ impl Conn {
         let handle = self.next_handle.fetch_add(1, Ordering::Relaxed);
         let slot = Arc::new(Slot {
             req,
+            sent_at: if self.timeout.is_some() {
+                stord_aio::sys::now_ns()
+            } else {
+                0
+            },
             st: Mutex::new(SlotState {
                 buf,
                 ..Default::default()
@@ -436,6 +456,31 @@ async fn write_all_records(c: &Conn) -> io::Result<()> {
         if write_records(&mut **tls.lock(), c.sock.raw())? {
             tx.sending = false;
             return Ok(());
+        }
+    }
+}
+
+/// Gives the connection up when a request has waited longer than `timeout` for its
+/// reply (a server that stalls without closing: the kernel still acknowledges its bytes,
+/// so nothing else would notice). Its requests are then lost like on any failure: sent
+/// again after a reconnect within `reconnect-delay`, else failed with EIO.
+async fn watchdog(c: Arc<Conn>, timeout: std::time::Duration) {
+    // A few looks per timeout: a request fails between 1 and 1.25 timeouts late.
+    let period = (timeout / 4).clamp(
+        std::time::Duration::from_millis(50),
+        std::time::Duration::from_secs(1),
+    );
+    let limit = timeout.as_nanos() as u64;
+    while !c.is_dead() {
+        stord_aio::sleep(period).await;
+        let oldest = c.pending().values().map(|s| s.sent_at).min();
+        if let Some(t) = oldest {
+            if stord_aio::sys::now_ns().saturating_sub(t) > limit {
+                c.fail(&format!(
+                    "no reply from the server within {} s",
+                    timeout.as_secs_f64()
+                ));
+            }
         }
     }
 }

@@ -8,6 +8,8 @@
 //! thread that tries until it succeeds or the node goes. While it tries, requests wait
 //! up to `reconnect-delay` seconds from the loss and are sent again on the new
 //! connection; after that (at once with the default 0) they fail with EIO, as QEMU's.
+//! A server that stalls holds requests as long as it stalls, unless `x-request-timeout`
+//! (stord's option) gives the connection up after that many seconds without a reply.
 
 mod conn;
 pub mod handshake;
@@ -84,6 +86,9 @@ pub struct NbdOptions {
     /// `x-dirty-bitmap`: the metadata context block status reports instead of
     /// `base:allocation` (`qemu:dirty-bitmap:NAME` or `qemu:allocation-depth`).
     pub x_dirty_bitmap: Option<String>,
+    /// `x-request-timeout`: seconds a request may wait for its reply before the
+    /// connection counts as lost (stord's; 0, the default, waits as QEMU's client does).
+    pub request_timeout: u32,
     /// `tls-creds`: the id of `endpoint=client` credentials; the connection starts TLS.
     pub tls_creds: Option<String>,
     /// The name the server's certificate must carry: `tls-hostname`, else an inet
@@ -123,16 +128,27 @@ impl NbdOptions {
         let reconnect_delay = kv
             .take_u64_in("reconnect-delay", false, u32s.clone())?
             .unwrap_or(0) as u32;
-        let open_timeout = kv.take_u64_in("open-timeout", false, u32s)?.unwrap_or(0) as u32;
+        let open_timeout = kv
+            .take_u64_in("open-timeout", false, u32s.clone())?
+            .unwrap_or(0) as u32;
+        let request_timeout = kv
+            .take_u64_in("x-request-timeout", false, u32s)?
+            .unwrap_or(0) as u32;
         Ok(NbdOptions {
             server,
             export: kv.take("export").unwrap_or_default(),
             reconnect_delay,
             open_timeout,
+            request_timeout,
             x_dirty_bitmap: kv.take("x-dirty-bitmap"),
             tls_creds,
             tls_hostname,
         })
+    }
+
+    /// The request timeout, if there is one.
+    fn timeout(&self) -> Option<Duration> {
+        (self.request_timeout > 0).then(|| Duration::from_secs(u64::from(self.request_timeout)))
     }
 
     fn context(&self) -> &str {
@@ -299,7 +315,7 @@ impl Link {
             match connect(&self.opts, self.tls.as_deref()) {
                 Ok((sock, info, sess)) if same_export(&self.info, &info) => {
                     tracing::info!(target: "stord::nbd", "reconnected to {}", self.opts.server);
-                    return self.install(Conn::new(sock, info, sess));
+                    return self.install(Conn::new(sock, info, sess, self.opts.timeout()));
                 }
                 Ok(_) => tracing::warn!(
                     target: "stord::nbd",
@@ -400,7 +416,8 @@ impl NbdDriver {
             state: Mutex::default(),
             home: thread.remote().clone(),
         });
-        link.install(Conn::new(sock, info, sess));
+        let timeout = link.opts.timeout();
+        link.install(Conn::new(sock, info, sess, timeout));
         Ok(NbdDriver {
             link,
             _thread: thread,
