@@ -151,6 +151,12 @@ pub trait BlockDriver: Send + Sync {
     fn block_status_cached(&self, _offset: u64, _len: u64) -> Option<BlockStatus> {
         None
     }
+    /// Block status costs a round trip to the storage (an NBD request, librbd walking its
+    /// object map on a worker): callers that only save bandwidth with it (an NBD export's
+    /// sparse read asking whether the range is a hole) skip it.
+    fn block_status_costly(&self) -> bool {
+        false
+    }
     /// How deep in the backing chain the first extent of `[offset, offset+len)` is
     /// allocated: its length, and 1 for this node, 2 for its backing node, ..., 0 for
     /// nowhere (NBD's `qemu:allocation-depth`). Nodes without a backing chain are allocated

@@ -121,6 +121,9 @@ impl BlockDriver for RawDriver {
     fn block_status(&self, offset: u64, len: u64) -> BoxFut<'_, io::Result<BlockStatus>> {
         self.child_driver().block_status(self.offset + offset, len)
     }
+    fn block_status_costly(&self) -> bool {
+        self.child_driver().block_status_costly()
+    }
     fn block_status_cached(&self, offset: u64, len: u64) -> Option<BlockStatus> {
         self.child_driver()
             .block_status_cached(self.offset + offset, len)

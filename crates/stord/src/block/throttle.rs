@@ -295,6 +295,9 @@ impl BlockDriver for ThrottleDriver {
     fn block_status(&self, offset: u64, len: u64) -> BoxFut<'_, io::Result<BlockStatus>> {
         self.child.driver().block_status(offset, len)
     }
+    fn block_status_costly(&self) -> bool {
+        self.child.driver().block_status_costly()
+    }
     fn block_status_cached(&self, offset: u64, len: u64) -> Option<BlockStatus> {
         self.child.driver().block_status_cached(offset, len)
     }

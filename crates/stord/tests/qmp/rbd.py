@@ -7,7 +7,8 @@ by scripts/ceph-cluster.sh): the same flows against qsd and stord.
   node's query entry; block_resize grows the image.
 - fio verify (nbd engine) through an NBD export of an rbd node, and through a FUSE export
   on stord; `rbd export` of the image equals nbdcopy of the export; an rbd snapshot opens
-  read-only and reads what the image held when it was taken.
+  read-only and reads what the image held when it was taken; block status from the
+  object map: qemu-img map of an export shows the objects written and holes elsewhere.
 - qcow2 over an rbd node: blockdev-create qcow2 on it, fio verify, then the same pattern
   written by qemu-io on both daemons; `rbd export`ed, qemu-img check finds both clean
   and compare finds them identical.
@@ -187,6 +188,23 @@ def run(binary, tag, c):
     unexport(q, "snap")
     ok(q.cmd_raw("blockdev-del", {"node-name": "snap"}))
 
+    # Block status from the image's object map (fast-diff, on by default): qemu-img map
+    # of the export shows the objects written as data and the rest as zero holes.
+    out.append(create(q, {"driver": "rbd", "location": img("m"), "size": SIZE}))
+    ok(q.cmd_raw("blockdev-add", dict(img("m"), driver="rbd", **{"node-name": "m"})))
+    export(q, "m", "m")
+    r = qemu_io_uri(uri(tag, "m"), "write -P 0x71 8M 64k", "write -P 0x72 20M 4M")
+    assert r.returncode == 0 and "error" not in r.stdout, r
+    m = subprocess.run(["qemu-img", "map", "--output=json", "-f", "raw", uri(tag, "m")],
+                       capture_output=True, text=True, check=True)
+    extents = [(e["start"], e["length"], e["data"], e["zero"]) for e in json.loads(m.stdout)]
+    print(tag, "rbd map:", extents, flush=True)
+    assert (8 << 20, 4 << 20, True, False) in extents, extents
+    assert any(not e[2] for e in extents), extents
+    out.append(extents)
+    unexport(q, "m")
+    ok(q.cmd_raw("blockdev-del", {"node-name": "m"}))
+
     # qcow2 over rbd.
     out.append(create(q, {"driver": "rbd", "location": img("q"), "size": SIZE + (16 << 20)}))
     ok(q.cmd_raw("blockdev-add", dict(img("q"), driver="rbd", **{"node-name": "qf"})))
@@ -237,7 +255,7 @@ def run(binary, tag, c):
     ok(q.cmd_raw("blockdev-del", {"node-name": "disk"}))
     d.stop()
     # Only the image names carry the daemon's tag (the test directory's name may hold one).
-    norm = [re.sub(rf"\b{tag}-(disk|x|q)\b", r"TAG-\1", json.dumps(x, sort_keys=True))
+    norm = [re.sub(rf"\b{tag}-(disk|x|q|m)\b", r"TAG-\1", json.dumps(x, sort_keys=True))
             for x in out]
     return norm, qimg, faults
 

@@ -632,6 +632,9 @@ impl BlockDriver for NbdDriver {
                 .ok_or_else(|| io::Error::other("NBD server sent no block status"))
         })
     }
+    fn block_status_costly(&self) -> bool {
+        true
+    }
     /// QEMU's block_resize truncates inexactly: a smaller size succeeds and changes
     /// nothing (the export keeps its size); a larger one is refused.
     fn resize(&self, size: u64) -> BoxFut<'_, io::Result<()>> {

@@ -21,6 +21,7 @@ type IoCtxT = *mut c_void;
 type ImageT = *mut c_void;
 type CompletionT = *mut c_void;
 type Callback = extern "C" fn(CompletionT, *mut c_void);
+type DiffCallback = extern "C" fn(u64, usize, c_int, *mut c_void) -> c_int;
 
 /// librbd's `rbd_image_info_t`.
 #[repr(C)]
@@ -59,6 +60,18 @@ extern "C" {
     fn rbd_close(image: ImageT) -> c_int;
     fn rbd_stat(image: ImageT, info: *mut ImageInfo, len: usize) -> c_int;
     fn rbd_resize(image: ImageT, size: u64) -> c_int;
+    fn rbd_get_features(image: ImageT, features: *mut u64) -> c_int;
+    fn rbd_get_flags(image: ImageT, flags: *mut u64) -> c_int;
+    fn rbd_diff_iterate2(
+        image: ImageT,
+        fromsnapname: *const c_char,
+        ofs: u64,
+        len: u64,
+        include_parent: u8,
+        whole_object: u8,
+        cb: DiffCallback,
+        arg: *mut c_void,
+    ) -> c_int;
     fn rbd_aio_create_completion(arg: *mut c_void, cb: Callback, c: *mut CompletionT) -> c_int;
     fn rbd_aio_get_return_value(c: CompletionT) -> isize;
     fn rbd_aio_release(c: CompletionT);
@@ -85,6 +98,15 @@ extern "C" {
 
 /// `RBD_WRITE_ZEROES_FLAG_THICK_PROVISION`: zeroes that keep their storage allocated.
 pub const WRITE_ZEROES_THICK: c_int = 1;
+
+/// `RBD_FEATURE_FAST_DIFF`: the image keeps an object map that says which objects exist.
+const FEATURE_FAST_DIFF: u64 = 1 << 4;
+/// `RBD_FLAG_FAST_DIFF_INVALID`: that map cannot be trusted (rebuild it with
+/// `rbd object-map rebuild`).
+const FLAG_FAST_DIFF_INVALID: u64 = 1 << 1;
+/// What the diff callback returns to stop the walk early (any negative value does; this
+/// one is no errno).
+const DIFF_STOP: c_int = -0x5354;
 
 /// A negative errno from librados/librbd as an io::Error.
 fn errno(r: impl Into<i64>) -> io::Error {
@@ -304,6 +326,45 @@ extern "C" fn on_complete(c: CompletionT, arg: *mut c_void) {
     }
 }
 
+/// The first extent of a range as `rbd_diff_iterate2` reports allocated extents in order.
+struct DiffWalk {
+    start: u64,
+    end: u64,
+    /// The allocated run found so far; or, with `allocated` false after a stop, its end is
+    /// where the first allocated byte is.
+    run: std::ops::Range<u64>,
+    allocated: bool,
+}
+
+extern "C" fn on_diff_extent(off: u64, len: usize, exists: c_int, arg: *mut c_void) -> c_int {
+    // SAFETY: `arg` is the `DiffWalk` that `first_extent` passed, alive and not otherwise
+    // borrowed while librbd runs its walk (which calls us on the caller's thread).
+    let w = unsafe { &mut *arg.cast::<DiffWalk>() };
+    if exists == 0 {
+        return 0;
+    }
+    // Whole objects may start before or end after the range.
+    let (s, e) = (off.max(w.start), off.saturating_add(len as u64).min(w.end));
+    if e <= s {
+        return 0;
+    }
+    if w.allocated {
+        if s > w.run.end {
+            return DIFF_STOP; // a hole after the allocated run
+        }
+        w.run.end = w.run.end.max(e);
+        return 0;
+    }
+    if s > w.start {
+        // A hole first, up to here.
+        w.run = s..s;
+        return DIFF_STOP;
+    }
+    w.run = s..e;
+    w.allocated = true;
+    0
+}
+
 /// An asynchronous request.
 enum Op {
     Read(u64),
@@ -324,6 +385,60 @@ impl Image {
             return Err(errno(r));
         }
         Ok((info.size, info.obj_size))
+    }
+
+    /// Whether the first extent of `[off, off + len)` is allocated, and its length, from
+    /// the object map (whole objects; a clone's parent counts); `None` when the image
+    /// cannot tell (no fast-diff, or its map is flagged invalid). Blocking: the map may
+    /// have to be read from the cluster.
+    pub fn first_extent(&self, off: u64, len: u64) -> io::Result<Option<(bool, u64)>> {
+        let (mut features, mut flags) = (0u64, 0u64);
+        // SAFETY: an open image; valid out-pointers.
+        let r = unsafe { rbd_get_features(self.img, &mut features) };
+        if r < 0 {
+            return Err(errno(r));
+        }
+        if features & FEATURE_FAST_DIFF == 0 {
+            return Ok(None);
+        }
+        // SAFETY: as above.
+        let r = unsafe { rbd_get_flags(self.img, &mut flags) };
+        if r < 0 {
+            return Err(errno(r));
+        }
+        if flags & FLAG_FAST_DIFF_INVALID != 0 {
+            return Ok(None);
+        }
+        let mut walk = DiffWalk {
+            start: off,
+            end: off + len,
+            run: off..off,
+            allocated: false,
+        };
+        // SAFETY: an open image; `walk` outlives the call, which invokes the callback
+        // only before it returns, on this thread.
+        let r = unsafe {
+            rbd_diff_iterate2(
+                self.img,
+                std::ptr::null(),
+                off,
+                len,
+                1,
+                1,
+                on_diff_extent,
+                (&mut walk as *mut DiffWalk).cast(),
+            )
+        };
+        if r < 0 && r != DIFF_STOP {
+            return Err(errno(r));
+        }
+        Ok(Some(match (walk.allocated, r) {
+            (true, _) => (true, walk.run.end - walk.run.start),
+            // The walk stopped at the first allocated byte past a hole.
+            (false, DIFF_STOP) => (false, walk.run.end - walk.start),
+            // Nothing allocated anywhere in the range.
+            (false, _) => (false, len),
+        }))
     }
 
     /// Changes the size (blocking).

@@ -277,12 +277,33 @@ impl BlockDriver for RbdDriver {
             Ok(())
         })
     }
-    fn block_status(&self, _offset: u64, len: u64) -> BoxFut<'_, io::Result<BlockStatus>> {
-        Box::pin(std::future::ready(Ok(BlockStatus {
-            len,
-            allocated: true,
-            zero: false,
-        })))
+    /// From the object map (fast-diff), on a worker since librbd may read it from the
+    /// cluster: unallocated objects read as zeroes. An image without a usable map, or an
+    /// error, reports data, as QEMU's driver does.
+    fn block_status(&self, offset: u64, len: u64) -> BoxFut<'_, io::Result<BlockStatus>> {
+        Box::pin(async move {
+            let image = self.image.clone();
+            let data = BlockStatus {
+                len,
+                allocated: true,
+                zero: false,
+            };
+            match super::offload(move || image.first_extent(offset, len)).await {
+                Ok(Some((allocated, n))) => Ok(BlockStatus {
+                    len: n.clamp(1, len),
+                    allocated,
+                    zero: !allocated,
+                }),
+                Ok(None) => Ok(data),
+                Err(e) => {
+                    tracing::debug!(target: "stord::rbd", "block status: {e}");
+                    Ok(data)
+                }
+            }
+        })
+    }
+    fn block_status_costly(&self) -> bool {
+        true
     }
     fn resize(&self, size: u64) -> BoxFut<'_, io::Result<()>> {
         Box::pin(async move {

@@ -519,8 +519,13 @@ async fn handle(conn: &Conn, req: Request, payload: Option<Buf>) {
 /// A sparse read (structured replies, DF not set): when the whole range reads as zero,
 /// answers with one OFFSET_HOLE chunk instead of the data, as qemu's server does. True if
 /// it replied. Block status is cheap here (the null device knows; a file remembers its last
-/// extent); a range that is only partly zero is read and sent as data.
+/// extent), and skipped where it is not; a range that is only partly zero is read and sent
+/// as data.
 async fn read_hole(conn: &Conn, node: &BlockNode, req: &Request) -> bool {
+    // Where asking costs a round trip (an nbd or rbd node), reading the zeroes is cheaper.
+    if node.driver().block_status_costly() {
+        return false;
+    }
     let len = u64::from(req.len);
     match node.block_status(req.offset, len).await {
         Ok(st) if st.zero && st.len >= len => {
