@@ -13,6 +13,8 @@ the server each daemon's node connects to.
 - The server killed: with reconnect-delay=0 a read fails with EIO at once while another
   export keeps serving, and works again once the server is back; with reconnect-delay=10,
   fio verify writes across a kill and restart of the server with no error.
+- stord's x-multi-conn=4: four connections to a server that offers multi-conn, one to a
+  server that does not; fio verify across the four; all four back after a restart.
 - A server that stalls (SIGSTOP): QMP still answers, another export still serves, and
   SIGTERM still stops stord (after its 10 s flush limit; qsd 10.0 waits for the server).
   On stord, a node with x-request-timeout=2 (stord's option; QEMU's client waits forever)
@@ -34,17 +36,20 @@ SIZE = 64 << 20
 class Server:
     """qemu-nbd serving `image` (as raw bytes) on a unix socket, restartable."""
 
-    def __init__(self, tag, name, image, read_only=False):
+    def __init__(self, tag, name, image, read_only=False, shared=8):
         self.sock = common.path(f"nc-{tag}-{name}.sock")
         self.image = image
         self.read_only = read_only
+        self.shared = shared
         self.proc = None
         self.start()
 
     def start(self):
         if os.path.exists(self.sock):
             os.unlink(self.sock)
-        args = ["qemu-nbd", "-f", "raw", "-x", "exp", "-k", self.sock, "-e", "8", "-t"]
+        # More than one client at a time also offers multi-conn.
+        args = ["qemu-nbd", "-f", "raw", "-x", "exp", "-k", self.sock, "-e",
+                str(self.shared), "-t"]
         if self.read_only:
             args.append("-r")
         self.proc = subprocess.Popen(args + [self.image], stderr=subprocess.DEVNULL)
@@ -59,6 +64,12 @@ class Server:
 
     def server(self):
         return {"type": "unix", "path": self.sock}
+
+    def clients(self):
+        """Connected clients: the server's sockets besides its listening one."""
+        fds = os.listdir(f"/proc/{self.proc.pid}/fd")
+        return sum(os.readlink(f"/proc/{self.proc.pid}/fd/{f}").startswith("socket:")
+                   for f in fds) - 1
 
 
 def raw_image(tag, name, size=SIZE):
@@ -169,6 +180,37 @@ def data_paths(q, tag, stord):
     srv.kill()
     with open(copy, "rb") as a, open(disk, "rb") as b:
         assert a.read() == b.read(), "the export read differs from the server's file"
+
+
+def multi_conn(q, tag):
+    """stord's x-multi-conn: four connections where the server allows several (one where
+    it does not), data verified across them, and all four back after a server restart."""
+    out = {}
+    disk = raw_image(tag, "mc")
+    srv = Server(tag, "mc", disk)
+    single = Server(tag, "mc1", raw_image(tag, "mc1"), shared=1)
+    for node, s in (("mc", srv), ("mc1", single)):
+        ok(q.cmd_raw("blockdev-add", {"driver": "nbd", "node-name": node, "server": s.server(),
+                                      "export": "exp", "x-multi-conn": 4,
+                                      "reconnect-delay": 10}))
+    out["four connections"] = srv.clients() == 4
+    out["one where multi-conn is not offered"] = single.clients() == 1
+    ok(q.cmd_raw("block-export-add", {"type": "nbd", "id": "mc", "node-name": "mc",
+                                      "name": "mc", "writable": True, "iothread": "io0"}))
+    res = fio_verify(nbd_target(tag, "mc"), "4M", "16M", ("--bsrange=512-256k", "--rw=randrw"))
+    out["fio verify over four"] = res["jobs"][0]["error"] == 0
+    srv.kill()
+    srv.start()
+    r = qemu_io_uri(uri(tag, "mc"), "read -P 0x3c 1M 64k")
+    out["read after the restart"] = r.returncode == 0 and "error" not in r.stdout
+    out["four again"] = srv.clients() == 4
+    common.unexport(q, "mc")
+    for node in ("mc", "mc1"):
+        ok(q.cmd_raw("blockdev-del", {"node-name": node}))
+    srv.kill()
+    single.kill()
+    print(tag, "multi-conn:", out, flush=True)
+    return out
 
 
 def qcow2_over_nbd(q, tag):
@@ -283,6 +325,8 @@ def run(binary, tag):
     print(tag, "refusals done", flush=True)
     data_paths(q, tag, stord)
     print(tag, "data paths done", flush=True)
+    if stord:
+        rec_mc = multi_conn(q, tag)
     image = qcow2_over_nbd(q, tag)
     print(tag, "qcow2 done", flush=True)
     rec["faults"], srv, stalled, timed_out = faults(q, tag)
@@ -302,12 +346,13 @@ def run(binary, tag):
     srv.proc.send_signal(signal.SIGCONT)
     srv.kill()
     stalled.kill()
-    return rec, image, stopped, timed_out
+    return rec, image, stopped, (timed_out, rec_mc if stord else None)
 
 
 def test():
     qsd, qsd_image, _, _ = run("qemu-storage-daemon", "qsd")
-    st, st_image, stopped, timed_out = run(common.STORD, "stord")
+    st, st_image, stopped, (timed_out, mc) = run(common.STORD, "stord")
+    assert all(mc.values()), mc
     assert timed_out, "a read on a stalled server did not time out with x-request-timeout"
 
     for k in qsd:

@@ -89,6 +89,9 @@ pub struct NbdOptions {
     /// `x-request-timeout`: seconds a request may wait for its reply before the
     /// connection counts as lost (stord's; 0, the default, waits as QEMU's client does).
     pub request_timeout: u32,
+    /// `x-multi-conn`: connections to open when the server allows several
+    /// (NBD_FLAG_CAN_MULTI_CONN); stord's, 1 (QEMU's one connection) by default.
+    pub multi_conn: u32,
     /// `tls-creds`: the id of `endpoint=client` credentials; the connection starts TLS.
     pub tls_creds: Option<String>,
     /// The name the server's certificate must carry: `tls-hostname`, else an inet
@@ -134,12 +137,16 @@ impl NbdOptions {
         let request_timeout = kv
             .take_u64_in("x-request-timeout", false, u32s)?
             .unwrap_or(0) as u32;
+        let multi_conn = kv
+            .take_u64_in("x-multi-conn", false, 1..=u64::from(MAX_CONNECTIONS))?
+            .unwrap_or(1) as u32;
         Ok(NbdOptions {
             server,
             export: kv.take("export").unwrap_or_default(),
             reconnect_delay,
             open_timeout,
             request_timeout,
+            multi_conn,
             x_dirty_bitmap: kv.take("x-dirty-bitmap"),
             tls_creds,
             tls_hostname,
@@ -166,6 +173,9 @@ impl NbdOptions {
         }
     }
 }
+
+/// Most connections `x-multi-conn` may ask for.
+const MAX_CONNECTIONS: u32 = 16;
 
 /// How long one connection attempt may take (connect and negotiation).
 const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -248,6 +258,37 @@ fn connect(o: &NbdOptions, tls: Option<&TlsCreds>) -> Result<(Sock, ExportInfo, 
     Ok((sock, info, sess))
 }
 
+/// `first` and, when the node asks for several connections and the server allows them
+/// (NBD_FLAG_CAN_MULTI_CONN: a flush on one covers writes completed on all), more to the
+/// same export, as many as connect (blocking).
+fn more_connections(o: &NbdOptions, tls: Option<&TlsCreds>, first: Arc<Conn>) -> Vec<Arc<Conn>> {
+    let mut conns = vec![first];
+    if o.multi_conn <= 1 {
+        return conns;
+    }
+    if !conns[0].info.has(FLAG_CAN_MULTI_CONN) {
+        tracing::info!(
+            target: "stord::nbd",
+            "{} does not allow several connections: using one",
+            o.server
+        );
+        return conns;
+    }
+    while conns.len() < o.multi_conn as usize {
+        match connect(o, tls) {
+            Ok((sock, info, sess)) if same_export(&conns[0].info, &info) => {
+                conns.push(Conn::new(sock, info, sess, o.timeout()))
+            }
+            Ok(_) => break,
+            Err(e) => {
+                tracing::warn!(target: "stord::nbd", "extra connection to {}: {e}", o.server);
+                break;
+            }
+        }
+    }
+    conns
+}
+
 /// Whether a reconnect found the export the node was opened on: the same size and flags,
 /// block status where it had it, and room for requests as large as it took.
 fn same_export(old: &ExportInfo, new: &ExportInfo) -> bool {
@@ -259,11 +300,14 @@ fn same_export(old: &ExportInfo, new: &ExportInfo) -> bool {
         && new.min_block <= old.min_block
 }
 
-/// The node's current connection, and who waits for the next.
+/// The node's current connections, and who waits for the next.
 #[derive(Default)]
 struct LinkState {
-    conn: Option<Arc<Conn>>,
-    /// When the connection was lost (monotonic ns), while there is none.
+    /// One, or with multi-conn several, used in turn; they go and come back together.
+    conns: Vec<Arc<Conn>>,
+    /// The connection the next request takes.
+    next: usize,
+    /// When the connections were lost (monotonic ns), while there are none.
     lost_at: Option<u64>,
     /// A reconnect thread is trying.
     reconnecting: bool,
@@ -289,12 +333,14 @@ impl Link {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Installs a new connection and wakes whoever waits for one.
-    fn install(&self, conn: Arc<Conn>) {
-        conn.start(&self.home);
+    /// Installs new connections and wakes whoever waits for one.
+    fn install(&self, conns: Vec<Arc<Conn>>) {
+        for c in &conns {
+            c.start(&self.home);
+        }
         let waiters = {
             let mut st = self.lock();
-            st.conn = Some(conn);
+            st.conns = conns;
             st.lost_at = None;
             st.reconnecting = false;
             std::mem::take(&mut st.waiters)
@@ -315,7 +361,8 @@ impl Link {
             match connect(&self.opts, self.tls.as_deref()) {
                 Ok((sock, info, sess)) if same_export(&self.info, &info) => {
                     tracing::info!(target: "stord::nbd", "reconnected to {}", self.opts.server);
-                    return self.install(Conn::new(sock, info, sess, self.opts.timeout()));
+                    let first = Conn::new(sock, info, sess, self.opts.timeout());
+                    return self.install(more_connections(&self.opts, self.tls.as_deref(), first));
                 }
                 Ok(_) => tracing::warn!(
                     target: "stord::nbd",
@@ -335,10 +382,17 @@ impl Link {
         let mut sleep: Option<(u64, std::pin::Pin<Box<stord_aio::Sleep>>)> = None;
         std::future::poll_fn(|cx| {
             let mut st = self.lock();
-            match &st.conn {
-                Some(c) if !c.is_dead() => return Poll::Ready(Ok(c.clone())),
-                Some(_) => st.conn = None,
-                None => {}
+            if !st.conns.is_empty() {
+                if st.conns.iter().all(|c| !c.is_dead()) {
+                    st.next = st.next.wrapping_add(1);
+                    let c = st.conns[st.next % st.conns.len()].clone();
+                    return Poll::Ready(Ok(c));
+                }
+                // One lost takes the others with it: they reconnect as one, and their
+                // requests are sent again on the new ones.
+                for c in std::mem::take(&mut st.conns) {
+                    c.fail("another connection of the node was lost");
+                }
             }
             let now = stord_aio::sys::now_ns();
             let lost_at = *st.lost_at.get_or_insert(now);
@@ -416,8 +470,8 @@ impl NbdDriver {
             state: Mutex::default(),
             home: thread.remote().clone(),
         });
-        let timeout = link.opts.timeout();
-        link.install(Conn::new(sock, info, sess, timeout));
+        let first = Conn::new(sock, info, sess, link.opts.timeout());
+        link.install(more_connections(&link.opts, link.tls.as_deref(), first));
         Ok(NbdDriver {
             link,
             _thread: thread,
@@ -513,12 +567,12 @@ impl NbdDriver {
 
 impl Drop for NbdDriver {
     fn drop(&mut self) {
-        let conn = {
+        let conns = {
             let mut st = self.link.lock();
             st.closing = true;
-            st.conn.take()
+            std::mem::take(&mut st.conns)
         };
-        if let Some(c) = conn {
+        for c in conns {
             c.disconnect();
         }
         for w in std::mem::take(&mut self.link.lock().waiters) {
