@@ -157,6 +157,11 @@ pub trait BlockDriver: Send + Sync {
     fn block_status_costly(&self) -> bool {
         false
     }
+    /// `cache.no-flush=on` holds for the node (flushes succeed without reaching storage),
+    /// as `query-named-block-nodes` reports it; a format or filter reports its child's.
+    fn no_flush(&self) -> bool {
+        false
+    }
     /// How deep in the backing chain the first extent of `[offset, offset+len)` is
     /// allocated: its length, and 1 for this node, 2 for its backing node, ..., 0 for
     /// nowhere (NBD's `qemu:allocation-depth`). Nodes without a backing chain are allocated

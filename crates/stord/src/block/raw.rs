@@ -89,6 +89,9 @@ impl RawDriver {
 }
 
 impl BlockDriver for RawDriver {
+    fn no_flush(&self) -> bool {
+        self.child_driver().no_flush()
+    }
     fn driver_name(&self) -> &'static str {
         "raw"
     }

@@ -243,6 +243,9 @@ impl ThrottleDriver {
 }
 
 impl BlockDriver for ThrottleDriver {
+    fn no_flush(&self) -> bool {
+        self.child.driver().no_flush()
+    }
     fn driver_name(&self) -> &'static str {
         "throttle"
     }

@@ -151,6 +151,12 @@ def run(binary, tag, c):
     image = {k: v for k, v in entry["image"].items() if k not in ("filename",)}
     out.append({k: v for k, v in image.items() if k not in ("cluster-size",
                                                            "format-specific")})
+    # cache.direct turns librbd's cache off (QEMU's rbd_cache=false); the node says so.
+    ok(q.cmd_raw("blockdev-add", dict(img("disk"), driver="rbd", **{
+        "node-name": "dc", "cache": {"direct": True, "no-flush": True}})))
+    out.append([n["cache"] for n in q.cmd_raw("query-named-block-nodes")["return"]
+                if n["node-name"] in ("dc", "disk")])
+    ok(q.cmd_raw("blockdev-del", {"node-name": "dc"}))
     export(q, "disk", "disk")
     fio_verify(nbd_target(tag, "disk"), "8M")
     fio_verify(nbd_target(tag, "disk"), "20M", "16M", ("--bsrange=512-2M", "--rw=randrw"))

@@ -531,6 +531,9 @@ fn probe_extent(fd: RawFd, offset: u64, size: u64) -> (extent_cache::Extent, boo
 }
 
 impl<E: Engine> BlockDriver for FileDriver<E> {
+    fn no_flush(&self) -> bool {
+        self.opts.no_flush
+    }
     fn driver_name(&self) -> &'static str {
         if self.block_device {
             "host_device"

@@ -1336,6 +1336,9 @@ fn old_host(m: Mapping) -> u64 {
 }
 
 impl BlockDriver for Qcow2Driver {
+    fn no_flush(&self) -> bool {
+        self.file.driver().no_flush()
+    }
     fn driver_name(&self) -> &'static str {
         "qcow2"
     }

@@ -21,7 +21,7 @@ use crate::cli::keyval::KeyVal;
 pub const DRIVER: DriverDef = DriverDef {
     names: &["rbd"],
     takes_discard: false,
-    takes_cache: false,
+    takes_cache: true,
     open: |graph, kv, flags| {
         let opts = RbdOptions::from_kv(kv, &|id| graph.secret(id))?;
         let read_only = flags.read_only;
@@ -33,7 +33,7 @@ pub const DRIVER: DriverDef = DriverDef {
         Ok(Opened {
             driver: Box::new(driver),
             read_only,
-            direct: false,
+            direct: opts.direct,
             bitmaps: Vec::new(),
         })
     },
@@ -54,6 +54,11 @@ pub struct RbdOptions {
     pub key: Option<String>,
     /// `auth-client-required`: `cephx` and/or `none`.
     pub auth_client_required: Option<String>,
+    /// `cache.direct=on`: librbd's cache off (QEMU: `rbd_cache=false`); by default it is on,
+    /// as QEMU sets it, and writes through until the first flush.
+    pub direct: bool,
+    /// `cache.no-flush=on`: flushes (and the flush after a FUA write) succeed at once.
+    pub no_flush: bool,
 }
 
 impl RbdOptions {
@@ -107,6 +112,8 @@ impl RbdOptions {
             mon_host: (!servers.is_empty()).then(|| servers.join(";")),
             key,
             auth_client_required: (!auth.is_empty()).then(|| auth.join(";")),
+            direct: kv.take_bool("cache.direct", false)?,
+            no_flush: kv.take_bool("cache.no-flush", false)?,
         })
     }
 
@@ -122,9 +129,10 @@ impl RbdOptions {
         if let Some(a) = &self.auth_client_required {
             settings.push(("auth_client_required", a.clone()));
         }
-        // stord has no cache of its own in front of librbd's (QEMU turns it on for
-        // cache=writeback; flushes reach the OSDs either way).
-        settings.push(("rbd_cache", "false".into()));
+        // librbd's cache as QEMU sets it: off for cache.direct=on, else on (librbd keeps it
+        // writethrough until the first flush, so a client that never flushes loses
+        // nothing acknowledged).
+        settings.push(("rbd_cache", (!self.direct).to_string()));
         ffi::Cluster::connect(&ffi::ConnectOptions {
             user: self.user.as_deref(),
             conf: self.conf.as_deref(),
@@ -247,13 +255,21 @@ impl BlockDriver for RbdDriver {
                 return (Err(e), buf);
             }
             if fua {
-                return (self.image.flush().await, buf);
+                return (self.flush().await, buf);
             }
             (Ok(()), buf)
         })
     }
+    fn no_flush(&self) -> bool {
+        self.opts.no_flush
+    }
     fn flush(&self) -> BoxFut<'_, io::Result<()>> {
-        Box::pin(self.image.flush())
+        Box::pin(async move {
+            if self.opts.no_flush {
+                return Ok(());
+            }
+            self.image.flush().await
+        })
     }
     fn discard(&self, offset: u64, len: u64) -> BoxFut<'_, io::Result<()>> {
         Box::pin(async move {

@@ -175,7 +175,7 @@ fn node_fields(n: &crate::block::BlockNode) -> Value {
         "write_threshold": 0,
         "bps": 0, "bps_rd": 0, "bps_wr": 0,
         "iops": 0, "iops_rd": 0, "iops_wr": 0,
-        "cache": { "writeback": true, "direct": n.direct, "no-flush": false },
+        "cache": { "writeback": true, "direct": n.direct, "no-flush": n.driver().no_flush() },
         "image": {
             "filename": file,
             "format": n.driver_name(),
