@@ -13,6 +13,8 @@ the server each daemon's node connects to.
 - The server killed: with reconnect-delay=0 a read fails with EIO at once while another
   export keeps serving, and works again once the server is back; with reconnect-delay=10,
   fio verify writes across a kill and restart of the server with no error.
+- x-dirty-bitmap=qemu:dirty-bitmap:b0 over qemu-nbd -B: qemu-img map of the export
+  shows the ranges written since the bitmap was added as not data, as on qsd.
 - stord's x-multi-conn=4: four connections to a server that offers multi-conn, one to a
   server that does not; fio verify across the four; all four back after a restart.
 - A server that stalls (SIGSTOP): QMP still answers, another export still serves, and
@@ -182,6 +184,40 @@ def data_paths(q, tag, stord):
         assert a.read() == b.read(), "the export read differs from the server's file"
 
 
+def dirty_bitmap(q, tag):
+    """x-dirty-bitmap: a node reads qemu-nbd's export of a qcow2's persistent bitmap as its
+    block status (dirty reads as not data, as in QEMU), which qemu-img map of the daemon's
+    export shows: the ranges written since the bitmap was added."""
+    image = common.path(f"nc-{tag}-bm.qcow2")
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", image, "64M"], check=True)
+    subprocess.run(["qemu-img", "bitmap", "--add", image, "b0"], check=True)
+    subprocess.run(["qemu-io", "-f", "qcow2", "-c", "write 4M 64k", "-c", "write 20M 1M",
+                    image], check=True, capture_output=True)
+    sock = common.path(f"nc-{tag}-bm.sock")
+    if os.path.exists(sock):
+        os.unlink(sock)
+    srv = subprocess.Popen(["qemu-nbd", "-r", "-f", "qcow2", "-B", "b0", "-x", "exp", "-k",
+                            sock, "-t", image], stderr=subprocess.DEVNULL)
+    deadline = time.time() + 10
+    while not os.path.exists(sock):
+        assert time.time() < deadline, "qemu-nbd did not listen"
+        time.sleep(0.01)
+    ok(q.cmd_raw("blockdev-add", {"driver": "nbd", "node-name": "bm", "read-only": True,
+                                  "server": {"type": "unix", "path": sock}, "export": "exp",
+                                  "x-dirty-bitmap": "qemu:dirty-bitmap:b0"}))
+    ok(q.cmd_raw("block-export-add", {"type": "nbd", "id": "bm", "node-name": "bm",
+                                      "name": "bm", "iothread": "io0"}))
+    m = subprocess.run(["qemu-img", "map", "--output=json", "-f", "raw", uri(tag, "bm")],
+                       capture_output=True, text=True, check=True)
+    dirty = [(e["start"], e["length"]) for e in json.loads(m.stdout) if not e["data"]]
+    print(tag, "dirty per x-dirty-bitmap:", dirty, flush=True)
+    common.unexport(q, "bm")
+    ok(q.cmd_raw("blockdev-del", {"node-name": "bm"}))
+    srv.kill()
+    srv.wait()
+    return dirty
+
+
 def multi_conn(q, tag):
     """stord's x-multi-conn: four connections where the server allows several (one where
     it does not), data verified across them, and all four back after a server restart."""
@@ -325,6 +361,7 @@ def run(binary, tag):
     print(tag, "refusals done", flush=True)
     data_paths(q, tag, stord)
     print(tag, "data paths done", flush=True)
+    rec["dirty bitmap"] = dirty_bitmap(q, tag)
     if stord:
         rec_mc = multi_conn(q, tag)
     image = qcow2_over_nbd(q, tag)
@@ -353,6 +390,8 @@ def test():
     qsd, qsd_image, _, _ = run("qemu-storage-daemon", "qsd")
     st, st_image, stopped, (timed_out, mc) = run(common.STORD, "stord")
     assert all(mc.values()), mc
+    # qcow2's bitmap granularity is 64 KiB: exactly the two ranges written.
+    assert st["dirty bitmap"] == [(4 << 20, 64 << 10), (20 << 20, 1 << 20)], st
     assert timed_out, "a read on a stalled server did not time out with x-request-timeout"
 
     for k in qsd:
