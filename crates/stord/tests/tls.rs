@@ -748,6 +748,13 @@ fn nbd_client_node_over_tls_answers_as_qsd_and_carries_data() {
     let wrong_ca = pki.root.join("wrong-ca");
     std::fs::create_dir_all(&wrong_ca).unwrap();
     std::fs::copy(pki.root.join("ca2-cert.pem"), wrong_ca.join("ca-cert.pem")).unwrap();
+    // The client's certificate, but the wrong CA: only verify-peer=off gets through.
+    let no_verify = pki.root.join("no-verify");
+    std::fs::create_dir_all(&no_verify).unwrap();
+    std::fs::copy(pki.root.join("ca2-cert.pem"), no_verify.join("ca-cert.pem")).unwrap();
+    for f in ["client-cert.pem", "client-key.pem"] {
+        std::fs::copy(pki.root.join("client").join(f), no_verify.join(f)).unwrap();
+    }
     // A keys.psk with alice's key in `name`/.
     let psk_dir = |name: &str, key: &str| {
         let d = dir.join(name);
@@ -792,6 +799,19 @@ fn nbd_client_node_over_tls_answers_as_qsd_and_carries_data() {
             wrong_ca.display().to_string(),
         ),
         ("srv", "tls-creds-x509", "server", pki.dir("server")),
+        (
+            "noverify",
+            "tls-creds-x509",
+            "client",
+            no_verify.display().to_string(),
+        ),
+        // Our own certificate does not chain to this CA: refused (QEMU's sanity check).
+        (
+            "insane",
+            "tls-creds-x509",
+            "client",
+            no_verify.display().to_string(),
+        ),
         ("psk", "tls-creds-psk", "client", keys.display().to_string()),
         (
             "badpsk",
@@ -824,15 +844,20 @@ fn nbd_client_node_over_tls_answers_as_qsd_and_carries_data() {
         ),
         ("n7", unix.clone(), r#""tls-creds":"psk""#),
         ("n8", unix.clone(), r#""tls-creds":"badpsk""#),
+        // The server's certificate is not checked at all.
+        ("n10", inet(&port), r#""tls-creds":"noverify""#),
         // TLS required, none offered.
         ("n9", inet(&port), r#""export":"disk""#),
     ];
     let mut seen: Vec<Vec<String>> = Vec::new();
     for program in [env!("CARGO_BIN_EXE_stord"), "qemu-storage-daemon"] {
         let (mut child, mut q) = qmp_daemon(program, &dir);
+        let mut objects_seen = Vec::new();
         for (id, ty, endpoint, d) in &objects {
             // PSK clients name themselves (QEMU's default is "qemu").
-            let user = if ty.ends_with("psk") {
+            let user = if *id == "noverify" {
+                r#","verify-peer":false,"sanity-check":false"#
+            } else if ty.ends_with("psk") {
                 r#","username":"alice""#
             } else {
                 ""
@@ -840,9 +865,9 @@ fn nbd_client_node_over_tls_answers_as_qsd_and_carries_data() {
             let r = q.send(&format!(
                 r#"{{"execute":"object-add","arguments":{{"qom-type":"{ty}","id":"{id}","endpoint":"{endpoint}","dir":"{d}"{user}}}}}"#
             ));
-            assert_eq!(outcome(&r), "ok", "{program} object {id}");
+            objects_seen.push(format!("{id}: {}", outcome(&r)));
         }
-        let mut answers = Vec::new();
+        let mut answers = std::mem::take(&mut objects_seen);
         for (node, server, extra) in &cases {
             let export = if extra.contains("export") {
                 ""
@@ -875,9 +900,17 @@ fn nbd_client_node_over_tls_answers_as_qsd_and_carries_data() {
             assert_eq!(s, q);
         }
     }
-    for n in ["n2", "n7"] {
+    for n in [
+        "x509", "wrongca", "srv", "psk", "badpsk", "noverify", "n2", "n7", "n10",
+    ] {
         assert!(stord.iter().any(|a| a == &format!("{n}: ok")), "{stord:?}");
     }
+    assert!(
+        stord
+            .iter()
+            .any(|a| a.starts_with("insane: GenericError: Our own certificate")),
+        "{stord:?}"
+    );
 }
 
 /// Node n2 (x509 to qemu-nbd on `port`) exported by stord: qemu-io writes through it and

@@ -48,6 +48,9 @@ pub enum TlsError {
     OpenSsl(#[from] openssl::error::ErrorStack),
     #[error("TLS handshake: {0}")]
     Handshake(String),
+    /// Our own certificate does not chain to the CA (QEMU's sanity check, its words).
+    #[error("{0}")]
+    Sanity(String),
 }
 
 /// Loaded server credentials: what `--object tls-creds-*` made.
@@ -92,8 +95,9 @@ impl TlsCreds {
                     None => None,
                 };
                 let verify_peer = kv.take_bool("verify-peer", true)?;
-                // The files are checked on load whatever this says.
-                kv.take_bool("sanity-check", true)?;
+                // The files are always parsed; this checks our own certificate against
+                // the CA too, as QEMU does.
+                let sanity_check = kv.take_bool("sanity-check", true)?;
                 let load = if client {
                     x509::X509Creds::load_client
                 } else {
@@ -103,6 +107,7 @@ impl TlsCreds {
                     &what,
                     &dir,
                     verify_peer,
+                    sanity_check,
                     password.as_deref(),
                 )?))
             }

@@ -68,11 +68,34 @@ impl X509Creds {
         what: &str,
         dir: &Path,
         verify_peer: bool,
+        sanity_check: bool,
         password: Option<&[u8]>,
     ) -> Result<Self, TlsError> {
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let (ca_path, roots) = ca(what, dir)?;
-        let chain = certs(what, &dir.join("server-cert.pem"))?;
+        let cert_path = dir.join("server-cert.pem");
+        let chain = certs(what, &cert_path)?;
+        if sanity_check {
+            let v = WebPkiServerVerifier::builder_with_provider(
+                Arc::new(roots.clone()),
+                provider.clone(),
+            )
+            .build()
+            .map_err(|e| bad(what, &ca_path, e))?;
+            let checker = ServerVerifier {
+                webpki: v,
+                check_chain: true,
+                check_name: false,
+            };
+            let r = checker.verify_server_cert(
+                &chain[0],
+                &chain[1..],
+                &ServerName::try_from("localhost").expect("a name"),
+                &[],
+                UnixTime::now(),
+            );
+            own_certificate(r.map(|_| ()), &cert_path, &ca_path)?;
+        }
         let key_path = dir.join("server-key.pem");
         let key = private_key(what, &key_path, password)?;
         let crls = crls(what, dir)?;
@@ -103,6 +126,7 @@ impl X509Creds {
         what: &str,
         dir: &Path,
         verify_peer: bool,
+        sanity_check: bool,
         password: Option<&[u8]>,
     ) -> Result<Self, TlsError> {
         let provider = Arc::new(rustls::crypto::ring::default_provider());
@@ -129,6 +153,16 @@ impl X509Creds {
                 private_key(what, &key_path, password)?,
             )),
         };
+        if let (true, Some((chain, _))) = (sanity_check, &identity) {
+            let v = WebPkiClientVerifier::builder_with_provider(
+                Arc::new(roots.clone()),
+                provider.clone(),
+            )
+            .build()
+            .map_err(|e| bad(what, &ca_path, e))?;
+            let r = v.verify_client_cert(&chain[0], &chain[1..], UnixTime::now());
+            own_certificate(r.map(|_| ()), &cert_path, &ca_path)?;
+        }
         let webpki = WebPkiServerVerifier::builder_with_provider(Arc::new(roots), provider.clone())
             .with_crls(crls(what, dir)?)
             .build()
@@ -197,6 +231,18 @@ impl X509Creds {
         conn.set_buffer_limit(None);
         Ok(Box::new(RustlsSession(conn.into())))
     }
+}
+
+/// QEMU's sanity check of our own certificate against the CA, in its words.
+fn own_certificate(r: Result<(), rustls::Error>, cert: &Path, ca: &Path) -> Result<(), TlsError> {
+    r.map_err(|e| {
+        let why = refusal_text(&e, None).unwrap_or_else(|| e.to_string());
+        TlsError::Sanity(format!(
+            "Our own certificate {} failed validation against {}: {why}",
+            cert.display(),
+            ca.display()
+        ))
+    })
 }
 
 /// `dir`/ca-cert.pem as a root store, and its path.
