@@ -755,6 +755,17 @@ fn nbd_client_node_over_tls_answers_as_qsd_and_carries_data() {
     for f in ["client-cert.pem", "client-key.pem"] {
         std::fs::copy(pki.root.join("client").join(f), no_verify.join(f)).unwrap();
     }
+    // A server certificate with a CA that did not sign it.
+    let bad_server = pki.root.join("bad-server");
+    std::fs::create_dir_all(&bad_server).unwrap();
+    std::fs::copy(
+        pki.root.join("ca2-cert.pem"),
+        bad_server.join("ca-cert.pem"),
+    )
+    .unwrap();
+    for f in ["server-cert.pem", "server-key.pem"] {
+        std::fs::copy(pki.root.join("server").join(f), bad_server.join(f)).unwrap();
+    }
     // A keys.psk with alice's key in `name`/.
     let psk_dir = |name: &str, key: &str| {
         let d = dir.join(name);
@@ -804,6 +815,12 @@ fn nbd_client_node_over_tls_answers_as_qsd_and_carries_data() {
             "tls-creds-x509",
             "client",
             no_verify.display().to_string(),
+        ),
+        (
+            "insane-srv",
+            "tls-creds-x509",
+            "server",
+            bad_server.display().to_string(),
         ),
         // Our own certificate does not chain to this CA: refused (QEMU's sanity check).
         (
@@ -905,12 +922,10 @@ fn nbd_client_node_over_tls_answers_as_qsd_and_carries_data() {
     ] {
         assert!(stord.iter().any(|a| a == &format!("{n}: ok")), "{stord:?}");
     }
-    assert!(
-        stord
-            .iter()
-            .any(|a| a.starts_with("insane: GenericError: Our own certificate")),
-        "{stord:?}"
-    );
+    for id in ["insane", "insane-srv"] {
+        let refused = format!("{id}: GenericError: Our own certificate");
+        assert!(stord.iter().any(|a| a.starts_with(&refused)), "{stord:?}");
+    }
 }
 
 /// Node n2 (x509 to qemu-nbd on `port`) exported by stord: qemu-io writes through it and
