@@ -434,6 +434,9 @@ pub struct NbdDriver {
     link: Arc<Link>,
     /// The connection's loop (stopped and joined when the node goes).
     _thread: stord_aio::IoThread,
+    /// With a server minimum block size above 1, writes hold their blocks so that a
+    /// read-modify-write of a partial block never interleaves with another write there.
+    write_locks: super::range_lock::RangeLocks,
 }
 
 impl NbdDriver {
@@ -475,6 +478,7 @@ impl NbdDriver {
         Ok(NbdDriver {
             link,
             _thread: thread,
+            write_locks: Default::default(),
         })
     }
 
@@ -546,6 +550,96 @@ impl NbdDriver {
         self.call(req, Some(data), None).await.0.map(|_| ())
     }
 
+    /// A read as the server takes it: in pieces of at most its maximum payload.
+    async fn read_pieces(&self, offset: u64, buf: Buf) -> (io::Result<()>, Buf) {
+        let max = self.max_payload();
+        if buf.len() <= max {
+            return self.read_at(offset, buf).await;
+        }
+        // Larger than the server takes: in pieces, through a buffer of the largest.
+        let mut buf = buf;
+        let mut piece = super::request_buf(max);
+        let mut at = 0;
+        while at < buf.len() {
+            let n = (buf.len() - at).min(max);
+            if n < max {
+                piece = super::request_buf(n);
+            }
+            let (r, p) = self.read_at(offset + at as u64, piece).await;
+            piece = p;
+            if let Err(e) = r {
+                return (Err(e), buf);
+            }
+            buf[at..at + n].copy_from_slice(&piece[..n]);
+            at += n;
+        }
+        (Ok(()), buf)
+    }
+
+    /// A write as the server takes it: in pieces of at most its maximum payload.
+    async fn write_pieces(&self, offset: u64, buf: &[u8], fua: bool) -> io::Result<()> {
+        // Larger than the server takes: in pieces, each with FUA when the server has
+        // it; else one flush after the last.
+        let native_fua = fua && self.info().has(FLAG_SEND_FUA);
+        let max = self.max_payload();
+        let mut at = 0;
+        while at < buf.len() {
+            let n = (buf.len() - at).min(max);
+            self.write_at(offset + at as u64, &buf[at..at + n], native_fua)
+                .await?;
+            at += n;
+        }
+        if fua && !native_fua {
+            return self.do_flush().await;
+        }
+        Ok(())
+    }
+
+    /// The server's minimum block size (a power of two).
+    fn align(&self) -> u64 {
+        u64::from(self.info().min_block)
+    }
+
+    /// Whether `[offset, offset + len)` splits a block of the server's minimum size.
+    fn misaligned(&self, offset: u64, len: u64) -> bool {
+        (offset | len) & (self.align() - 1) != 0
+    }
+
+    /// The whole blocks around `[offset, offset + len)`, within the export.
+    fn blocks(&self, offset: u64, len: u64) -> (u64, u64) {
+        let a = self.align();
+        let start = offset & !(a - 1);
+        let end = (offset + len).div_ceil(a) * a;
+        (start, end.min(self.size().max(offset + len)))
+    }
+
+    /// A write on a server with a minimum block size: its blocks held, and a partial block
+    /// at either end read first and written whole (QEMU's block layer does the same for
+    /// its request alignment).
+    async fn write_blocks(&self, offset: u64, data: &[u8], fua: bool) -> io::Result<()> {
+        let (start, end) = self.blocks(offset, data.len() as u64);
+        let _held = self.write_locks.lock(start, end).await;
+        if !self.misaligned(offset, data.len() as u64) {
+            return self.write_pieces(offset, data, fua).await;
+        }
+        let a = self.align();
+        let mut tmp = super::request_buf((end - start) as usize);
+        // The first and the last block, which the data covers only partly.
+        let mut edges = vec![start];
+        if end - start > a {
+            edges.push(end - a);
+        }
+        for b in edges {
+            let (r, block) = self.read_pieces(b, super::request_buf(a as usize)).await;
+            r?;
+            let at = (b - start) as usize;
+            tmp[at..at + a as usize].copy_from_slice(&block);
+        }
+        let at = (offset - start) as usize;
+        tmp[at..at + data.len()].copy_from_slice(data);
+        self.write_pieces(start, &tmp, fua).await
+    }
+
     async fn do_flush(&self) -> io::Result<()> {
         if !self.info().has(FLAG_SEND_FLUSH) {
             return Ok(());
@@ -590,51 +684,31 @@ impl BlockDriver for NbdDriver {
     }
     fn read(&self, offset: u64, buf: Buf) -> BoxFut<'_, (io::Result<()>, Buf)> {
         Box::pin(async move {
-            let max = self.max_payload();
-            if buf.len() <= max {
-                return self.read_at(offset, buf).await;
+            if !self.misaligned(offset, buf.len() as u64) {
+                return self.read_pieces(offset, buf).await;
             }
-            // Larger than the server takes: in pieces, through a buffer of the largest.
+            // Whole blocks around it, through a buffer.
+            let (start, end) = self.blocks(offset, buf.len() as u64);
+            let (r, tmp) = self
+                .read_pieces(start, super::request_buf((end - start) as usize))
+                .await;
             let mut buf = buf;
-            let mut piece = super::request_buf(max);
-            let mut at = 0;
-            while at < buf.len() {
-                let n = (buf.len() - at).min(max);
-                if n < max {
-                    piece = super::request_buf(n);
-                }
-                let (r, p) = self.read_at(offset + at as u64, piece).await;
-                piece = p;
-                if let Err(e) = r {
-                    return (Err(e), buf);
-                }
-                buf[at..at + n].copy_from_slice(&piece[..n]);
-                at += n;
+            if r.is_ok() {
+                let at = (offset - start) as usize;
+                let n = buf.len();
+                buf.copy_from_slice(&tmp[at..at + n]);
             }
-            (Ok(()), buf)
+            (r, buf)
         })
     }
     fn write(&self, offset: u64, buf: Buf, fua: bool) -> BoxFut<'_, (io::Result<()>, Buf)> {
         Box::pin(async move {
-            // Larger than the server takes: in pieces, each with FUA when the server has
-            // it; else one flush after the last.
-            let native_fua = fua && self.info().has(FLAG_SEND_FUA);
-            let max = self.max_payload();
-            let mut at = 0;
-            while at < buf.len() {
-                let n = (buf.len() - at).min(max);
-                if let Err(e) = self
-                    .write_at(offset + at as u64, &buf[at..at + n], native_fua)
-                    .await
-                {
-                    return (Err(e), buf);
-                }
-                at += n;
+            if self.align() == 1 {
+                let r = self.write_pieces(offset, &buf, fua).await;
+                return (r, buf);
             }
-            if fua && !native_fua {
-                return (self.do_flush().await, buf);
-            }
-            (Ok(()), buf)
+            let r = self.write_blocks(offset, &buf, fua).await;
+            (r, buf)
         })
     }
     fn flush(&self) -> BoxFut<'_, io::Result<()>> {
@@ -645,11 +719,43 @@ impl BlockDriver for NbdDriver {
             if !self.info().has(FLAG_SEND_TRIM) {
                 return Ok(());
             }
-            self.ranged(CMD_TRIM, 0, offset, len).await
+            // Only whole blocks: a discard may leave any part of its range as it was.
+            let a = self.align();
+            let (start, end) = (offset.div_ceil(a) * a, (offset + len) & !(a - 1));
+            if start >= end {
+                return Ok(());
+            }
+            self.ranged(CMD_TRIM, 0, start, end - start).await
         })
     }
     fn write_zeroes(&self, offset: u64, len: u64, may_unmap: bool) -> BoxFut<'_, io::Result<()>> {
         Box::pin(async move {
+            if self.align() > 1 && self.misaligned(offset, len) {
+                // Partial blocks at the ends are written as data; the whole ones between
+                // are zeroed as the server does it.
+                let a = self.align();
+                let (inner_start, inner_end) = (offset.div_ceil(a) * a, (offset + len) & !(a - 1));
+                if inner_start >= inner_end {
+                    return self
+                        .write_blocks(offset, &vec![0u8; len as usize], false)
+                        .await;
+                }
+                if offset < inner_start {
+                    let n = (inner_start - offset) as usize;
+                    self.write_blocks(offset, &vec![0u8; n], false).await?;
+                }
+                if inner_end < offset + len {
+                    let n = (offset + len - inner_end) as usize;
+                    self.write_blocks(inner_end, &vec![0u8; n], false).await?;
+                }
+                return self
+                    .write_zeroes(inner_start, inner_end - inner_start, may_unmap)
+                    .await;
+            }
+            let _held = match self.align() {
+                1 => None,
+                _ => Some(self.write_locks.lock(offset, offset + len).await),
+            };
             if self.info().has(FLAG_SEND_WRITE_ZEROES) {
                 let flags = if may_unmap { 0 } else { CMD_FLAG_NO_HOLE };
                 return self.ranged(CMD_WRITE_ZEROES, flags, offset, len).await;
@@ -674,16 +780,22 @@ impl BlockDriver for NbdDriver {
                     zero: false,
                 });
             }
-            let n = len.min(self.max_length());
+            // Asked from the start of the block (a server's extents are whole blocks).
+            let start = offset & !(self.align() - 1);
+            let (_, end) = self.blocks(offset, len);
+            let n = (end - start).min(self.max_length());
             let req = Request {
                 cmd: CMD_BLOCK_STATUS,
                 flags: CMD_FLAG_REQ_ONE,
-                offset,
+                offset: start,
                 len: n as u32,
             };
             let (r, _) = self.call(req, None, None).await;
-            r?.status
-                .ok_or_else(|| io::Error::other("NBD server sent no block status"))
+            let mut st = r?
+                .status
+                .ok_or_else(|| io::Error::other("NBD server sent no block status"))?;
+            st.len = st.len.saturating_sub(offset - start).clamp(1, len);
+            Ok(st)
         })
     }
     fn block_status_costly(&self) -> bool {
