@@ -3,15 +3,17 @@
 //! Subcommands:
 //! - `aio [--duration-ms N] [--reactor io_uring|epoll] [--policy P]... [--think-us N]...`:
 //!   Remote round trips into an IoThread per polling policy and think time.
-//! - `nbd [--runtime S] [--reps N] [--backend null|file]... [--daemon stord|qsd|nbdkit]...
+//! - `nbd [--runtime S] [--reps N] [--backend null|file|dev]... [--daemon stord|qsd|nbdkit]...
 //!   [--workload randread:16]... [--stord-policy P] [--file-aio MODE]`: fio's nbd engine
-//!   against stord, qemu-storage-daemon and nbdkit, with fio on the raw file as the floor.
+//!   against stord, qemu-storage-daemon and nbdkit, with fio on the raw file as the floor
+//!   (`dev`: a loop device with direct I/O over a file in /dev/shm, the fast-device medium,
+//!   opened as `host_device`; fio on the device is the floor).
 //!   A workload may name a block size: `--workload read/64k:16`. `--jobs N` runs N fio jobs
 //!   (connections); `--iothreads N` spreads stord's export over N IoThreads.
 //!   `--daemon stord-base` adds an earlier stord build (`STORD_BENCH_BASELINE=PATH`), for
 //!   before/after comparisons in one run.
 //! - `idle [--seconds N]`: CPU used by each daemon with two IoThreads and an export, idle.
-//! - `vhost [--runtime S] [--reps N] [--backend null|file]... [--daemon stord-POLICY|qsd]...
+//! - `vhost [--runtime S] [--reps N] [--backend null|file|dev]... [--daemon stord-POLICY|qsd]...
 //!   [--workload randread:16]... [--client own|blkio|blkio-poll]... [--queues N] [--iothreads N] [--think-us N] [--think-spin on|off]`: our own
 //!   vhost-user frontend or libblkio against the vhost-user-blk exports of stord (one row per
 //!   polling policy) and qemu-storage-daemon.
@@ -40,11 +42,11 @@ fn usage() -> ! {
     eprintln!(
         "usage: stord-bench aio [--duration-ms N] [--reactor io_uring|epoll] \
          [--policy off|classic|weighted|haltpoll]... [--think-us N]... [--out DIR]\n\
-         \x20      stord-bench nbd [--runtime S] [--reps N] [--backend null|file]... \
+         \x20      stord-bench nbd [--runtime S] [--reps N] [--backend null|file|dev]... \
          [--daemon stord|stord-base|qsd|nbdkit]... [--workload RW:QD]... [--stord-policy P] [--file-aio MODE] [--jobs N] [--iothreads N] [--tcp on|off] [--tls on|off] [--out DIR]\n\
          \x20      stord-bench fuse [--runtime S] [--reps N] [--backend null|file]... \
          [--iothreads N]... [--daemon stord|stord-uring|qsd]... [--out DIR]\n\
-         \x20      stord-bench vhost [--runtime S] [--reps N] [--backend null|file]... \
+         \x20      stord-bench vhost [--runtime S] [--reps N] [--backend null|file|dev]... \
          [--daemon stord-off|stord-classic|stord-weighted|stord-haltpoll|qsd]... [--workload RW:QD]... \
          [--client own|blkio|blkio-poll]... [--queues N] [--iothreads N] [--think-us N] [--think-spin on|off] [--out DIR]\n\
          \x20      stord-bench idle [--seconds N] [--out DIR]\n\

@@ -88,6 +88,39 @@ pub struct Row {
 
 pub(crate) const IMAGE_SIZE: u64 = 1 << 30;
 
+/// The fast-device medium: a loop device with direct I/O over a file in /dev/shm, so a
+/// 4k read costs tens of microseconds and the daemons' own overhead shows. Attached for
+/// one benchmark run, detached on drop.
+pub(crate) struct FastDev {
+    pub dev: PathBuf,
+}
+
+impl FastDev {
+    pub fn attach() -> FastDev {
+        let file = PathBuf::from("/dev/shm/stord-bench-fastdev.img");
+        prepare_image(&file);
+        let out = Command::new("losetup")
+            .args(["--direct-io=on", "--find", "--show"])
+            .arg(&file)
+            .output()
+            .expect("losetup");
+        assert!(
+            out.status.success(),
+            "losetup: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let dev = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+        eprintln!("fast device: {} over {}", dev.display(), file.display());
+        FastDev { dev }
+    }
+}
+
+impl Drop for FastDev {
+    fn drop(&mut self) {
+        let _ = Command::new("losetup").arg("-d").arg(&self.dev).status();
+    }
+}
+
 pub(crate) fn bench_dir() -> PathBuf {
     let d = repo_root().join("results/tmp");
     std::fs::create_dir_all(&d).unwrap();
@@ -309,6 +342,11 @@ pub fn run(opts: &NbdOptions) -> Vec<Row> {
         prepare_qcow2(&img, "full");
     }
     let tls = opts.tls.then(|| tls_setup(&dir));
+    let fastdev = opts
+        .backends
+        .iter()
+        .any(|b| b == "dev")
+        .then(FastDev::attach);
     for d in &opts.daemons {
         if !d.starts_with("stord") {
             which(if d == "qsd" { "qemu-storage-daemon" } else { d });
@@ -318,12 +356,18 @@ pub fn run(opts: &NbdOptions) -> Vec<Row> {
     let total_runs: usize = opts.backends.len()
         * opts.workloads.len()
         * opts.reps
-        * (opts.daemons.len() + usize::from(opts.backends.iter().any(|b| b == "file")));
+        * (opts.daemons.len()
+            + usize::from(opts.backends.iter().any(|b| b == "file" || b == "dev")));
     let mut done_runs = 0;
     for backend in &opts.backends {
+        // The medium: the image file, or the fast device.
+        let img = match (backend.as_str(), &fastdev) {
+            ("dev", Some(f)) => f.dev.clone(),
+            _ => img.clone(),
+        };
         for (rw, qd) in &opts.workloads {
             let mut names: Vec<String> = opts.daemons.clone();
-            if backend == "file" {
+            if backend == "file" || backend == "dev" {
                 names.push("fio-raw".into());
             }
             let mut per: Vec<Vec<(FioResult, Option<f64>)>> = vec![Vec::new(); names.len()];

@@ -502,22 +502,31 @@ pub fn run(opts: &VhostOptions) -> (Vec<Row>, Vec<serde_json::Value>) {
     if opts.backends.iter().any(|b| b == "file") {
         prepare_image(&img);
     }
+    let fastdev = opts
+        .backends
+        .iter()
+        .any(|b| b == "dev")
+        .then(crate::nbd::FastDev::attach);
     if opts.daemons.iter().any(|d| d == "qsd") {
         which("qemu-storage-daemon");
     }
     let runtime = Duration::from_secs(opts.runtime_s);
-    let has_file = opts.backends.iter().any(|b| b == "file");
+    let has_file = opts.backends.iter().any(|b| b == "file" || b == "dev");
     let cases = opts.backends.len() * opts.clients.len() * opts.workloads.len() * opts.reps;
     let total = cases * opts.daemons.len()
         + usize::from(has_file) * opts.clients.len() * opts.workloads.len() * opts.reps;
     let mut n = 0;
     let mut rows = Vec::new();
     for backend in &opts.backends {
+        let img = match (backend.as_str(), &fastdev) {
+            ("dev", Some(f)) => f.dev.clone(),
+            _ => img.clone(),
+        };
         for client in &opts.clients {
             for (rw, qd) in &opts.workloads {
                 let write = rw.contains("write");
                 let mut names = opts.daemons.clone();
-                if backend == "file" {
+                if backend == "file" || backend == "dev" {
                     names.push("fio-raw".into());
                 }
                 let mut per: Vec<Vec<(FioResult, Option<f64>)>> = vec![Vec::new(); names.len()];

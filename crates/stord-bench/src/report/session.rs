@@ -72,8 +72,15 @@ pub struct Paths {
     pub mnt: PathBuf,
 }
 
-/// `--blockdev` for `backend`: null, or file-<aio mode> with O_DIRECT.
+/// `--blockdev` for `backend`: null, file-<aio mode> with O_DIRECT, or `dev` (a block
+/// device, `img` being its path: the fast-device medium of [`crate::nbd::FastDev`]).
 pub fn blockdev(backend: &str, img: &Path) -> String {
+    if backend == "dev" {
+        return format!(
+            "driver=host_device,node-name=disk,filename={},aio=io_uring,cache.direct=on",
+            img.display()
+        );
+    }
     if let Some(kind) = backend.strip_prefix("qcow2-") {
         return format!(
             "driver=qcow2,node-name=disk,file.driver=file,file.filename={},file.aio=io_uring,\

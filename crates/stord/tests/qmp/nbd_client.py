@@ -283,6 +283,9 @@ def multi_conn(q, tag):
     srv.start()
     r = qemu_io_uri(uri(tag, "mc"), "read -P 0x3c 1M 64k")
     out["read after the restart"] = r.returncode == 0 and "error" not in r.stdout
+    deadline = time.time() + 10
+    while srv.clients() != 4 and time.time() < deadline:
+        time.sleep(0.1)
     out["four again"] = srv.clients() == 4
     common.unexport(q, "mc")
     for node in ("mc", "mc1"):

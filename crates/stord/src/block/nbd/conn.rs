@@ -151,6 +151,8 @@ pub(super) struct Conn {
     tx: Mutex<Tx>,
     pending: Mutex<HashMap<u64, Arc<Slot>>>,
     dead: AtomicBool,
+    /// When the receiver last finished a reply or chunk (monotonic ns), for the timeout.
+    last_rx: AtomicU64,
     /// How long a request may wait for its reply before the connection is given up
     /// (`x-request-timeout`; none: as long as it takes, as QEMU's client).
     timeout: Option<std::time::Duration>,
@@ -199,6 +201,7 @@ impl Conn {
             tx: Mutex::default(),
             pending: Mutex::default(),
             dead: AtomicBool::new(false),
+            last_rx: AtomicU64::new(0),
             timeout,
         })
     }
@@ -460,9 +463,11 @@ async fn write_all_records(c: &Conn) -> io::Result<()> {
     }
 }
 
-/// Gives the connection up when a request has waited longer than `timeout` for its
-/// reply (a server that stalls without closing: the kernel still acknowledges its bytes,
-/// so nothing else would notice). Its requests are then lost like on any failure: sent
+/// Gives the connection up when requests are waiting and nothing has come back for
+/// `timeout`: no reply since the oldest of them was sent, or since the last reply (a
+/// server that stalls without closing: the kernel still acknowledges its bytes, so
+/// nothing else would notice). A server that keeps answering is never cut off, however
+/// long one request takes among the others. Its requests are then lost like on any failure: sent
 /// again after a reconnect within `reconnect-delay`, else failed with EIO.
 async fn watchdog(c: Arc<Conn>, timeout: std::time::Duration) {
     // A few looks per timeout: a request fails between 1 and 1.25 timeouts late.
@@ -475,7 +480,8 @@ async fn watchdog(c: Arc<Conn>, timeout: std::time::Duration) {
         stord_aio::sleep(period).await;
         let oldest = c.pending().values().map(|s| s.sent_at).min();
         if let Some(t) = oldest {
-            if stord_aio::sys::now_ns().saturating_sub(t) > limit {
+            let since = t.max(c.last_rx.load(Ordering::Relaxed));
+            if stord_aio::sys::now_ns().saturating_sub(since) > limit {
                 c.fail(&format!(
                     "no reply from the server within {} s",
                     timeout.as_secs_f64()
@@ -495,6 +501,9 @@ async fn receiver(c: Arc<Conn>) {
     let e = loop {
         if let Err(e) = reply(&c, &mut r).await {
             break e;
+        }
+        if c.timeout.is_some() {
+            c.last_rx.store(stord_aio::sys::now_ns(), Ordering::Relaxed);
         }
     };
     c.fail(&e.to_string());

@@ -334,6 +334,13 @@ fn check_limits(info: &ExportInfo) -> Result<(), HandshakeError> {
             info.min_block
         )));
     }
+    // QEMU refuses it too: the last block could not be read or written whole.
+    if !info.size.is_multiple_of(u64::from(info.min_block)) {
+        return Err(proto(format!(
+            "export size {} is not multiple of minimum block size {}",
+            info.size, info.min_block
+        )));
+    }
     Ok(())
 }
 
@@ -445,6 +452,24 @@ mod tests {
             .map(|_| ())
             .unwrap_err();
         assert!(e.to_string().contains("minimum block size"), "{e}");
+    }
+
+    #[test]
+    fn a_size_that_is_no_multiple_of_the_minimum_block_is_refused() {
+        let info = ExportInfo {
+            size: 1000,
+            flags: 0,
+            min_block: 512,
+            max_block: 1 << 20,
+            structured: true,
+            context: None,
+        };
+        let e = check_limits(&info).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "export size 1000 is not multiple of minimum block size 512"
+        );
+        assert!(check_limits(&ExportInfo { size: 1024, ..info }).is_ok());
     }
 
     #[test]

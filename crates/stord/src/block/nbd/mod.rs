@@ -183,8 +183,13 @@ const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(10);
 const RETRY_FIRST: Duration = Duration::from_millis(100);
 const RETRY_MAX: Duration = Duration::from_secs(2);
 
-/// Connects and negotiates once (blocking), starting TLS with `tls` if given.
-fn connect(o: &NbdOptions, tls: Option<&TlsCreds>) -> Result<(Sock, ExportInfo, Tls), String> {
+/// Connects and negotiates once (blocking, each step within `attempt`), starting TLS with
+/// `tls` if given.
+fn connect(
+    o: &NbdOptions,
+    tls: Option<&TlsCreds>,
+    attempt: Duration,
+) -> Result<(Sock, ExportInfo, Tls), String> {
     let failed = |e: io::Error| {
         format!(
             "Failed to connect to '{}': {}",
@@ -204,7 +209,7 @@ fn connect(o: &NbdOptions, tls: Option<&TlsCreds>) -> Result<(Sock, ExportInfo, 
             let mut last = io::Error::from(io::ErrorKind::AddrNotAvailable);
             let mut got = None;
             for a in addrs {
-                match std::net::TcpStream::connect_timeout(&a, ATTEMPT_TIMEOUT) {
+                match std::net::TcpStream::connect_timeout(&a, attempt) {
                     Ok(s) => {
                         got = Some(s);
                         break;
@@ -226,13 +231,13 @@ fn connect(o: &NbdOptions, tls: Option<&TlsCreds>) -> Result<(Sock, ExportInfo, 
     };
     let (info, sess) = match &mut sock {
         Sock::Unix(s) => {
-            s.set_read_timeout(Some(ATTEMPT_TIMEOUT)).map_err(failed)?;
-            s.set_write_timeout(Some(ATTEMPT_TIMEOUT)).map_err(failed)?;
+            s.set_read_timeout(Some(attempt)).map_err(failed)?;
+            s.set_write_timeout(Some(attempt)).map_err(failed)?;
             handshake::negotiate(s, &o.export, o.context(), sess)
         }
         Sock::Tcp(s) => {
-            s.set_read_timeout(Some(ATTEMPT_TIMEOUT)).map_err(failed)?;
-            s.set_write_timeout(Some(ATTEMPT_TIMEOUT)).map_err(failed)?;
+            s.set_read_timeout(Some(attempt)).map_err(failed)?;
+            s.set_write_timeout(Some(attempt)).map_err(failed)?;
             handshake::negotiate(s, &o.export, o.context(), sess)
         }
     }
@@ -258,15 +263,19 @@ fn connect(o: &NbdOptions, tls: Option<&TlsCreds>) -> Result<(Sock, ExportInfo, 
     Ok((sock, info, sess))
 }
 
-/// `first` and, when the node asks for several connections and the server allows them
+/// How long an extra connection (multi-conn) may take: a server at its client limit
+/// accepts and never greets, and the first connection is already serving.
+const EXTRA_ATTEMPT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// When the node asks for several connections and the server allows them
 /// (NBD_FLAG_CAN_MULTI_CONN: a flush on one covers writes completed on all), more to the
-/// same export, as many as connect (blocking).
-fn more_connections(o: &NbdOptions, tls: Option<&TlsCreds>, first: Arc<Conn>) -> Vec<Arc<Conn>> {
-    let mut conns = vec![first];
+/// export `first` found, as many as connect (blocking).
+fn more_connections(o: &NbdOptions, tls: Option<&TlsCreds>, first: &ExportInfo) -> Vec<Arc<Conn>> {
+    let mut conns = Vec::new();
     if o.multi_conn <= 1 {
         return conns;
     }
-    if !conns[0].info.has(FLAG_CAN_MULTI_CONN) {
+    if !first.has(FLAG_CAN_MULTI_CONN) {
         tracing::info!(
             target: "stord::nbd",
             "{} does not allow several connections: using one",
@@ -274,9 +283,9 @@ fn more_connections(o: &NbdOptions, tls: Option<&TlsCreds>, first: Arc<Conn>) ->
         );
         return conns;
     }
-    while conns.len() < o.multi_conn as usize {
-        match connect(o, tls) {
-            Ok((sock, info, sess)) if same_export(&conns[0].info, &info) => {
+    while conns.len() + 1 < o.multi_conn as usize {
+        match connect(o, tls, EXTRA_ATTEMPT_TIMEOUT) {
+            Ok((sock, info, sess)) if same_export(first, &info) => {
                 conns.push(Conn::new(sock, info, sess, o.timeout()))
             }
             Ok(_) => break,
@@ -350,6 +359,30 @@ impl Link {
         }
     }
 
+    /// Adds the extra connections multi-conn asks for beside the first one, which serves
+    /// meanwhile; they are dropped if the first is gone by the time they are up.
+    fn add_extras(&self) {
+        let Some(first) = self.lock().conns.first().cloned() else {
+            return;
+        };
+        let extras = more_connections(&self.opts, self.tls.as_deref(), &first.info);
+        if extras.is_empty() {
+            return;
+        }
+        for c in &extras {
+            c.start(&self.home);
+        }
+        let mut st = self.lock();
+        if st.closing || !st.conns.first().is_some_and(|f| Arc::ptr_eq(f, &first)) {
+            drop(st);
+            for c in extras {
+                c.disconnect();
+            }
+            return;
+        }
+        st.conns.extend(extras);
+    }
+
     /// Tries to connect again until it works or the node closes (on its own thread).
     fn reconnect(self: Arc<Self>) {
         let mut wait = Duration::ZERO;
@@ -358,11 +391,11 @@ impl Link {
             if self.lock().closing {
                 return;
             }
-            match connect(&self.opts, self.tls.as_deref()) {
+            match connect(&self.opts, self.tls.as_deref(), ATTEMPT_TIMEOUT) {
                 Ok((sock, info, sess)) if same_export(&self.info, &info) => {
                     tracing::info!(target: "stord::nbd", "reconnected to {}", self.opts.server);
-                    let first = Conn::new(sock, info, sess, self.opts.timeout());
-                    return self.install(more_connections(&self.opts, self.tls.as_deref(), first));
+                    self.install(vec![Conn::new(sock, info, sess, self.opts.timeout())]);
+                    return self.add_extras();
                 }
                 Ok(_) => tracing::warn!(
                     target: "stord::nbd",
@@ -450,7 +483,7 @@ impl NbdDriver {
             std::time::Instant::now() + Duration::from_secs(u64::from(opts.open_timeout));
         let mut wait = RETRY_FIRST;
         let (sock, info, sess) = loop {
-            match connect(&opts, tls.as_deref()) {
+            match connect(&opts, tls.as_deref(), ATTEMPT_TIMEOUT) {
                 Ok(c) => break c,
                 Err(e) if std::time::Instant::now() + wait >= deadline => {
                     return Err(GraphError::Invalid(e))
@@ -473,8 +506,8 @@ impl NbdDriver {
             state: Mutex::default(),
             home: thread.remote().clone(),
         });
-        let first = Conn::new(sock, info, sess, link.opts.timeout());
-        link.install(more_connections(&link.opts, link.tls.as_deref(), first));
+        link.install(vec![Conn::new(sock, info, sess, link.opts.timeout())]);
+        link.add_extras();
         Ok(NbdDriver {
             link,
             _thread: thread,
@@ -494,6 +527,11 @@ impl NbdDriver {
         data: Option<&[u8]>,
         mut buf: Option<Buf>,
     ) -> (io::Result<conn::Reply>, Option<Buf>) {
+        // A request lost again and again (a reply that always takes longer than
+        // x-request-timeout) fails once reconnect-delay has passed since its first loss,
+        // not at every new connection's.
+        let mut first_lost: Option<u64> = None;
+        let delay = u64::from(self.link.opts.reconnect_delay) * 1_000_000_000;
         loop {
             let c = match self.link.connection().await {
                 Ok(c) => c,
@@ -501,7 +539,14 @@ impl NbdDriver {
             };
             match c.call(req, data, buf).await {
                 (Outcome::Done(r), b) => return (r, b),
-                (Outcome::Lost, b) => buf = b,
+                (Outcome::Lost, b) => {
+                    buf = b;
+                    let now = stord_aio::sys::now_ns();
+                    let first = *first_lost.get_or_insert(now);
+                    if now.saturating_sub(first) > delay && first != now {
+                        return (Err(io::Error::from_raw_os_error(libc::EIO)), buf);
+                    }
+                }
             }
         }
     }

@@ -390,8 +390,14 @@ impl Image {
     /// Whether the first extent of `[off, off + len)` is allocated, and its length, from
     /// the object map (whole objects; a clone's parent counts); `None` when the image
     /// cannot tell (no fast-diff, or its map is flagged invalid). Blocking: the map may
-    /// have to be read from the cluster.
-    pub fn first_extent(&self, off: u64, len: u64) -> io::Result<Option<(bool, u64)>> {
+    /// have to be read from the cluster. The walk starts at the object's start, as QEMU's
+    /// does (librbd before 16.2.8 misreported walks from inside an object).
+    pub fn first_extent(
+        &self,
+        off: u64,
+        len: u64,
+        object_size: u64,
+    ) -> io::Result<Option<(bool, u64)>> {
         let (mut features, mut flags) = (0u64, 0u64);
         // SAFETY: an open image; valid out-pointers.
         let r = unsafe { rbd_get_features(self.img, &mut features) };
@@ -415,14 +421,15 @@ impl Image {
             run: off..off,
             allocated: false,
         };
+        let from = off - off % object_size.max(1);
         // SAFETY: an open image; `walk` outlives the call, which invokes the callback
         // only before it returns, on this thread.
         let r = unsafe {
             rbd_diff_iterate2(
                 self.img,
                 std::ptr::null(),
-                off,
-                len,
+                from,
+                off + len - from,
                 1,
                 1,
                 on_diff_extent,

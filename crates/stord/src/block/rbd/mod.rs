@@ -299,12 +299,13 @@ impl BlockDriver for RbdDriver {
     fn block_status(&self, offset: u64, len: u64) -> BoxFut<'_, io::Result<BlockStatus>> {
         Box::pin(async move {
             let image = self.image.clone();
+            let object_size = self.object_size;
             let data = BlockStatus {
                 len,
                 allocated: true,
                 zero: false,
             };
-            match super::offload(move || image.first_extent(offset, len)).await {
+            match super::offload(move || image.first_extent(offset, len, object_size)).await {
                 Ok(Some((allocated, n))) => Ok(BlockStatus {
                     len: n.clamp(1, len),
                     allocated,
