@@ -370,8 +370,19 @@ impl Qcow2Driver {
         // exist for every range, all of it in use, or we would not be here).
         let area = m.used_end.div_ceil(cs).max(covered);
         let mut entries = need.max(old * 2).max(old + 1);
+        let too_large = || {
+            io::Error::new(
+                io::ErrorKind::StorageFull,
+                "qcow2: the refcount table cannot grow past 8 MiB",
+            )
+        };
         let (table_clusters, blocks) = loop {
             let table_clusters = (entries as u64 * 8).div_ceil(cs);
+            // Checked before counting blocks over the area: a corrupt image can put the
+            // area so far out that counting alone would take minutes.
+            if table_clusters * cs > super::header::MAX_REFTABLE_BYTES {
+                return Err(too_large());
+            }
             // Refcount blocks for the area, placed after the table: enough to count the
             // table, themselves, and anything up to their end not yet covered.
             let mut blocks = 0u64;
@@ -395,10 +406,7 @@ impl Qcow2Driver {
             entries = want.max(entries * 2);
         };
         if table_clusters * cs > super::header::MAX_REFTABLE_BYTES {
-            return Err(io::Error::new(
-                io::ErrorKind::StorageFull,
-                "qcow2: the refcount table cannot grow past 8 MiB",
-            ));
+            return Err(too_large());
         }
         let end = area + table_clusters + blocks;
         let mut table = m.reftable.clone();
