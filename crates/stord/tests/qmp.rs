@@ -11,16 +11,21 @@ fn run_script(name: &str) {
     let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/qmp")
         .join(name);
-    let out = Command::new("python3")
+    // Output to files, not pipes: a script that fails may leave daemons behind, and they
+    // would hold a pipe open (and this harness waiting) long after the script has ended.
+    let (out_path, err_path) = (dir.join("script.out"), dir.join("script.err"));
+    let status = Command::new("python3")
         .arg(&script)
         .env("STORD_BIN", env!("CARGO_BIN_EXE_stord"))
         .env("STORD_TEST_DIR", &dir)
-        .output()
+        .stdout(std::fs::File::create(&out_path).expect("stdout file"))
+        .stderr(std::fs::File::create(&err_path).expect("stderr file"))
+        .status()
         .expect("python3");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stdout = std::fs::read_to_string(&out_path).unwrap_or_default();
+    let stderr = std::fs::read_to_string(&err_path).unwrap_or_default();
     assert!(
-        out.status.success() && stdout.contains("PASS"),
+        status.success() && stdout.contains("PASS"),
         "{name} failed:\n{stdout}\n{stderr}"
     );
 }

@@ -117,6 +117,18 @@ def unexport(q, export_id):
     wait_event(q, "BLOCK_EXPORT_DELETED")
 
 
+def blockdev_del(q, node):
+    """blockdev-del, asked again for up to 5 s while the node is still in use (an export
+    just deleted may still be letting its last client go)."""
+    deadline = time.time() + 5
+    while True:
+        r = q.cmd_raw("blockdev-del", {"node-name": node})
+        if "error" not in r or "in use" not in r["error"]["desc"] or time.time() > deadline:
+            break
+        time.sleep(0.05)
+    ok(r)
+
+
 def raw_monitor(sock_path):
     """A raw socket past capabilities negotiation, for input qemu.qmp would not send."""
     s = socket.socket(socket.AF_UNIX)

@@ -136,8 +136,8 @@ def refusals(q, tag):
     entry = [n for n in q.cmd_raw("query-named-block-nodes")["return"] if n["node-name"] == "n"]
     assert entry[0]["file"] == f"nbd+unix:///exp?socket={srv.sock}", entry
     assert entry[0]["image"]["virtual-size"] == SIZE, entry
-    ok(q.cmd_raw("blockdev-del", {"node-name": "n"}))
-    ok(q.cmd_raw("blockdev-del", {"node-name": "ro"}))
+    common.blockdev_del(q, "n")
+    common.blockdev_del(q, "ro")
     ro.kill()
     srv.kill()
     # Only our own names carry the daemon's tag (the test directory's name may hold one too).
@@ -181,7 +181,7 @@ def data_paths(q, tag, stord):
     copy = common.path(f"nc-{tag}-copy.raw")
     subprocess.run(["nbdcopy", uri(tag, "disk"), copy], check=True)
     common.unexport(q, "e0")
-    ok(q.cmd_raw("blockdev-del", {"node-name": "disk"}))
+    common.blockdev_del(q, "disk")
     srv.kill()
     with open(copy, "rb") as a, open(disk, "rb") as b:
         assert a.read() == b.read(), "the export read differs from the server's file"
@@ -215,7 +215,7 @@ def dirty_bitmap(q, tag):
     dirty = [(e["start"], e["length"]) for e in json.loads(m.stdout) if not e["data"]]
     print(tag, "dirty per x-dirty-bitmap:", dirty, flush=True)
     common.unexport(q, "bm")
-    ok(q.cmd_raw("blockdev-del", {"node-name": "bm"}))
+    common.blockdev_del(q, "bm")
     srv.kill()
     srv.wait()
     return dirty
@@ -255,7 +255,7 @@ def min_block(q, tag):
         res = fio_verify(nbd_target(tag, "mb"), "1M", "2M", ("--bs=512",))
         out["fio verify, 512-byte writes"] = res["jobs"][0]["error"] == 0
     common.unexport(q, "mb")
-    ok(q.cmd_raw("blockdev-del", {"node-name": "mb"}))
+    common.blockdev_del(q, "mb")
     srv.kill()
     srv.wait()
     print(tag, "min block:", out, flush=True)
@@ -289,7 +289,7 @@ def multi_conn(q, tag):
     out["four again"] = srv.clients() == 4
     common.unexport(q, "mc")
     for node in ("mc", "mc1"):
-        ok(q.cmd_raw("blockdev-del", {"node-name": node}))
+        common.blockdev_del(q, node)
     srv.kill()
     single.kill()
     print(tag, "multi-conn:", out, flush=True)
@@ -319,7 +319,7 @@ def qcow2_over_nbd(q, tag):
                     "write -P 0x62 60M 64k", "discard 2M 1M")
     assert r.returncode == 0 and "error" not in r.stdout, r
     common.unexport(q, "eq")
-    ok(q.cmd_raw("blockdev-del", {"node-name": "q"}))
+    common.blockdev_del(q, "q")
     srv.kill()
     subprocess.run(["qemu-img", "check", "-q", image], check=True)
     info = json.loads(subprocess.run(["qemu-img", "info", "--output=json", image],
