@@ -399,7 +399,7 @@ pub async fn send(fd: RawFd, tls: Option<&SharedTls>, chunks: Vec<OutChunk>) -> 
 }
 
 /// A non-blocking socket as `io::Write`, for the session to write its records into.
-pub struct FdWriter(pub RawFd);
+struct FdWriter(RawFd);
 
 impl io::Write for FdWriter {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
@@ -414,26 +414,27 @@ impl io::Write for FdWriter {
     }
 }
 
-/// Sends every record the session has waiting, waiting for room in the socket as needed.
-pub async fn flush_tls(fd: RawFd, tls: &SharedTls) -> io::Result<()> {
-    loop {
-        let r = {
-            let mut s = tls.lock();
-            if !s.wants_write() {
-                return Ok(());
-            }
-            s.write_tls(&mut FdWriter(fd))
-        };
-        match r {
+/// Writes the session's waiting records into the non-blocking socket `fd` now: `Ok(true)`
+/// when none is left, `Ok(false)` when the socket is full.
+pub fn write_records(s: &mut dyn TlsSession, fd: RawFd) -> io::Result<bool> {
+    while s.wants_write() {
+        match s.write_tls(&mut FdWriter(fd)) {
             Ok(0) => return Err(io::Error::from_raw_os_error(libc::EPIPE)),
             Ok(_) => {}
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                op::poll_add(fd, Interest::WRITABLE).await?;
-            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(e) => return Err(e),
         }
     }
+    Ok(true)
+}
+
+/// Sends every record the session has waiting, waiting for room in the socket as needed.
+pub async fn flush_tls(fd: RawFd, tls: &SharedTls) -> io::Result<()> {
+    while !write_records(&mut **tls.lock(), fd)? {
+        op::poll_add(fd, Interest::WRITABLE).await?;
+    }
+    Ok(())
 }
 
 /// Sends every chunk, in order, with as few writev calls as the socket allows.

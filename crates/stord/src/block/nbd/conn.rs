@@ -23,9 +23,8 @@ use std::task::{Poll, Waker};
 
 use super::handshake::{ExportInfo, Tls};
 use crate::block::{BlockStatus, Buf};
-use crate::nbd::io::{send_all, FdWriter, OutChunk, SharedTls, SockReader};
+use crate::nbd::io::{send_all, write_records, OutChunk, SharedTls, SockReader};
 use crate::nbd::proto::*;
-use crate::tls::TlsSession;
 
 /// How a request ended.
 pub(super) enum Outcome {
@@ -388,21 +387,6 @@ fn header(r: Request, handle: u64) -> [u8; 28] {
     h[16..24].copy_from_slice(&r.offset.to_be_bytes());
     h[24..28].copy_from_slice(&r.len.to_be_bytes());
     h
-}
-
-/// Writes the session's waiting records into the non-blocking socket `fd`: `Ok(true)` when
-/// none is left, `Ok(false)` when the socket is full.
-fn write_records(s: &mut dyn TlsSession, fd: RawFd) -> io::Result<bool> {
-    while s.wants_write() {
-        match s.write_tls(&mut FdWriter(fd)) {
-            Ok(0) => return Err(io::Error::from_raw_os_error(libc::EPIPE)),
-            Ok(_) => {}
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(true)
 }
 
 /// What the sender was woken for.
