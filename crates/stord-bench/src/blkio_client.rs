@@ -3,7 +3,8 @@
 //! a client nobody here wrote. Each queue is driven by its own thread like one fio job:
 //! `qd` requests kept in flight, each completion answered with a new request at a random
 //! (or the next sequential) offset. Blocking queues wait in `do_io` on libblkio's
-//! completion eventfd; poll queues spin in `do_io` without ever sleeping.
+//! completion eventfd; poll queues spin in `do_io` without ever sleeping. A rate
+//! (`DriveSpec::rate_iops`) paces the requests as fio's `rate_iops` does.
 
 use std::mem::MaybeUninit;
 use std::path::Path;
@@ -110,46 +111,67 @@ fn run_queue(q: &mut Blkioq, buf: usize, capacity: u64, spec: &DriveSpec, seed: 
     };
     let qd = usize::from(spec.qd);
     let mut started = vec![Instant::now(); qd];
-    for (slot, t) in started.iter_mut().enumerate() {
-        *t = Instant::now();
-        submit(q, slot, next_offset());
-    }
+    // Free slots, the next to use last.
+    let mut free: Vec<usize> = (0..qd).rev().collect();
+    let interval = spec.rate_iops.map(|r| Duration::from_secs_f64(1.0 / r));
+    let t0 = Instant::now();
+    let mut issued: u64 = 0;
     let mut comps: Vec<MaybeUninit<Completion>> = (0..qd).map(|_| MaybeUninit::uninit()).collect();
-    let ramp_end = Instant::now() + spec.ramp;
+    let ramp_end = t0 + spec.ramp;
     let mut measure_start = None;
     let mut lat_ns = Vec::with_capacity(1 << 20);
-    let mut in_flight = qd;
+    let mut in_flight = 0;
     loop {
-        let n = q
-            .do_io(&mut comps, 1, None, None)
-            .unwrap_or_else(|e| fail("do_io", e));
         let now = Instant::now();
-        let measuring = match measure_start {
-            Some(t) => {
-                if now - t >= spec.runtime {
-                    in_flight -= n;
+        match measure_start {
+            Some(t) if now - t >= spec.runtime => break,
+            None if now >= ramp_end => measure_start = Some(now),
+            _ => {}
+        }
+        // Issue into the free slots what is due: everything without a rate; with one,
+        // request k at t0 + k / rate, as fio's linear rate process schedules them.
+        let mut not_due = None;
+        while let Some(&slot) = free.last() {
+            let now = Instant::now();
+            if let Some(iv) = interval {
+                let due = t0 + iv.mul_f64(issued as f64);
+                if now < due {
+                    not_due = Some(due);
                     break;
                 }
-                true
             }
-            None if now >= ramp_end => {
-                measure_start = Some(now);
-                false
+            free.pop();
+            started[slot] = now;
+            submit(q, slot, next_offset());
+            in_flight += 1;
+            issued += 1;
+        }
+        // Ahead of the rate, fio finishes what is in flight and then sleeps until the
+        // next request is due (io_u_quiesce, usec_sleep): so does this.
+        let min = match not_due {
+            Some(due) if in_flight == 0 => {
+                std::thread::sleep(due.saturating_duration_since(Instant::now()));
+                continue;
             }
-            None => false,
+            Some(_) => in_flight,
+            None => 1,
         };
+        let n = q
+            .do_io(&mut comps, min, None, None)
+            .unwrap_or_else(|e| fail("do_io", e));
+        let now = Instant::now();
         for c in &comps[..n] {
             // SAFETY: do_io initialised the first `n` completions.
             let c = unsafe { c.assume_init_read() };
             assert_eq!(c.ret, 0, "a request failed: {}", c.ret);
             let slot = c.user_data;
-            if measuring {
+            if measure_start.is_some() {
                 lat_ns.push((now - started[slot]).as_nanos() as u64);
             }
             crate::vhost::think(spec.think, spec.think_spin);
-            started[slot] = Instant::now();
-            submit(q, slot, next_offset());
+            free.push(slot);
         }
+        in_flight -= n;
     }
     let measured = measure_start.map_or(Duration::ZERO, |t| t.elapsed());
     // Let what is in flight finish before the buffers go.

@@ -23,16 +23,27 @@
 //!   [--all-engines on|off] [--extras on|off] [--docs on|off] [--out DIR]`: everything
 //!   above side by side in one run (5 s x 3 by default; `--quick on`: 1 s x 2, for a look
 //!   only), then docs/benchmarks.md, its plots and the README headline regenerated.
+//! - `load [--runtime S] [--reps N] [--export nbd|fuse|vhost-user-blk-libblkio]...
+//!   [--backend file-io_uring|dev]... [--daemon D]... [--workload RW:QD]... [--load PCT]...
+//!   [--pinned on|off]`: each daemon flat out (fio on the medium as the floor), then at
+//!   PCT % (default 50 and 90) of the slower daemon's maximum: CPU per I/O (user and
+//!   system), sleeps per I/O and latency at equal load.
+//! - `timeline [--export E]... [--backend file-io_uring|dev]... [--daemon D]... [--reps N]
+//!   [--trace-ms N]`: 4k random reads at QD1 traced with `perf record -a` (scheduler,
+//!   system calls, io_uring, block layer), each request split into milestones: where the
+//!   latency a daemon adds goes.
 //! - `report-docs FILE.json`: regenerates the docs from an earlier report's JSON.
 
 mod aio;
 mod blkio_client;
 mod fuse;
 mod idle;
+mod load;
 mod nbd;
 mod peers;
 mod qmp;
 mod report;
+mod timeline;
 mod vhost;
 
 use std::path::PathBuf;
@@ -50,6 +61,10 @@ fn usage() -> ! {
          [--daemon stord-off|stord-classic|stord-weighted|stord-haltpoll|qsd]... [--workload RW:QD]... \
          [--client own|blkio|blkio-poll]... [--queues N] [--iothreads N] [--think-us N] [--think-spin on|off] [--out DIR]\n\
          \x20      stord-bench idle [--seconds N] [--out DIR]\n\
+         \x20      stord-bench timeline [--export nbd|fuse|vhost-user-blk-libblkio]... [--backend file-io_uring|dev]... \
+         [--daemon D]... [--reps N] [--trace-ms N] [--out DIR]\n\
+         \x20      stord-bench load [--runtime S] [--reps N] [--export nbd|fuse|vhost-user-blk-libblkio]... \
+         [--backend file-io_uring|dev]... [--daemon D]... [--workload RW:QD]... [--load PCT]... [--pinned on|off] [--out DIR]\n\
          \x20      stord-bench report [--quick on|off] [--runtime-ms N] [--ramp-ms N] [--reps N] \
          [--export nbd|fuse|vhost-user-blk|vhost-user-blk-libblkio|vhost-user-blk-libblkio-poll]... \
          [--all-engines on|off] [--extras on|off] [--docs on|off] [--out DIR]\n\
@@ -176,6 +191,16 @@ impl MatrixFlags {
     }
 }
 
+/// The exports the load and timeline benchmarks drive (through clients nobody here wrote).
+fn export_named(v: &str) -> report::Export {
+    match v {
+        "nbd" => report::Export::Nbd,
+        "fuse" => report::Export::Fuse,
+        "vhost-user-blk-libblkio" => report::Export::VhostBlkio,
+        _ => usage(),
+    }
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let Some(cmd) = args.first().map(String::as_str) else {
@@ -293,6 +318,98 @@ fn main() {
                 "counters": counters,
             });
             write_rows(out, "vhost", "vhost-user-blk-frontend", &rows, doc);
+        }
+        "load" => {
+            let mut opts = load::LoadOptions::default();
+            let mut m = MatrixFlags::default();
+            let (mut exports, mut loads) = (Vec::new(), Vec::new());
+            for (flag, v) in flag_pairs(&args[1..]) {
+                match flag {
+                    _ if m.take(flag, v) => {}
+                    "--export" => exports.push(export_named(v)),
+                    "--load" => loads.push(parse::<f64>(flag, v) / 100.0),
+                    "--pinned" => opts.pinned = v == "on",
+                    _ => usage(),
+                }
+            }
+            set_if_given(&mut opts.exports, exports);
+            set_if_given(&mut opts.fractions, loads);
+            let workloads: Vec<report::Workload> = m
+                .workloads
+                .drain(..)
+                .map(|(rw, qd)| {
+                    let (rw, bs) = rw.split_once('/').unwrap_or((&rw, "4k"));
+                    let rw = match rw {
+                        "randread" => "randread",
+                        "randwrite" => "randwrite",
+                        "read" => "read",
+                        "write" => "write",
+                        _ => usage(),
+                    };
+                    let kib: u32 = parse("--workload", bs.trim_end_matches('k'));
+                    report::Workload {
+                        rw,
+                        bs: kib * 1024,
+                        qd,
+                    }
+                })
+                .collect();
+            set_if_given(&mut opts.workloads, workloads);
+            let mut secs = opts.timing.runtime.as_secs();
+            let out = m.apply(
+                &mut secs,
+                &mut opts.reps,
+                &mut opts.backends,
+                &mut opts.daemons,
+                None,
+            );
+            opts.timing.runtime = Duration::from_secs(secs);
+            let rows = load::run(&opts);
+            let md = load::markdown(&rows, &opts.daemons);
+            println!("{md}");
+            let doc = serde_json::json!({
+                "benchmark": "equal-offered-load",
+                "runtime_s": secs,
+                "ramp_ms": opts.timing.ramp.as_millis() as u64,
+                "reps": opts.reps,
+                "pinned": opts.pinned,
+                "kernel": std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim(),
+                "rows": rows,
+            });
+            write_results(out, "load", doc, Some(&md));
+        }
+        "timeline" => {
+            let mut opts = timeline::TimelineOptions::default();
+            let mut m = MatrixFlags::default();
+            let mut exports = Vec::new();
+            for (flag, v) in flag_pairs(&args[1..]) {
+                match flag {
+                    "--trace-ms" => opts.trace = Duration::from_millis(parse(flag, v)),
+                    "--export" => exports.push(export_named(v)),
+                    _ if m.take(flag, v) => {}
+                    _ => usage(),
+                }
+            }
+            set_if_given(&mut opts.exports, exports);
+            let mut secs = 0;
+            let out = m.apply(
+                &mut secs,
+                &mut opts.reps,
+                &mut opts.backends,
+                &mut opts.daemons,
+                None,
+            );
+            let traces = timeline::run(&opts);
+            let md = timeline::markdown(&traces);
+            println!("{md}");
+            let doc = serde_json::json!({
+                "benchmark": "qd1-timeline",
+                "trace_ms": opts.trace.as_millis() as u64,
+                "kernel": std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim(),
+                "gaps": timeline::GAPS,
+                "traces": traces,
+            });
+            write_results(out, "timeline", doc, Some(&md));
         }
         "idle" => {
             let mut secs = 10;

@@ -112,17 +112,57 @@ impl Drop for Daemon {
 /// Sum of utime+stime of a process (all threads, including exited ones), from
 /// /proc/PID/stat, in nanoseconds (clock-tick resolution).
 pub fn process_cpu_ns(pid: u32) -> u64 {
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-        return 0;
-    };
-    // Fields after the ")" of the command name: state is field 3; utime 14, stime 15.
-    let rest = &stat[stat.rfind(')').map_or(0, |i| i + 2)..];
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let ticks: u64 = f.get(11).and_then(|v| v.parse().ok()).unwrap_or(0)
-        + f.get(12).and_then(|v| v.parse().ok()).unwrap_or(0);
-    // SAFETY: sysconf has no preconditions.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
-    ticks * 1_000_000_000 / hz
+    let s = ProcStat::read(pid);
+    s.user_ns + s.sys_ns
+}
+
+/// What a process has used so far: CPU time in user and system mode (all threads,
+/// including exited ones; clock-tick resolution) and how often its live threads gave up
+/// the CPU to wait (voluntary context switches: sleeps).
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct ProcStat {
+    pub user_ns: u64,
+    pub sys_ns: u64,
+    pub sleeps: u64,
+}
+
+impl ProcStat {
+    pub fn read(pid: u32) -> ProcStat {
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            return ProcStat::default();
+        };
+        // Fields after the ")" of the command name: state is field 3; utime 14, stime 15.
+        let rest = &stat[stat.rfind(')').map_or(0, |i| i + 2)..];
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        let field = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+        // SAFETY: sysconf has no preconditions.
+        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+        let sleeps = std::fs::read_dir(format!("/proc/{pid}/task"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|t| std::fs::read_to_string(t.path().join("status")).ok())
+            .filter_map(|st| {
+                st.lines()
+                    .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))
+                    .and_then(|v| v.trim().parse::<u64>().ok())
+            })
+            .sum();
+        ProcStat {
+            user_ns: field(11) * 1_000_000_000 / hz,
+            sys_ns: field(12) * 1_000_000_000 / hz,
+            sleeps,
+        }
+    }
+
+    /// What was used between `before` and `self`.
+    pub fn since(self, before: ProcStat) -> ProcStat {
+        ProcStat {
+            user_ns: self.user_ns.saturating_sub(before.user_ns),
+            sys_ns: self.sys_ns.saturating_sub(before.sys_ns),
+            sleeps: self.sleeps.saturating_sub(before.sleeps),
+        }
+    }
 }
 
 /// What one fio run measured.

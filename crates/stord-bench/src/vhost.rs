@@ -339,6 +339,8 @@ pub(crate) struct DriveSpec {
     /// Spin through the think time (fio's `thinktime_spin` equal to it) instead of
     /// sleeping (fio's default).
     pub think_spin: bool,
+    /// Offered load (fio's `rate_iops`), libblkio clients only; None: as fast as it goes.
+    pub rate_iops: Option<f64>,
 }
 
 /// Thinks for `d`, as fio does: a sleep (which lasts longer than asked: a wake-up), or a
@@ -360,6 +362,10 @@ pub(crate) fn think(d: Duration, spin: bool) {
 /// Runs `spec` against the vhost-user socket `sock`; returns fio-like figures (measured
 /// after the ramp).
 pub(crate) fn drive(sock: &Path, spec: &DriveSpec) -> FioResult {
+    assert!(
+        spec.rate_iops.is_none(),
+        "our own frontend has no rate limit"
+    );
     assert!(u64::from(spec.bs) <= SLOT_BYTES && spec.bs.is_multiple_of(512));
     assert!(DATA + u64::from(spec.qd) * SLOT_BYTES <= MEM_SIZE as u64);
     let (qd, runtime) = (spec.qd, spec.runtime);
@@ -591,6 +597,7 @@ pub fn run(opts: &VhostOptions) -> (Vec<Row>, Vec<serde_json::Value>) {
                             runtime,
                             think: Duration::from_micros(opts.think_us),
                             think_spin: opts.think_spin,
+                            rate_iops: None,
                         };
                         let r = drive_with(client, &sock, &spec, opts.queues);
                         let wall = t0.elapsed().as_secs_f64();

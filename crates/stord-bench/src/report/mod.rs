@@ -32,8 +32,8 @@ use serde::Serialize;
 use serde_json::json;
 use stord_aio::{PolicyKind, ReactorKind};
 
-pub use session::Export;
-use session::{Paths, Running, Session, Timing, Workload};
+pub use session::{Export, Workload};
+use session::{Paths, Running, Session, Timing};
 
 use crate::nbd::{bench_dir, median, prepare_image};
 use crate::peers::{repo_root, stord_binary, FioResult};

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use crate::fuse::{start_with as mount_fuse, Mounted};
 use crate::nbd::{which, IMAGE_SIZE};
-use crate::peers::{stord_binary, try_run_fio, Daemon, FioResult};
+use crate::peers::{stord_binary, try_run_fio, Daemon, FioResult, ProcStat};
 use crate::vhost::{drive_with, export_args as vhost_args, DriveSpec};
 
 /// The exports a session can serve (vhost-user-blk once per client that drives it).
@@ -374,12 +374,28 @@ impl Session {
         p: &Paths,
         extra: &[String],
     ) -> (FioResult, Option<f64>, Duration) {
+        let m = self.run_at(w, t, p, extra, None);
+        let cpu_us = m.daemon.map(|d| (d.user_ns + d.sys_ns) as f64 / 1000.0);
+        (m.fio, cpu_us, m.wall)
+    }
+
+    /// Runs `w` at `rate` I/Os per second (fio's `rate_iops`; None: as fast as it goes);
+    /// returns what the client measured and what the daemon used over the whole run (ramp
+    /// included).
+    pub fn run_at(
+        &mut self,
+        w: &Workload,
+        t: &Timing,
+        p: &Paths,
+        extra: &[String],
+        rate: Option<f64>,
+    ) -> Measured {
         self.revive(p);
         let pid = self.pid();
-        let cpu = || pid.map(crate::peers::process_cpu_ns);
-        let c0 = cpu();
+        let stat = || pid.map(ProcStat::read);
+        let s0 = stat();
         let t0 = Instant::now();
-        let r = match &self.running {
+        let fio = match &self.running {
             Running::Vhost(_) => {
                 let spec = DriveSpec {
                     write: w.rw.contains("write"),
@@ -390,6 +406,7 @@ impl Session {
                     runtime: t.runtime,
                     think: Duration::ZERO,
                     think_spin: false,
+                    rate_iops: rate,
                 };
                 let client = match self.export {
                     Export::VhostBlkio => "blkio",
@@ -402,25 +419,38 @@ impl Session {
                     drive_with(client, &p.sock, &spec, 1)
                 }
             }
-            _ => match try_run_fio(&self.fio_args(w, t, p, extra)) {
-                Ok(r) => r,
-                Err(e) => {
-                    // The daemon may have died after the previous client left and not
-                    // yet have been reaped when we looked: give it a moment, revive it
-                    // and try once more.
-                    std::thread::sleep(Duration::from_millis(200));
-                    let before = self.restarts;
-                    self.revive(p);
-                    if self.restarts == before || self.restarts > 20 {
-                        panic!("{e}");
-                    }
-                    return self.run(w, t, p, extra);
+            _ => {
+                let mut args = self.fio_args(w, t, p, extra);
+                if let Some(r) = rate {
+                    args.push(format!("--rate_iops={}", r.round().max(1.0)));
                 }
-            },
+                match try_run_fio(&args) {
+                    Ok(r) => r,
+                    Err(e) => {
+                        // The daemon may have died after the previous client left and not
+                        // yet have been reaped when we looked: give it a moment, revive it
+                        // and try once more.
+                        std::thread::sleep(Duration::from_millis(200));
+                        let before = self.restarts;
+                        self.revive(p);
+                        if self.restarts == before || self.restarts > 20 {
+                            panic!("{e}");
+                        }
+                        return self.run_at(w, t, p, extra, rate);
+                    }
+                }
+            }
         };
         let wall = t0.elapsed();
-        let c1 = cpu();
-        let cpu_us = c0.zip(c1).map(|(a, b)| (b - a) as f64 / 1000.0);
-        (r, cpu_us, wall)
+        let daemon = s0.zip(stat()).map(|(a, b)| b.since(a));
+        Measured { fio, daemon, wall }
     }
+}
+
+/// What one run measured: the client's figures and what the daemon used (None for the
+/// raw floor).
+pub struct Measured {
+    pub fio: FioResult,
+    pub daemon: Option<ProcStat>,
+    pub wall: Duration,
 }

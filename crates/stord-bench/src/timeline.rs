@@ -1,0 +1,560 @@
+//! `stord-bench timeline`: where the time of one request goes at queue depth 1. The
+//! client runs 4k random reads at QD1 against one daemon while `perf record -a` traces the
+//! scheduler (wake-ups, switches), every system call's entry, io_uring submissions and
+//! the block layer for a second. At QD1 the requests follow one another strictly, so the
+//! trace splits into cycles at each request's issue to the device, and each cycle into
+//! milestones found in order:
+//!
+//! 1. the device starts the read (`block_rq_issue`) and
+//! 2. finishes it (`block_rq_complete`);
+//! 3. the daemon's first system call after that (the reply, or a wait);
+//! 4. the client is woken (absent when it was running or polling) and
+//! 5. makes its first system call after the reply (its next request);
+//! 6. the daemon is woken (absent when it was polling) and
+//! 7. submits to io_uring for the last time before
+//! 8. the device starts the next read.
+//!
+//! The medians of the gaps between milestones, how often each wake-up happened, and the
+//! CPU time each side ran per cycle say where the 100-odd µs a daemon adds go. Tracing
+//! every system call slows everybody a little alike; the figures compare the daemons, they
+//! are not the untraced latency.
+
+use std::collections::{HashMap, HashSet};
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use serde::Serialize;
+
+use crate::nbd::{bench_dir, median, prepare_image, FastDev};
+use crate::report::session::{Export, Paths, Session, Timing, Workload};
+
+pub struct TimelineOptions {
+    pub exports: Vec<Export>,
+    pub backends: Vec<String>,
+    pub daemons: Vec<String>,
+    /// How long perf traces (the client runs 2 s longer).
+    pub trace: Duration,
+    pub reps: usize,
+}
+
+impl Default for TimelineOptions {
+    fn default() -> Self {
+        Self {
+            exports: vec![Export::Nbd, Export::Fuse, Export::VhostBlkio],
+            backends: vec!["file-io_uring".into(), "dev".into()],
+            daemons: vec!["stord-classic".into(), "qsd".into(), "fio-raw".into()],
+            trace: Duration::from_secs(1),
+            reps: 2,
+        }
+    }
+}
+
+/// The gaps between milestones, in the order of the module doc.
+pub const GAPS: [&str; 7] = [
+    "device",
+    "complete → daemon's next syscall",
+    "→ client's next syscall",
+    "→ daemon's last io_uring submit",
+    "submit → device",
+    "(client woken → syscall)",
+    "(daemon woken → submit)",
+];
+
+/// One traced run.
+#[derive(Debug, Clone, Serialize)]
+pub struct Trace {
+    pub export: String,
+    pub backend: String,
+    pub daemon: String,
+    /// The client's own figures for the whole run (traced part included).
+    pub client_iops: f64,
+    pub client_mean_us: f64,
+    pub cycles: usize,
+    /// Median length of a cycle (request to request), µs.
+    pub cycle_us: f64,
+    /// Median of each gap of [`GAPS`], µs (None where a milestone was never seen).
+    pub gaps_us: Vec<Option<f64>>,
+    /// Share of cycles with a client wake-up, and with a daemon wake-up on the request.
+    pub client_woken: f64,
+    pub daemon_woken: f64,
+    /// Per cycle: CPU time the daemon's and the client's threads ran (µs), and their
+    /// system calls.
+    pub daemon_cpu_us: f64,
+    pub client_cpu_us: f64,
+    pub daemon_syscalls: f64,
+    pub client_syscalls: f64,
+}
+
+/// One parsed `perf script` line.
+#[derive(Debug)]
+enum Ev {
+    Wakeup { pid: u32 },
+    Switch { prev: u32, next: u32 },
+    SysEnter,
+    Submit,
+    Issue { dev: String },
+    Complete { dev: String },
+}
+
+struct Line {
+    tid: u32,
+    ns: u64,
+    ev: Ev,
+}
+
+fn field<'a>(s: &'a str, key: &str) -> Option<&'a str> {
+    let i = s.find(key)? + key.len();
+    s[i..].split_whitespace().next()
+}
+
+/// Parses `comm tid [cpu] secs.nanos: event: trace` (the comm may hold spaces).
+fn parse_line(l: &str) -> Option<Line> {
+    let open = l.match_indices(" [").map(|(i, _)| i).find(|&i| {
+        l[i + 2..]
+            .split(']')
+            .next()
+            .is_some_and(|c| !c.is_empty() && c.chars().all(|c| c.is_ascii_digit()))
+    })?;
+    let tid: u32 = l[..open].split_whitespace().last()?.parse().ok()?;
+    let rest = &l[open + 2..];
+    let rest = &rest[rest.find("] ")? + 2..];
+    let (time, rest) = rest.trim_start().split_once(": ")?;
+    let (secs, frac) = time.split_once('.')?;
+    let ns = secs.parse::<u64>().ok()? * 1_000_000_000 + frac.parse::<u64>().ok()?;
+    let (event, trace) = rest
+        .trim_start()
+        .split_once(": ")
+        .unwrap_or((rest.trim(), ""));
+    let dev = || trace.split_whitespace().next().unwrap_or("").to_string();
+    let ev = match event {
+        "sched:sched_wakeup" => Ev::Wakeup {
+            pid: field(trace, "pid=")?.parse().ok()?,
+        },
+        "sched:sched_switch" => Ev::Switch {
+            prev: field(trace, "prev_pid=")?.parse().ok()?,
+            next: field(trace, "next_pid=")?.parse().ok()?,
+        },
+        "raw_syscalls:sys_enter" => Ev::SysEnter,
+        "io_uring:io_uring_submit_req" => Ev::Submit,
+        "block:block_rq_issue" => Ev::Issue { dev: dev() },
+        "block:block_rq_complete" => Ev::Complete { dev: dev() },
+        _ => return None,
+    };
+    Some(Line { tid, ns, ev })
+}
+
+/// Threads of `pid` now.
+fn threads(pid: u32) -> HashSet<u32> {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse().ok())
+        .collect()
+}
+
+/// Threads whose command name is `comm`.
+fn threads_named(comm: &str) -> HashSet<u32> {
+    let mut out = HashSet::new();
+    for p in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(pid) = p.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+            continue;
+        };
+        if std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim() == comm) {
+            out.extend(threads(pid));
+        }
+    }
+    out
+}
+
+/// Records `secs` of the whole machine into `out`.
+fn perf_record(out: &Path, d: Duration) {
+    let st = Command::new("perf")
+        .args([
+            "record",
+            "-q",
+            "-a",
+            "-m",
+            "1024",
+            "-e",
+            "sched:sched_switch,sched:sched_wakeup,raw_syscalls:sys_enter,\
+             io_uring:io_uring_submit_req,block:block_rq_issue,block:block_rq_complete",
+            "-o",
+        ])
+        .arg(out)
+        .args(["--", "sleep", &format!("{:.3}", d.as_secs_f64())])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .expect("run perf (linux-perf)");
+    assert!(st.success(), "perf record failed");
+}
+
+fn perf_lines(data: &Path) -> Vec<Line> {
+    let out = Command::new("perf")
+        .args([
+            "script",
+            "--ns",
+            "-F",
+            "comm,tid,cpu,time,event,trace",
+            "-i",
+        ])
+        .arg(data)
+        .stderr(std::process::Stdio::null())
+        .output()
+        .expect("run perf script");
+    let mut v: Vec<Line> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(parse_line)
+        .collect();
+    v.sort_by_key(|l| l.ns);
+    v
+}
+
+/// Splits the trace into cycles and measures them (see the module doc).
+fn analyse(lines: &[Line], daemon: &HashSet<u32>, client: &HashSet<u32>) -> Analysis {
+    // The device is the one that started the most requests in the trace.
+    let mut per_dev: HashMap<&str, usize> = HashMap::new();
+    for l in lines {
+        if let Ev::Issue { dev } = &l.ev {
+            *per_dev.entry(dev).or_default() += 1;
+        }
+    }
+    let dev = per_dev
+        .into_iter()
+        .max_by_key(|(_, n)| *n)
+        .map(|(d, _)| d.to_string())
+        .unwrap_or_default();
+    let issues: Vec<usize> = (0..lines.len())
+        .filter(|&i| matches!(&lines[i].ev, Ev::Issue { dev: d } if *d == dev))
+        .collect();
+    let mut a = Analysis::default();
+    // On-CPU time of each side, from the switches.
+    let mut on_since: HashMap<u32, u64> = HashMap::new();
+    let mut run_ns = |l: &Line, side: &HashSet<u32>| -> u64 {
+        let mut ran = 0;
+        if let Ev::Switch { prev, next } = l.ev {
+            if side.contains(&prev) {
+                if let Some(t) = on_since.remove(&prev) {
+                    ran += l.ns - t;
+                }
+            }
+            if side.contains(&next) {
+                on_since.insert(next, l.ns);
+            }
+        }
+        ran
+    };
+    let (first, last) = match (issues.first(), issues.last()) {
+        (Some(&f), Some(&l)) if issues.len() > 2 => (f, l),
+        _ => return a,
+    };
+    let both: HashSet<u32> = daemon.union(client).copied().collect();
+    let (mut dcpu, mut ccpu) = (0u64, 0u64);
+    for l in &lines[first..last] {
+        let ran = run_ns(l, &both);
+        if let Ev::Switch { prev, .. } = l.ev {
+            if daemon.contains(&prev) {
+                dcpu += ran;
+            } else if client.contains(&prev) {
+                ccpu += ran;
+            }
+        }
+        if let Ev::SysEnter = l.ev {
+            if daemon.contains(&l.tid) {
+                a.daemon_syscalls += 1;
+            } else if client.contains(&l.tid) {
+                a.client_syscalls += 1;
+            }
+        }
+    }
+    a.daemon_cpu_ns = dcpu;
+    a.client_cpu_ns = ccpu;
+    for w in issues.windows(2) {
+        let (i0, i1) = (w[0], w[1]);
+        let t0 = lines[i0].ns;
+        let cyc = &lines[i0..=i1];
+        let find = |from: usize, f: &dyn Fn(&Line) -> bool| -> Option<usize> {
+            (from..cyc.len()).find(|&i| f(&cyc[i]))
+        };
+        let complete = find(
+            1,
+            &|l| matches!(&l.ev, Ev::Complete { dev: d } if *d == dev),
+        );
+        let Some(m2) = complete else { continue };
+        let m3 = find(m2, &|l| {
+            matches!(l.ev, Ev::SysEnter) && daemon.contains(&l.tid)
+        });
+        let m5 = m3.and_then(|m3| {
+            find(m3, &|l| {
+                matches!(l.ev, Ev::SysEnter) && client.contains(&l.tid)
+            })
+        });
+        let m4 = m3.and_then(|m3| {
+            find(
+                m3,
+                &|l| matches!(l.ev, Ev::Wakeup { pid } if client.contains(&pid)),
+            )
+            .filter(|&i| m5.is_some_and(|m5| i <= m5))
+        });
+        let m7 = (0..cyc.len())
+            .rev()
+            .find(|&i| matches!(cyc[i].ev, Ev::Submit) && daemon.contains(&cyc[i].tid));
+        let m6 = m5.and_then(|m5| {
+            find(
+                m5,
+                &|l| matches!(l.ev, Ev::Wakeup { pid } if daemon.contains(&pid)),
+            )
+            .filter(|&i| m7.is_some_and(|m7| i <= m7))
+        });
+        let t = |i: Option<usize>| i.map(|i| cyc[i].ns);
+        let gap = |a: Option<u64>, b: Option<u64>| match (a, b) {
+            (Some(a), Some(b)) if b >= a => Some((b - a) as f64 / 1000.0),
+            _ => None,
+        };
+        let t8 = Some(lines[i1].ns);
+        let m7 = m7.filter(|&i| m5.is_none_or(|m5| i >= m5));
+        a.cycles.push((lines[i1].ns - t0) as f64 / 1000.0);
+        let g = [
+            gap(Some(t0), t(Some(m2))),
+            gap(t(Some(m2)), t(m3)),
+            gap(t(m3), t(m5)),
+            gap(t(m5), t(m7)),
+            gap(t(m7), t8),
+            gap(t(m4), t(m5)),
+            gap(t(m6), t(m7)),
+        ];
+        for (k, v) in g.into_iter().enumerate() {
+            if let Some(v) = v {
+                a.gaps[k].push(v);
+            }
+        }
+        a.client_woken += usize::from(m4.is_some());
+        a.daemon_woken += usize::from(m6.is_some());
+    }
+    a
+}
+
+#[derive(Default)]
+struct Analysis {
+    cycles: Vec<f64>,
+    gaps: [Vec<f64>; 7],
+    client_woken: usize,
+    daemon_woken: usize,
+    daemon_cpu_ns: u64,
+    client_cpu_ns: u64,
+    daemon_syscalls: usize,
+    client_syscalls: usize,
+}
+
+/// Traces one (export, medium, daemon) run.
+fn trace_one(export: Export, backend: &str, daemon: &str, p: &Paths, d: Duration) -> Trace {
+    let t = Timing {
+        ramp: Duration::from_millis(500),
+        runtime: d + Duration::from_secs(2),
+    };
+    let w = Workload {
+        rw: "randread",
+        bs: 4096,
+        qd: 1,
+    };
+    let mut s = Session::start(export, backend, daemon, p);
+    let daemon_threads = s.pid().map(threads).unwrap_or_default();
+    let data = bench_dir().join("timeline.perf.data");
+    let (m, client) = std::thread::scope(|sc| {
+        let h = sc.spawn(|| s.run_at(&w, &t, p, &[], None));
+        std::thread::sleep(Duration::from_millis(1200));
+        // fio's job runs in a process of its own; libblkio's queue in a thread of ours.
+        let client = match export {
+            Export::VhostBlkio | Export::VhostBlkioPoll | Export::Vhost if daemon != "fio-raw" => {
+                threads(std::process::id())
+            }
+            _ => threads_named("fio"),
+        };
+        perf_record(&data, d);
+        (h.join().unwrap(), client)
+    });
+    let lines = perf_lines(&data);
+    let _ = std::fs::remove_file(&data);
+    let a = analyse(&lines, &daemon_threads, &client);
+    let n = a.cycles.len().max(1) as f64;
+    Trace {
+        export: export.name().into(),
+        backend: backend.into(),
+        daemon: daemon.into(),
+        client_iops: m.fio.iops,
+        client_mean_us: m.fio.mean_us,
+        cycles: a.cycles.len(),
+        cycle_us: median(a.cycles.clone()),
+        gaps_us: a
+            .gaps
+            .iter()
+            .map(|g| (!g.is_empty()).then(|| median(g.clone())))
+            .collect(),
+        client_woken: a.client_woken as f64 / n,
+        daemon_woken: a.daemon_woken as f64 / n,
+        daemon_cpu_us: a.daemon_cpu_ns as f64 / 1000.0 / n,
+        client_cpu_us: a.client_cpu_ns as f64 / 1000.0 / n,
+        daemon_syscalls: a.daemon_syscalls as f64 / n,
+        client_syscalls: a.client_syscalls as f64 / n,
+    }
+}
+
+pub fn run(opts: &TimelineOptions) -> Vec<Trace> {
+    let dir = bench_dir();
+    let file = dir.join("nbd-bench.img");
+    if opts.backends.iter().any(|b| b.starts_with("file-")) {
+        prepare_image(&file);
+    }
+    let fastdev = opts
+        .backends
+        .iter()
+        .any(|b| b == "dev")
+        .then(FastDev::attach);
+    let mut out = Vec::new();
+    for &export in &opts.exports {
+        for backend in &opts.backends {
+            let img: PathBuf = match (backend.as_str(), &fastdev) {
+                ("dev", Some(f)) => f.dev.clone(),
+                _ => file.clone(),
+            };
+            let p = Paths {
+                img,
+                sock: dir.join("timeline.sock"),
+                mnt: dir.join("timeline-fuse-mnt"),
+            };
+            for rep in 0..opts.reps {
+                for daemon in &opts.daemons {
+                    eprintln!(
+                        "timeline: {} {backend} {daemon} (rep {}/{})",
+                        export.name(),
+                        rep + 1,
+                        opts.reps
+                    );
+                    out.push(trace_one(export, backend, daemon, &p, opts.trace));
+                }
+            }
+        }
+    }
+    out
+}
+
+/// One table per (export, medium): a column per traced run.
+pub fn markdown(traces: &[Trace]) -> String {
+    let mut s = String::new();
+    let mut groups: Vec<(&str, &str)> = Vec::new();
+    for t in traces {
+        if !groups.contains(&(t.export.as_str(), t.backend.as_str())) {
+            groups.push((t.export.as_str(), t.backend.as_str()));
+        }
+    }
+    for (export, backend) in groups {
+        let g: Vec<&Trace> = traces
+            .iter()
+            .filter(|t| t.export == export && t.backend == backend)
+            .collect();
+        let _ = writeln!(
+            s,
+            "\n### {export}, {backend}, 4k randread QD1 (µs, medians per cycle)\n"
+        );
+        let head: Vec<String> = g.iter().map(|t| t.daemon.clone()).collect();
+        let _ = writeln!(s, "| | {} |", head.join(" | "));
+        let _ = writeln!(s, "|---|{}", "---:|".repeat(g.len()));
+        let row = |s: &mut String, name: &str, f: &dyn Fn(&Trace) -> String| {
+            let cells: Vec<String> = g.iter().map(|t| f(t)).collect();
+            let _ = writeln!(s, "| {name} | {} |", cells.join(" | "));
+        };
+        row(&mut s, "client mean latency (traced)", &|t| {
+            format!("{:.1}", t.client_mean_us)
+        });
+        row(&mut s, "cycle (request to request)", &|t| {
+            format!("{:.1}", t.cycle_us)
+        });
+        for (k, name) in GAPS.iter().enumerate() {
+            row(&mut s, name, &|t| {
+                t.gaps_us[k].map_or("-".into(), |v| format!("{v:.1}"))
+            });
+        }
+        row(&mut s, "client woken, share of cycles", &|t| {
+            format!("{:.2}", t.client_woken)
+        });
+        row(&mut s, "daemon woken on the request, share", &|t| {
+            format!("{:.2}", t.daemon_woken)
+        });
+        row(&mut s, "daemon CPU µs per cycle", &|t| {
+            format!("{:.1}", t.daemon_cpu_us)
+        });
+        row(&mut s, "client CPU µs per cycle", &|t| {
+            format!("{:.1}", t.client_cpu_us)
+        });
+        row(&mut s, "daemon syscalls per cycle", &|t| {
+            format!("{:.1}", t.daemon_syscalls)
+        });
+        row(&mut s, "client syscalls per cycle", &|t| {
+            format!("{:.1}", t.client_syscalls)
+        });
+        row(&mut s, "cycles traced", &|t| t.cycles.to_string());
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_perf_script_lines_with_spaces_in_the_command_name() {
+        let l = parse_line(
+            "          IO io0  5714 [001] 11353.493323891:         block:block_rq_issue: 7,0 R 4096 () 13340216 + 8 [IO io0]",
+        )
+        .unwrap();
+        assert_eq!((l.tid, l.ns), (5714, 11_353_493_323_891));
+        assert!(matches!(l.ev, Ev::Issue { ref dev } if dev == "7,0"));
+        let l = parse_line(
+            "         swapper     0 [000] 11353.493228129:           sched:sched_switch: prev_comm=swapper/0 prev_pid=0 prev_prio=120 prev_state=R ==> next_comm=fio next_pid=5714 next_prio=120",
+        )
+        .unwrap();
+        assert!(matches!(
+            l.ev,
+            Ev::Switch {
+                prev: 0,
+                next: 5714
+            }
+        ));
+        assert!(parse_line("garbage").is_none());
+    }
+
+    /// Two cycles of a request served by a daemon that was woken for it.
+    #[test]
+    fn splits_a_trace_into_cycles_and_milestones() {
+        let (d, c) = (100, 200);
+        let us = |t: u64| t * 1000;
+        let mut lines = Vec::new();
+        for k in 0..3u64 {
+            let t0 = k * 100;
+            let ev = [
+                (0, 0, Ev::Issue { dev: "7,0".into() }),
+                (10, 0, Ev::Complete { dev: "7,0".into() }),
+                (14, d, Ev::SysEnter),
+                (20, 0, Ev::Wakeup { pid: c }),
+                (30, c, Ev::SysEnter),
+                (40, 0, Ev::Wakeup { pid: d }),
+                (95, d, Ev::Submit),
+            ];
+            for (t, tid, ev) in ev {
+                lines.push(Line {
+                    tid,
+                    ns: us(t0 + t),
+                    ev,
+                });
+            }
+        }
+        let a = analyse(&lines, &HashSet::from([d]), &HashSet::from([c]));
+        assert_eq!(a.cycles, vec![100.0, 100.0]);
+        let g: Vec<f64> = a.gaps.iter().map(|g| g[0]).collect();
+        assert_eq!(g, vec![10.0, 4.0, 16.0, 65.0, 5.0, 10.0, 55.0]);
+        assert_eq!((a.client_woken, a.daemon_woken), (2, 2));
+    }
+}
