@@ -51,13 +51,14 @@ EXPORT_LABEL = {
     "vhost-user-blk-libblkio-poll": "vhost-user-blk (libblkio poll queues)",
     "raw": "raw file",
 }
-BACKENDS = ["null", "file-io_uring", "file-native", "file-threads", "file"]
+BACKENDS = ["null", "file-io_uring", "dev", "file-native", "file-threads", "file"]
 BACKEND_LABEL = {
     "null": "null",
     "file-io_uring": "file (io_uring)",
     "file-native": "file (linux-aio)",
     "file-threads": "file (threads)",
     "file": "file",
+    "dev": "fast device (loop, direct I/O over tmpfs)",
 }
 DAEMONS = ["stord-off", "stord-classic", "stord-weighted", "stord-haltpoll",
            "qsd", "qsd-poll0", "nbdkit", "fio-raw"]
@@ -307,7 +308,8 @@ class Matrix:
                          if r.get("export") == "raw" or r.get("daemon") == "fio-raw"]
         self.raw_by_case = {}
         for r in self.raw_rows:
-            self.raw_by_case.setdefault(case_of(r), r)
+            if r.get("backend") != "dev":
+                self.raw_by_case.setdefault(case_of(r), r)
 
     def exports(self):
         return ordered([r.get("export") for r in self.rows if r.get("export") != "raw"], EXPORTS)
@@ -330,12 +332,16 @@ class Matrix:
         return self.by_key.get((export, backend, case, daemon))
 
     def raw(self, backend, case, export=None):
-        """fio on the raw file for a file backend's case; None for null backends. The run
-        interleaves fio-raw with the daemons of each (export, backend), so prefer that row
-        (the disk drifts over a run); fall back to any raw row of the case."""
-        if not str(backend).startswith("file"):
+        """fio on the medium itself for a file or device backend's case; None for null
+        backends. The run interleaves fio-raw with the daemons of each (export, backend), so
+        prefer that row (the disk drifts over a run); fall back to any raw row of the case
+        on the same kind of medium."""
+        if not (str(backend).startswith("file") or backend == "dev"):
             return None
-        return self.by_key.get((export, backend, case, "fio-raw")) or self.raw_by_case.get(case)
+        own = self.by_key.get((export, backend, case, "fio-raw"))
+        if own or backend == "dev":
+            return own
+        return self.raw_by_case.get(case)
 
     def best_stord(self, export, backend, case):
         """The stord-* row with the highest IOPS for this case."""

@@ -1,4 +1,4 @@
-//! `stord-bench report`: the whole comparison in one command, about 40 minutes on a 2-vCPU
+//! `stord-bench report`: the whole comparison in one command, about 50 minutes on a 2-vCPU
 //! machine (5 s per case after a ramp, 3 repetitions), written to
 //! `results/report/<time>.json` and turned into docs/benchmarks.md, its plots and the
 //! README's headline by scripts/bench_report.py, which gives every ratio its interval over
@@ -10,9 +10,10 @@
 //! with its default polling and with poll-max-ns=0, and nbdkit; FUSE (fio on the mount) and
 //! vhost-user-blk through libblkio (blocking and poll queues) get stord-classic,
 //! stord-haltpoll and qsd; all five workloads (4k randread/randwrite at QD1 and QD16, 64k
-//! sequential read at QD16). On the O_DIRECT file (io_uring) every export gets
-//! stord-classic, qsd and fio on the raw file as the floor, for 4k randread QD1/QD16 and
-//! randwrite QD16. Every daemon is started fresh for its run of the workloads; for each
+//! sequential read at QD16). On the O_DIRECT file (io_uring) and on the fast device (a
+//! loop device with direct I/O over a file in /dev/shm, `host_device`) every export gets
+//! stord-classic, qsd and fio on the medium itself as the floor, for 4k randread QD1/QD16
+//! and randwrite QD16. Every daemon is started fresh for its run of the workloads; for each
 //! (export, backend) the daemons take turns (A B C, A B C, ...) once per repetition so drift
 //! hits all alike. Our own vhost-user frontend (`--export vhost-user-blk`) and the other
 //! file engines can be asked for; they are not in the default set.
@@ -105,10 +106,16 @@ pub const WORKLOADS: [Workload; 5] = [
     },
 ];
 
-const BACKENDS: [&str; 4] = ["null", "file-io_uring", "file-native", "file-threads"];
+const BACKENDS: [&str; 5] = [
+    "null",
+    "file-io_uring",
+    "dev",
+    "file-native",
+    "file-threads",
+];
 
 /// The workloads (indices into [`WORKLOADS`]) run on `backend`: all on the null device, the
-/// 4k ones that matter for a disk on files.
+/// 4k ones that matter for a disk on files and on the fast device.
 fn workloads(backend: &str) -> Vec<usize> {
     if backend == "null" {
         (0..WORKLOADS.len()).collect()
@@ -143,7 +150,7 @@ fn daemons(export: Export, backend: &str) -> Vec<&'static str> {
     }
     // The floor takes its turn between the daemons: the virtual disk's speed drifts by
     // 2-5x over a run, so a floor measured once at the start compares nothing.
-    if backend.starts_with("file-") {
+    if backend.starts_with("file-") || backend == "dev" {
         d.push("fio-raw");
     }
     d
@@ -155,7 +162,7 @@ fn backends(export: Export, all_engines: bool) -> Vec<&'static str> {
         // Poll queues compare the clients on the null device only.
         Export::VhostBlkioPoll => vec!["null"],
         Export::Nbd | Export::Fuse | Export::Vhost if all_engines => BACKENDS.to_vec(),
-        _ => vec!["null", "file-io_uring"],
+        _ => vec!["null", "file-io_uring", "dev"],
     }
 }
 
@@ -344,6 +351,17 @@ pub fn run(opts: &ReportOptions) -> PathBuf {
         mnt: dir.join("report-fuse-mnt"),
     };
     prepare_image(&paths.img);
+    // The fast-device medium: a loop device with direct I/O over a file in /dev/shm.
+    let fastdev = opts
+        .exports
+        .iter()
+        .any(|&e| backends(e, opts.all_engines).contains(&"dev"))
+        .then(crate::nbd::FastDev::attach);
+    let dev_paths = fastdev.as_ref().map(|f| Paths {
+        img: f.dev.clone(),
+        sock: paths.sock.clone(),
+        mnt: paths.mnt.clone(),
+    });
     let t = opts.timing;
     let run_s = (t.ramp + t.runtime).as_secs_f64() + 0.35;
 
@@ -398,12 +416,16 @@ pub fn run(opts: &ReportOptions) -> PathBuf {
         pinned,
     } in blocks
     {
+        let block_paths = match (backend, &dev_paths) {
+            ("dev", Some(d)) => d,
+            _ => &paths,
+        };
         for rep in 0..opts.reps {
             for &daemon in &names {
                 let mut s = if pinned {
-                    Session::start_pinned(export, backend, daemon, &paths)
+                    Session::start_pinned(export, backend, daemon, block_paths)
                 } else {
-                    Session::start(export, backend, daemon, &paths)
+                    Session::start(export, backend, daemon, block_paths)
                 };
                 for &wi in &wls {
                     let w = &WORKLOADS[wi];
@@ -418,7 +440,7 @@ pub fn run(opts: &ReportOptions) -> PathBuf {
                             opts.reps
                         ),
                     );
-                    let (r, cpu_us, _) = s.run(w, &t, &paths, &[]);
+                    let (r, cpu_us, _) = s.run(w, &t, block_paths, &[]);
                     let ios = r.iops * (t.ramp + t.runtime).as_secs_f64();
                     let key = CaseKey {
                         export,
