@@ -183,7 +183,7 @@ fn one_case(
     if !slower.is_finite() || slower <= 0.0 {
         return out;
     }
-    for &f in &opts.fractions {
+    for &f in opts.fractions.iter().filter(|&&f| f > 0.0) {
         let rate = slower * f;
         let mut rs: Vec<LoadRow> = opts
             .daemons

@@ -327,6 +327,7 @@ fn main() {
                 match flag {
                     _ if m.take(flag, v) => {}
                     "--export" => exports.push(export_named(v)),
+                    // `--load 0`: flat out only.
                     "--load" => loads.push(parse::<f64>(flag, v) / 100.0),
                     "--pinned" => opts.pinned = v == "on",
                     _ => usage(),

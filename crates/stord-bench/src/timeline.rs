@@ -9,7 +9,8 @@
 //! 2. finishes it (`block_rq_complete`);
 //! 3. the daemon's first system call after that (the reply, or a wait);
 //! 4. the client is woken (absent when it was running or polling) and
-//! 5. makes its first system call after the reply (its next request);
+//! 5. sends its next request (its first write, writev, sendto, sendmsg or io_uring_enter
+//!    after the reply);
 //! 6. the daemon is woken (absent when it was polling) and
 //! 7. submits to io_uring for the last time before
 //! 8. the device starts the next read.
@@ -51,11 +52,16 @@ impl Default for TimelineOptions {
     }
 }
 
+/// The system calls (x86-64 numbers) a client sends a request with: write (libblkio's
+/// kick), writev, sendto and sendmsg (libnbd), io_uring_enter (fio's engine on a file or
+/// the FUSE mount).
+const SENDS: [u32; 5] = [1, 20, 44, 46, 426];
+
 /// The gaps between milestones, in the order of the module doc.
 pub const GAPS: [&str; 7] = [
     "device",
     "complete → daemon's next syscall",
-    "→ client's next syscall",
+    "→ client sends the next request",
     "→ daemon's last io_uring submit",
     "submit → device",
     "(client woken → syscall)",
@@ -92,7 +98,7 @@ pub struct Trace {
 enum Ev {
     Wakeup { pid: u32 },
     Switch { prev: u32, next: u32 },
-    SysEnter,
+    SysEnter { nr: u32 },
     Submit,
     Issue { dev: String },
     Complete { dev: String },
@@ -136,7 +142,9 @@ fn parse_line(l: &str) -> Option<Line> {
             prev: field(trace, "prev_pid=")?.parse().ok()?,
             next: field(trace, "next_pid=")?.parse().ok()?,
         },
-        "raw_syscalls:sys_enter" => Ev::SysEnter,
+        "raw_syscalls:sys_enter" => Ev::SysEnter {
+            nr: field(trace, "NR ")?.parse().ok()?,
+        },
         "io_uring:io_uring_submit_req" => Ev::Submit,
         "block:block_rq_issue" => Ev::Issue { dev: dev() },
         "block:block_rq_complete" => Ev::Complete { dev: dev() },
@@ -262,7 +270,7 @@ fn analyse(lines: &[Line], daemon: &HashSet<u32>, client: &HashSet<u32>) -> Anal
                 ccpu += ran;
             }
         }
-        if let Ev::SysEnter = l.ev {
+        if let Ev::SysEnter { .. } = l.ev {
             if daemon.contains(&l.tid) {
                 a.daemon_syscalls += 1;
             } else if client.contains(&l.tid) {
@@ -285,11 +293,12 @@ fn analyse(lines: &[Line], daemon: &HashSet<u32>, client: &HashSet<u32>) -> Anal
         );
         let Some(m2) = complete else { continue };
         let m3 = find(m2, &|l| {
-            matches!(l.ev, Ev::SysEnter) && daemon.contains(&l.tid)
+            matches!(l.ev, Ev::SysEnter { .. }) && daemon.contains(&l.tid)
         });
         let m5 = m3.and_then(|m3| {
             find(m3, &|l| {
-                matches!(l.ev, Ev::SysEnter) && client.contains(&l.tid)
+                matches!(l.ev, Ev::SysEnter { nr } if SENDS.contains(&nr))
+                    && client.contains(&l.tid)
             })
         });
         let m4 = m3.and_then(|m3| {
@@ -537,9 +546,10 @@ mod tests {
             let ev = [
                 (0, 0, Ev::Issue { dev: "7,0".into() }),
                 (10, 0, Ev::Complete { dev: "7,0".into() }),
-                (14, d, Ev::SysEnter),
+                (14, d, Ev::SysEnter { nr: 20 }),
                 (20, 0, Ev::Wakeup { pid: c }),
-                (30, c, Ev::SysEnter),
+                (25, c, Ev::SysEnter { nr: 45 }),
+                (30, c, Ev::SysEnter { nr: 44 }),
                 (40, 0, Ev::Wakeup { pid: d }),
                 (95, d, Ev::Submit),
             ];
