@@ -146,15 +146,15 @@ fn run_queue(q: &mut Blkioq, buf: usize, capacity: u64, spec: &DriveSpec, seed: 
             in_flight += 1;
             issued += 1;
         }
-        // Ahead of the rate, fio finishes what is in flight and then sleeps until the
-        // next request is due (io_u_quiesce, usec_sleep): so does this.
+        // Ahead of the rate, fio finishes what is in flight, one completion at a time,
+        // and then sleeps until the next request is due (io_u_quiesce, usec_sleep): so
+        // does this (and issues again as soon as a request is due).
         let min = match not_due {
             Some(due) if in_flight == 0 => {
                 std::thread::sleep(due.saturating_duration_since(Instant::now()));
                 continue;
             }
-            Some(_) => in_flight,
-            None => 1,
+            _ => 1,
         };
         let n = q
             .do_io(&mut comps, min, None, None)

@@ -117,12 +117,23 @@ pub fn process_cpu_ns(pid: u32) -> u64 {
 }
 
 /// What a process has used so far: CPU time in user and system mode (all threads,
-/// including exited ones; clock-tick resolution) and how often its live threads gave up
-/// the CPU to wait (voluntary context switches: sleeps).
-#[derive(Debug, Clone, Copy, Default, Serialize)]
+/// including exited ones; clock-tick resolution) and how often each of its threads gave
+/// up the CPU to wait (voluntary context switches: sleeps), by thread.
+#[derive(Debug, Clone, Default)]
 pub struct ProcStat {
     pub user_ns: u64,
     pub sys_ns: u64,
+    /// (thread id, its voluntary context switches so far).
+    pub sleeps: Vec<(u32, u64)>,
+}
+
+/// What a process used between two [`ProcStat`]s.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct ProcUse {
+    pub user_ns: u64,
+    pub sys_ns: u64,
+    /// Sleeps of the threads alive at the end (a thread that exited during the run takes
+    /// its count with it).
     pub sleeps: u64,
 }
 
@@ -141,13 +152,18 @@ impl ProcStat {
             .into_iter()
             .flatten()
             .flatten()
-            .filter_map(|t| std::fs::read_to_string(t.path().join("status")).ok())
-            .filter_map(|st| {
-                st.lines()
-                    .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))
-                    .and_then(|v| v.trim().parse::<u64>().ok())
+            .filter_map(|t| {
+                let tid = t.file_name().to_str()?.parse::<u32>().ok()?;
+                let st = std::fs::read_to_string(t.path().join("status")).ok()?;
+                let n = st
+                    .lines()
+                    .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))?
+                    .trim()
+                    .parse::<u64>()
+                    .ok()?;
+                Some((tid, n))
             })
-            .sum();
+            .collect();
         ProcStat {
             user_ns: field(11) * 1_000_000_000 / hz,
             sys_ns: field(12) * 1_000_000_000 / hz,
@@ -155,12 +171,25 @@ impl ProcStat {
         }
     }
 
-    /// What was used between `before` and `self`.
-    pub fn since(self, before: ProcStat) -> ProcStat {
-        ProcStat {
+    /// What was used between `before` and `self`: each live thread's sleeps since
+    /// `before` (all of them for a thread started since).
+    pub fn since(&self, before: &ProcStat) -> ProcUse {
+        let sleeps = self
+            .sleeps
+            .iter()
+            .map(|&(tid, n)| {
+                let was = before
+                    .sleeps
+                    .iter()
+                    .find(|(t, _)| *t == tid)
+                    .map_or(0, |x| x.1);
+                n.saturating_sub(was)
+            })
+            .sum();
+        ProcUse {
             user_ns: self.user_ns.saturating_sub(before.user_ns),
             sys_ns: self.sys_ns.saturating_sub(before.sys_ns),
-            sleeps: self.sleeps.saturating_sub(before.sleeps),
+            sleeps,
         }
     }
 }

@@ -115,6 +115,15 @@ fn field<'a>(s: &'a str, key: &str) -> Option<&'a str> {
     s[i..].split_whitespace().next()
 }
 
+/// Whether a block event's trace (`7,0 R 4096 () 123 + 8 ...` for an issue, `7,0 R () 123
+/// + 8 ...` for a completion) is a 4 KiB read; `third` is the issue's byte count or the
+/// completion's `()`.
+fn read_4k(trace: &str, third: &str) -> bool {
+    let mut t = trace.split_whitespace().skip(1);
+    let rwbs = t.next().unwrap_or("");
+    rwbs.contains('R') && t.next() == Some(third) && trace.contains(" + 8 ")
+}
+
 /// Parses `comm tid [cpu] secs.nanos: event: trace` (the comm may hold spaces).
 fn parse_line(l: &str) -> Option<Line> {
     let open = l.match_indices(" [").map(|(i, _)| i).find(|&i| {
@@ -146,8 +155,9 @@ fn parse_line(l: &str) -> Option<Line> {
             nr: field(trace, "NR ")?.parse().ok()?,
         },
         "io_uring:io_uring_submit_req" => Ev::Submit,
-        "block:block_rq_issue" => Ev::Issue { dev: dev() },
-        "block:block_rq_complete" => Ev::Complete { dev: dev() },
+        // Only 4 KiB reads, the requests traced (not the writeback of anything else).
+        "block:block_rq_issue" if read_4k(trace, "4096") => Ev::Issue { dev: dev() },
+        "block:block_rq_complete" if read_4k(trace, "()") => Ev::Complete { dev: dev() },
         _ => return None,
     };
     Some(Line { tid, ns, ev })
@@ -239,44 +249,65 @@ fn analyse(lines: &[Line], daemon: &HashSet<u32>, client: &HashSet<u32>) -> Anal
         .filter(|&i| matches!(&lines[i].ev, Ev::Issue { dev: d } if *d == dev))
         .collect();
     let mut a = Analysis::default();
-    // On-CPU time of each side, from the switches.
-    let mut on_since: HashMap<u32, u64> = HashMap::new();
-    let mut run_ns = |l: &Line, side: &HashSet<u32>| -> u64 {
-        let mut ran = 0;
-        if let Ev::Switch { prev, next } = l.ev {
-            if side.contains(&prev) {
-                if let Some(t) = on_since.remove(&prev) {
-                    ran += l.ns - t;
-                }
-            }
-            if side.contains(&next) {
-                on_since.insert(next, l.ns);
-            }
-        }
-        ran
-    };
     let (first, last) = match (issues.first(), issues.last()) {
         (Some(&f), Some(&l)) if issues.len() > 2 => (f, l),
         _ => return a,
     };
+    a.windows = issues.len() - 1;
+    // On-CPU time of each side inside [ws, we], from the switches: a stretch is cut to
+    // the window; one open at the end runs to it; a thread seen switched out without
+    // having been seen switched in ran since the trace began; one that made system calls
+    // but never switched at all ran throughout (a poller that never sleeps).
+    let (ws, we) = (lines[first].ns, lines[last].ns);
+    let t_begin = lines.first().map_or(ws, |l| l.ns);
     let both: HashSet<u32> = daemon.union(client).copied().collect();
+    let clip = |from: u64, to: u64| to.min(we).saturating_sub(from.max(ws));
+    let mut on_since: HashMap<u32, u64> = HashMap::new();
+    let mut switched: HashSet<u32> = HashSet::new();
+    let mut active: HashSet<u32> = HashSet::new();
     let (mut dcpu, mut ccpu) = (0u64, 0u64);
-    for l in &lines[first..last] {
-        let ran = run_ns(l, &both);
-        if let Ev::Switch { prev, .. } = l.ev {
-            if daemon.contains(&prev) {
-                dcpu += ran;
-            } else if client.contains(&prev) {
-                ccpu += ran;
-            }
+    let mut add = |tid: u32, ns: u64| {
+        if daemon.contains(&tid) {
+            dcpu += ns;
+        } else if client.contains(&tid) {
+            ccpu += ns;
         }
-        if let Ev::SysEnter { .. } = l.ev {
-            if daemon.contains(&l.tid) {
-                a.daemon_syscalls += 1;
-            } else if client.contains(&l.tid) {
-                a.client_syscalls += 1;
+    };
+    for l in lines {
+        match l.ev {
+            Ev::Switch { prev, next } => {
+                if both.contains(&prev) {
+                    let since = on_since
+                        .remove(&prev)
+                        .unwrap_or(if switched.contains(&prev) {
+                            l.ns
+                        } else {
+                            t_begin
+                        });
+                    add(prev, clip(since, l.ns));
+                }
+                switched.insert(prev);
+                switched.insert(next);
+                if both.contains(&next) {
+                    on_since.insert(next, l.ns);
+                }
             }
+            Ev::SysEnter { .. } if l.ns >= ws && l.ns < we => {
+                active.insert(l.tid);
+                if daemon.contains(&l.tid) {
+                    a.daemon_syscalls += 1;
+                } else if client.contains(&l.tid) {
+                    a.client_syscalls += 1;
+                }
+            }
+            _ => {}
         }
+    }
+    for (tid, since) in on_since {
+        add(tid, clip(since, we));
+    }
+    for &tid in active.difference(&switched) {
+        add(tid, we - ws);
     }
     a.daemon_cpu_ns = dcpu;
     a.client_cpu_ns = ccpu;
@@ -308,9 +339,12 @@ fn analyse(lines: &[Line], daemon: &HashSet<u32>, client: &HashSet<u32>) -> Anal
             )
             .filter(|&i| m5.is_some_and(|m5| i <= m5))
         });
+        // The daemon's last submit of the cycle, after everything before it.
+        let after = m5.or(m3).unwrap_or(m2);
         let m7 = (0..cyc.len())
             .rev()
-            .find(|&i| matches!(cyc[i].ev, Ev::Submit) && daemon.contains(&cyc[i].tid));
+            .find(|&i| matches!(cyc[i].ev, Ev::Submit) && daemon.contains(&cyc[i].tid))
+            .filter(|&i| i > after);
         let m6 = m5.and_then(|m5| {
             find(
                 m5,
@@ -324,7 +358,6 @@ fn analyse(lines: &[Line], daemon: &HashSet<u32>, client: &HashSet<u32>) -> Anal
             _ => None,
         };
         let t8 = Some(lines[i1].ns);
-        let m7 = m7.filter(|&i| m5.is_none_or(|m5| i >= m5));
         a.cycles.push((lines[i1].ns - t0) as f64 / 1000.0);
         let g = [
             gap(Some(t0), t(Some(m2))),
@@ -348,6 +381,9 @@ fn analyse(lines: &[Line], daemon: &HashSet<u32>, client: &HashSet<u32>) -> Anal
 
 #[derive(Default)]
 struct Analysis {
+    /// Request-to-request windows in the trace (CPU and system calls are per window).
+    windows: usize,
+    /// Lengths of the cycles whose completion was found.
     cycles: Vec<f64>,
     gaps: [Vec<f64>; 7],
     client_woken: usize,
@@ -370,9 +406,10 @@ fn trace_one(export: Export, backend: &str, daemon: &str, p: &Paths, d: Duration
         qd: 1,
     };
     let mut s = Session::start(export, backend, daemon, p);
-    let daemon_threads = s.pid().map(threads).unwrap_or_default();
-    let data = bench_dir().join("timeline.perf.data");
-    let (m, client) = std::thread::scope(|sc| {
+    let pid = s.pid();
+    // On tmpfs: written to the traced disk, perf's output would be traced too.
+    let data = PathBuf::from("/dev/shm/stord-bench-timeline.perf.data");
+    let (m, client, daemon_threads) = std::thread::scope(|sc| {
         let h = sc.spawn(|| s.run_at(&w, &t, p, &[], None));
         std::thread::sleep(Duration::from_millis(1200));
         // fio's job runs in a process of its own; libblkio's queue in a thread of ours.
@@ -382,13 +419,16 @@ fn trace_one(export: Export, backend: &str, daemon: &str, p: &Paths, d: Duration
             }
             _ => threads_named("fio"),
         };
+        // The daemon's threads once it serves (connection and worker threads included).
+        let daemon_threads = pid.map(threads).unwrap_or_default();
         perf_record(&data, d);
-        (h.join().unwrap(), client)
+        (h.join().unwrap(), client, daemon_threads)
     });
     let lines = perf_lines(&data);
     let _ = std::fs::remove_file(&data);
     let a = analyse(&lines, &daemon_threads, &client);
     let n = a.cycles.len().max(1) as f64;
+    let per_window = a.windows.max(1) as f64;
     Trace {
         export: export.name().into(),
         backend: backend.into(),
@@ -404,10 +444,10 @@ fn trace_one(export: Export, backend: &str, daemon: &str, p: &Paths, d: Duration
             .collect(),
         client_woken: a.client_woken as f64 / n,
         daemon_woken: a.daemon_woken as f64 / n,
-        daemon_cpu_us: a.daemon_cpu_ns as f64 / 1000.0 / n,
-        client_cpu_us: a.client_cpu_ns as f64 / 1000.0 / n,
-        daemon_syscalls: a.daemon_syscalls as f64 / n,
-        client_syscalls: a.client_syscalls as f64 / n,
+        daemon_cpu_us: a.daemon_cpu_ns as f64 / 1000.0 / per_window,
+        client_cpu_us: a.client_cpu_ns as f64 / 1000.0 / per_window,
+        daemon_syscalls: a.daemon_syscalls as f64 / per_window,
+        client_syscalls: a.client_syscalls as f64 / per_window,
     }
 }
 

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use crate::fuse::{start_with as mount_fuse, Mounted};
 use crate::nbd::{which, IMAGE_SIZE};
-use crate::peers::{stord_binary, try_run_fio, Daemon, FioResult, ProcStat};
+use crate::peers::{stord_binary, try_run_fio, Daemon, FioResult, ProcStat, ProcUse};
 use crate::vhost::{drive_with, export_args as vhost_args, DriveSpec};
 
 /// The exports a session can serve (vhost-user-blk once per client that drives it).
@@ -442,7 +442,7 @@ impl Session {
             }
         };
         let wall = t0.elapsed();
-        let daemon = s0.zip(stat()).map(|(a, b)| b.since(a));
+        let daemon = s0.zip(stat()).map(|(a, b)| b.since(&a));
         Measured { fio, daemon, wall }
     }
 }
@@ -451,6 +451,6 @@ impl Session {
 /// raw floor).
 pub struct Measured {
     pub fio: FioResult,
-    pub daemon: Option<ProcStat>,
+    pub daemon: Option<ProcUse>,
     pub wall: Duration,
 }
