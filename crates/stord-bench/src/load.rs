@@ -8,14 +8,13 @@
 //! for each run.
 
 use std::fmt::Write as _;
-use std::path::PathBuf;
 use std::time::Duration;
 
 use serde::Serialize;
 
-use crate::nbd::{bench_dir, median, prepare_image, FastDev};
+use crate::nbd::median;
 use crate::peers::FioResult;
-use crate::report::session::{Export, Measured, Paths, Session, Timing, Workload};
+use crate::report::session::{Export, Measured, Media, Paths, Session, Timing, Workload};
 
 pub struct LoadOptions {
     pub timing: Timing,
@@ -115,120 +114,103 @@ fn measured(m: Measured, t: &Timing) -> LoadRun {
 
 /// Runs the matrix and returns its rows.
 pub fn run(opts: &LoadOptions) -> Vec<LoadRow> {
-    let dir = bench_dir();
-    let file = dir.join("nbd-bench.img");
-    if opts.backends.iter().any(|b| b.starts_with("file-")) {
-        prepare_image(&file);
-    }
-    let fastdev = opts
-        .backends
-        .iter()
-        .any(|b| b == "dev")
-        .then(FastDev::attach);
-    let t = opts.timing;
+    let backends: Vec<&str> = opts.backends.iter().map(String::as_str).collect();
+    let media = Media::prepare(&backends);
     let mut rows = Vec::new();
     for &export in &opts.exports {
-        for backend in &opts.backends {
-            let img: PathBuf = match (backend.as_str(), &fastdev) {
-                ("dev", Some(f)) => f.dev.clone(),
-                _ => file.clone(),
-            };
-            let p = Paths {
-                img,
-                sock: dir.join("load.sock"),
-                mnt: dir.join("load-fuse-mnt"),
-            };
+        for &backend in &backends {
+            let p = media.paths(backend, "load");
             for w in &opts.workloads {
-                rows.extend(one_case(opts, export, backend, w, &p, &t));
+                let case = Case {
+                    opts,
+                    export,
+                    backend,
+                    w,
+                    p: &p,
+                };
+                rows.extend(case.run());
             }
+            let _ = std::fs::remove_file(&p.sock);
+            let _ = std::fs::remove_file(&p.mnt);
         }
     }
-    let _ = std::fs::remove_file(dir.join("load.sock"));
-    let _ = std::fs::remove_file(dir.join("load-fuse-mnt"));
     rows
 }
 
-/// The rows of one (export, medium, workload): flat out with the floor, then each load.
-fn one_case(
-    opts: &LoadOptions,
+/// One (export, medium, workload).
+struct Case<'a> {
+    opts: &'a LoadOptions,
     export: Export,
-    backend: &str,
-    w: &Workload,
-    p: &Paths,
-    t: &Timing,
-) -> Vec<LoadRow> {
-    let row = |daemon: &str, load: String, offered: Option<f64>| LoadRow {
-        export: export.name().into(),
-        backend: backend.into(),
-        workload: w.label(),
-        load,
-        offered_iops: offered,
-        daemon: daemon.into(),
-        runs: Vec::new(),
-    };
-    let mut max_rows: Vec<LoadRow> = opts
-        .daemons
-        .iter()
-        .map(String::as_str)
-        .chain(["fio-raw"])
-        .map(|d| row(d, "max".into(), None))
-        .collect();
-    run_turns(opts, export, backend, w, p, t, None, &mut max_rows);
-    let slower = max_rows
-        .iter()
-        .filter(|r| r.daemon != "fio-raw")
-        .filter_map(|r| r.med(|x| Some(x.fio.iops)))
-        .fold(f64::INFINITY, f64::min);
-    let mut out = max_rows;
-    if !slower.is_finite() || slower <= 0.0 {
-        return out;
-    }
-    for &f in opts.fractions.iter().filter(|&&f| f > 0.0) {
-        let rate = slower * f;
-        let mut rs: Vec<LoadRow> = opts
-            .daemons
-            .iter()
-            .map(|d| row(d, format!("{:.0}%", f * 100.0), Some(rate)))
-            .collect();
-        run_turns(opts, export, backend, w, p, t, Some(rate), &mut rs);
-        out.extend(rs);
-    }
-    out
+    backend: &'a str,
+    w: &'a Workload,
+    p: &'a Paths,
 }
 
-/// Every repetition runs each row's daemon once, in turn, started afresh.
-#[allow(clippy::too_many_arguments)]
-fn run_turns(
-    opts: &LoadOptions,
-    export: Export,
-    backend: &str,
-    w: &Workload,
-    p: &Paths,
-    t: &Timing,
-    rate: Option<f64>,
-    rows: &mut [LoadRow],
-) {
-    for rep in 0..opts.reps {
-        for r in rows.iter_mut() {
-            eprintln!(
-                "load: {} {backend} {} {} {}{}{} (rep {}/{})",
-                export.name(),
-                w.label(),
-                r.daemon,
-                r.load,
-                rate.map_or(String::new(), |x| format!(" = {x:.0} IOPS")),
-                if opts.pinned { ", pinned" } else { "" },
-                rep + 1,
-                opts.reps
-            );
-            let mut s = if opts.pinned {
-                Session::start_pinned(export, backend, &r.daemon, p)
-            } else {
-                Session::start(export, backend, &r.daemon, p)
-            };
-            let m = s.run_at(w, t, p, &[], rate);
-            r.runs.push(measured(m, t));
+impl Case<'_> {
+    /// Flat out with the floor, then each load; the rows of every run.
+    fn run(&self) -> Vec<LoadRow> {
+        let mut out = self.turns("max", None, ["fio-raw"]);
+        let slower = out
+            .iter()
+            .filter(|r| r.daemon != "fio-raw")
+            .filter_map(|r| r.med(|x| Some(x.fio.iops)))
+            .fold(f64::INFINITY, f64::min);
+        if !slower.is_finite() || slower <= 0.0 {
+            return out;
         }
+        for &f in self.opts.fractions.iter().filter(|&&f| f > 0.0) {
+            out.extend(self.turns(&format!("{:.0}%", f * 100.0), Some(slower * f), []));
+        }
+        out
+    }
+
+    /// The daemons (and `extra`) at `rate`: every repetition runs each once, in turn,
+    /// started afresh.
+    fn turns<const N: usize>(
+        &self,
+        load: &str,
+        rate: Option<f64>,
+        extra: [&str; N],
+    ) -> Vec<LoadRow> {
+        let (opts, export, backend, w) = (self.opts, self.export, self.backend, self.w);
+        let mut rows: Vec<LoadRow> = opts
+            .daemons
+            .iter()
+            .map(String::as_str)
+            .chain(extra)
+            .map(|daemon| LoadRow {
+                export: export.name().into(),
+                backend: backend.into(),
+                workload: w.label(),
+                load: load.into(),
+                offered_iops: rate,
+                daemon: daemon.into(),
+                runs: Vec::new(),
+            })
+            .collect();
+        let t = &opts.timing;
+        for rep in 0..opts.reps {
+            for r in rows.iter_mut() {
+                eprintln!(
+                    "load: {} {backend} {} {} {load}{}{} (rep {}/{})",
+                    export.name(),
+                    w.label(),
+                    r.daemon,
+                    rate.map_or(String::new(), |x| format!(" = {x:.0} IOPS")),
+                    if opts.pinned { ", pinned" } else { "" },
+                    rep + 1,
+                    opts.reps
+                );
+                let mut s = if opts.pinned {
+                    Session::start_pinned(export, backend, &r.daemon, self.p)
+                } else {
+                    Session::start(export, backend, &r.daemon, self.p)
+                };
+                let m = s.run_at(w, t, self.p, &[], rate);
+                r.runs.push(measured(m, t));
+            }
+        }
+        rows
     }
 }
 
@@ -267,20 +249,19 @@ pub fn markdown(rows: &[LoadRow], daemons: &[String]) -> String {
         );
         for r in &g {
             let cpu = r.range(LoadRow::cpu);
-            let other = g
+            // The first daemon against the last at the same load.
+            let last_row = g
                 .iter()
                 .find(|x| x.load == r.load && Some(&x.daemon) == last)
-                .and_then(|x| x.range(LoadRow::cpu));
-            let vs = match (Some(&r.daemon) == first, ratio(cpu, other)) {
-                (true, Some((lo, hi))) if Some(&r.daemon) != last => {
-                    let med = r.med(LoadRow::cpu).unwrap_or(0.0)
-                        / g.iter()
-                            .find(|x| x.load == r.load && Some(&x.daemon) == last)
-                            .and_then(|x| x.med(LoadRow::cpu))
-                            .unwrap_or(f64::NAN);
+                .filter(|_| Some(&r.daemon) == first && first != last);
+            let vs = match last_row
+                .and_then(|l| Some((ratio(cpu, l.range(LoadRow::cpu))?, l.med(LoadRow::cpu)?)))
+            {
+                Some(((lo, hi), theirs)) => {
+                    let med = r.med(LoadRow::cpu).unwrap_or(0.0) / theirs;
                     format!("{med:.2} [{lo:.2}-{hi:.2}]")
                 }
-                _ => String::new(),
+                None => String::new(),
             };
             let _ = writeln!(
                 s,
@@ -325,7 +306,15 @@ fn added_latency(g: &[&LoadRow], first: Option<&String>, last: Option<&String>) 
             .collect()
     };
     let (aa, bb) = (added(a), added(b));
-    let ratios: Vec<f64> = aa.iter().zip(&bb).map(|(x, y)| x / y).collect();
+    let ratios: Vec<f64> = aa
+        .iter()
+        .zip(&bb)
+        .filter(|(_, y)| **y > 0.0)
+        .map(|(x, y)| x / y)
+        .collect();
+    if ratios.is_empty() {
+        return None;
+    }
     let lo = ratios.iter().cloned().fold(f64::INFINITY, f64::min);
     let hi = ratios.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
     Some(format!(

@@ -28,8 +28,8 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use crate::nbd::{bench_dir, median, prepare_image, FastDev};
-use crate::report::session::{Export, Paths, Session, Timing, Workload};
+use crate::nbd::median;
+use crate::report::session::{Export, Media, Paths, Session, Timing, Workload};
 
 pub struct TimelineOptions {
     pub exports: Vec<Export>,
@@ -452,28 +452,12 @@ fn trace_one(export: Export, backend: &str, daemon: &str, p: &Paths, d: Duration
 }
 
 pub fn run(opts: &TimelineOptions) -> Vec<Trace> {
-    let dir = bench_dir();
-    let file = dir.join("nbd-bench.img");
-    if opts.backends.iter().any(|b| b.starts_with("file-")) {
-        prepare_image(&file);
-    }
-    let fastdev = opts
-        .backends
-        .iter()
-        .any(|b| b == "dev")
-        .then(FastDev::attach);
+    let backends: Vec<&str> = opts.backends.iter().map(String::as_str).collect();
+    let media = Media::prepare(&backends);
     let mut out = Vec::new();
     for &export in &opts.exports {
-        for backend in &opts.backends {
-            let img: PathBuf = match (backend.as_str(), &fastdev) {
-                ("dev", Some(f)) => f.dev.clone(),
-                _ => file.clone(),
-            };
-            let p = Paths {
-                img,
-                sock: dir.join("timeline.sock"),
-                mnt: dir.join("timeline-fuse-mnt"),
-            };
+        for &backend in &backends {
+            let p = media.paths(backend, "timeline");
             for rep in 0..opts.reps {
                 for daemon in &opts.daemons {
                     eprintln!(
@@ -485,6 +469,8 @@ pub fn run(opts: &TimelineOptions) -> Vec<Trace> {
                     out.push(trace_one(export, backend, daemon, &p, opts.trace));
                 }
             }
+            let _ = std::fs::remove_file(&p.sock);
+            let _ = std::fs::remove_file(&p.mnt);
         }
     }
     out

@@ -34,9 +34,9 @@ use serde_json::json;
 use stord_aio::{PolicyKind, ReactorKind};
 
 pub use session::{Export, Workload};
-use session::{Paths, Running, Session, Timing};
+use session::{Media, Running, Session, Timing};
 
-use crate::nbd::{bench_dir, median, prepare_image};
+use crate::nbd::median;
 use crate::peers::{repo_root, stord_binary, FioResult};
 
 /// Options of the report.
@@ -344,24 +344,18 @@ pub fn run(opts: &ReportOptions) -> PathBuf {
     install_deps();
     let stord = stord_binary();
     eprintln!("report: stord at {}", stord.display());
-    let dir = bench_dir();
-    let paths = Paths {
-        img: dir.join("nbd-bench.img"),
-        sock: dir.join("report.sock"),
-        mnt: dir.join("report-fuse-mnt"),
-    };
-    prepare_image(&paths.img);
-    // The fast-device medium: a loop device with direct I/O over a file in /dev/shm.
-    let fastdev = opts
+    // The image file always (the extras use it), the fast device if an export runs on it.
+    let mut media_backends = vec!["file-io_uring"];
+    if opts
         .exports
         .iter()
         .any(|&e| backends(e, opts.all_engines).contains(&"dev"))
-        .then(crate::nbd::FastDev::attach);
-    let dev_paths = fastdev.as_ref().map(|f| Paths {
-        img: f.dev.clone(),
-        sock: paths.sock.clone(),
-        mnt: paths.mnt.clone(),
-    });
+    {
+        media_backends.push("dev");
+    }
+    let media = Media::prepare(&media_backends);
+    let paths = media.paths("file-io_uring", "report");
+    let dev_paths = media.paths("dev", "report");
     let t = opts.timing;
     let run_s = (t.ramp + t.runtime).as_secs_f64() + 0.35;
 
@@ -416,10 +410,7 @@ pub fn run(opts: &ReportOptions) -> PathBuf {
         pinned,
     } in blocks
     {
-        let block_paths = match (backend, &dev_paths) {
-            ("dev", Some(d)) => d,
-            _ => &paths,
-        };
+        let block_paths = if backend == "dev" { &dev_paths } else { &paths };
         for rep in 0..opts.reps {
             for &daemon in &names {
                 let mut s = if pinned {

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use crate::fuse::{start_with as mount_fuse, Mounted};
-use crate::nbd::{which, IMAGE_SIZE};
+use crate::nbd::{bench_dir, prepare_image, which, FastDev, IMAGE_SIZE};
 use crate::peers::{stord_binary, try_run_fio, Daemon, FioResult, ProcStat, ProcUse};
 use crate::vhost::{drive_with, export_args as vhost_args, DriveSpec};
 
@@ -70,6 +70,40 @@ pub struct Paths {
     pub img: PathBuf,
     pub sock: PathBuf,
     pub mnt: PathBuf,
+}
+
+/// The media sessions serve from: the 1 GiB image file under `results/tmp` (filled when a
+/// `file-*` backend is asked for) and the fast device (attached when `dev` is, detached
+/// when this is dropped).
+pub struct Media {
+    file: PathBuf,
+    fastdev: Option<FastDev>,
+}
+
+impl Media {
+    pub fn prepare(backends: &[&str]) -> Media {
+        let file = bench_dir().join("nbd-bench.img");
+        if backends.iter().any(|b| b.starts_with("file-")) {
+            prepare_image(&file);
+        }
+        let fastdev = backends.contains(&"dev").then(FastDev::attach);
+        Media { file, fastdev }
+    }
+
+    /// The paths of a session on `backend`, its socket and FUSE mountpoint named after
+    /// `tag` under `results/tmp`.
+    pub fn paths(&self, backend: &str, tag: &str) -> Paths {
+        let dir = bench_dir();
+        let img = match (backend, &self.fastdev) {
+            ("dev", Some(f)) => f.dev.clone(),
+            _ => self.file.clone(),
+        };
+        Paths {
+            img,
+            sock: dir.join(format!("{tag}.sock")),
+            mnt: dir.join(format!("{tag}-fuse-mnt")),
+        }
+    }
 }
 
 /// `--blockdev` for `backend`: null, file-<aio mode> with O_DIRECT, or `dev` (a block
