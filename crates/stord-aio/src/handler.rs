@@ -61,6 +61,9 @@ pub(crate) enum PollSource {
     Notifier,
     /// The reactor's completion queue.
     Reactor,
+    /// The share of the reactor's completions that came from storage operations: a
+    /// window of its own, peeked through the `Reactor` entry (never on its own).
+    StorageCompletions,
     /// A user handler.
     User(Rc<dyn PollHandler>),
 }

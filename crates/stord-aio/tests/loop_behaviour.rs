@@ -499,3 +499,69 @@ fn a_polling_loop_lets_a_runnable_thread_on_its_cpu_run() {
         "without yielding the peer still got {greedy:.2}"
     );
 }
+
+/// On io_uring the ring's completions teach two windows: a wait that ends in a storage
+/// operation's completion adjusts "io_uring-storage", any other completion "io_uring", and
+/// neither touches the other. (A device that sometimes outlasts the window must not cut
+/// the window a client's quick turnaround needs.) With poll-max-ns at 1 s, a 2 ms wait
+/// grows a window from 0 to 4 µs whatever the machine's timing.
+#[test]
+fn storage_waits_and_peer_waits_keep_windows_of_their_own() {
+    use std::io::Write as _;
+    use std::os::fd::AsRawFd;
+    use std::os::unix::net::UnixStream;
+    use stord_aio::op;
+
+    let _serial = serial();
+    let params = PollParams {
+        max_ns: 1_000_000_000,
+        ..PollParams::default()
+    };
+    let ctx = AioContext::new(opts("classes", ReactorKind::IoUring, params)).unwrap();
+    let window = |ctx: &AioContext, name: &str| {
+        let w = ctx.stats().windows;
+        w.iter()
+            .find(|w| w.name == name)
+            .unwrap_or_else(|| panic!("no window {name} in {w:?}"))
+            .ns
+    };
+    assert_eq!(window(&ctx, "io_uring"), 0);
+    assert_eq!(window(&ctx, "io_uring-storage"), 0);
+
+    // One read that completes 2 ms after it is queued, on the ring.
+    let read_late = |ctx: &AioContext, storage: bool| {
+        let (mut tx, rx) = UnixStream::pair().unwrap();
+        let writer = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(2));
+            tx.write_all(b"x").unwrap();
+            tx
+        });
+        let fd = rx.as_raw_fd();
+        let (n, _) = ctx.block_on(async move {
+            let op = op::read(fd, vec![0u8; 1], op::CURRENT_POSITION);
+            if storage {
+                op.on_storage().await
+            } else {
+                op.await
+            }
+        });
+        assert_eq!(n.unwrap(), 1);
+        drop(writer.join().unwrap());
+    };
+
+    read_late(&ctx, true);
+    assert_eq!(window(&ctx, "io_uring-storage"), 4000);
+    assert_eq!(
+        window(&ctx, "io_uring"),
+        0,
+        "a storage wait grew the peers' window"
+    );
+
+    read_late(&ctx, false);
+    assert_eq!(window(&ctx, "io_uring"), 4000);
+    assert_eq!(
+        window(&ctx, "io_uring-storage"),
+        4000,
+        "a peer's wait changed the storage window"
+    );
+}

@@ -72,6 +72,7 @@ enum State {
 pub struct Op<D: OpDesc> {
     desc: Option<D>,
     state: State,
+    storage: bool,
     _not_send: PhantomData<Rc<()>>,
 }
 
@@ -84,8 +85,18 @@ impl<D: OpDesc> Op<D> {
         Self {
             desc: Some(desc),
             state: State::Init,
+            storage: false,
             _not_send: PhantomData,
         }
+    }
+
+    /// Marks the operation as one that waits on storage (a disk, a file's blocks), not on
+    /// a peer (a socket, a pipe, /dev/fuse, an eventfd). The loop learns how long to
+    /// poll from each kind of wait apart: a device that sometimes takes longer than the
+    /// polling window must not cut the window a client's quick turnaround needs.
+    pub fn on_storage(mut self) -> Self {
+        self.storage = true;
+        self
     }
 
     fn finish(&mut self, res: i32) -> D::Output {
@@ -109,7 +120,7 @@ impl<D: OpDesc> Future for Op<D> {
                     let mut reactor = ctx.reactor.borrow_mut();
                     match &mut *reactor {
                         Reactor::Uring(u) => {
-                            this.state = State::Uring(u.submit_op(desc.entry()));
+                            this.state = State::Uring(u.submit_op(desc.entry(), this.storage));
                         }
                         Reactor::Epoll(ep) => match desc.run_blocking() {
                             Blocking::Done(res) => {
@@ -159,9 +170,10 @@ impl<D: OpDesc> Drop for Op<D> {
         match self.state {
             State::Uring(key) => {
                 let mut desc = self.desc.take();
+                let storage = self.storage;
                 try_with_current(|ctx| {
                     if let Reactor::Uring(u) = &mut *ctx.reactor.borrow_mut() {
-                        u.orphan_op(key, Box::new(desc.take()));
+                        u.orphan_op(key, storage, Box::new(desc.take()));
                     }
                 });
                 if let Some(d) = desc {

@@ -11,7 +11,7 @@ use std::io;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::task::{Context, Poll, Waker};
 
-use super::{Event, ReactorInfo, TAG_FD, TAG_NOTIFIER, TAG_WAITER};
+use super::{Event, ReactorInfo, Reaped, TAG_FD, TAG_NOTIFIER, TAG_WAITER};
 use crate::slab::{Key, Slab};
 use crate::sys;
 
@@ -66,7 +66,7 @@ impl EpollReactor {
         !self.fds.is_empty() || self.waiters.len() > 0
     }
 
-    pub(crate) fn wait(&mut self, timeout_ns: Option<u64>, out: &mut Vec<Event>) -> (usize, bool) {
+    pub(crate) fn wait(&mut self, timeout_ns: Option<u64>, out: &mut Vec<Event>) -> Reaped {
         let n = match sys::epoll_wait_ns(self.epfd.as_raw_fd(), &mut self.events, timeout_ns) {
             Ok(n) => n,
             Err(e) => panic!("epoll wait failed: {e}"),
@@ -93,7 +93,12 @@ impl EpollReactor {
                 _ => {}
             }
         }
-        (n, notified)
+        // Storage operations ran synchronously when they were issued: none is reaped here.
+        Reaped {
+            completions: n,
+            storage: 0,
+            notified,
+        }
     }
 
     pub(crate) fn add_fd(&mut self, fd: RawFd, events: u32, key: Key) -> io::Result<()> {

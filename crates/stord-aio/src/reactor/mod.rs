@@ -22,6 +22,8 @@ pub(crate) const TAG_FD: u8 = 2;
 pub(crate) const TAG_NOTIFIER: u8 = 3;
 pub(crate) const TAG_WAITER: u8 = 4;
 pub(crate) const TAG_IGNORE: u8 = 5;
+/// An operation that waits on storage (see [`crate::op::Op::on_storage`]).
+pub(crate) const TAG_OP_STORAGE: u8 = 6;
 
 /// Which reactor a context should use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -103,6 +105,28 @@ pub struct ReactorInfo {
     pub fallback_reason: Option<String>,
 }
 
+/// What one wait reaped.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Reaped {
+    /// Completions (CQEs or ready events) of every kind.
+    pub(crate) completions: usize,
+    /// Of those, completions of operations that waited on storage.
+    pub(crate) storage: usize,
+    /// Whether the notifier fired.
+    pub(crate) notified: bool,
+}
+
+impl Reaped {
+    /// Both waits of one iteration together.
+    pub(crate) fn merge(self, other: Reaped) -> Reaped {
+        Reaped {
+            completions: self.completions + other.completions,
+            storage: self.storage + other.storage,
+            notified: self.notified || other.notified,
+        }
+    }
+}
+
 /// Something that happened on an fd the context watches.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Event {
@@ -168,8 +192,7 @@ impl Reactor {
     }
 
     /// Waits up to `timeout_ns` (None: forever, Some(0): don't block), then reaps.
-    /// Returns the number of completions reaped and whether the notifier fired.
-    pub(crate) fn wait(&mut self, timeout_ns: Option<u64>, out: &mut Vec<Event>) -> (usize, bool) {
+    pub(crate) fn wait(&mut self, timeout_ns: Option<u64>, out: &mut Vec<Event>) -> Reaped {
         match self {
             Reactor::Uring(r) => r.wait(timeout_ns, out),
             Reactor::Epoll(r) => r.wait(timeout_ns, out),

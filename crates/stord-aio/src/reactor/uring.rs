@@ -17,7 +17,7 @@ use std::task::{Context, Poll, Waker};
 
 use io_uring::{cqueue, opcode, squeue, types, IoUring};
 
-use super::{Event, ReactorInfo, TAG_FD, TAG_IGNORE, TAG_NOTIFIER, TAG_OP};
+use super::{Event, ReactorInfo, Reaped, TAG_FD, TAG_IGNORE, TAG_NOTIFIER, TAG_OP, TAG_OP_STORAGE};
 use crate::slab::{Key, Slab};
 
 const RING_ENTRIES: u32 = 256;
@@ -159,7 +159,7 @@ impl UringReactor {
         }
     }
 
-    pub(crate) fn wait(&mut self, timeout_ns: Option<u64>, out: &mut Vec<Event>) -> (usize, bool) {
+    pub(crate) fn wait(&mut self, timeout_ns: Option<u64>, out: &mut Vec<Event>) -> Reaped {
         let res = match timeout_ns {
             Some(0) => {
                 if self.sq_pending() || self.taskrun() {
@@ -196,8 +196,9 @@ impl UringReactor {
         self.reap(out)
     }
 
-    fn reap(&mut self, out: &mut Vec<Event>) -> (usize, bool) {
+    fn reap(&mut self, out: &mut Vec<Event>) -> Reaped {
         let mut n = 0;
+        let mut storage = 0;
         let mut notified = false;
         let mut rearm = Vec::new();
         {
@@ -207,7 +208,8 @@ impl UringReactor {
                 n += 1;
                 let (tag, key) = Key::from_token(cqe.user_data());
                 match tag {
-                    TAG_OP => {
+                    TAG_OP | TAG_OP_STORAGE => {
+                        storage += usize::from(tag == TAG_OP_STORAGE);
                         if let Some(slot) = self.ops.get_mut(key) {
                             match std::mem::replace(slot, OpSlot::Done(cqe.result(), cqe.flags())) {
                                 OpSlot::Waiting(Some(w)) => w.wake(),
@@ -241,7 +243,11 @@ impl UringReactor {
         if notified {
             self.arm_notifier();
         }
-        (n, notified)
+        Reaped {
+            completions: n,
+            storage,
+            notified,
+        }
     }
 
     fn arm_fd(&mut self, key: Key) {
@@ -267,10 +273,12 @@ impl UringReactor {
         }
     }
 
-    /// Queues an operation's SQE; the returned key polls its completion.
-    pub(crate) fn submit_op(&mut self, entry: squeue::Entry) -> Key {
+    /// Queues an operation's SQE; the returned key polls its completion. A `storage`
+    /// operation's completion is counted apart (see [`Reaped::storage`]).
+    pub(crate) fn submit_op(&mut self, entry: squeue::Entry, storage: bool) -> Key {
         let key = self.ops.insert(OpSlot::Waiting(None));
-        self.push(&entry.user_data(key.to_token(TAG_OP)));
+        let tag = if storage { TAG_OP_STORAGE } else { TAG_OP };
+        self.push(&entry.user_data(key.to_token(tag)));
         key
     }
 
@@ -294,15 +302,16 @@ impl UringReactor {
     }
 
     /// The op's future is dropped: free at once if done, else park `resources` until the
-    /// kernel has finished with them.
-    pub(crate) fn orphan_op(&mut self, key: Key, resources: Box<dyn Any>) {
+    /// kernel has finished with them. `storage` is what it was submitted with.
+    pub(crate) fn orphan_op(&mut self, key: Key, storage: bool, resources: Box<dyn Any>) {
         match self.ops.get_mut(key) {
             Some(OpSlot::Done(..)) => {
                 self.ops.remove(key);
             }
             Some(slot) => {
                 *slot = OpSlot::Orphan(resources);
-                let e = opcode::AsyncCancel::new(key.to_token(TAG_OP))
+                let tag = if storage { TAG_OP_STORAGE } else { TAG_OP };
+                let e = opcode::AsyncCancel::new(key.to_token(tag))
                     .build()
                     .user_data((TAG_IGNORE as u64) << 56);
                 self.push(&e);
