@@ -704,13 +704,16 @@ impl Inner {
         let Reaped {
             completions,
             storage,
+            peer,
             notified: notifier_fired,
         } = reaped;
         if self.shared.notifier.peek() || notifier_fired {
             ready.push(NOTIFIER_ID);
         }
         if matches!(*self.reactor.borrow(), Reactor::Uring(_)) {
-            if completions > storage {
+            // Only the peers' completions teach the ring's window: a timeout or a
+            // cancellation of our own tells nothing about anyone's turnaround.
+            if peer > 0 {
                 ready.push(REACTOR_ID);
             }
             if storage > 0 {

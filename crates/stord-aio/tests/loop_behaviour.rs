@@ -565,3 +565,45 @@ fn storage_waits_and_peer_waits_keep_windows_of_their_own() {
         "a peer's wait changed the storage window"
     );
 }
+
+/// A completion of the loop's own making (here the cancellation of a dropped storage
+/// operation) teaches no window: only the storage operation's own completion counts, and
+/// for the storage window.
+#[test]
+fn a_cancelled_storage_operation_does_not_teach_the_peers_window() {
+    use std::future::Future as _;
+    use std::os::fd::AsRawFd;
+    use std::os::unix::net::UnixStream;
+    use std::task::Poll;
+    use stord_aio::op;
+
+    let _serial = serial();
+    let params = PollParams {
+        max_ns: 1_000_000_000,
+        ..PollParams::default()
+    };
+    let ctx = AioContext::new(opts("cancel", ReactorKind::IoUring, params)).unwrap();
+    let (_tx, rx) = UnixStream::pair().unwrap();
+    let fd = rx.as_raw_fd();
+    ctx.block_on(async move {
+        // Nothing is ever written: the read stays in flight until it is dropped.
+        let mut read = Box::pin(op::read(fd, vec![0u8; 1], op::CURRENT_POSITION).on_storage());
+        std::future::poll_fn(|cx| {
+            assert!(read.as_mut().poll(cx).is_pending());
+            Poll::Ready(())
+        })
+        .await;
+        stord_aio::sleep(Duration::from_millis(2)).await;
+        drop(read);
+        // The cancellation and the read's -ECANCELED arrive during this wait.
+        stord_aio::sleep(Duration::from_millis(2)).await;
+    });
+    let w = ctx.stats().windows;
+    let ns = |name: &str| w.iter().find(|x| x.name == name).map(|x| x.ns);
+    assert_eq!(ns("io_uring-storage"), Some(4000), "{w:?}");
+    assert_eq!(
+        ns("io_uring"),
+        Some(0),
+        "a cancellation taught the peers' window: {w:?}"
+    );
+}

@@ -94,8 +94,14 @@ impl<D: OpDesc> Op<D> {
     /// a peer (a socket, a pipe, /dev/fuse, an eventfd). The loop learns how long to
     /// poll from each kind of wait apart: a device that sometimes takes longer than the
     /// polling window must not cut the window a client's quick turnaround needs.
-    pub fn on_storage(mut self) -> Self {
-        self.storage = true;
+    pub fn on_storage(self) -> Self {
+        self.on_storage_if(true)
+    }
+
+    /// [`on_storage`](Self::on_storage) when `storage` is true (for code that serves both
+    /// sides, such as a socket reader used by servers and by network block clients).
+    pub fn on_storage_if(mut self, storage: bool) -> Self {
+        self.storage = storage;
         self
     }
 

@@ -72,16 +72,19 @@ impl EpollReactor {
             Err(e) => panic!("epoll wait failed: {e}"),
         };
         let mut notified = false;
+        let mut peer = 0;
         for ev in &self.events[..n] {
             let (tag, key) = Key::from_token(ev.u64);
             match tag {
                 TAG_FD if self.fds.contains_key(&key) => {
+                    peer += 1;
                     out.push(Event::Fd {
                         key,
                         revents: ev.events,
                     });
                 }
                 TAG_WAITER => {
+                    peer += 1;
                     if let Some(w) = self.waiters.get_mut(key) {
                         w.fired = Some(ev.events);
                         if let Some(waker) = w.waker.take() {
@@ -97,6 +100,7 @@ impl EpollReactor {
         Reaped {
             completions: n,
             storage: 0,
+            peer,
             notified,
         }
     }

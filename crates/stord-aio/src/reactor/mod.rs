@@ -112,6 +112,9 @@ pub(crate) struct Reaped {
     pub(crate) completions: usize,
     /// Of those, completions of operations that waited on storage.
     pub(crate) storage: usize,
+    /// Of those, completions of other operations and fd readiness: the peers' side.
+    /// (Cancellations, timeouts and the notifier count in neither.)
+    pub(crate) peer: usize,
     /// Whether the notifier fired.
     pub(crate) notified: bool,
 }
@@ -122,6 +125,7 @@ impl Reaped {
         Reaped {
             completions: self.completions + other.completions,
             storage: self.storage + other.storage,
+            peer: self.peer + other.peer,
             notified: self.notified || other.notified,
         }
     }

@@ -199,6 +199,7 @@ impl UringReactor {
     fn reap(&mut self, out: &mut Vec<Event>) -> Reaped {
         let mut n = 0;
         let mut storage = 0;
+        let mut peer = 0;
         let mut notified = false;
         let mut rearm = Vec::new();
         {
@@ -209,7 +210,11 @@ impl UringReactor {
                 let (tag, key) = Key::from_token(cqe.user_data());
                 match tag {
                     TAG_OP | TAG_OP_STORAGE => {
-                        storage += usize::from(tag == TAG_OP_STORAGE);
+                        if tag == TAG_OP_STORAGE {
+                            storage += 1;
+                        } else {
+                            peer += 1;
+                        }
                         if let Some(slot) = self.ops.get_mut(key) {
                             match std::mem::replace(slot, OpSlot::Done(cqe.result(), cqe.flags())) {
                                 OpSlot::Waiting(Some(w)) => w.wake(),
@@ -221,6 +226,7 @@ impl UringReactor {
                         }
                     }
                     TAG_FD if self.fds.contains_key(&key) => {
+                        peer += 1;
                         let res = cqe.result();
                         let revents = if res < 0 {
                             libc::POLLERR as u32
@@ -246,6 +252,7 @@ impl UringReactor {
         Reaped {
             completions: n,
             storage,
+            peer,
             notified,
         }
     }

@@ -59,6 +59,9 @@ impl IoCounters {
 /// Reads from a socket in bulk and hands out exact-sized pieces.
 pub struct SockReader {
     fd: RawFd,
+    /// The peer is our storage (a network block client's server), not a client: its
+    /// waits teach the loop's storage poll window (`Op::on_storage`).
+    storage: bool,
     counters: Option<IoCounters>,
     buf: Option<Vec<u8>>,
     start: usize,
@@ -86,6 +89,7 @@ impl TlsRx {
     async fn read_plain(
         &mut self,
         fd: RawFd,
+        storage: bool,
         counters: &Option<IoCounters>,
         dst: &mut [u8],
     ) -> io::Result<usize> {
@@ -96,19 +100,26 @@ impl TlsRx {
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
                 Err(e) => return Err(e),
             }
-            self.feed(fd, counters).await?;
+            self.feed(fd, storage, counters).await?;
         }
     }
 
     /// Hands the session more ciphertext (receiving it if none is buffered) and lets it
     /// process what it got.
-    async fn feed(&mut self, fd: RawFd, counters: &Option<IoCounters>) -> io::Result<()> {
+    async fn feed(
+        &mut self,
+        fd: RawFd,
+        storage: bool,
+        counters: &Option<IoCounters>,
+    ) -> io::Result<()> {
         if self.start == self.end {
             self.start = 0;
             self.end = 0;
             let buf = self.cbuf.take().expect("buffer");
             let cap = buf.len();
-            let (r, slice) = op::recv(fd, Slice::new(buf, 0, cap), 0).await;
+            let (r, slice) = op::recv(fd, Slice::new(buf, 0, cap), 0)
+                .on_storage_if(storage)
+                .await;
             self.cbuf = Some(slice.into_inner());
             if let Some(c) = counters {
                 c.recvs.add(1);
@@ -120,7 +131,9 @@ impl TlsRx {
                     if let Some(c) = counters {
                         c.recv_empty.add(1);
                     }
-                    op::poll_add(fd, Interest::READABLE).await?;
+                    op::poll_add(fd, Interest::READABLE)
+                        .on_storage_if(storage)
+                        .await?;
                     return Ok(());
                 }
                 Err(e) => return Err(e),
@@ -141,12 +154,19 @@ impl SockReader {
         buf[..pending.len()].copy_from_slice(&pending);
         Self {
             fd,
+            storage: false,
             counters: None,
             buf: Some(buf),
             start: 0,
             end: pending.len(),
             tls: None,
         }
+    }
+
+    /// A reader of replies from our storage (see the `storage` field).
+    pub fn on_storage(mut self) -> Self {
+        self.storage = true;
+        self
     }
 
     /// Switches to TLS: from now on what arrives is ciphertext for `sess`, starting with
@@ -184,7 +204,7 @@ impl SockReader {
             if !rx.sess.lock().is_handshaking() {
                 return Ok(());
             }
-            if let Err(e) = rx.feed(self.fd, &self.counters).await {
+            if let Err(e) = rx.feed(self.fd, self.storage, &self.counters).await {
                 // Tell the client why (the session queued an alert), if it still listens.
                 let _ = flush_tls(self.fd, &rx.sess).await;
                 return Err(e);
@@ -227,13 +247,15 @@ impl SockReader {
         let cap = buf.len();
         if let Some(rx) = &mut self.tls {
             let r = rx
-                .read_plain(self.fd, &self.counters, &mut buf[self.end..])
+                .read_plain(self.fd, self.storage, &self.counters, &mut buf[self.end..])
                 .await;
             self.buf = Some(buf);
             self.end += r?;
             return Ok(());
         }
-        let (r, slice) = op::recv(self.fd, Slice::new(buf, self.end, cap), 0).await;
+        let (r, slice) = op::recv(self.fd, Slice::new(buf, self.end, cap), 0)
+            .on_storage_if(self.storage)
+            .await;
         self.buf = Some(slice.into_inner());
         if let Some(c) = &self.counters {
             c.recvs.add(1);
@@ -242,7 +264,9 @@ impl SockReader {
             if let Some(c) = &self.counters {
                 c.recv_empty.add(1);
             }
-            op::poll_add(self.fd, Interest::READABLE).await?;
+            op::poll_add(self.fd, Interest::READABLE)
+                .on_storage_if(self.storage)
+                .await?;
             return Ok(());
         }
         match r {
@@ -304,7 +328,7 @@ impl SockReader {
         if let Some(rx) = &mut self.tls {
             while got < end {
                 match rx
-                    .read_plain(self.fd, &self.counters, &mut buf[got..end])
+                    .read_plain(self.fd, self.storage, &self.counters, &mut buf[got..end])
                     .await
                 {
                     Ok(k) => got += k,
@@ -314,13 +338,18 @@ impl SockReader {
             return (Ok(()), buf);
         }
         while got < end {
-            let (r, slice) = op::recv(self.fd, Slice::new(buf, got, end), 0).await;
+            let (r, slice) = op::recv(self.fd, Slice::new(buf, got, end), 0)
+                .on_storage_if(self.storage)
+                .await;
             buf = slice.into_inner();
             match r {
                 Ok(0) => return (Err(eof()), buf),
                 Ok(k) => got += k,
                 Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => {
-                    if let Err(e) = op::poll_add(self.fd, Interest::READABLE).await {
+                    if let Err(e) = op::poll_add(self.fd, Interest::READABLE)
+                        .on_storage_if(self.storage)
+                        .await
+                    {
                         return (Err(e), buf);
                     }
                 }

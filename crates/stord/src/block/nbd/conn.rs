@@ -477,7 +477,8 @@ async fn watchdog(c: Arc<Conn>, timeout: std::time::Duration) {
 
 /// Reads replies until the connection ends, on the connection's loop.
 async fn receiver(c: Arc<Conn>) {
-    let mut r = SockReader::new(c.sock.raw(), Vec::new());
+    // The server is our storage: its replies teach the loop's storage poll window.
+    let mut r = SockReader::new(c.sock.raw(), Vec::new()).on_storage();
     if let Some(tls) = &c.tls {
         // Anything the negotiation received past its end is still in the session.
         r = r.with_tls(tls.clone(), Vec::new());
