@@ -633,8 +633,11 @@ impl Inner {
         ready.clear();
         let window = if timeout == Some(0) {
             0
-        } else {
+        } else if self.reactor.borrow().storage_owed() {
             self.policy.borrow().window_ns()
+        } else {
+            // No storage completion can come: polling for one only burns the CPU.
+            self.policy.borrow().window_ns_without(STORAGE_ID)
         };
         let mut events = std::mem::take(&mut *self.events.borrow_mut());
         let mut reaped = Reaped::default();

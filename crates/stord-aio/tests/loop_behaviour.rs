@@ -557,6 +557,16 @@ fn storage_waits_and_peer_waits_keep_windows_of_their_own() {
         "a storage wait grew the peers' window"
     );
 
+    // With no storage operation in flight the storage window is not polled: waiting for
+    // a timer, the loop goes straight to sleep.
+    let before = ctx.stats().polls_attempted;
+    ctx.block_on(stord_aio::sleep(Duration::from_millis(1)));
+    assert_eq!(
+        ctx.stats().polls_attempted,
+        before,
+        "polled for a storage completion nobody owed"
+    );
+
     read_late(&ctx, false);
     assert_eq!(window(&ctx, "io_uring"), 4000);
     assert_eq!(

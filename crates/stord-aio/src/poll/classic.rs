@@ -68,6 +68,17 @@ impl PollPolicy for Classic {
         }
         self.handlers.iter().map(|(_, ns)| *ns).max().unwrap_or(0)
     }
+    fn window_ns_without(&self, quiet: HandlerId) -> u64 {
+        if self.params.max_ns == 0 {
+            return 0;
+        }
+        self.handlers
+            .iter()
+            .filter(|(id, _)| *id != quiet)
+            .map(|(_, ns)| *ns)
+            .max()
+            .unwrap_or(0)
+    }
     fn adjust(&mut self, obs: &Observation<'_>) {
         if self.params.max_ns == 0 {
             return;
@@ -164,6 +175,20 @@ mod tests {
         // Handlers without an event are not adjusted.
         step(&mut p, 10_000_000, &[]);
         assert_eq!(p.window_ns(), 8000);
+    }
+
+    #[test]
+    fn a_quiet_handler_is_left_out_of_the_window() {
+        let mut p = Classic::new(&qemu());
+        p.add_handler(0);
+        p.add_handler(1);
+        step(&mut p, 10_000, &[0]);
+        step(&mut p, 10_000, &[1]);
+        step(&mut p, 10_000, &[1]);
+        assert_eq!(p.window_ns(), 8000);
+        assert_eq!(p.window_ns_without(1), 4000);
+        assert_eq!(p.window_ns_without(0), 8000);
+        assert_eq!(p.window_ns_without(7), 8000);
     }
 
     #[test]

@@ -209,6 +209,13 @@ pub trait PollPolicy: Send {
     fn remove_handler(&mut self, id: HandlerId);
     /// How long to poll before blocking, in nanoseconds.
     fn window_ns(&self) -> u64;
+    /// How long to poll when handler `quiet` cannot have an event (nothing it would report
+    /// is outstanding): policies with a window per handler leave its window out; policies
+    /// with one window for the context cannot tell, and answer [`window_ns`](Self::window_ns).
+    fn window_ns_without(&self, quiet: HandlerId) -> u64 {
+        let _ = quiet;
+        self.window_ns()
+    }
     /// Learns from one iteration.
     fn adjust(&mut self, obs: &Observation<'_>);
     /// The window of each handler (`None` for a context-wide window), for statistics.

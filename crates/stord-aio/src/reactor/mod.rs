@@ -180,6 +180,15 @@ impl Reactor {
         }
     }
 
+    /// Whether a storage operation's completion is still to come (on epoll they complete
+    /// as they are issued).
+    pub(crate) fn storage_owed(&self) -> bool {
+        match self {
+            Reactor::Uring(r) => r.storage_owed(),
+            Reactor::Epoll(_) => false,
+        }
+    }
+
     /// Whether the loop must make a syscall this iteration even if polling found work.
     pub(crate) fn need_wait(&self) -> bool {
         match self {

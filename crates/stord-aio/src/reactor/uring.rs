@@ -47,6 +47,8 @@ pub(crate) struct UringReactor {
     notifier_fd: RawFd,
     ops: Slab<OpSlot>,
     fds: HashMap<Key, FdWatch>,
+    /// Storage operations submitted whose completion has not been reaped.
+    storage_owed: usize,
     /// Fallback wait timeout (no EXT_ARG): the kernel reads it when the SQE is submitted.
     timeout_ts: Box<types::Timespec>,
 }
@@ -93,6 +95,7 @@ impl UringReactor {
                         notifier_fd,
                         ops: Slab::default(),
                         fds: HashMap::new(),
+                        storage_owed: 0,
                         timeout_ts: Box::new(types::Timespec::new()),
                     };
                     r.arm_notifier();
@@ -151,6 +154,11 @@ impl UringReactor {
 
     pub(crate) fn need_wait(&self) -> bool {
         self.peek() || self.sq_pending()
+    }
+
+    /// Whether a storage operation's completion is still to come.
+    pub(crate) fn storage_owed(&self) -> bool {
+        self.storage_owed > 0
     }
 
     pub(crate) fn flush(&mut self) {
@@ -212,6 +220,7 @@ impl UringReactor {
                     TAG_OP | TAG_OP_STORAGE => {
                         if tag == TAG_OP_STORAGE {
                             storage += 1;
+                            self.storage_owed = self.storage_owed.saturating_sub(1);
                         } else {
                             peer += 1;
                         }
@@ -285,6 +294,7 @@ impl UringReactor {
     pub(crate) fn submit_op(&mut self, entry: squeue::Entry, storage: bool) -> Key {
         let key = self.ops.insert(OpSlot::Waiting(None));
         let tag = if storage { TAG_OP_STORAGE } else { TAG_OP };
+        self.storage_owed += usize::from(storage);
         self.push(&entry.user_data(key.to_token(tag)));
         key
     }
