@@ -538,12 +538,9 @@ fn storage_waits_and_peer_waits_keep_windows_of_their_own() {
         });
         let fd = rx.as_raw_fd();
         let (n, _) = ctx.block_on(async move {
-            let op = op::read(fd, vec![0u8; 1], op::CURRENT_POSITION);
-            if storage {
-                op.on_storage().await
-            } else {
-                op.await
-            }
+            op::read(fd, vec![0u8; 1], op::CURRENT_POSITION)
+                .on_storage_if(storage)
+                .await
         });
         assert_eq!(n.unwrap(), 1);
         drop(writer.join().unwrap());

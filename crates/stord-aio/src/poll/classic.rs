@@ -27,6 +27,19 @@ impl Classic {
         }
     }
 
+    /// The largest window of the handlers other than `except`: the loop polls for it.
+    fn largest_window(&self, except: Option<HandlerId>) -> u64 {
+        if self.params.max_ns == 0 {
+            return 0;
+        }
+        self.handlers
+            .iter()
+            .filter(|(id, _)| Some(*id) != except)
+            .map(|(_, ns)| *ns)
+            .max()
+            .unwrap_or(0)
+    }
+
     /// The rule for one handler's window `ns` after a wait of `block_ns`.
     pub fn next_window(params: &PollParams, ns: u64, block_ns: u64) -> u64 {
         let max = params.max_ns;
@@ -63,21 +76,10 @@ impl PollPolicy for Classic {
         self.handlers.remove(id);
     }
     fn window_ns(&self) -> u64 {
-        if self.params.max_ns == 0 {
-            return 0;
-        }
-        self.handlers.iter().map(|(_, ns)| *ns).max().unwrap_or(0)
+        self.largest_window(None)
     }
     fn window_ns_without(&self, quiet: HandlerId) -> u64 {
-        if self.params.max_ns == 0 {
-            return 0;
-        }
-        self.handlers
-            .iter()
-            .filter(|(id, _)| *id != quiet)
-            .map(|(_, ns)| *ns)
-            .max()
-            .unwrap_or(0)
+        self.largest_window(Some(quiet))
     }
     fn adjust(&mut self, obs: &Observation<'_>) {
         if self.params.max_ns == 0 {

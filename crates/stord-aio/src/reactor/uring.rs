@@ -55,6 +55,15 @@ pub(crate) struct UringReactor {
 
 type FlagSet = &'static [&'static str];
 
+/// The user-data tag of an operation submitted with `storage`.
+fn op_tag(storage: bool) -> u8 {
+    if storage {
+        TAG_OP_STORAGE
+    } else {
+        TAG_OP
+    }
+}
+
 fn build(flags: FlagSet) -> io::Result<IoUring> {
     let mut b = IoUring::builder();
     b.setup_cqsize(CQ_ENTRIES);
@@ -293,9 +302,8 @@ impl UringReactor {
     /// operation's completion is counted apart (see [`Reaped::storage`]).
     pub(crate) fn submit_op(&mut self, entry: squeue::Entry, storage: bool) -> Key {
         let key = self.ops.insert(OpSlot::Waiting(None));
-        let tag = if storage { TAG_OP_STORAGE } else { TAG_OP };
         self.storage_owed += usize::from(storage);
-        self.push(&entry.user_data(key.to_token(tag)));
+        self.push(&entry.user_data(key.to_token(op_tag(storage))));
         key
     }
 
@@ -327,8 +335,7 @@ impl UringReactor {
             }
             Some(slot) => {
                 *slot = OpSlot::Orphan(resources);
-                let tag = if storage { TAG_OP_STORAGE } else { TAG_OP };
-                let e = opcode::AsyncCancel::new(key.to_token(tag))
+                let e = opcode::AsyncCancel::new(key.to_token(op_tag(storage)))
                     .build()
                     .user_data((TAG_IGNORE as u64) << 56);
                 self.push(&e);
