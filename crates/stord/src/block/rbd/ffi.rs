@@ -1,20 +1,101 @@
 //! The part of librados' and librbd's C API the rbd driver uses, declared by hand (the
-//! handles are opaque pointers; every call is documented in librbd.h and librados.h), and
-//! the safe wrappers over it: a connected cluster with its I/O context, an open image, and
-//! asynchronous requests whose completions librbd delivers on its own threads.
+//! handles are opaque pointers; every call is documented in librbd.h and librados.h) and
+//! looked up at run time, and the safe wrappers over it: a connected cluster with its I/O
+//! context, an open image, and asynchronous requests whose completions librbd delivers on
+//! its own threads.
 //!
-//! Every `unsafe` of the driver is here. The rules that make it sound: a handle is used
-//! only between its successful creation and its release in `Drop`; an asynchronous
-//! request's buffer and completion state are owned by an `Arc` that the completion
-//! callback holds until librbd has called it, so a request future dropped early frees
-//! nothing librbd may still write.
+//! The libraries are opened (dlopen) when the first rbd node opens or an rbd image is
+//! created, as QEMU loads its rbd driver as a module: stord builds and runs without Ceph's
+//! packages, and only `driver=rbd` needs them ([`load`] says which package is missing).
+//!
+//! Every `unsafe` of the driver is here. The rules that make it sound: each entry point's
+//! Rust type is the C declaration's, and the libraries stay loaded for the process's life
+//! once opened; a handle is used only between its successful creation and its release in
+//! `Drop`; an asynchronous request's buffer and completion state are owned by an `Arc`
+//! that the completion callback holds until librbd has called it, so a request future
+//! dropped early frees nothing librbd may still write.
 
 use std::ffi::{c_char, c_int, c_void, CString};
 use std::io;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::task::{Poll, Waker};
 
+use libloading::os::unix::{Library, RTLD_LOCAL, RTLD_NOW};
+
 use crate::block::Buf;
+
+/// The Debian package that brings librbd.so.1 (and, as its dependency, librados.so.2).
+pub const PACKAGE: &str = "librbd1";
+
+/// Why librados or librbd could not be loaded.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum LoadError {
+    #[error("rbd: cannot load {file} (install Debian's {PACKAGE} package): {why}")]
+    Library { file: &'static str, why: String },
+    #[error("rbd: {file} has no {symbol} (librbd 16 or later is needed): {why}")]
+    Symbol {
+        file: &'static str,
+        symbol: &'static str,
+        why: String,
+    },
+}
+
+/// Declares the table of entry points ([`Api`]) and its loader from one list per library.
+macro_rules! api {
+    ($($file:literal => $lib:ident {
+        $(fn $name:ident($($arg:ident: $ty:ty),* $(,)?) -> $ret:ty;)*
+    })*) => {
+        /// librados' and librbd's entry points, looked up in the loaded libraries.
+        pub struct Api {
+            $($($name: unsafe extern "C" fn($($ty),*) -> $ret,)*)*
+            /// The libraries the pointers point into, never closed.
+            _libs: Vec<Library>,
+        }
+
+        impl Api {
+            fn open() -> Result<Api, LoadError> {
+                $(let $lib = open_library($file)?;)*
+                Ok(Api {
+                    $($($name: symbol(&$lib, $file, stringify!($name))?,)*)*
+                    _libs: vec![$($lib),*],
+                })
+            }
+        }
+    };
+}
+
+/// Opens a library by its soname, resolving every symbol now (a librbd too old or broken
+/// fails here, not at its first call).
+fn open_library(file: &'static str) -> Result<Library, LoadError> {
+    // SAFETY: librados and librbd run no initialisers that could break this process's
+    // invariants (they start no threads before rados_create); the library is kept open for
+    // the process's life, so nothing unloads it under a pointer taken from it.
+    unsafe { Library::open(Some(file), RTLD_NOW | RTLD_LOCAL) }.map_err(|e| LoadError::Library {
+        file,
+        why: e.to_string(),
+    })
+}
+
+/// The entry point `name` of `lib`, as the function pointer type `T`.
+fn symbol<T: Copy>(lib: &Library, file: &'static str, name: &'static str) -> Result<T, LoadError> {
+    // SAFETY: `T` is the function pointer type `api!` declares for `name`, which is the C
+    // declaration of librados.h/librbd.h; the pointer is copied out and used only while
+    // the library stays loaded, which is forever (`Api` keeps it).
+    unsafe { lib.get::<T>(name) }
+        .map(|s| *s)
+        .map_err(|e| LoadError::Symbol {
+            file,
+            symbol: name,
+            why: e.to_string(),
+        })
+}
+
+/// librados and librbd, loaded at the first call (and only then); later calls answer
+/// from the first one's outcome.
+pub fn load() -> Result<&'static Api, LoadError> {
+    static API: OnceLock<Result<Api, LoadError>> = OnceLock::new();
+    API.get_or_init(Api::open).as_ref().map_err(Clone::clone)
+}
 
 type RadosT = *mut c_void;
 type IoCtxT = *mut c_void;
@@ -35,65 +116,64 @@ struct ImageInfo {
     parent_name: [c_char; 96],
 }
 
-#[link(name = "rados")]
-extern "C" {
-    fn rados_create(cluster: *mut RadosT, id: *const c_char) -> c_int;
-    fn rados_conf_read_file(cluster: RadosT, path: *const c_char) -> c_int;
-    fn rados_conf_set(cluster: RadosT, option: *const c_char, value: *const c_char) -> c_int;
-    fn rados_connect(cluster: RadosT) -> c_int;
-    fn rados_shutdown(cluster: RadosT);
-    fn rados_ioctx_create(cluster: RadosT, pool: *const c_char, io: *mut IoCtxT) -> c_int;
-    fn rados_ioctx_set_namespace(io: IoCtxT, nspace: *const c_char);
-    fn rados_ioctx_destroy(io: IoCtxT);
-}
-
-#[link(name = "rbd")]
-extern "C" {
-    fn rbd_create(io: IoCtxT, name: *const c_char, size: u64, order: *mut c_int) -> c_int;
-    fn rbd_open(io: IoCtxT, name: *const c_char, image: *mut ImageT, snap: *const c_char) -> c_int;
-    fn rbd_open_read_only(
-        io: IoCtxT,
-        name: *const c_char,
-        image: *mut ImageT,
-        snap: *const c_char,
-    ) -> c_int;
-    fn rbd_close(image: ImageT) -> c_int;
-    fn rbd_stat(image: ImageT, info: *mut ImageInfo, len: usize) -> c_int;
-    fn rbd_resize(image: ImageT, size: u64) -> c_int;
-    fn rbd_get_features(image: ImageT, features: *mut u64) -> c_int;
-    fn rbd_get_flags(image: ImageT, flags: *mut u64) -> c_int;
-    fn rbd_diff_iterate2(
-        image: ImageT,
-        fromsnapname: *const c_char,
-        ofs: u64,
-        len: u64,
-        include_parent: u8,
-        whole_object: u8,
-        cb: DiffCallback,
-        arg: *mut c_void,
-    ) -> c_int;
-    fn rbd_aio_create_completion(arg: *mut c_void, cb: Callback, c: *mut CompletionT) -> c_int;
-    fn rbd_aio_get_return_value(c: CompletionT) -> isize;
-    fn rbd_aio_release(c: CompletionT);
-    fn rbd_aio_read(image: ImageT, off: u64, len: usize, buf: *mut c_char, c: CompletionT)
-        -> c_int;
-    fn rbd_aio_write(
-        image: ImageT,
-        off: u64,
-        len: usize,
-        buf: *const c_char,
-        c: CompletionT,
-    ) -> c_int;
-    fn rbd_aio_discard(image: ImageT, off: u64, len: u64, c: CompletionT) -> c_int;
-    fn rbd_aio_write_zeroes(
-        image: ImageT,
-        off: u64,
-        len: usize,
-        c: CompletionT,
-        zero_flags: c_int,
-        op_flags: c_int,
-    ) -> c_int;
-    fn rbd_aio_flush(image: ImageT, c: CompletionT) -> c_int;
+// The entry points, in one list: the table's fields and what loads them come from it.
+api! {
+    "librados.so.2" => rados {
+        fn rados_create(cluster: *mut RadosT, id: *const c_char) -> c_int;
+        fn rados_conf_read_file(cluster: RadosT, path: *const c_char) -> c_int;
+        fn rados_conf_set(cluster: RadosT, option: *const c_char, value: *const c_char) -> c_int;
+        fn rados_connect(cluster: RadosT) -> c_int;
+        fn rados_shutdown(cluster: RadosT) -> ();
+        fn rados_ioctx_create(cluster: RadosT, pool: *const c_char, io: *mut IoCtxT) -> c_int;
+        fn rados_ioctx_set_namespace(io: IoCtxT, nspace: *const c_char) -> ();
+        fn rados_ioctx_destroy(io: IoCtxT) -> ();
+    }
+    "librbd.so.1" => rbd {
+        fn rbd_create(io: IoCtxT, name: *const c_char, size: u64, order: *mut c_int) -> c_int;
+        fn rbd_open(io: IoCtxT, name: *const c_char, image: *mut ImageT, snap: *const c_char) -> c_int;
+        fn rbd_open_read_only(
+            io: IoCtxT,
+            name: *const c_char,
+            image: *mut ImageT,
+            snap: *const c_char
+        ) -> c_int;
+        fn rbd_close(image: ImageT) -> c_int;
+        fn rbd_stat(image: ImageT, info: *mut ImageInfo, len: usize) -> c_int;
+        fn rbd_resize(image: ImageT, size: u64) -> c_int;
+        fn rbd_get_features(image: ImageT, features: *mut u64) -> c_int;
+        fn rbd_get_flags(image: ImageT, flags: *mut u64) -> c_int;
+        fn rbd_diff_iterate2(
+            image: ImageT,
+            fromsnapname: *const c_char,
+            ofs: u64,
+            len: u64,
+            include_parent: u8,
+            whole_object: u8,
+            cb: DiffCallback,
+            arg: *mut c_void
+        ) -> c_int;
+        fn rbd_aio_create_completion(arg: *mut c_void, cb: Callback, c: *mut CompletionT) -> c_int;
+        fn rbd_aio_get_return_value(c: CompletionT) -> isize;
+        fn rbd_aio_release(c: CompletionT) -> ();
+        fn rbd_aio_read(image: ImageT, off: u64, len: usize, buf: *mut c_char, c: CompletionT) -> c_int;
+        fn rbd_aio_write(
+            image: ImageT,
+            off: u64,
+            len: usize,
+            buf: *const c_char,
+            c: CompletionT
+        ) -> c_int;
+        fn rbd_aio_discard(image: ImageT, off: u64, len: u64, c: CompletionT) -> c_int;
+        fn rbd_aio_write_zeroes(
+            image: ImageT,
+            off: u64,
+            len: usize,
+            c: CompletionT,
+            zero_flags: c_int,
+            op_flags: c_int
+        ) -> c_int;
+        fn rbd_aio_flush(image: ImageT, c: CompletionT) -> c_int;
+    }
 }
 
 /// `RBD_WRITE_ZEROES_FLAG_THICK_PROVISION`: zeroes that keep their storage allocated.
@@ -126,6 +206,7 @@ pub struct ConnectError {
 
 /// A connected cluster handle and an I/O context on one pool.
 pub struct Cluster {
+    api: &'static Api,
     cluster: RadosT,
     io: IoCtxT,
 }
@@ -148,7 +229,7 @@ pub struct ConnectOptions<'a> {
 
 impl Cluster {
     /// Connects (blocking: the monitors answer or librados times out).
-    pub fn connect(o: &ConnectOptions<'_>) -> Result<Cluster, ConnectError> {
+    pub fn connect(api: &'static Api, o: &ConnectOptions<'_>) -> Result<Cluster, ConnectError> {
         let fail = |step: String, r: c_int| ConnectError {
             step,
             err: errno(r),
@@ -161,7 +242,7 @@ impl Cluster {
         let mut cluster: RadosT = std::ptr::null_mut();
         // SAFETY: `cluster` is a valid out-pointer; `user` outlives the call (or is null).
         let r = unsafe {
-            rados_create(
+            (api.rados_create)(
                 &mut cluster,
                 user.as_ref().map_or(std::ptr::null(), |u| u.as_ptr()),
             )
@@ -171,6 +252,7 @@ impl Cluster {
         }
         // From here on `c` owns the handle (shut down on every error path by Drop).
         let mut c = Cluster {
+            api,
             cluster,
             io: std::ptr::null_mut(),
         };
@@ -178,7 +260,7 @@ impl Cluster {
         // SAFETY: a live cluster handle; the path outlives the call (null: the default
         // locations, whose absence is not an error, as QEMU treats it).
         let r = unsafe {
-            rados_conf_read_file(
+            (api.rados_conf_read_file)(
                 c.cluster,
                 conf.as_ref().map_or(std::ptr::null(), |p| p.as_ptr()),
             )
@@ -192,19 +274,19 @@ impl Cluster {
                 cstr(v).map_err(|e| bad(k, e))?,
             );
             // SAFETY: a live handle; both strings outlive the call.
-            let r = unsafe { rados_conf_set(c.cluster, kc.as_ptr(), vc.as_ptr()) };
+            let r = unsafe { (api.rados_conf_set)(c.cluster, kc.as_ptr(), vc.as_ptr()) };
             if r < 0 {
                 return Err(fail(format!("error setting {k}"), r));
             }
         }
         // SAFETY: a live handle, configured.
-        let r = unsafe { rados_connect(c.cluster) };
+        let r = unsafe { (api.rados_connect)(c.cluster) };
         if r < 0 {
             return Err(fail("error connecting".into(), r));
         }
         let pool = cstr(o.pool).map_err(|e| bad("pool", e))?;
         // SAFETY: a connected handle; `c.io` is a valid out-pointer; `pool` outlives it.
-        let r = unsafe { rados_ioctx_create(c.cluster, pool.as_ptr(), &mut c.io) };
+        let r = unsafe { (api.rados_ioctx_create)(c.cluster, pool.as_ptr(), &mut c.io) };
         if r < 0 {
             c.io = std::ptr::null_mut();
             return Err(fail(format!("error opening pool {}", o.pool), r));
@@ -212,7 +294,7 @@ impl Cluster {
         if let Some(ns) = o.namespace {
             let nsc = cstr(ns).map_err(|e| bad("namespace", e))?;
             // SAFETY: a live I/O context; librados copies the name.
-            unsafe { rados_ioctx_set_namespace(c.io, nsc.as_ptr()) };
+            unsafe { (api.rados_ioctx_set_namespace)(c.io, nsc.as_ptr()) };
         }
         Ok(c)
     }
@@ -226,20 +308,22 @@ impl Cluster {
     ) -> io::Result<Image> {
         let n = cstr(name)?;
         let s = snap.map(cstr).transpose()?;
+        let api = self.api;
         let mut img: ImageT = std::ptr::null_mut();
         let sp = s.as_ref().map_or(std::ptr::null(), |s| s.as_ptr());
         // SAFETY: a live I/O context; out-pointer valid; strings outlive the call.
         let r = unsafe {
             if read_only {
-                rbd_open_read_only(self.io, n.as_ptr(), &mut img, sp)
+                (api.rbd_open_read_only)(self.io, n.as_ptr(), &mut img, sp)
             } else {
-                rbd_open(self.io, n.as_ptr(), &mut img, sp)
+                (api.rbd_open)(self.io, n.as_ptr(), &mut img, sp)
             }
         };
         if r < 0 {
             return Err(errno(r));
         }
         Ok(Image {
+            api,
             img,
             _cluster: self.clone(),
         })
@@ -249,9 +333,10 @@ impl Cluster {
     /// default).
     pub fn create(&self, name: &str, size: u64, order: u32) -> io::Result<()> {
         let n = cstr(name)?;
+        let api = self.api;
         let mut order = order as c_int;
         // SAFETY: a live I/O context; the name and out-pointer outlive the call.
-        let r = unsafe { rbd_create(self.io, n.as_ptr(), size, &mut order) };
+        let r = unsafe { (api.rbd_create)(self.io, n.as_ptr(), size, &mut order) };
         if r < 0 {
             return Err(errno(r));
         }
@@ -261,19 +346,21 @@ impl Cluster {
 
 impl Drop for Cluster {
     fn drop(&mut self) {
+        let api = self.api;
         // SAFETY: the handles were created by us and are released once, I/O context first;
         // every Image holds an Arc of this Cluster, so none is still open.
         unsafe {
             if !self.io.is_null() {
-                rados_ioctx_destroy(self.io);
+                (api.rados_ioctx_destroy)(self.io);
             }
-            rados_shutdown(self.cluster);
+            (api.rados_shutdown)(self.cluster);
         }
     }
 }
 
 /// An open image.
 pub struct Image {
+    api: &'static Api,
     img: ImageT,
     _cluster: Arc<Cluster>,
 }
@@ -286,14 +373,16 @@ unsafe impl Sync for Image {}
 
 impl Drop for Image {
     fn drop(&mut self) {
+        let api = self.api;
         // SAFETY: opened by us, closed once; rbd_close waits for requests in flight, whose
         // buffers their completion states still own.
-        unsafe { rbd_close(self.img) };
+        unsafe { (api.rbd_close)(self.img) };
     }
 }
 
 /// What a request's completion callback and its future share.
 struct Shared {
+    api: &'static Api,
     st: Mutex<SharedState>,
 }
 
@@ -307,11 +396,12 @@ extern "C" fn on_complete(c: CompletionT, arg: *mut c_void) {
     // SAFETY: `arg` is the `Arc::into_raw` made for this completion in `submit`; librbd
     // calls this once per completion, so the reference is taken back exactly once.
     let shared = unsafe { Arc::from_raw(arg as *const Shared) };
+    let api = shared.api;
     // SAFETY: `c` is the completion this callback was registered with; it is released
     // here, after its value was read, and never used again.
     let ret = unsafe {
-        let r = rbd_aio_get_return_value(c);
-        rbd_aio_release(c);
+        let r = (api.rbd_aio_get_return_value)(c);
+        (api.rbd_aio_release)(c);
         r
     };
     let waker = {
@@ -380,7 +470,8 @@ impl Image {
         // SAFETY: all-zero bytes are a valid ImageInfo (integers and char arrays).
         let mut info: ImageInfo = unsafe { std::mem::zeroed() };
         // SAFETY: an open image; `info` is a valid out-pointer of the size we pass.
-        let r = unsafe { rbd_stat(self.img, &mut info, std::mem::size_of::<ImageInfo>()) };
+        let r =
+            unsafe { (self.api.rbd_stat)(self.img, &mut info, std::mem::size_of::<ImageInfo>()) };
         if r < 0 {
             return Err(errno(r));
         }
@@ -400,7 +491,7 @@ impl Image {
     ) -> io::Result<Option<(bool, u64)>> {
         let (mut features, mut flags) = (0u64, 0u64);
         // SAFETY: an open image; valid out-pointers.
-        let r = unsafe { rbd_get_features(self.img, &mut features) };
+        let r = unsafe { (self.api.rbd_get_features)(self.img, &mut features) };
         if r < 0 {
             return Err(errno(r));
         }
@@ -408,7 +499,7 @@ impl Image {
             return Ok(None);
         }
         // SAFETY: as above.
-        let r = unsafe { rbd_get_flags(self.img, &mut flags) };
+        let r = unsafe { (self.api.rbd_get_flags)(self.img, &mut flags) };
         if r < 0 {
             return Err(errno(r));
         }
@@ -425,7 +516,7 @@ impl Image {
         // SAFETY: an open image; `walk` outlives the call, which invokes the callback
         // only before it returns, on this thread.
         let r = unsafe {
-            rbd_diff_iterate2(
+            (self.api.rbd_diff_iterate2)(
                 self.img,
                 std::ptr::null(),
                 from,
@@ -451,7 +542,7 @@ impl Image {
     /// Changes the size (blocking).
     pub fn resize(&self, size: u64) -> io::Result<()> {
         // SAFETY: an open image.
-        let r = unsafe { rbd_resize(self.img, size) };
+        let r = unsafe { (self.api.rbd_resize)(self.img, size) };
         if r < 0 {
             return Err(errno(r));
         }
@@ -467,6 +558,7 @@ impl Image {
             .map_or(std::ptr::null_mut(), |b| b.as_mut_ptr());
         let len = buf.as_ref().map_or(0, |b| b.len());
         let shared = Arc::new(Shared {
+            api: self.api,
             st: Mutex::new(SharedState {
                 ret: None,
                 buf,
@@ -476,7 +568,7 @@ impl Image {
         let arg = Arc::into_raw(shared.clone()) as *mut c_void;
         let mut c: CompletionT = std::ptr::null_mut();
         // SAFETY: `arg` stays valid until on_complete takes it back; `c` is an out-pointer.
-        let r = unsafe { rbd_aio_create_completion(arg, on_complete, &mut c) };
+        let r = unsafe { (self.api.rbd_aio_create_completion)(arg, on_complete, &mut c) };
         if r < 0 {
             // SAFETY: the completion was not made: nobody else holds `arg`.
             drop(unsafe { Arc::from_raw(arg as *const Shared) });
@@ -493,20 +585,22 @@ impl Image {
         // with it) until the callback has run.
         let r = unsafe {
             match op {
-                Op::Read(off) => rbd_aio_read(self.img, off, len, ptr.cast(), c),
-                Op::Write(off) => rbd_aio_write(self.img, off, len, ptr.cast_const().cast(), c),
-                Op::Discard(off, n) => rbd_aio_discard(self.img, off, n, c),
-                Op::WriteZeroes(off, n, flags) => {
-                    rbd_aio_write_zeroes(self.img, off, n as usize, c, flags, 0)
+                Op::Read(off) => (self.api.rbd_aio_read)(self.img, off, len, ptr.cast(), c),
+                Op::Write(off) => {
+                    (self.api.rbd_aio_write)(self.img, off, len, ptr.cast_const().cast(), c)
                 }
-                Op::Flush => rbd_aio_flush(self.img, c),
+                Op::Discard(off, n) => (self.api.rbd_aio_discard)(self.img, off, n, c),
+                Op::WriteZeroes(off, n, flags) => {
+                    (self.api.rbd_aio_write_zeroes)(self.img, off, n as usize, c, flags, 0)
+                }
+                Op::Flush => (self.api.rbd_aio_flush)(self.img, c),
             }
         };
         if r < 0 {
             // SAFETY: librbd refused the request, so it will not call back: the completion
             // and the callback's reference are ours to release.
             unsafe {
-                rbd_aio_release(c);
+                (self.api.rbd_aio_release)(c);
                 drop(Arc::from_raw(arg as *const Shared));
             }
             let buf = shared

@@ -133,13 +133,17 @@ impl RbdOptions {
         // writethrough until the first flush, so a client that never flushes loses
         // nothing acknowledged).
         settings.push(("rbd_cache", (!self.direct).to_string()));
-        ffi::Cluster::connect(&ffi::ConnectOptions {
-            user: self.user.as_deref(),
-            conf: self.conf.as_deref(),
-            settings,
-            pool: &self.pool,
-            namespace: self.namespace.as_deref(),
-        })
+        let api = ffi::load().map_err(|e| e.to_string())?;
+        ffi::Cluster::connect(
+            api,
+            &ffi::ConnectOptions {
+                user: self.user.as_deref(),
+                conf: self.conf.as_deref(),
+                settings,
+                pool: &self.pool,
+                namespace: self.namespace.as_deref(),
+            },
+        )
         .map(Arc::new)
         .map_err(|e| format!("{}: {}", e.step, super::os_text(&e.err)))
     }
