@@ -31,6 +31,7 @@ pub mod log;
 pub mod nbd;
 pub mod process;
 pub mod qmp;
+pub mod schema;
 pub mod secret;
 pub mod sys;
 pub mod tls;

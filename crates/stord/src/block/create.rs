@@ -1,298 +1,59 @@
-//! Creating images (`blockdev-create`): a file, and a qcow2 image on a file node.
+//! `blockdev-create`'s contract with the drivers (QEMU's `bdrv_co_create`).
 //!
-//! A file is created as QEMU's file-posix does: opened (created if missing) with the write
-//! and resize locks taken and checked first, so an image another process has open is never
-//! truncated; then cut to 0 and set to its size. A qcow2 image is written on an opened
-//! node: header (version 3 with compression type, or 2), one refcount table, the refcount
-//! blocks and an empty L1 table for the virtual size, every metadata cluster counted once;
-//! `qemu-img check` finds it clean.
+//! A driver that creates images gives its [`DriverDef`](super::graph::DriverDef) a
+//! [`CreateDef`]: the members `options` takes beside `driver` (QEMU's
+//! `BlockdevCreateOptions` branch, which the monitor checks and `query-qmp-schema` lists)
+//! and a `prepare` that turns the checked options into the work a `create` job runs. So
+//! the monitor and the daemon know no driver by name: a new one is its module and its
+//! table line.
 
-use std::io;
-use std::os::fd::AsRawFd;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 
-use super::file::lock::ImageLock;
-use super::perm::Perm;
+use super::graph::GraphError;
 use super::BlockNode;
+use crate::cli::keyval::KeyVal;
+use crate::schema::{Arg, EnumType};
 
-/// `blockdev-create` of `driver=file`.
-#[derive(Debug, Clone)]
-pub struct FileCreate {
-    pub filename: String,
-    pub size: u64,
-    /// `preallocation=falloc`.
-    pub falloc: bool,
+/// What `prepare` may look up in the daemon.
+pub trait CreateEnv {
+    /// The node `name` (the file a format image is written on).
+    fn node(&self, name: &str) -> Option<Arc<BlockNode>>;
+    /// The bytes of the `secret` object `id` (a cluster key).
+    fn secret(&self, id: &str) -> Option<Vec<u8>>;
 }
 
-/// Creates (or cuts and resizes) the file.
-pub fn create_file(o: &FileCreate) -> Result<(), String> {
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .open(&o.filename)
-        .map_err(|e| format!("Could not create '{}': {e}", o.filename))?;
-    // QEMU's raw_co_create: write and resize taken, resize not shared, checked against
-    // other openers before the file is touched.
-    let lock = ImageLock::new(true, &o.filename);
-    lock.set(
-        f.as_raw_fd(),
-        Perm::WRITE | Perm::RESIZE,
-        Perm::ALL & Perm::RESIZE.complement(),
-    )
-    .map_err(|e| e.to_string())?;
-    f.set_len(0)
-        .and_then(|()| f.set_len(o.size))
-        .map_err(|e| format!("Could not resize file: {e}"))?;
-    if o.falloc && o.size > 0 {
-        crate::sys::fallocate(f.as_raw_fd(), 0, 0, o.size)
-            .map_err(|e| format!("Could not preallocate data for the new file: {e}"))?;
-    }
-    Ok(())
+/// The job's work, run on the main loop; its error (QEMU's words) fails the job.
+pub type Creation = Pin<Box<dyn Future<Output = Result<(), String>>>>;
+
+/// Checks the options (already checked against `args`, flattened as `--blockdev` options
+/// are) and prepares the creation. An error here fails the command and starts no job
+/// (what stord does not create); what QEMU finds wrong only once the job runs (a node not
+/// found, its own checks of the values) fails the job instead, as in QEMU.
+pub type Prepare = fn(KeyVal, &dyn CreateEnv) -> Result<Creation, GraphError>;
+
+/// How a driver creates images.
+pub struct CreateDef {
+    /// `options`' members beside `driver`, as QEMU's schema has them.
+    pub args: &'static [Arg],
+    pub prepare: Prepare,
 }
 
-/// `blockdev-create` of `driver=qcow2` (the options QEMU checks before it starts the job
-/// are checked by [`Qcow2Create::check`]).
-#[derive(Debug, Clone)]
-pub struct Qcow2Create {
-    pub size: u64,
-    /// Version 3 (compat 1.1), else 2 (compat 0.10).
-    pub v3: bool,
-    pub cluster_size: u64,
-    pub refcount_bits: u64,
-    pub lazy_refcounts: bool,
-    pub backing_file: Option<String>,
-    pub backing_fmt: Option<String>,
-    pub zstd: bool,
+/// A creation that fails when the job runs, with `why`.
+pub fn failing(why: String) -> Creation {
+    Box::pin(async move { Err(why) })
 }
 
-impl Qcow2Create {
-    /// QEMU's checks and texts (qcow2_co_create).
-    pub fn check(&self) -> Result<(), String> {
-        if !self.size.is_multiple_of(512) {
-            return Err("Image size must be a multiple of 512 bytes".into());
-        }
-        let cs = self.cluster_size;
-        if !cs.is_power_of_two() || !(512..=2 << 20).contains(&cs) {
-            return Err("Cluster size must be a power of two between 512 and 2048k".into());
-        }
-        if !self.refcount_bits.is_power_of_two() || self.refcount_bits > 64 {
-            return Err("Refcount width must be a power of two and may not exceed 64 bits".into());
-        }
-        if !self.v3 && self.refcount_bits != 16 {
-            return Err("Different refcount widths than 16 bits require compatibility level 1.1 or above (use version=v3 or greater)".into());
-        }
-        if !self.v3 && self.lazy_refcounts {
-            return Err("Lazy refcounts only supported with compatibility level 1.1 and above (use version=v3 or greater)".into());
-        }
-        if !self.v3 && self.zstd {
-            return Err("Non-zlib compression type is only supported with compatibility level 1.1 and above (use version=v3 or greater)".into());
-        }
-        if self.backing_fmt.is_some() && self.backing_file.is_none() {
-            return Err("Backing format cannot be used without backing file".into());
-        }
-        Ok(())
-    }
+/// The command's error for an option stord does not create images with yet.
+pub fn unsupported(what: &str) -> GraphError {
+    GraphError::Invalid(format!(
+        "blockdev-create: {what} is not supported by stord yet"
+    ))
 }
 
-/// Where the metadata of a new image goes, in clusters from the start: the header, the
-/// refcount table, the refcount blocks, then the L1 table.
-#[derive(Debug, PartialEq, Eq)]
-struct Layout {
-    reftable_clusters: u64,
-    refblocks: u64,
-    l1_entries: u64,
-    l1_clusters: u64,
-}
-
-impl Layout {
-    fn new(o: &Qcow2Create) -> Layout {
-        let cs = o.cluster_size;
-        let l1_entries = o.size.div_ceil(cs * (cs / 8));
-        let l1_clusters = (l1_entries * 8).div_ceil(cs).max(1);
-        let per_block = cs * 8 / o.refcount_bits;
-        let (mut rt, mut rb) = (1, 1);
-        loop {
-            let total = 1 + rt + rb + l1_clusters;
-            let rb2 = total.div_ceil(per_block);
-            let rt2 = (rb2 * 8).div_ceil(cs);
-            if (rb2, rt2) == (rb, rt) {
-                break;
-            }
-            (rb, rt) = (rb2, rt2);
-        }
-        Layout {
-            reftable_clusters: rt,
-            refblocks: rb,
-            l1_entries,
-            l1_clusters,
-        }
-    }
-
-    fn clusters(&self) -> u64 {
-        1 + self.reftable_clusters + self.refblocks + self.l1_clusters
-    }
-}
-
-/// The header cluster: fields, extensions (backing format, end) and the backing file name.
-fn header(o: &Qcow2Create, l: &Layout) -> Vec<u8> {
-    let cs = o.cluster_size;
-    let mut h = vec![0u8; cs as usize];
-    let put32 =
-        |h: &mut Vec<u8>, at: usize, v: u32| h[at..at + 4].copy_from_slice(&v.to_be_bytes());
-    let put64 =
-        |h: &mut Vec<u8>, at: usize, v: u64| h[at..at + 8].copy_from_slice(&v.to_be_bytes());
-    put32(&mut h, 0, 0x5146_49fb);
-    put32(&mut h, 4, if o.v3 { 3 } else { 2 });
-    put32(&mut h, 20, cs.trailing_zeros());
-    put64(&mut h, 24, o.size);
-    put32(&mut h, 36, l.l1_entries as u32);
-    put64(&mut h, 40, (1 + l.reftable_clusters + l.refblocks) * cs);
-    put64(&mut h, 48, cs);
-    put32(&mut h, 56, l.reftable_clusters as u32);
-    let mut end = 72;
-    if o.v3 {
-        let incompatible = if o.zstd { 1 << 3 } else { 0 };
-        put64(&mut h, 72, incompatible);
-        put64(&mut h, 80, u64::from(o.lazy_refcounts));
-        put32(&mut h, 96, o.refcount_bits.trailing_zeros());
-        put32(&mut h, 100, 112);
-        h[104] = u8::from(o.zstd);
-        end = 112;
-    }
-    if let Some(fmt) = &o.backing_fmt {
-        put32(&mut h, end, 0xe279_2aca);
-        put32(&mut h, end + 4, fmt.len() as u32);
-        h[end + 8..end + 8 + fmt.len()].copy_from_slice(fmt.as_bytes());
-        end += 8 + fmt.len().div_ceil(8) * 8;
-    }
-    // End of the extensions.
-    end += 8;
-    if let Some(b) = &o.backing_file {
-        put64(&mut h, 8, end as u64);
-        put32(&mut h, 16, b.len() as u32);
-        h[end..end + b.len()].copy_from_slice(b.as_bytes());
-    }
-    h
-}
-
-/// Writes a new qcow2 image on `file` (its contents are replaced).
-pub async fn create_qcow2(file: &Arc<BlockNode>, o: &Qcow2Create) -> io::Result<()> {
-    let cs = o.cluster_size;
-    let l = Layout::new(o);
-    let h = header(o, &l);
-    if h.len() as u64 > cs || o.backing_file.as_ref().is_some_and(|b| b.len() > 1023) {
-        return Err(io::Error::other("Backing file name too long"));
-    }
-    let _claim = file
-        .claim(
-            "blockdev-create",
-            "file",
-            Perm::WRITE | Perm::RESIZE,
-            Perm::ALL & Perm::RESIZE.complement(),
-        )
-        .map_err(io::Error::other)?;
-    let total = l.clusters();
-    // The metadata's area reads as zeroes: grown if the file is smaller (a new file),
-    // zeroed where it held something. The rest is left as it is (as QEMU's qcow2_co_create
-    // leaves it): storage that cannot change size (an NBD export, a block device) or
-    // should not (an RBD image) keeps its size.
-    let (have, need) = (file.size(), total * cs);
-    if have < need {
-        file.resize(need).await?;
-    }
-    if have > 0 {
-        file.write_zeroes(0, have.min(need), false).await?;
-    }
-    let write = |offset: u64, bytes: &[u8]| {
-        let mut buf = super::new_buf(bytes.len().div_ceil(512) * 512);
-        buf[..bytes.len()].copy_from_slice(bytes);
-        let file = file.clone();
-        async move { file.write(offset, buf, false).await.0 }
-    };
-    write(0, &h).await?;
-    // Refcount table: one entry per refcount block, which follow it.
-    let mut rt = Vec::with_capacity(l.refblocks as usize * 8);
-    for i in 0..l.refblocks {
-        rt.extend_from_slice(&((1 + l.reftable_clusters + i) * cs).to_be_bytes());
-    }
-    write(cs, &rt).await?;
-    // Refcount blocks: every metadata cluster counts 1.
-    let per_block = cs * 8 / o.refcount_bits;
-    for b in 0..l.refblocks {
-        let mut block = vec![0u8; cs as usize];
-        let first = b * per_block;
-        for c in first..(first + per_block).min(total) {
-            set_refcount(&mut block, (c - first) as usize, o.refcount_bits, 1);
-        }
-        write((1 + l.reftable_clusters + b) * cs, &block).await?;
-    }
-    // The L1 table is all zero already (zeroed above).
-    file.flush().await
-}
-
-/// Sets entry `i` of a refcount block of `bits`-wide entries (big-endian, MSB first).
-fn set_refcount(block: &mut [u8], i: usize, bits: u64, v: u64) {
-    match bits {
-        64 => block[i * 8..i * 8 + 8].copy_from_slice(&v.to_be_bytes()),
-        32 => block[i * 4..i * 4 + 4].copy_from_slice(&(v as u32).to_be_bytes()),
-        16 => block[i * 2..i * 2 + 2].copy_from_slice(&(v as u16).to_be_bytes()),
-        8 => block[i] = v as u8,
-        _ => {
-            // Sub-byte widths: entry i sits in byte i*bits/8, at bit (i*bits) % 8 counted
-            // from the least significant end, as QEMU's get/set_refcount_ro* read it.
-            let bit = i * bits as usize;
-            let (byte, shift) = (bit / 8, bit % 8);
-            let mask = ((1u16 << bits) - 1) as u8;
-            block[byte] = (block[byte] & !(mask << shift)) | ((v as u8 & mask) << shift);
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn opts(size: u64, cs: u64, bits: u64) -> Qcow2Create {
-        Qcow2Create {
-            size,
-            v3: true,
-            cluster_size: cs,
-            refcount_bits: bits,
-            lazy_refcounts: false,
-            backing_file: None,
-            backing_fmt: None,
-            zstd: false,
-        }
-    }
-
-    #[test]
-    fn the_layout_counts_its_own_refcount_blocks() {
-        // QEMU's 64 MiB image: header, reftable, refblock, one L1 cluster.
-        let l = Layout::new(&opts(64 << 20, 65536, 16));
-        assert_eq!(l.clusters(), 4);
-        assert_eq!(l.l1_entries, 1);
-        // 512 B clusters, 1-bit refcounts, 1 GiB: L1 of 32768 entries in 512 clusters,
-        // which several refcount blocks must cover.
-        let l = Layout::new(&opts(1 << 30, 512, 1));
-        assert_eq!(l.l1_clusters, 512);
-        assert!(l.refblocks * 512 * 8 >= l.clusters());
-        assert!(l.reftable_clusters * 512 / 8 >= l.refblocks);
-    }
-
-    #[test]
-    fn qemus_option_rules() {
-        let mut o = opts(1000, 65536, 16);
-        assert!(o.check().unwrap_err().contains("multiple of 512"));
-        o.size = 1 << 20;
-        o.cluster_size = 1 << 22;
-        assert!(o.check().unwrap_err().contains("Cluster size"));
-        o.cluster_size = 65536;
-        o.v3 = false;
-        o.refcount_bits = 8;
-        assert!(o.check().unwrap_err().contains("refcount widths"));
-        o.refcount_bits = 16;
-        assert!(o.check().is_ok());
-    }
-}
+/// QAPI's `PreallocMode`, which file and qcow2 creation take.
+pub static PREALLOC_MODE: EnumType = EnumType {
+    name: "PreallocMode",
+    values: || vec!["off", "metadata", "falloc", "full"],
+};

@@ -1,7 +1,9 @@
 //! Opening nodes: the driver table and what a driver sees of the graph while it opens.
 //!
-//! Each driver module exports one [`DriverDef`] (its names and an `open` function) and
-//! [`BLOCK_DRIVERS`] lists them, so a new driver is one module plus a line. A driver opens
+//! Each driver module exports one [`DriverDef`] (its names, an `open` function, its help
+//! text and, if it creates images, its `blockdev-create` part) and [`BLOCK_DRIVERS`] lists
+//! them, so a new driver is one module plus a line: `--help`, the driver enum in
+//! `query-qmp-schema` and `blockdev-create` come from the table. A driver opens
 //! from its options and a [`Graph`]: the graph builder (the daemon's) resolves children
 //! named by node-name, opens inline ones (`file.driver=...`) with the options children
 //! inherit, opens the backing files an image names, and takes back everything it opened
@@ -13,6 +15,8 @@ use super::perm::PermError;
 use super::throttle::ThrottleGroup;
 use super::{BlockDriver, BlockNode};
 use crate::cli::keyval::{KeyVal, OptionError};
+use crate::cli::Help;
+use crate::schema::{EnumType, UnionType};
 
 /// Why a node could not be opened: the graph layer's error. Texts are QEMU's where it has
 /// one.
@@ -105,6 +109,10 @@ pub struct DriverDef {
     /// Reads `cache.direct` and `cache.no-flush` itself (else they are passed on to its
     /// inline children).
     pub takes_cache: bool,
+    /// Its options beside `driver` and `node-name`, for `--help` and docs/usage.md.
+    pub help: Help,
+    /// How it creates images (`blockdev-create`), if it does.
+    pub create: Option<&'static super::create::CreateDef>,
 }
 
 /// Every block driver.
@@ -126,11 +134,35 @@ pub fn driver(name: &str) -> Option<&'static DriverDef> {
         .find(|d| d.names.contains(&name))
 }
 
-/// The names, for "expects ..." errors.
-pub fn driver_names() -> String {
-    let names: Vec<&str> = BLOCK_DRIVERS
+/// Every `driver=` value.
+pub fn all_driver_names() -> Vec<&'static str> {
+    BLOCK_DRIVERS
         .iter()
         .flat_map(|d| d.names.iter().copied())
-        .collect();
-    names.join(", ")
+        .collect()
 }
+
+/// The names, for "expects ..." errors.
+pub fn driver_names() -> String {
+    all_driver_names().join(", ")
+}
+
+/// QAPI's `BlockdevDriver`: the `driver` of `blockdev-add` and of `blockdev-create`.
+pub static BLOCKDEV_DRIVER: EnumType = EnumType {
+    name: "BlockdevDriver",
+    values: all_driver_names,
+};
+
+/// QAPI's `BlockdevCreateOptions`: `driver`, then the members of that driver's
+/// [`CreateDef`](super::create::CreateDef).
+pub static BLOCKDEV_CREATE_OPTIONS: UnionType = UnionType {
+    name: "BlockdevCreateOptions",
+    tag: "driver",
+    tag_type: &BLOCKDEV_DRIVER,
+    variants: || {
+        BLOCK_DRIVERS
+            .iter()
+            .filter_map(|d| Some((d.names[0], d.create?.args)))
+            .collect()
+    },
+};

@@ -9,12 +9,18 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use super::graph::{DriverDef, GraphError, Opened};
 use super::{BlockDriver, BlockStatus, BoxFut, Buf, IoVec};
 use crate::cli::keyval::KeyVal;
+use crate::cli::Help;
 
 /// The driver table's entry.
 pub const DRIVER: DriverDef = DriverDef {
     names: &["null-co", "null"],
     takes_discard: false,
     takes_cache: false,
+    help: Help {
+        synopsis: "[,size=<size>][,read-zeroes=on|off]",
+        about: "reads zeroes (with read-zeroes=on) and drops writes: for tests and benchmarks",
+    },
+    create: None,
     open: |_, kv, flags| {
         Ok(Opened {
             driver: Box::new(NullDriver::from_opts(kv)?),

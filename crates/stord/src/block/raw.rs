@@ -11,12 +11,18 @@ use std::sync::Arc;
 use crate::block::graph::{DriverDef, GraphError, Opened};
 use crate::block::{BlockDriver, BlockNode, BlockStatus, BoxFut, Buf, IoVec};
 use crate::cli::keyval::KeyVal;
+use crate::cli::Help;
 
 /// The driver table's entry.
 pub const DRIVER: DriverDef = DriverDef {
     names: &["raw"],
     takes_discard: false,
     takes_cache: false,
+    help: Help {
+        synopsis: "file=<node> | file.driver=<driver>,file.<option>=...\n[,offset=<bytes>][,size=<bytes>]",
+        about: "the raw format over its child `file` (named or inline); offset and size cut\na window of it",
+    },
+    create: None,
     open: |g, kv, flags| {
         let child = g.child(kv, "file")?;
         let raw = RawDriver::from_opts(kv, child.clone())?;

@@ -18,12 +18,18 @@ use crate::block::graph::{DriverDef, GraphError, Opened};
 use crate::block::{BlockDriver, BlockNode, BlockStatus, BoxFut, Buf, IoVec};
 
 use crate::cli::keyval::{KeyVal, OptionError};
+use crate::cli::Help;
 
 /// The driver table's entry.
 pub const DRIVER: DriverDef = DriverDef {
     names: &["throttle"],
     takes_discard: false,
     takes_cache: false,
+    help: Help {
+        synopsis: "throttle-group=<id>,file=<node> | file.driver=...",
+        about: "the limits of an --object throttle-group over its child `file`",
+    },
+    create: None,
     open: |g, kv, flags| {
         let id = kv.take_required("throttle-group")?;
         let Some(group) = g.throttle_group(&id) else {

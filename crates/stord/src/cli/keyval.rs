@@ -264,6 +264,14 @@ impl KeyVal {
         })
     }
 
+    /// A nested object's members (`location.pool=p` gives `pool=p`), named `what.prefix`
+    /// in errors as QMP names nested members. None if there are none.
+    pub fn take_object(&mut self, prefix: &str) -> Option<KeyVal> {
+        let mut kv = self.take_prefixed(prefix)?;
+        kv.what = format!("{}.{prefix}", self.what);
+        Some(kv)
+    }
+
     /// Fails naming the first option nobody consumed.
     pub fn finish(self) -> Result<(), OptionError> {
         match self.map.into_keys().next() {

@@ -15,6 +15,17 @@ pub mod keyval;
 
 use std::path::PathBuf;
 
+/// How a table entry (a block driver, an export type, an object type) describes itself in
+/// `--help` and docs/usage.md.
+#[derive(Debug, Clone, Copy)]
+pub struct Help {
+    /// Its options after the ones that select it (`driver=file,node-name=<name>,`): QEMU's
+    /// `[,optional=<value>]` notation, lines broken with `\n`.
+    pub synopsis: &'static str,
+    /// What it is, in a line or two (`\n` between lines).
+    pub about: &'static str,
+}
+
 /// One option that creates something, kept in command-line order.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Item {

@@ -180,21 +180,14 @@ fn export_perms(
     (perm, shared)
 }
 
-/// What `blockdev-create` makes.
-pub enum CreateOptions {
-    /// A file.
-    File(crate::block::create::FileCreate),
-    /// A qcow2 image on the node named `file`.
-    Qcow2 {
-        file: String,
-        opts: crate::block::create::Qcow2Create,
-    },
-    /// An RBD image.
-    Rbd {
-        location: crate::block::rbd::RbdOptions,
-        size: u64,
-        cluster_size: Option<u64>,
-    },
+/// What a driver's `blockdev-create` part may look up.
+impl crate::block::create::CreateEnv for State {
+    fn node(&self, name: &str) -> Option<Arc<BlockNode>> {
+        self.nodes.get(name).cloned()
+    }
+    fn secret(&self, id: &str) -> Option<Vec<u8>> {
+        State::secret(self, id)
+    }
 }
 
 /// Jobs.
@@ -204,20 +197,14 @@ impl State {
         &self.jobs
     }
 
-    /// `blockdev-create`: a job of type `create` (no auto-dismiss, as QEMU's). What is
-    /// wrong with the options (a node not found, QEMU's checks) fails the job, not the
-    /// command, as in QEMU.
-    pub fn blockdev_create(&mut self, job_id: &str, o: CreateOptions) -> Result<(), DaemonError> {
-        // Resolved now, while the graph is at hand; a missing node fails the job.
-        let node = match &o {
-            CreateOptions::Qcow2 { file, .. } => Some(
-                self.nodes
-                    .get(file)
-                    .cloned()
-                    .ok_or_else(|| format!("Cannot find device='{file}' nor node-name='{file}'")),
-            ),
-            CreateOptions::File(_) | CreateOptions::Rbd { .. } => None,
-        };
+    /// `blockdev-create`: a job of type `create` (no auto-dismiss, as QEMU's) that runs
+    /// the work the driver prepared; what is wrong with the options found then (a node
+    /// not found, QEMU's checks) fails the job, not the command, as in QEMU.
+    pub fn blockdev_create(
+        &mut self,
+        job_id: &str,
+        creation: crate::block::create::Creation,
+    ) -> Result<(), DaemonError> {
         let opts = crate::job::JobOptions::plain(true, false);
         self.jobs.start(
             job_id,
@@ -226,32 +213,7 @@ impl State {
             &self.events,
             move |job| async move {
                 job.set_progress(0, 1);
-                let r = async {
-                    match o {
-                        CreateOptions::File(f) => crate::block::create::create_file(&f),
-                        // librados blocks while it connects: on a worker.
-                        CreateOptions::Rbd {
-                            location,
-                            size,
-                            cluster_size,
-                        } => {
-                            crate::block::offload(move || {
-                                crate::block::rbd::create(&location, size, cluster_size)
-                            })
-                            .await
-                        }
-                        CreateOptions::Qcow2 { opts, .. } => {
-                            opts.check()?;
-                            let Some(file) = node else {
-                                return Err("no file node".to_string());
-                            };
-                            crate::block::create::create_qcow2(&file?, &opts)
-                                .await
-                                .map_err(|e| e.to_string())
-                        }
-                    }
-                }
-                .await;
+                let r = creation.await;
                 // As QEMU: the one step counts as done whatever its outcome.
                 job.set_progress(1, 1);
                 r.map(|()| None)

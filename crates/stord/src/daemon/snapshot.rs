@@ -7,9 +7,10 @@
 use std::sync::Arc;
 
 use super::{DaemonError, State};
-use crate::block::create::{create_file, create_qcow2, FileCreate, Qcow2Create};
+use crate::block::file::create::{create_file, FileCreate};
 use crate::block::file::{self, AioMode, FileOptions};
 use crate::block::perm::Perm;
+use crate::block::qcow2::create::{create_qcow2, Qcow2Create};
 use crate::block::BlockNode;
 use crate::cli::keyval::KeyVal;
 

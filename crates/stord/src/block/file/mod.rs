@@ -14,6 +14,7 @@
 //! transfers an [`IoVec`]: one of our buffers, or pieces of a guest's memory read into and
 //! written from directly (vectored) when they are aligned enough for the file.
 
+pub mod create;
 mod extent_cache;
 mod linux_aio;
 pub(crate) mod lock;
@@ -33,6 +34,7 @@ use std::sync::Arc;
 use super::graph::{DriverDef, GraphError, Opened};
 use super::{new_buf, request_buf, BlockDriver, BlockStatus, BoxFut, Buf, IoVec};
 use crate::cli::keyval::KeyVal;
+use crate::cli::Help;
 use crate::sys;
 
 /// Which backend a file node uses.
@@ -148,6 +150,11 @@ pub const DRIVER: DriverDef = DriverDef {
     names: &["file", "host_device"],
     takes_discard: true,
     takes_cache: true,
+    help: Help {
+        synopsis: "filename=<path>[,aio=io_uring|native|threads][,cache.direct=on|off]\n[,cache.no-flush=on|off][,aio-max-batch=<n>][,x-reap-after-submit=on|off]\n[,discard=unmap|ignore][,locking=auto|on|off]",
+        about: "a regular file or block device, locked as QEMU locks its images",
+    },
+    create: Some(&create::CREATE),
     open: |_, kv, flags| {
         let opts = FileOptions::from_opts(kv, flags.read_only)?;
         let direct = opts.direct;

@@ -26,6 +26,7 @@ use handshake::{ExportInfo, HandshakeError, Tls};
 use super::graph::{DriverDef, GraphError, Opened};
 use super::{BlockDriver, BlockStatus, BoxFut, Buf};
 use crate::cli::keyval::KeyVal;
+use crate::cli::Help;
 use crate::nbd::proto::*;
 use crate::tls::{TlsCreds, TlsError};
 
@@ -34,6 +35,11 @@ pub const DRIVER: DriverDef = DriverDef {
     names: &["nbd"],
     takes_discard: false,
     takes_cache: false,
+    help: Help {
+        synopsis: "server.type=unix,server.path=<path>\n | server.type=inet,server.host=<host>,server.port=<port>\n[,export=<name>][,reconnect-delay=<s>][,open-timeout=<s>][,x-dirty-bitmap=<context>]\n[,tls-creds=<id>[,tls-hostname=<name>]][,x-request-timeout=<s>][,x-multi-conn=<n>]",
+        about: "an export of an NBD server",
+    },
+    create: None,
     open: |g, kv, flags| {
         let opts = NbdOptions::from_kv(kv)?;
         let tls = match &opts.tls_creds {

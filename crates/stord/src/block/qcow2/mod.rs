@@ -20,6 +20,7 @@
 //! images marked dirty or corrupt.
 
 mod bitmaps;
+pub mod create;
 #[cfg(any(test, fuzzing))]
 #[doc(hidden)]
 pub mod fuzz;
@@ -50,6 +51,7 @@ use crate::block::perm::Perm;
 use crate::block::range_lock::RangeLocks;
 use crate::block::{request_buf, BlockDriver, BlockNode, BlockStatus, BoxFut, Buf, IoVec};
 use crate::cli::keyval::KeyVal;
+use crate::cli::Help;
 
 /// The driver table's entry: a qcow2 image over its `file`; its backing node is
 /// `backing=NAME`, inline `backing.driver=...`, none with `backing=null`, else the one the
@@ -58,6 +60,11 @@ pub const DRIVER: DriverDef = DriverDef {
     names: &["qcow2"],
     takes_discard: true,
     takes_cache: false,
+    help: Help {
+        synopsis: "file=<node> | file.driver=...[,backing=<node>|null | ,backing.driver=...]\n[,l2-cache-size=<size>][,refcount-cache-size=<size>][,cache-size=<size>]\n[,discard=unmap|ignore]",
+        about: "the qcow2 format over its child `file`; the backing file an image names\nopens by itself unless `backing` says otherwise",
+    },
+    create: Some(&create::CREATE),
     open: |g, kv, flags| {
         let file = g.child(kv, "file")?;
         let opts = Qcow2Options::from_opts(kv)?;

@@ -13,15 +13,23 @@ use std::io;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
+use super::create::{unsupported, CreateDef};
 use super::graph::{DriverDef, GraphError, Opened};
 use super::{BlockDriver, BlockStatus, BoxFut, Buf};
 use crate::cli::keyval::KeyVal;
+use crate::cli::Help;
+use crate::schema::{opt, req, Ty};
 
 /// The driver table's entry.
 pub const DRIVER: DriverDef = DriverDef {
     names: &["rbd"],
     takes_discard: false,
     takes_cache: true,
+    help: Help {
+        synopsis: "pool=<pool>,image=<image>[,namespace=<name>][,snapshot=<name>][,conf=<file>]\n[,user=<id>][,server.0.host=<host>,server.0.port=<port>...][,key-secret=<secret id>]\n[,auth-client-required.0=cephx|none...][,cache.direct=on|off][,cache.no-flush=on|off]",
+        about: "an image in a Ceph cluster, through librbd (opened when the first rbd node\nopens: Debian's librbd1)",
+    },
+    create: Some(&CREATE),
     open: |graph, kv, flags| {
         let opts = RbdOptions::from_kv(kv, &|id| graph.secret(id))?;
         let read_only = flags.read_only;
@@ -36,6 +44,33 @@ pub const DRIVER: DriverDef = DriverDef {
             direct: opts.direct,
             bitmaps: Vec::new(),
         })
+    },
+};
+
+/// `blockdev-create`'s part for `driver=rbd` (QEMU's BlockdevCreateOptionsRbd).
+pub const CREATE: CreateDef = CreateDef {
+    args: &[
+        req("location", Ty::Object),
+        req("size", Ty::Uint),
+        opt("cluster-size", Ty::Uint),
+        opt("encrypt", Ty::Any),
+    ],
+    prepare: |mut kv, env| {
+        if kv.take("encrypt").is_some() || kv.take_prefixed("encrypt").is_some() {
+            return Err(unsupported("'encrypt'"));
+        }
+        let mut loc = kv
+            .take_object("location")
+            .unwrap_or_else(|| KeyVal::from_pairs("options.location", []));
+        let location = RbdOptions::from_kv(&mut loc, &|id| env.secret(id))?;
+        loc.finish()?;
+        let size = kv.take_u64("size", false)?.unwrap_or(0);
+        let cluster_size = kv.take_u64("cluster-size", false)?;
+        kv.finish()?;
+        // librados blocks while it connects: on a worker.
+        Ok(Box::pin(async move {
+            super::offload(move || create(&location, size, cluster_size)).await
+        }))
     },
 };
 

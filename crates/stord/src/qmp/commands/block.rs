@@ -9,7 +9,7 @@ use crate::qmp::QmpError;
 pub const BLOCKDEV_ADD: Command = Command {
     name: "blockdev-add",
     args: &[
-        req("driver", Ty::Str),
+        req("driver", Ty::Enum(&crate::block::graph::BLOCKDEV_DRIVER)),
         opt("node-name", Ty::Str),
         opt("filename", Ty::Str),
         opt("aio", Ty::Str),

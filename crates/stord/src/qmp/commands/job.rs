@@ -4,8 +4,8 @@
 use serde_json::{json, Map, Value};
 
 use super::{opt, req, Args, Command, Ty};
-use crate::block::create::{FileCreate, Qcow2Create};
-use crate::daemon::CreateOptions;
+use crate::block::create::Creation;
+use crate::block::graph;
 use crate::qmp::QmpError;
 
 impl From<crate::job::JobError> for QmpError {
@@ -19,163 +19,40 @@ impl From<crate::job::JobError> for QmpError {
 
 pub const BLOCKDEV_CREATE: Command = Command {
     name: "blockdev-create",
-    args: &[req("job-id", Ty::Str), req("options", Ty::Object)],
+    args: &[
+        req("job-id", Ty::Str),
+        req("options", Ty::Union(&graph::BLOCKDEV_CREATE_OPTIONS)),
+    ],
     open: false,
     run: |state, mut a| {
         let id = a.str_req("job-id")?;
         let Some(Value::Object(options)) = a.take("options") else {
             return Err(super::missing("options"));
         };
-        let o = create_options(options, &|id| state.borrow().secret(id))?;
-        state.borrow_mut().blockdev_create(&id, o)?;
+        let creation = prepare_creation(state, options)?;
+        state.borrow_mut().blockdev_create(&id, creation)?;
         Ok(json!({}))
     },
 };
 
-/// The members `options` takes for each driver stord creates, as QEMU's schema.
-const FILE_ARGS: &[super::Arg] = &[
-    req("driver", Ty::Str),
-    req("filename", Ty::Str),
-    req("size", Ty::Uint),
-    opt("preallocation", Ty::Str),
-    opt("nocow", Ty::Bool),
-    opt("extent-size-hint", Ty::Uint),
-];
-const QCOW2_ARGS: &[super::Arg] = &[
-    req("driver", Ty::Str),
-    req("file", Ty::Any),
-    req("size", Ty::Uint),
-    opt("data-file", Ty::Any),
-    opt("data-file-raw", Ty::Bool),
-    opt("extended-l2", Ty::Bool),
-    opt("version", Ty::Str),
-    opt("backing-file", Ty::Str),
-    opt("backing-fmt", Ty::Str),
-    opt("encrypt", Ty::Any),
-    opt("cluster-size", Ty::Uint),
-    opt("preallocation", Ty::Str),
-    opt("lazy-refcounts", Ty::Bool),
-    opt("refcount-bits", Ty::Uint),
-    opt("compression-type", Ty::Str),
-];
-
-const RBD_ARGS: &[super::Arg] = &[
-    req("driver", Ty::Str),
-    req("location", Ty::Object),
-    req("size", Ty::Uint),
-    opt("cluster-size", Ty::Uint),
-    opt("encrypt", Ty::Any),
-];
-
-/// QEMU's BlockdevCreateOptions for the drivers stord creates; its messages for what
-/// the schema refuses (names prefixed `options.`). `secret` looks up secret objects.
-fn create_options(
-    m: Map<String, Value>,
-    secret: &dyn Fn(&str) -> Option<Vec<u8>>,
-) -> Result<CreateOptions, QmpError> {
-    let prefix = |e: QmpError| QmpError::generic(e.desc.replacen("'", "'options.", 1));
-    let driver = match m.get("driver") {
-        Some(Value::String(d)) => d.clone(),
-        Some(_) => return Err(super::type_error("options.driver", "string")),
-        None => return Err(super::missing("options.driver")),
+/// The driver's preparation of `options` (checked against its members already): the
+/// work the `create` job runs, or the command's error.
+fn prepare_creation(
+    state: &crate::daemon::SharedState,
+    mut options: Map<String, Value>,
+) -> Result<Creation, QmpError> {
+    let driver = options.remove("driver");
+    let driver = driver.as_ref().and_then(Value::as_str).unwrap_or_default();
+    // Only a driver's own name creates (`host_device` opens what `file` creates, as QEMU).
+    let Some(create) = graph::driver(driver)
+        .filter(|d| d.names[0] == driver)
+        .and_then(|d| d.create)
+    else {
+        return Err(QmpError::generic("Driver does not support blockdev-create"));
     };
-    let unsupported = |what: &str| {
-        Err(QmpError::generic(format!(
-            "blockdev-create: {what} is not supported by stord yet"
-        )))
-    };
-    match driver.as_str() {
-        "file" => {
-            let mut a = Args::check(m, FILE_ARGS, false).map_err(prefix)?;
-            let falloc = match a.str("preallocation").as_deref() {
-                None | Some("off") => false,
-                Some("falloc") => true,
-                Some(p) => return unsupported(&format!("preallocation={p}")),
-            };
-            Ok(CreateOptions::File(FileCreate {
-                filename: a.str_req("filename")?,
-                size: a.i64("size").unwrap_or(0) as u64,
-                falloc,
-            }))
-        }
-        "qcow2" => {
-            let mut a = Args::check(m, QCOW2_ARGS, false).map_err(prefix)?;
-            let file = match a.take("file") {
-                Some(Value::String(f)) => f,
-                _ => return unsupported("an inline 'file' (name a node)"),
-            };
-            for k in ["data-file", "encrypt"] {
-                if a.take(k).is_some() {
-                    return unsupported(&format!("'{k}'"));
-                }
-            }
-            for k in ["data-file-raw", "extended-l2"] {
-                if a.bool(k) == Some(true) {
-                    return unsupported(&format!("'{k}'"));
-                }
-            }
-            let v3 = match a.str("version").as_deref() {
-                None | Some("v3") => true,
-                Some("v2") => false,
-                Some(v) => {
-                    return Err(QmpError::generic(format!(
-                        "Parameter 'options.version' does not accept value '{v}'"
-                    )))
-                }
-            };
-            match a.str("preallocation").as_deref() {
-                None | Some("off") => {}
-                Some(p) => return unsupported(&format!("preallocation={p}")),
-            }
-            let zstd = match a.str("compression-type").as_deref() {
-                None | Some("zlib") => false,
-                Some("zstd") => true,
-                Some(c) => {
-                    return Err(QmpError::generic(format!(
-                        "Parameter 'options.compression-type' does not accept value '{c}'"
-                    )))
-                }
-            };
-            let uint = |a: &mut Args, k: &str, d: u64| a.i64(k).map_or(d, |v| v as u64);
-            Ok(CreateOptions::Qcow2 {
-                file,
-                opts: Qcow2Create {
-                    size: uint(&mut a, "size", 0),
-                    v3,
-                    cluster_size: uint(&mut a, "cluster-size", 65536),
-                    refcount_bits: uint(&mut a, "refcount-bits", 16),
-                    lazy_refcounts: a.bool("lazy-refcounts").unwrap_or(false),
-                    backing_file: a.str("backing-file"),
-                    backing_fmt: a.str("backing-fmt"),
-                    zstd,
-                },
-            })
-        }
-        "rbd" => {
-            let mut a = Args::check(m, RBD_ARGS, false).map_err(prefix)?;
-            if a.take("encrypt").is_some() {
-                return unsupported("'encrypt'");
-            }
-            let Some(Value::Object(loc)) = a.take("location") else {
-                return Err(super::missing("options.location"));
-            };
-            let mut kv = Args::from_map(loc).into_keyval("options.location");
-            let location = crate::block::rbd::RbdOptions::from_kv(&mut kv, secret)
-                .map_err(|e| QmpError::generic(e.to_string()))?;
-            kv.finish().map_err(|e| QmpError::generic(e.to_string()))?;
-            Ok(CreateOptions::Rbd {
-                location,
-                size: a.i64("size").unwrap_or(0) as u64,
-                cluster_size: a.i64("cluster-size").map(|v| v as u64),
-            })
-        }
-        "raw" | "null-co" | "null" | "throttle" | "host_device" => Err(QmpError::generic(
-            "Driver does not support blockdev-create",
-        )),
-        other => Err(QmpError::generic(format!(
-            "blockdev-create: stord cannot create images of driver '{other}' (it creates file, qcow2 and rbd)"
-        ))),
-    }
+    let kv = Args::from_map(options).into_keyval("options");
+    let st = state.borrow();
+    (create.prepare)(kv, &*st).map_err(|e| QmpError::generic(e.to_string()))
 }
 
 pub const QUERY_JOBS: Command = Command {

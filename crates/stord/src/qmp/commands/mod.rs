@@ -23,82 +23,8 @@ use super::QmpError;
 use crate::cli::keyval::KeyVal;
 use crate::daemon::SharedState;
 
-/// An argument's JSON type, named as QAPI's builtins.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Ty {
-    Str,
-    /// Any integer (QAPI's `int`).
-    Int,
-    /// A non-negative integer (QAPI's `uint32`, `size`, ...).
-    Uint,
-    Bool,
-    Object,
-    Array,
-    Any,
-}
-
-impl Ty {
-    /// The name "expected: ..." errors use.
-    fn expected(self) -> &'static str {
-        match self {
-            Ty::Str => "string",
-            Ty::Int | Ty::Uint => "integer",
-            Ty::Bool => "boolean",
-            Ty::Object => "object",
-            Ty::Array => "array",
-            Ty::Any => "any",
-        }
-    }
-
-    fn matches(self, v: &Value) -> bool {
-        match self {
-            Ty::Str => v.is_string(),
-            Ty::Int => v.is_i64() || v.is_u64(),
-            Ty::Uint => v.is_u64(),
-            Ty::Bool => v.is_boolean(),
-            Ty::Object => v.is_object(),
-            Ty::Array => v.is_array(),
-            Ty::Any => true,
-        }
-    }
-
-    /// The QAPI builtin the schema names.
-    fn schema_name(self) -> &'static str {
-        match self {
-            Ty::Str => "str",
-            Ty::Int => "int",
-            Ty::Uint => "uint64",
-            Ty::Bool => "bool",
-            Ty::Object | Ty::Array | Ty::Any => "any",
-        }
-    }
-}
-
-/// One argument of a command (or member of an event).
-#[derive(Debug, Clone, Copy)]
-pub struct Arg {
-    pub name: &'static str,
-    pub ty: Ty,
-    pub required: bool,
-}
-
-/// A required argument.
-pub const fn req(name: &'static str, ty: Ty) -> Arg {
-    Arg {
-        name,
-        ty,
-        required: true,
-    }
-}
-
-/// An optional argument.
-pub const fn opt(name: &'static str, ty: Ty) -> Arg {
-    Arg {
-        name,
-        ty,
-        required: false,
-    }
-}
+use crate::schema::Mismatch;
+pub use crate::schema::{opt, req, Arg, EnumType, Ty, UnionType};
 
 /// A command's handler: its checked arguments in, a return value or an error out.
 pub type Handler = fn(&SharedState, Args) -> Result<Value, QmpError>;
@@ -183,6 +109,13 @@ pub fn type_error(name: &str, expected: &str) -> QmpError {
     ))
 }
 
+/// QEMU's words for a string that is no value of its enum.
+pub fn bad_enum_value(name: &str, value: &str) -> QmpError {
+    QmpError::generic(format!(
+        "Parameter '{name}' does not accept value '{value}'"
+    ))
+}
+
 /// QEMU's "Parameter ... is missing".
 pub fn missing(name: &str) -> QmpError {
     QmpError::generic(format!("Parameter '{name}' is missing"))
@@ -192,18 +125,7 @@ impl Args {
     /// Checks `map` against `spec`: required arguments present, declared ones of their
     /// type, no others unless `open`.
     fn check(map: Map<String, Value>, spec: &[Arg], open: bool) -> Result<Self, QmpError> {
-        for a in spec {
-            match map.get(a.name) {
-                None if a.required => return Err(missing(a.name)),
-                Some(v) if !a.ty.matches(v) => return Err(type_error(a.name, a.ty.expected())),
-                _ => {}
-            }
-        }
-        if !open {
-            if let Some(k) = map.keys().find(|k| !spec.iter().any(|a| a.name == *k)) {
-                return Err(QmpError::generic(format!("Parameter '{k}' is unexpected")));
-            }
-        }
+        check_members(&map, spec, open, "")?;
         Ok(Self { map })
     }
 
@@ -267,6 +189,50 @@ impl Args {
     }
 }
 
+/// Checks the members of one object (`path` prefixes the names errors give, as QEMU
+/// names nested members: `options.size`); a union member's own members are checked as
+/// its tag selects.
+fn check_members(
+    map: &Map<String, Value>,
+    spec: &[Arg],
+    open: bool,
+    path: &str,
+) -> Result<(), QmpError> {
+    for a in spec {
+        let name = format!("{path}{}", a.name);
+        match map.get(a.name).map(|v| (v, a.ty.check(v))) {
+            None if a.required => return Err(missing(&name)),
+            Some((_, Err(Mismatch::Type(expected)))) => return Err(type_error(&name, expected)),
+            Some((_, Err(Mismatch::Value(v)))) => return Err(bad_enum_value(&name, &v)),
+            Some((Value::Object(inner), Ok(()))) => {
+                if let Ty::Union(u) = a.ty {
+                    check_union(inner, u, &format!("{name}."))?;
+                }
+            }
+            _ => {}
+        }
+    }
+    if !open {
+        if let Some(k) = map.keys().find(|k| !spec.iter().any(|a| a.name == *k)) {
+            return Err(QmpError::generic(format!(
+                "Parameter '{path}{k}' is unexpected"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// A union's tag, then the members its value selects (a value without members of its own
+/// takes only the tag, as QAPI's unions with an empty branch).
+fn check_union(map: &Map<String, Value>, u: &UnionType, path: &str) -> Result<(), QmpError> {
+    let tag = req(u.tag, Ty::Enum(u.tag_type));
+    check_members(map, &[tag], true, path)?;
+    let value = map[u.tag].as_str().unwrap_or_default();
+    let mut members = vec![tag];
+    members.extend_from_slice(u.variant(value).unwrap_or(&[]));
+    check_members(map, &members, false, path)
+}
+
 fn flatten(out: &mut Vec<(String, String)>, prefix: &str, map: &Map<String, Value>) {
     for (k, v) in map {
         let key = if prefix.is_empty() {
@@ -309,27 +275,11 @@ pub fn execute(
 }
 
 /// `query-qmp-schema`'s answer, generated from [`COMMANDS`] and the events table: QEMU's
-/// `SchemaInfo` list, with type names numbered as QEMU masks them. Arguments whose
-/// structure stord checks itself (driver options, nested addresses) appear as `any`.
+/// `SchemaInfo` list, with type names numbered as QEMU masks them. Enums and unions come
+/// from the tables behind them (the block drivers); arguments whose structure stord checks
+/// itself (driver options, nested addresses) appear as `any`.
 pub fn schema() -> Value {
-    let mut out = Vec::new();
-    let mut next = 0u32;
-    let mut object = |out: &mut Vec<Value>, members: &[Arg]| -> String {
-        let name = next.to_string();
-        next += 1;
-        let members: Vec<Value> = members
-            .iter()
-            .map(|a| {
-                let mut m = json!({ "name": a.name, "type": a.ty.schema_name() });
-                if !a.required {
-                    m["default"] = Value::Null;
-                }
-                m
-            })
-            .collect();
-        out.push(json!({ "name": name, "meta-type": "object", "members": members }));
-        name
-    };
+    let mut b = SchemaBuilder::default();
     let qmp_capabilities = Command {
         name: "qmp_capabilities",
         args: &[],
@@ -337,8 +287,8 @@ pub fn schema() -> Value {
         run: |_, _| Ok(json!({})),
     };
     for c in std::iter::once(&qmp_capabilities).chain(COMMANDS) {
-        let arg_type = object(&mut out, c.args);
-        out.push(json!({
+        let arg_type = b.object(c.args);
+        b.out.push(json!({
             "name": c.name,
             "meta-type": "command",
             "arg-type": arg_type,
@@ -361,8 +311,9 @@ pub fn schema() -> Value {
                 required: !name.starts_with('?'),
             })
             .collect();
-        let arg_type = object(&mut out, &members);
-        out.push(json!({ "name": e.name, "meta-type": "event", "arg-type": arg_type }));
+        let arg_type = b.object(&members);
+        b.out
+            .push(json!({ "name": e.name, "meta-type": "event", "arg-type": arg_type }));
     }
     for (name, json_type) in [
         ("str", "string"),
@@ -371,9 +322,93 @@ pub fn schema() -> Value {
         ("bool", "boolean"),
         ("any", "value"),
     ] {
-        out.push(json!({ "name": name, "meta-type": "builtin", "json-type": json_type }));
+        b.out
+            .push(json!({ "name": name, "meta-type": "builtin", "json-type": json_type }));
     }
-    Value::Array(out)
+    Value::Array(b.out)
+}
+
+/// Builds the schema's list: object types numbered as they come, each enum and union once.
+#[derive(Default)]
+struct SchemaBuilder {
+    out: Vec<Value>,
+    next: u32,
+    /// Enums and unions already listed, by QAPI name, with their masked names.
+    named: std::collections::HashMap<&'static str, String>,
+}
+
+impl SchemaBuilder {
+    fn fresh(&mut self) -> String {
+        self.next += 1;
+        (self.next - 1).to_string()
+    }
+
+    /// The name a member of type `ty` refers to (listing its type first if new).
+    fn ty(&mut self, ty: Ty) -> String {
+        let builtin = match ty {
+            Ty::Str => "str",
+            Ty::Int => "int",
+            Ty::Uint => "uint64",
+            Ty::Bool => "bool",
+            Ty::Object | Ty::Array | Ty::Any => "any",
+            Ty::Enum(e) => return self.enumeration(e),
+            Ty::Union(u) => return self.union(u),
+        };
+        builtin.to_string()
+    }
+
+    fn members(&mut self, members: &[Arg]) -> Vec<Value> {
+        members
+            .iter()
+            .map(|a| {
+                let mut m = json!({ "name": a.name, "type": self.ty(a.ty) });
+                if !a.required {
+                    m["default"] = Value::Null;
+                }
+                m
+            })
+            .collect()
+    }
+
+    fn object(&mut self, members: &[Arg]) -> String {
+        let members = self.members(members);
+        let name = self.fresh();
+        self.out
+            .push(json!({ "name": name, "meta-type": "object", "members": members }));
+        name
+    }
+
+    fn enumeration(&mut self, e: &'static EnumType) -> String {
+        if let Some(n) = self.named.get(e.name) {
+            return n.clone();
+        }
+        let name = self.fresh();
+        self.named.insert(e.name, name.clone());
+        let values = (e.values)();
+        let members: Vec<Value> = values.iter().map(|v| json!({ "name": v })).collect();
+        self.out.push(json!({
+            "name": name, "meta-type": "enum", "members": members, "values": values,
+        }));
+        name
+    }
+
+    fn union(&mut self, u: &'static UnionType) -> String {
+        if let Some(n) = self.named.get(u.name) {
+            return n.clone();
+        }
+        let name = self.fresh();
+        self.named.insert(u.name, name.clone());
+        let tag = self.members(&[req(u.tag, Ty::Enum(u.tag_type))]);
+        let variants: Vec<Value> = (u.variants)()
+            .into_iter()
+            .map(|(case, members)| json!({ "case": case, "type": self.object(members) }))
+            .collect();
+        self.out.push(json!({
+            "name": name, "meta-type": "object", "members": tag, "tag": u.tag,
+            "variants": variants,
+        }));
+        name
+    }
 }
 
 #[cfg(test)]
@@ -405,12 +440,42 @@ mod tests {
             }
         }
         assert_eq!(find("SHUTDOWN").unwrap()["meta-type"], "event");
-        // Every type a member names is in the list.
-        for e in list {
-            for m in e["members"].as_array().into_iter().flatten() {
+        // Every type a member or variant names is in the list.
+        for e in list.iter().filter(|e| e["meta-type"] == "object") {
+            let variants = e["variants"].as_array().into_iter().flatten();
+            for m in e["members"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .chain(variants)
+            {
                 assert!(find(m["type"].as_str().unwrap()).is_some(), "{m}");
             }
         }
+        // The driver enum and blockdev-create's union come from the driver table.
+        let add = find(find("blockdev-add").unwrap()["arg-type"].as_str().unwrap()).unwrap();
+        let driver = &add["members"][0];
+        let drivers = find(driver["type"].as_str().unwrap()).unwrap();
+        assert_eq!(drivers["meta-type"], "enum");
+        assert_eq!(
+            drivers["values"],
+            json!(crate::block::graph::all_driver_names())
+        );
+        let create = find(
+            find("blockdev-create").unwrap()["arg-type"]
+                .as_str()
+                .unwrap(),
+        )
+        .unwrap();
+        let options = find(create["members"][1]["type"].as_str().unwrap()).unwrap();
+        assert_eq!(options["tag"], "driver");
+        let cases: Vec<&str> = options["variants"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v["case"].as_str().unwrap())
+            .collect();
+        assert_eq!(cases, ["file", "qcow2", "rbd"]);
     }
 
     #[test]
