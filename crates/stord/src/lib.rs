@@ -17,6 +17,8 @@
 //! - [`iothread`]: the iothread object's properties, described once.
 //! - [`job`]: jobs (QEMU's states, verbs and events); `blockdev-create` runs as one.
 //! - [`process`]: the main loop, signals, the command line applied, the stop.
+//! - [`schema`]: QAPI's types for the tables that describe their arguments.
+//! - [`usage`]: `--help`, generated from the tables.
 
 pub mod accept;
 pub mod block;
@@ -35,3 +37,4 @@ pub mod schema;
 pub mod secret;
 pub mod sys;
 pub mod tls;
+pub mod usage;

@@ -2,7 +2,7 @@
 
 use std::process::ExitCode;
 
-use stord::cli::{self, USAGE};
+use stord::cli;
 use stord::process::{default_job, repo_root, Daemon};
 
 fn main() -> ExitCode {
@@ -17,12 +17,20 @@ fn main() -> ExitCode {
         }
     };
     if cl.help {
-        print!("{USAGE}");
+        print!("{}", stord::usage::text());
         return ExitCode::SUCCESS;
     }
-    if let Some(text) = cl.object_help.take() {
-        print!("{text}");
-        return ExitCode::SUCCESS;
+    if let Some(value) = cl.object_help.take() {
+        return match stord::usage::object_help(&value) {
+            Ok(text) => {
+                print!("{text}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("stord: {e}");
+                ExitCode::from(1)
+            }
+        };
     }
     if cl.version {
         println!("stord {}", env!("CARGO_PKG_VERSION"));

@@ -18,7 +18,8 @@ pub const DRIVER: DriverDef = DriverDef {
     takes_cache: false,
     help: Help {
         synopsis: "[,size=<size>][,read-zeroes=on|off]",
-        about: "reads zeroes (with read-zeroes=on) and drops writes: for tests and benchmarks",
+        about: "reads zeroes (with read-zeroes=on), drops writes: for tests\n\
+                and benchmarks",
     },
     create: None,
     open: |_, kv, flags| {

@@ -19,8 +19,13 @@ pub const DRIVER: DriverDef = DriverDef {
     takes_discard: false,
     takes_cache: false,
     help: Help {
-        synopsis: "file=<node> | file.driver=<driver>,file.<option>=...\n[,offset=<bytes>][,size=<bytes>]",
-        about: "the raw format over its child `file` (named or inline); offset and size cut\na window of it",
+        synopsis: "file=<node>
+\
+                   | file.driver=<driver>,file.<option>=...
+\
+                   [,offset=<bytes>][,size=<bytes>]",
+        about: "the raw format over its child `file` (named or inline);\n\
+                offset and size cut a window of it",
     },
     create: None,
     open: |g, kv, flags| {

@@ -26,7 +26,8 @@ pub const DRIVER: DriverDef = DriverDef {
     takes_discard: false,
     takes_cache: false,
     help: Help {
-        synopsis: "throttle-group=<id>,file=<node> | file.driver=...",
+        synopsis: "throttle-group=<id>\n\
+                   ,file=<node> | ,file.driver=...",
         about: "the limits of an --object throttle-group over its child `file`",
     },
     create: None,

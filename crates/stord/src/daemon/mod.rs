@@ -8,7 +8,7 @@
 
 mod block_jobs;
 mod graph;
-mod objects;
+pub mod objects;
 mod snapshot;
 
 pub use graph::id_wellformed;
@@ -607,8 +607,12 @@ impl State {
     /// `--export` / `block-export-add`: the type's constructor from [`EXPORT_TYPES`].
     pub fn add_export(&mut self, mut kv: KeyVal) -> Result<(), DaemonError> {
         let kind = kv.take_required("type")?;
-        let Some((_, create)) = EXPORT_TYPES.iter().find(|(k, _)| *k == kind) else {
-            let names: Vec<&str> = EXPORT_TYPES.iter().map(|(k, _)| *k).collect();
+        let Some(create) = EXPORT_TYPES
+            .iter()
+            .find(|t| t.name == kind)
+            .map(|t| t.create)
+        else {
+            let names: Vec<&str> = EXPORT_TYPES.iter().map(|t| t.name).collect();
             return Err(kv.bad_value("type", &names.join(", "), &kind).into());
         };
         if let Some(id) = kv.get("id") {

@@ -9,6 +9,7 @@ use stord_aio::{AioContextOptions, IoThread};
 use super::{id_wellformed, DaemonError, State};
 use crate::block::throttle::ThrottleGroup;
 use crate::cli::keyval::KeyVal;
+use crate::cli::Help;
 use crate::secret::Secret;
 use crate::tls::{AuthzSimple, TlsCreds};
 
@@ -38,6 +39,9 @@ pub type Create = fn(&mut State, &str, &str, KeyVal) -> Result<(), DaemonError>;
 pub struct ObjectType {
     pub name: &'static str,
     pub create: Create,
+    /// Its properties beside `qom-type` and `id`, for `--help`, `--object TYPE,help` and
+    /// docs/usage.md.
+    pub help: Help,
 }
 
 /// Every object type `--object` and `object-add` take.
@@ -45,38 +49,80 @@ pub const OBJECT_TYPES: &[ObjectType] = &[
     ObjectType {
         name: "iothread",
         create: create_iothread,
+        help: Help {
+            synopsis: "[,poll-max-ns=<ns> (default 65536)]\n\
+                   [,poll-grow=<n>][,poll-shrink=<n>]\n\
+                   [,poll-weight=<0..63>][,poll-policy=off|classic|weighted|haltpoll]\n\
+                   [,poll-grow-start=<ns>][,poll-allow-shrink=on|off][,poll-yield-ns=<ns>]\n\
+                   [,reactor=auto|io_uring|epoll]",
+            about: "an IoThread (an event loop on its own thread)",
+        },
     },
     ObjectType {
         name: "throttle-group",
         create: create_throttle_group,
+        help: Help {
+            synopsis: "[,x-iops-total=<n>][,x-iops-read=<n>][,x-iops-write=<n>]\n\
+                   [,x-bps-total=<n>][,x-bps-read=<n>][,x-bps-write=<n>]\n\
+                   [,x-<limit>-max=<n>][,x-<limit>-max-length=<s>][,x-iops-size=<bytes>]\n\
+                   (also limits.<limit>=...)",
+            about: "limits shared by the throttle nodes of the group",
+        },
     },
     ObjectType {
         name: "tls-creds-x509",
         create: create_tls_creds,
+        help: Help {
+            synopsis: ",endpoint=server|client,dir=<dir>\n\
+                   [,verify-peer=on|off]\n\
+                   [,passwordid=<secret id>][,sanity-check=on|off]",
+            about: "TLS certificates: <dir>/ca-cert.pem, server-cert.pem and\n\
+                    server-key.pem (client-*.pem for endpoint=client; ca-crl.pem\n\
+                    if present); verify-peer=on (the default) requires the peer\n\
+                    to present a certificate the CA signed",
+        },
     },
     ObjectType {
         name: "tls-creds-psk",
         create: create_tls_creds,
+        help: Help {
+            synopsis: ",endpoint=server|client,dir=<dir>[,username=<name>]",
+            about: "TLS pre-shared keys: <dir>/keys.psk, username:hexkey per line",
+        },
     },
     ObjectType {
         name: "authz-simple",
-        create: |st, _, id, mut kv| {
-            let a = AuthzSimple::from_object(&mut kv)?;
-            kv.finish()?;
-            st.objects.insert(id.into(), UserObject::Authz(Arc::new(a)));
-            Ok(())
+        create: create_authz,
+        help: Help {
+            synopsis: ",identity=<name>",
+            about: "the one TLS client admitted: its certificate's name as QEMU\n\
+                    writes it (C=GB,,O=Example,,CN=client: commas doubled) or\n\
+                    its PSK username",
         },
     },
     ObjectType {
         name: "secret",
-        create: |st, _, id, mut kv| {
-            let s = Secret::from_object(&mut kv)?;
-            kv.finish()?;
-            st.objects.insert(id.into(), UserObject::Secret(s));
-            Ok(())
+        create: create_secret,
+        help: Help {
+            synopsis: ",data=<text> | ,file=<path>[,format=raw|base64]",
+            about: "a secret (the passphrase of an encrypted key, a Ceph key)",
         },
     },
 ];
+
+fn create_authz(st: &mut State, _: &str, id: &str, mut kv: KeyVal) -> Result<(), DaemonError> {
+    let a = AuthzSimple::from_object(&mut kv)?;
+    kv.finish()?;
+    st.objects.insert(id.into(), UserObject::Authz(Arc::new(a)));
+    Ok(())
+}
+
+fn create_secret(st: &mut State, _: &str, id: &str, mut kv: KeyVal) -> Result<(), DaemonError> {
+    let s = Secret::from_object(&mut kv)?;
+    kv.finish()?;
+    st.objects.insert(id.into(), UserObject::Secret(s));
+    Ok(())
+}
 
 fn create_iothread(st: &mut State, _: &str, id: &str, mut kv: KeyVal) -> Result<(), DaemonError> {
     let config = crate::iothread::from_options(&mut kv)?;
@@ -199,17 +245,5 @@ impl State {
             Some(_) => Err(format!("Object with id '{id}' is not TLS credentials")),
             None => Err(format!("No TLS credentials with id '{id}'")),
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::OBJECT_TYPES;
-
-    /// `--object help` lists the types from the help text: the table and it agree.
-    #[test]
-    fn the_help_describes_every_object_type() {
-        let table: Vec<&str> = OBJECT_TYPES.iter().map(|t| t.name).collect();
-        assert_eq!(table, crate::cli::object_types());
     }
 }

@@ -28,6 +28,7 @@ use stord_aio::{IoThread, Remote};
 use crate::block::link::NodeLink;
 use crate::block::BlockNode;
 use crate::cli::keyval::{KeyVal, OptionError};
+use crate::cli::Help;
 
 /// One running export, whatever its protocol.
 pub trait Export {
@@ -160,11 +161,52 @@ impl ExportEnv<'_> {
 /// Builds and starts an export from its options (`type` already taken).
 pub type ExportConstructor = fn(&ExportEnv<'_>, KeyVal) -> Result<Box<dyn Export>, ExportError>;
 
-/// Every export type: adding one is its module plus a line here.
-pub const EXPORT_TYPES: &[(&str, ExportConstructor)] = &[
-    ("nbd", nbd::create),
-    ("fuse", fuse::create),
-    ("vhost-user-blk", vhost_user_blk::create),
+/// One export type.
+pub struct ExportType {
+    /// `type=`.
+    pub name: &'static str,
+    pub create: ExportConstructor,
+    /// Its options beside `type`, `id` and `node-name`, for `--help` and docs/usage.md.
+    pub help: Help,
+}
+
+/// Every export type: adding one is its module plus an entry here.
+pub const EXPORT_TYPES: &[ExportType] = &[
+    ExportType {
+        name: "nbd",
+        create: nbd::create,
+        help: Help {
+            synopsis: "\n\
+                       [,name=<export name>][,description=<text>][,writable=on|off]\n\
+                       [,multi-conn=on|off|auto][,allocation-depth=on|off]\n\
+                       [,bitmaps.0=<bitmap>,bitmaps.1=<bitmap>...]\n\
+                       [,iothread=<id> | ,iothread.0=<id>,iothread.1=<id>...]",
+            about: "a node over NBD, on the --nbd-server's socket (each bitmap as\n\
+                    qemu:dirty-bitmap:<name>)",
+        },
+    },
+    ExportType {
+        name: "fuse",
+        create: fuse::create,
+        help: Help {
+            synopsis: "mountpoint=<file>\n\
+                       [,writable=on|off][,growable=on|off]\n\
+                       [,allow-other=on|off|auto][,io-uring=on|off|auto]\n\
+                       [,iothread=<id> | ,iothread.0=<id>...]",
+            about: "a node as a regular file (FUSE, over /dev/fuse or\n\
+                    FUSE-over-io_uring)",
+        },
+    },
+    ExportType {
+        name: "vhost-user-blk",
+        create: vhost_user_blk::create,
+        help: Help {
+            synopsis: "addr.type=unix,addr.path=<path>\n\
+                       [,writable=on|off][,num-queues=<n>][,logical-block-size=<n>]\n\
+                       [,iothread=<id> | ,iothread.0=<id>...]",
+            about: "a node as a virtual machine's virtio disk (vhost-user-blk)",
+        },
+    },
 ];
 
 /// Waits until `drained` is ready, for at most `limit` (None: no limit); true if it was.

@@ -151,7 +151,10 @@ pub const DRIVER: DriverDef = DriverDef {
     takes_discard: true,
     takes_cache: true,
     help: Help {
-        synopsis: "filename=<path>[,aio=io_uring|native|threads][,cache.direct=on|off]\n[,cache.no-flush=on|off][,aio-max-batch=<n>][,x-reap-after-submit=on|off]\n[,discard=unmap|ignore][,locking=auto|on|off]",
+        synopsis: "filename=<path>\n\
+                   [,aio=io_uring|native|threads][,cache.direct=on|off][,cache.no-flush=on|off]\n\
+                   [,aio-max-batch=<n>][,x-reap-after-submit=on|off][,discard=unmap|ignore]\n\
+                   [,locking=auto|on|off]",
         about: "a regular file or block device, locked as QEMU locks its images",
     },
     create: Some(&create::CREATE),

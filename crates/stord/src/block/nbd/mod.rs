@@ -36,7 +36,11 @@ pub const DRIVER: DriverDef = DriverDef {
     takes_discard: false,
     takes_cache: false,
     help: Help {
-        synopsis: "server.type=unix,server.path=<path>\n | server.type=inet,server.host=<host>,server.port=<port>\n[,export=<name>][,reconnect-delay=<s>][,open-timeout=<s>][,x-dirty-bitmap=<context>]\n[,tls-creds=<id>[,tls-hostname=<name>]][,x-request-timeout=<s>][,x-multi-conn=<n>]",
+        synopsis: "server.type=unix,server.path=<path>\n\
+                   | server.type=inet,server.host=<host>,server.port=<port>\n\
+                   [,export=<name>][,reconnect-delay=<s>][,open-timeout=<s>]\n\
+                   [,x-dirty-bitmap=<context>][,tls-creds=<id>[,tls-hostname=<name>]]\n\
+                   [,x-request-timeout=<s>][,x-multi-conn=<n>]",
         about: "an export of an NBD server",
     },
     create: None,

@@ -61,8 +61,11 @@ pub const DRIVER: DriverDef = DriverDef {
     takes_discard: true,
     takes_cache: false,
     help: Help {
-        synopsis: "file=<node> | file.driver=...[,backing=<node>|null | ,backing.driver=...]\n[,l2-cache-size=<size>][,refcount-cache-size=<size>][,cache-size=<size>]\n[,discard=unmap|ignore]",
-        about: "the qcow2 format over its child `file`; the backing file an image names\nopens by itself unless `backing` says otherwise",
+        synopsis: "file=<node> | file.driver=...\n\
+                   [,backing=<node>|null | ,backing.driver=...][,l2-cache-size=<size>]\n\
+                   [,refcount-cache-size=<size>][,cache-size=<size>][,discard=unmap|ignore]",
+        about: "the qcow2 format over its child `file`; the backing file an\n\
+                image names opens by itself unless `backing` says otherwise",
     },
     create: Some(&create::CREATE),
     open: |g, kv, flags| {

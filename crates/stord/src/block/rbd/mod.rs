@@ -26,8 +26,13 @@ pub const DRIVER: DriverDef = DriverDef {
     takes_discard: false,
     takes_cache: true,
     help: Help {
-        synopsis: "pool=<pool>,image=<image>[,namespace=<name>][,snapshot=<name>][,conf=<file>]\n[,user=<id>][,server.0.host=<host>,server.0.port=<port>...][,key-secret=<secret id>]\n[,auth-client-required.0=cephx|none...][,cache.direct=on|off][,cache.no-flush=on|off]",
-        about: "an image in a Ceph cluster, through librbd (opened when the first rbd node\nopens: Debian's librbd1)",
+        synopsis: "pool=<pool>,image=<image>\n\
+                   [,namespace=<name>][,snapshot=<name>][,conf=<file>][,user=<id>]\n\
+                   [,server.0.host=<host>,server.0.port=<port>...][,key-secret=<secret id>]\n\
+                   [,auth-client-required.0=cephx|none...][,cache.direct=on|off]\n\
+                   [,cache.no-flush=on|off]",
+        about: "an image in a Ceph cluster, through librbd (loaded when\n\
+                the first rbd node opens: Debian's librbd1)",
     },
     create: Some(&CREATE),
     open: |graph, kv, flags| {

@@ -1,0 +1,210 @@
+//! `--help`, `--object help` and `--object TYPE,help`, generated from the tables (the
+//! object types, the block drivers, the export types), so the help names everything they
+//! hold; docs/usage.md carries the same synopses and a test holds it to them.
+
+use crate::block::graph::BLOCK_DRIVERS;
+use crate::cli::Help;
+use crate::daemon::objects::OBJECT_TYPES;
+use crate::export::EXPORT_TYPES;
+
+/// Where an entry's text starts and where its description does.
+const INDENT: usize = 2;
+const ABOUT_COLUMN: usize = 28;
+
+/// One table entry as the help shows it.
+pub struct Entry {
+    /// The option (`--blockdev`).
+    pub option: &'static str,
+    /// What selects it (`driver=file|host_device,node-name=<name>`).
+    pub head: String,
+    /// Its first name (`file`): docs/usage.md's heading.
+    pub name: &'static str,
+    pub help: Help,
+}
+
+impl Entry {
+    /// The option, its selector and its synopsis, continuation lines indented under the
+    /// selector.
+    pub fn synopsis(&self) -> String {
+        let lead = " ".repeat(INDENT + self.option.len() + 1);
+        let mut lines = self.help.synopsis.lines();
+        let first = lines.next().unwrap_or_default();
+        let sep = if first.is_empty() || first.starts_with(['[', ',']) {
+            ""
+        } else {
+            ","
+        };
+        let mut out = format!(
+            "{}{} {}{sep}{first}\n",
+            " ".repeat(INDENT),
+            self.option,
+            self.head
+        );
+        for l in lines {
+            out.push_str(&format!("{lead}{}\n", l.trim_start()));
+        }
+        out
+    }
+
+    /// The synopsis, then the description in its column.
+    fn render(&self) -> String {
+        let mut out = self.synopsis();
+        for l in self.help.about.lines() {
+            out.push_str(&format!("{}{}\n", " ".repeat(ABOUT_COLUMN), l.trim_start()));
+        }
+        out
+    }
+}
+
+/// Every object type, block driver and export type, in the help's order.
+pub fn entries() -> Vec<Entry> {
+    let objects = OBJECT_TYPES.iter().map(|t| Entry {
+        option: "--object",
+        head: format!("{},id=<id>", t.name),
+        name: t.name,
+        help: t.help,
+    });
+    let drivers = BLOCK_DRIVERS.iter().map(|d| Entry {
+        option: "--blockdev",
+        head: format!("driver={},node-name=<name>", d.names.join("|")),
+        name: d.names[0],
+        help: d.help,
+    });
+    let exports = EXPORT_TYPES.iter().map(|t| Entry {
+        option: "--export",
+        head: format!("type={},id=<id>,node-name=<name>", t.name),
+        name: t.name,
+        help: t.help,
+    });
+    objects.chain(drivers).chain(exports).collect()
+}
+
+const HEADER: &str = "\
+Usage: stord [options]
+Serve block nodes over NBD, FUSE and vhost-user-blk, with qemu-storage-daemon's
+command-line syntax.
+With no options, serves data/default.img (created sparse, 1 GiB) over NBD on a unix socket.
+
+  -h, --help                show this help
+  -V, --version             show the version
+";
+
+const NODES: &str =
+    "                            every --blockdev (also a JSON object) takes read-only=on|off,
+                            detect-zeroes=off|on|unmap, discard=ignore|unmap,
+                            force-share=on|off and cache.direct/cache.no-flush=on|off;
+                            inline children (file.driver=...) inherit them as QEMU's do
+";
+
+const NBD_SERVER: &str = "  --nbd-server addr.type=unix,addr.path=<path>
+               | addr.type=inet,addr.host=<host>,addr.port=<port>
+               [,max-connections=<n>][,handshake-max-seconds=<s>]
+               [,tls-creds=<id>[,tls-authz=<id>]]
+                            the NBD server; with tls-creds every client must use TLS
+";
+
+const PROCESS: &str = "  --chardev socket,id=<id>,path=<path>,server=on,wait=off
+  --monitor chardev=<id>    a QMP monitor on that socket (created 0600)
+  --pidfile <path>          write the process id once everything is ready
+  --daemonize               detach once everything is ready (the parent exits 0 then)
+";
+
+/// The help text: every table's entries, in its order.
+pub fn text() -> String {
+    let entries = entries();
+    let of = |option: &str| -> String {
+        entries
+            .iter()
+            .filter(|e| e.option == option)
+            .map(Entry::render)
+            .collect()
+    };
+    [
+        HEADER.to_string(),
+        of("--object"),
+        of("--blockdev"),
+        NODES.to_string(),
+        NBD_SERVER.to_string(),
+        of("--export"),
+        PROCESS.to_string(),
+    ]
+    .concat()
+}
+
+/// What `--object help` (the types) or `--object TYPE,help` (that type's properties)
+/// prints, as qsd answers them. `value` is the option's value.
+pub fn object_help(value: &str) -> Result<String, String> {
+    let kind = value.trim_end_matches("help").trim_end_matches(',');
+    let kind = kind.strip_prefix("qom-type=").unwrap_or(kind);
+    if kind.is_empty() {
+        let mut out = String::from("List of user creatable objects:\n");
+        for t in OBJECT_TYPES {
+            out.push_str(&format!("  {}\n", t.name));
+        }
+        return Ok(out);
+    }
+    match entries()
+        .into_iter()
+        .find(|e| e.option == "--object" && e.name == kind)
+    {
+        Some(e) => Ok(format!("{kind} options:\n{}", e.render())),
+        None => Err(format!(
+            "--object: unknown object type '{kind}' (supported: {})",
+            OBJECT_TYPES
+                .iter()
+                .map(|t| t.name)
+                .collect::<Vec<_>>()
+                .join(", ")
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every driver name, export type and object type is in the help, each once as the
+    /// start of an entry.
+    #[test]
+    fn the_help_names_every_table_entry() {
+        let help = text();
+        let starts = |prefix: String| help.lines().filter(|l| l.starts_with(&prefix)).count();
+        for d in BLOCK_DRIVERS {
+            let head = format!("  --blockdev driver={},", d.names.join("|"));
+            assert_eq!(starts(head), 1, "{:?}", d.names);
+        }
+        for t in EXPORT_TYPES {
+            assert_eq!(
+                starts(format!("  --export type={},", t.name)),
+                1,
+                "{}",
+                t.name
+            );
+        }
+        for t in OBJECT_TYPES {
+            assert_eq!(starts(format!("  --object {},", t.name)), 1, "{}", t.name);
+        }
+        for l in help.lines() {
+            assert!(l.len() <= 92, "a help line over 92 columns: {l}");
+        }
+    }
+
+    #[test]
+    fn object_help_lists_types_and_one_types_properties() {
+        let types = object_help("help").unwrap();
+        assert!(
+            types.contains("  tls-creds-x509\n") && types.contains("  iothread\n"),
+            "{types}"
+        );
+        assert_eq!(object_help("qom-type=help").unwrap(), types);
+        let x509 = object_help("tls-creds-x509,help").unwrap();
+        assert!(x509.starts_with("tls-creds-x509 options:\n"), "{x509}");
+        assert!(
+            x509.contains("verify-peer") && !x509.contains("poll-max-ns"),
+            "{x509}"
+        );
+        assert!(object_help("nope,help")
+            .unwrap_err()
+            .contains("unknown object type 'nope'"));
+    }
+}
