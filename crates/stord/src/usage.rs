@@ -207,4 +207,37 @@ mod tests {
             .unwrap_err()
             .contains("unknown object type 'nope'"));
     }
+
+    /// docs/usage.md has a section for each entry, in the tables' order, headed by its
+    /// name and opening with its synopsis as `--help` prints it.
+    #[test]
+    fn docs_usage_md_follows_the_tables() {
+        let doc = include_str!("../../../docs/usage.md");
+        let all = entries();
+        for (option, title) in [
+            ("--object", "Objects"),
+            ("--blockdev", "Block drivers"),
+            ("--export", "Exports"),
+        ] {
+            let start = doc
+                .find(&format!("\n## {title}\n"))
+                .unwrap_or_else(|| panic!("docs/usage.md has no '## {title}'"));
+            let rest = &doc[start + 1..];
+            let section = &rest[..rest[3..].find("\n## ").map_or(rest.len(), |i| i + 3)];
+            let headings: Vec<&str> = section
+                .lines()
+                .filter_map(|l| l.strip_prefix("### "))
+                .collect();
+            let ours: Vec<&Entry> = all.iter().filter(|e| e.option == option).collect();
+            let names: Vec<&str> = ours.iter().map(|e| e.name).collect();
+            assert_eq!(headings, names, "docs/usage.md's '{title}' and the table");
+            for e in ours {
+                let block = format!("### {}\n\n```text\n{}```\n", e.name, e.synopsis());
+                assert!(
+                    section.contains(&block),
+                    "docs/usage.md's '{title}' lacks this synopsis (as --help prints it):\n{block}"
+                );
+            }
+        }
+    }
 }
