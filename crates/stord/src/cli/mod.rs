@@ -61,6 +61,14 @@ pub struct CommandLine {
     pub object_help: Option<String>,
 }
 
+/// QEMU's `id_wellformed`: a letter, then letters, digits, `-`, `.` and `_` (the ids of
+/// objects, exports and jobs, and node names, whether given here or over QMP).
+pub fn id_wellformed(id: &str) -> bool {
+    let mut chars = id.chars();
+    chars.next().is_some_and(|c| c.is_ascii_alphabetic())
+        && chars.all(|c| c.is_ascii_alphanumeric() || "-._".contains(c))
+}
+
 /// Whether an `--object` value asks for help (`help`, `qom-type=help`, `TYPE,help`)
 /// rather than creating an object.
 fn is_object_help(value: &str) -> bool {

@@ -149,6 +149,123 @@ fn invalid(s: impl Into<String>) -> DaemonError {
     DaemonError::Invalid(s.into())
 }
 
+/// An argument's name and whether it was given.
+type Given<'a> = (&'a str, bool);
+
+/// QEMU's refusal of two arguments given together that exclude each other, checked in the
+/// order given.
+fn exclusive(pairs: &[(Given<'_>, Given<'_>)]) -> Result<(), DaemonError> {
+    match pairs.iter().find(|((_, a), (_, b))| *a && *b) {
+        Some(((a, _), (b, _))) => Err(invalid(format!(
+            "'{a}' and '{b}' cannot be specified at the same time"
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// What a stream job holds: it writes unchanged data into `top`, where nobody may resize;
+/// the nodes it removes from the chain (`streamed` past the top) must not change under
+/// it, and none of `streamed` may be used by another job.
+fn stream_holds(
+    top: &Arc<BlockNode>,
+    streamed: &[(Arc<BlockNode>, u32)],
+    job_id: &str,
+) -> Result<Holds, DaemonError> {
+    let user = format!("stream job '{job_id}'");
+    let mut claims = vec![top.claim(
+        &user,
+        "active node",
+        Perm::WRITE_UNCHANGED,
+        Perm::ALL & Perm::RESIZE.complement(),
+    )?];
+    let mut blockers = Vec::new();
+    let reason = "block device is in use by block job: stream".to_string();
+    for (i, (n, _)) in streamed.iter().enumerate() {
+        if i > 0 {
+            claims.push(n.claim(
+                &user,
+                "intermediate node",
+                Perm::NONE,
+                Perm::CONSISTENT_READ | Perm::WRITE_UNCHANGED,
+            )?);
+        }
+        blockers.push(n.block_ops(reason.clone())?);
+    }
+    Ok(Holds {
+        claims,
+        blockers,
+        attached: top.attach_job(),
+    })
+}
+
+/// What a commit job below the active layer holds: it reads the committed images
+/// (`committed`, top first) and, as QEMU's, leaves their permissions to the op blockers
+/// (their overlays' claims pass down what the overlays' users share); the base must take
+/// writes. `dev` is the node the job is attached to.
+fn commit_holds(
+    dev: &Arc<BlockNode>,
+    committed: &[(Arc<BlockNode>, u32)],
+    base: &Arc<BlockNode>,
+    job_id: &str,
+) -> Result<Holds, DaemonError> {
+    let user = format!("commit job '{job_id}'");
+    let reason = "block device is in use by block job: commit".to_string();
+    let mut claims = Vec::new();
+    let mut blockers = Vec::new();
+    for (n, _) in committed {
+        claims.push(n.claim(&user, "intermediate node", Perm::CONSISTENT_READ, Perm::ALL)?);
+        blockers.push(n.block_ops(reason.clone())?);
+    }
+    claims.push(base.claim(
+        &user,
+        "base",
+        Perm::CONSISTENT_READ | Perm::WRITE | Perm::RESIZE,
+        Perm::CONSISTENT_READ | Perm::WRITE_UNCHANGED,
+    )?);
+    blockers.push(base.block_ops(reason)?);
+    Ok(Holds {
+        claims,
+        blockers,
+        attached: dev.attach_job(),
+    })
+}
+
+/// What QEMU refuses of a commit whose top is the active layer (`top` 0) or has a writer.
+fn check_active_commit(o: &CommitOptions, top: usize) -> Result<(), DaemonError> {
+    if o.backing_file.is_some() {
+        return Err(invalid(if top == 0 {
+            "'backing-file' specified, but 'top' is the active layer"
+        } else {
+            "'backing-file' specified, but 'top' has a writer on it"
+        }));
+    }
+    if top != 0 {
+        return Err(invalid(
+            "block-commit of an image with a writer that is not the active layer \
+             is not supported by stord",
+        ));
+    }
+    Ok(())
+}
+
+/// The image right above `top` in `above` (the chain's part above it) that has `top` as
+/// its backing node: the overlay a commit re-points.
+fn overlay_of(
+    above: &[(Arc<BlockNode>, u32)],
+    top: &Arc<BlockNode>,
+) -> Result<Arc<BlockNode>, DaemonError> {
+    above
+        .iter()
+        .rev()
+        .find(|(n, _)| {
+            n.children()
+                .iter()
+                .any(|(r, c)| *r == "backing" && Arc::ptr_eq(c, top))
+        })
+        .map(|(n, _)| n.clone())
+        .ok_or_else(|| invalid("the image above 'top' has no backing link to it"))
+}
+
 impl State {
     /// A node by QEMU's bdrv_lookup_bs(device, node): stord's nodes have no device
     /// names, so either name may match a node-name (QEMU's text otherwise).
@@ -197,64 +314,20 @@ impl State {
         o: StreamOptions,
         me: Weak<RefCell<State>>,
     ) -> Result<(), DaemonError> {
-        if o.base.is_some() && o.base_node.is_some() {
-            return Err(invalid(
-                "'base' and 'base-node' cannot be specified at the same time",
-            ));
-        }
-        if o.base.is_some() && o.bottom.is_some() {
-            return Err(invalid(
-                "'base' and 'bottom' cannot be specified at the same time",
-            ));
-        }
-        if o.bottom.is_some() && o.base_node.is_some() {
-            return Err(invalid(
-                "'bottom' and 'base-node' cannot be specified at the same time",
-            ));
-        }
+        exclusive(&[
+            (
+                ("base", o.base.is_some()),
+                ("base-node", o.base_node.is_some()),
+            ),
+            (("base", o.base.is_some()), ("bottom", o.bottom.is_some())),
+            (
+                ("bottom", o.bottom.is_some()),
+                ("base-node", o.base_node.is_some()),
+            ),
+        ])?;
         let top = self.device_node(&o.device)?;
         let chain = chain(&top);
-        let position = |n: &Arc<BlockNode>| chain.iter().position(|(c, _)| Arc::ptr_eq(c, n));
-        // Where the streamed part of the chain ends: the index of the base in `chain`
-        // (chain.len() when everything below top comes up).
-        let mut end = chain.len();
-        if let Some(b) = &o.base {
-            end = chain
-                .iter()
-                .skip(1)
-                .position(|(n, _)| n.filename().as_deref() == Some(b.as_str()))
-                .map(|i| i + 1)
-                .ok_or_else(|| invalid(format!("Can't find '{b}' in the backing chain")))?;
-        }
-        if let Some(b) = &o.base_node {
-            let base = self.lookup_node(b)?;
-            end = match position(&base) {
-                Some(i) if i > 0 => i,
-                _ => {
-                    return Err(invalid(format!(
-                        "Node '{b}' is not a backing image of '{}'",
-                        o.device
-                    )))
-                }
-            };
-        }
-        if let Some(b) = &o.bottom {
-            let bottom = self.lookup_node(b)?;
-            if matches!(bottom.driver_name(), "throttle") {
-                return Err(invalid(format!(
-                    "Node '{b}' is a filter, use a non-filter node as 'bottom'"
-                )));
-            }
-            end = match position(&bottom) {
-                Some(i) => i + 1,
-                None => {
-                    return Err(invalid(format!(
-                        "Node '{b}' is not in a chain starting from '{}'",
-                        o.device
-                    )))
-                }
-            };
-        }
+        let end = self.stream_end(&o, &chain)?;
         for (n, _) in &chain[..end] {
             n.check_not_busy()?;
         }
@@ -276,47 +349,64 @@ impl State {
                 top.name
             )));
         }
-        // The job's hold on the chain: it writes unchanged data into top, where nobody may
-        // resize; the nodes it removes from the chain must not change under it.
-        let user = format!("stream job '{job_id}'");
-        let mut claims = vec![top.claim(
-            &user,
-            "active node",
-            Perm::WRITE_UNCHANGED,
-            Perm::ALL & Perm::RESIZE.complement(),
-        )?];
-        let mut blockers = Vec::new();
-        let reason = "block device is in use by block job: stream".to_string();
-        for (i, (n, _)) in chain[..end].iter().enumerate() {
-            if i > 0 {
-                claims.push(n.claim(
-                    &user,
-                    "intermediate node",
-                    Perm::NONE,
-                    Perm::CONSISTENT_READ | Perm::WRITE_UNCHANGED,
-                )?);
-            }
-            blockers.push(n.block_ops(reason.clone())?);
-        }
-        let base_depth = base.as_ref().map(|_| chain[end].1);
-        let backing = base
-            .as_ref()
-            .map(|b| backing_name(b, o.backing_file.clone(), o.backing_mask_protocol));
+        let holds = stream_holds(&top, &chain[..end], &job_id)?;
         let removed: Vec<String> = chain[1..end].iter().map(|(n, _)| n.name.clone()).collect();
         let stream = Stream {
-            holds: Holds {
-                claims,
-                blockers,
-                attached: top.attach_job(),
-            },
+            holds,
+            base_depth: base.as_ref().map(|_| chain[end].1),
+            backing: base
+                .as_ref()
+                .map(|b| backing_name(b, o.backing_file.clone(), o.backing_mask_protocol)),
             top,
             base,
-            base_depth,
-            backing,
             on_error: o.on_error,
         };
         let how = (o.auto_finalize, o.auto_dismiss, speed);
         self.start_copy_job(&job_id, "stream", how, stream, removed, me)
+    }
+
+    /// Where the streamed part of `chain` ends: the index of the base, as `base` (a file
+    /// name), `base-node` or `bottom` names it (chain.len() when everything below the top
+    /// comes up).
+    fn stream_end(
+        &self,
+        o: &StreamOptions,
+        chain: &[(Arc<BlockNode>, u32)],
+    ) -> Result<usize, DaemonError> {
+        let position = |n: &Arc<BlockNode>| chain.iter().position(|(c, _)| Arc::ptr_eq(c, n));
+        if let Some(b) = &o.base {
+            return chain
+                .iter()
+                .skip(1)
+                .position(|(n, _)| n.filename().as_deref() == Some(b.as_str()))
+                .map(|i| i + 1)
+                .ok_or_else(|| invalid(format!("Can't find '{b}' in the backing chain")));
+        }
+        if let Some(b) = &o.base_node {
+            let base = self.lookup_node(b)?;
+            return match position(&base) {
+                Some(i) if i > 0 => Ok(i),
+                _ => Err(invalid(format!(
+                    "Node '{b}' is not a backing image of '{}'",
+                    o.device
+                ))),
+            };
+        }
+        if let Some(b) = &o.bottom {
+            let bottom = self.lookup_node(b)?;
+            if matches!(bottom.driver_name(), "throttle") {
+                return Err(invalid(format!(
+                    "Node '{b}' is a filter, use a non-filter node as 'bottom'"
+                )));
+            }
+            return position(&bottom).map(|i| i + 1).ok_or_else(|| {
+                invalid(format!(
+                    "Node '{b}' is not in a chain starting from '{}'",
+                    o.device
+                ))
+            });
+        }
+        Ok(chain.len())
     }
 
     /// Starts a copying block job; the nodes in `removed` go once its graph change is done
@@ -378,6 +468,54 @@ impl State {
         }
         dev.check_not_busy()?;
         let chain = chain(&dev);
+        let (top, base) = self.commit_range(&o, &chain)?;
+        for (n, _) in &chain[top..base] {
+            n.check_not_busy()?;
+        }
+        if top == base {
+            return Err(invalid("cannot commit an image into itself"));
+        }
+        let (top_node, top_depth) = chain[top].clone();
+        if top == 0 || top_node.cumulative_perms().0.contains(Perm::WRITE) {
+            check_active_commit(&o, top)?;
+            return self.active_commit(o, chain, base, me);
+        }
+        if o.filter_node_name.is_some() {
+            return Err(invalid(
+                "block-commit: 'filter-node-name' is not supported by stord yet",
+            ));
+        }
+        let (job_id, speed) = self.new_block_job(o.job_id.as_deref(), o.speed)?;
+        let base_node = chain[base].0.clone();
+        if base_node.is_read_only() {
+            self.reopen_read_only(&base_node.name.clone(), false)?;
+        }
+        let overlay = overlay_of(&chain[..top], &top_node)?;
+        let holds = commit_holds(&dev, &chain[top..base], &base_node, &job_id)?;
+        let removed: Vec<String> = chain[top..base]
+            .iter()
+            .map(|(n, _)| n.name.clone())
+            .collect();
+        let commit = Commit {
+            holds,
+            overlay,
+            top: top_node,
+            base_depth: chain[base].1 - top_depth + 1,
+            backing: backing_name(&base_node, o.backing_file.clone(), o.backing_mask_protocol),
+            base: base_node,
+            on_error: o.on_error,
+        };
+        let how = (o.auto_finalize, o.auto_dismiss, speed);
+        self.start_copy_job(&job_id, "commit", how, commit, removed, me)
+    }
+
+    /// The indexes in `chain` of the top image committed and of the base (QEMU's lookups
+    /// of `top-node`/`top` and `base-node`/`base`, in its order and words).
+    fn commit_range(
+        &self,
+        o: &CommitOptions,
+        chain: &[(Arc<BlockNode>, u32)],
+    ) -> Result<(usize, usize), DaemonError> {
         let position = |n: &Arc<BlockNode>| chain.iter().position(|(c, _)| Arc::ptr_eq(c, n));
         let by_file = |from: usize, f: &str| {
             chain
@@ -419,89 +557,7 @@ impl State {
                 n => n - 1,
             },
         };
-        for (n, _) in &chain[top..base] {
-            n.check_not_busy()?;
-        }
-        if top == base {
-            return Err(invalid("cannot commit an image into itself"));
-        }
-        let (top_node, top_depth) = chain[top].clone();
-        let writer = top_node.cumulative_perms().0.contains(Perm::WRITE);
-        if top == 0 || writer {
-            if o.backing_file.is_some() {
-                return Err(invalid(if top == 0 {
-                    "'backing-file' specified, but 'top' is the active layer"
-                } else {
-                    "'backing-file' specified, but 'top' has a writer on it"
-                }));
-            }
-            if top != 0 {
-                return Err(invalid(
-                    "block-commit of an image with a writer that is not the active layer \
-                     is not supported by stord",
-                ));
-            }
-            return self.active_commit(o, chain, base, me);
-        }
-        if o.filter_node_name.is_some() {
-            return Err(invalid(
-                "block-commit: 'filter-node-name' is not supported by stord yet",
-            ));
-        }
-        let (job_id, speed) = self.new_block_job(o.job_id.as_deref(), o.speed)?;
-        let base_node = chain[base].0.clone();
-        if base_node.is_read_only() {
-            self.reopen_read_only(&base_node.name.clone(), false)?;
-        }
-        // The overlay: the image right above top that has it as its backing node.
-        let overlay = chain[..top]
-            .iter()
-            .rev()
-            .find(|(n, _)| {
-                n.children()
-                    .iter()
-                    .any(|(r, c)| *r == "backing" && Arc::ptr_eq(c, &top_node))
-            })
-            .map(|(n, _)| n.clone())
-            .ok_or_else(|| invalid("the image above 'top' has no backing link to it"))?;
-        let user = format!("commit job '{job_id}'");
-        let reason = "block device is in use by block job: commit".to_string();
-        let mut claims = Vec::new();
-        let mut blockers = Vec::new();
-        // The job reads the committed images; as QEMU's, it leaves their permissions to
-        // the op blockers (their overlays' claims pass down what the overlays' users
-        // share, and the base must take writes).
-        for (n, _) in &chain[top..base] {
-            claims.push(n.claim(&user, "intermediate node", Perm::CONSISTENT_READ, Perm::ALL)?);
-            blockers.push(n.block_ops(reason.clone())?);
-        }
-        claims.push(base_node.claim(
-            &user,
-            "base",
-            Perm::CONSISTENT_READ | Perm::WRITE | Perm::RESIZE,
-            Perm::CONSISTENT_READ | Perm::WRITE_UNCHANGED,
-        )?);
-        blockers.push(base_node.block_ops(reason)?);
-        let backing = backing_name(&base_node, o.backing_file.clone(), o.backing_mask_protocol);
-        let removed: Vec<String> = chain[top..base]
-            .iter()
-            .map(|(n, _)| n.name.clone())
-            .collect();
-        let commit = Commit {
-            holds: Holds {
-                claims,
-                blockers,
-                attached: dev.attach_job(),
-            },
-            overlay,
-            top: top_node,
-            base_depth: chain[base].1 - top_depth + 1,
-            base: base_node,
-            backing,
-            on_error: o.on_error,
-        };
-        let how = (o.auto_finalize, o.auto_dismiss, speed);
-        self.start_copy_job(&job_id, "commit", how, commit, removed, me)
+        Ok((top, base))
     }
 
     /// Commit of the active layer (QEMU's commit_active_start): a mirror from `device`
@@ -584,50 +640,13 @@ impl State {
             return Err(invalid("Need a root block node"));
         }
         let target = self.device_node(&o.target)?;
-        let mut scope = match o.sync.as_str() {
-            "full" => Scope::Full,
-            "top" => Scope::Top,
-            "none" => Scope::None,
-            other => {
-                return Err(invalid(format!(
-                    "blockdev-mirror: sync mode '{other}' is not supported by stord"
-                )))
-            }
-        };
-        if let Some(g) = o.granularity {
-            if g != 0 && !(512..=64 << 20).contains(&g) {
-                return Err(invalid(
-                    "Parameter 'granularity' expects a value in range [512B, 64MB]",
-                ));
-            }
-            if g & (g - 1) != 0 {
-                return Err(invalid("Parameter 'granularity' expects a power of 2"));
-            }
-        }
-        if o.buf_size.is_some_and(|b| b < 0) {
-            return Err(invalid("Parameter 'buf-size' expects a non-negative value"));
-        }
+        let mut scope = mirror_scope(&o)?;
         source.check_not_busy()?;
         target.check_not_busy()?;
         if scope == Scope::Top && source.backing_depth() == 0 {
             scope = Scope::Full;
         }
-        if o.replaces.as_ref().is_some_and(|r| *r != o.device) {
-            return Err(invalid(
-                "blockdev-mirror: 'replaces' naming another node than 'device' is not \
-                 supported by stord",
-            ));
-        }
-        if o.filter_node_name.is_some() {
-            return Err(invalid(
-                "blockdev-mirror: 'filter-node-name' is not supported by stord yet",
-            ));
-        }
-        if o.copy_mode.as_deref().is_some_and(|m| m != "background") {
-            return Err(invalid(
-                "blockdev-mirror: copy-mode 'write-blocking' is not supported by stord yet",
-            ));
-        }
+        check_mirror_support(&o)?;
         if Arc::ptr_eq(&source, &target) {
             return Err(invalid("Can't mirror node into itself"));
         }
@@ -638,28 +657,14 @@ impl State {
                 target.name
             )));
         }
-        let user = format!("mirror job '{job_id}'");
-        let reason = "block device is in use by block job: mirror".to_string();
-        let claims = vec![source.claim(
-            &user,
-            "source",
-            Perm::CONSISTENT_READ,
-            Perm::ALL & Perm::RESIZE.complement(),
-        )?];
-        let target_claim = target.claim(
-            &user,
-            "target",
-            Perm::WRITE,
-            Perm::WRITE_UNCHANGED | Perm::CONSISTENT_READ,
-        )?;
-        let blockers = vec![source.block_ops(reason.clone())?, target.block_ops(reason)?];
+        let (holds, target_claim) = mirror_holds(&source, &target, &job_id)?;
         let granularity = match o.granularity {
             Some(g) if g > 0 => g as u64,
             _ => target.default_bitmap_granularity().clamp(4096, 65536),
         };
         let mirror = Mirror {
             granularity,
-            source: source.clone(),
+            source,
             target_attached: target.attach_job(),
             target,
             scope,
@@ -667,11 +672,7 @@ impl State {
             on_source_error: o.on_source_error,
             on_target_error: o.on_target_error,
             target_claim,
-            holds: Holds {
-                claims,
-                blockers,
-                attached: source.attach_job(),
-            },
+            holds,
             parents: Box::new(ExportParents(me)),
         };
         self.start_block_job(
@@ -682,4 +683,84 @@ impl State {
             |job| crate::job::mirror::run(mirror, job),
         )
     }
+}
+
+/// A mirror's `sync` as the part of the chain it copies, after QEMU's checks of
+/// `granularity` and `buf-size` (in its order and words).
+fn mirror_scope(o: &MirrorOptions) -> Result<Scope, DaemonError> {
+    let scope = match o.sync.as_str() {
+        "full" => Scope::Full,
+        "top" => Scope::Top,
+        "none" => Scope::None,
+        other => {
+            return Err(invalid(format!(
+                "blockdev-mirror: sync mode '{other}' is not supported by stord"
+            )))
+        }
+    };
+    if let Some(g) = o.granularity {
+        if g != 0 && !(512..=64 << 20).contains(&g) {
+            return Err(invalid(
+                "Parameter 'granularity' expects a value in range [512B, 64MB]",
+            ));
+        }
+        if g & (g - 1) != 0 {
+            return Err(invalid("Parameter 'granularity' expects a power of 2"));
+        }
+    }
+    if o.buf_size.is_some_and(|b| b < 0) {
+        return Err(invalid("Parameter 'buf-size' expects a non-negative value"));
+    }
+    Ok(scope)
+}
+
+/// The mirror options QEMU takes that stord does not do yet.
+fn check_mirror_support(o: &MirrorOptions) -> Result<(), DaemonError> {
+    if o.replaces.as_ref().is_some_and(|r| *r != o.device) {
+        return Err(invalid(
+            "blockdev-mirror: 'replaces' naming another node than 'device' is not \
+             supported by stord",
+        ));
+    }
+    if o.filter_node_name.is_some() {
+        return Err(invalid(
+            "blockdev-mirror: 'filter-node-name' is not supported by stord yet",
+        ));
+    }
+    if o.copy_mode.as_deref().is_some_and(|m| m != "background") {
+        return Err(invalid(
+            "blockdev-mirror: copy-mode 'write-blocking' is not supported by stord yet",
+        ));
+    }
+    Ok(())
+}
+
+/// What a mirror holds: the source is read (nobody may resize it), the target written
+/// (others may only read it or write what it holds); neither may serve another job.
+fn mirror_holds(
+    source: &Arc<BlockNode>,
+    target: &Arc<BlockNode>,
+    job_id: &str,
+) -> Result<(Holds, crate::block::perm::Claim), DaemonError> {
+    let user = format!("mirror job '{job_id}'");
+    let reason = "block device is in use by block job: mirror".to_string();
+    let claims = vec![source.claim(
+        &user,
+        "source",
+        Perm::CONSISTENT_READ,
+        Perm::ALL & Perm::RESIZE.complement(),
+    )?];
+    let target_claim = target.claim(
+        &user,
+        "target",
+        Perm::WRITE,
+        Perm::WRITE_UNCHANGED | Perm::CONSISTENT_READ,
+    )?;
+    let blockers = vec![source.block_ops(reason.clone())?, target.block_ops(reason)?];
+    let holds = Holds {
+        claims,
+        blockers,
+        attached: source.attach_job(),
+    };
+    Ok((holds, target_claim))
 }

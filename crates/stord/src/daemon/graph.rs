@@ -14,6 +14,7 @@ use super::{DaemonError, State};
 use crate::block::graph::{self, Graph, GraphError, OpenFlags};
 use crate::block::throttle::ThrottleGroup;
 use crate::block::{BlockNode, CommonOptions, DetectZeroes};
+use crate::cli::id_wellformed;
 use crate::cli::keyval::KeyVal;
 
 /// How deep a chain of backing files may go (a loop ends here too).
@@ -310,14 +311,6 @@ impl Graph for Builder<'_> {
     fn client_tls_creds(&self, id: &str) -> Result<Arc<crate::tls::TlsCreds>, String> {
         self.st.client_tls_creds(id)
     }
-}
-
-/// QEMU's `id_wellformed`: a letter, then letters, digits, `-`, `.` and `_` (object ids,
-/// export ids and node names).
-pub fn id_wellformed(id: &str) -> bool {
-    let mut chars = id.chars();
-    chars.next().is_some_and(|c| c.is_ascii_alphabetic())
-        && chars.all(|c| c.is_ascii_alphanumeric() || "-._".contains(c))
 }
 
 /// QEMU's rules for a node name (`id_wellformed`, and 31 bytes at most) and its messages.

@@ -11,7 +11,7 @@ mod graph;
 pub mod objects;
 mod snapshot;
 
-pub use graph::id_wellformed;
+use crate::cli::id_wellformed;
 
 pub use objects::{ObjectType, UserObject, OBJECT_TYPES};
 

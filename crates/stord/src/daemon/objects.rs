@@ -6,8 +6,9 @@ use std::sync::Arc;
 
 use stord_aio::{AioContextOptions, IoThread};
 
-use super::{id_wellformed, DaemonError, State};
+use super::{DaemonError, State};
 use crate::block::throttle::ThrottleGroup;
+use crate::cli::id_wellformed;
 use crate::cli::keyval::KeyVal;
 use crate::cli::Help;
 use crate::secret::Secret;

@@ -171,92 +171,127 @@ impl Mirror {
     }
 }
 
-/// Runs a mirror job.
+/// Runs a mirror job: the whole source marked dirty, copied until the job is told to
+/// complete (or cancelled once ready), then the last writes in step and the pivot at
+/// finalize.
 pub async fn run(m: Mirror, job: Rc<Job>) -> Result<Finish, String> {
-    let len = m.source.size();
-    if let Scope::AboveBase(_) = m.scope {
-        // The base grows to the source's size first, as QEMU's mirror_run does.
-        if m.target.size() < len {
-            m.target.resize(len).await.map_err(|e| e.to_string())?;
-        }
-    } else if m.target.size() != len {
-        // QEMU finds this once the job runs: the job fails, not the command.
-        return Err("Source and target image have different sizes".into());
-    }
+    m.fit_target().await?;
     let bitmap = DirtyBitmap::tracker(job.id(), m.granularity, m.source.size())
         .map_err(|e| e.to_string())?;
     let tracker = Tracker {
         bitmap: m.source.add_tracker(bitmap),
         node: m.source.clone(),
     };
-    let t = &tracker.bitmap;
-    m.mark_initial(t).await?;
-    let mut cursor = 0;
-    loop {
-        job.set_remaining(t.count());
-        job.ratelimit().await;
-        if job.is_cancelled() {
-            return Ok(None);
+    m.mark_initial(&tracker.bitmap).await?;
+    if !m.copy_until_told(&job, &tracker.bitmap).await? {
+        return Ok(None);
+    }
+    m.finish_in_step(&job, tracker).await
+}
+
+impl Mirror {
+    /// The target's size against the source's: a commit's base grows to it first, as
+    /// QEMU's mirror_run does; otherwise they must be equal (QEMU finds this once the job
+    /// runs: the job fails, not the command).
+    async fn fit_target(&self) -> Result<(), String> {
+        let len = self.source.size();
+        if let Scope::AboveBase(_) = self.scope {
+            if self.target.size() < len {
+                self.target.resize(len).await.map_err(|e| e.to_string())?;
+            }
+        } else if self.target.size() != len {
+            return Err("Source and target image have different sizes".into());
         }
-        match t.take_dirty(cursor, CHUNK) {
-            Some((offset, len)) => match m.copy(offset, len).await {
-                Ok(copied) => {
-                    cursor = offset + len;
-                    job.progress_add(len);
-                    job.ratelimit_processed(copied);
-                }
-                Err((e, read)) => {
-                    // Copied again later, whatever the policy says now.
-                    t.mark(offset, len);
-                    let on = if read {
-                        m.on_source_error
-                    } else {
-                        m.on_target_error
-                    };
-                    match job.error_action(on, read, &e) {
-                        ErrorAction::Report => return Err(e.to_string()),
-                        ErrorAction::Stop => {}
-                        ErrorAction::Ignore => job.sleep(IDLE).await,
+        Ok(())
+    }
+
+    /// Copies what is dirty, then waits in ready, until the job is told to complete or
+    /// cancelled softly (true) or cancelled (false).
+    async fn copy_until_told(&self, job: &Rc<Job>, t: &DirtyBitmap) -> Result<bool, String> {
+        let mut cursor = 0;
+        loop {
+            job.set_remaining(t.count());
+            job.ratelimit().await;
+            if job.is_cancelled() {
+                return Ok(false);
+            }
+            match t.take_dirty(cursor, CHUNK) {
+                Some((offset, len)) => match self.copy(offset, len).await {
+                    Ok(copied) => {
+                        cursor = offset + len;
+                        job.progress_add(len);
+                        job.ratelimit_processed(copied);
                     }
+                    Err((e, read)) => {
+                        // Copied again later, whatever the policy says now.
+                        t.mark(offset, len);
+                        self.on_copy_error(job, e, read).await?;
+                    }
+                },
+                None if job.complete_requested() || job.soft_cancelled() => return Ok(true),
+                None => {
+                    job.set_ready();
+                    job.sleep(IDLE).await;
                 }
-            },
-            None if job.complete_requested() || job.soft_cancelled() => break,
-            None => {
-                job.set_ready();
-                job.sleep(IDLE).await;
             }
         }
     }
-    // In step: the exports on the source wait at their door while the last writes are
-    // copied; they stay held until the graph change at finalize (QEMU's drained section).
-    let mut held: Vec<Hold> = Vec::new();
-    for link in m.parents.links_on(&m.source) {
-        held.push(link.hold().await);
-    }
-    while let Some((offset, len)) = t.take_dirty(0, CHUNK) {
-        if let Err((e, _)) = m.copy(offset, len).await {
-            // The job fails and the exports stay on the source: nothing to copy later,
-            // but the record stays true while the job lasts.
-            t.mark(offset, len);
-            return Err(e.to_string());
-        }
-        job.progress_add(len);
-    }
-    job.set_remaining(0);
-    m.target.flush().await.map_err(|e| e.to_string())?;
-    let pivot = job.complete_requested() && !job.soft_cancelled();
-    Ok(Some(Box::pin(async move {
-        let r = if pivot {
-            // The job's own write permission on the target goes first: the exports'
-            // take its place.
-            let _ = m.target_claim.set(Perm::NONE, Perm::ALL);
-            let links: Vec<Arc<NodeLink>> = held.iter().map(|h| h.link().clone()).collect();
-            m.parents.replace(&links, &m.source, &m.target)
+
+    /// What a failed copy does, as `on-source-error` / `on-target-error` say.
+    async fn on_copy_error(
+        &self,
+        job: &Rc<Job>,
+        e: std::io::Error,
+        read: bool,
+    ) -> Result<(), String> {
+        let on = if read {
+            self.on_source_error
         } else {
-            Ok(())
+            self.on_target_error
         };
-        drop(held);
-        drop(tracker);
-        r
-    })))
+        match job.error_action(on, read, &e) {
+            ErrorAction::Report => return Err(e.to_string()),
+            ErrorAction::Stop => {}
+            ErrorAction::Ignore => job.sleep(IDLE).await,
+        }
+        Ok(())
+    }
+
+    /// In step: the exports on the source wait at their door while the last writes are
+    /// copied; they stay held until the graph change at finalize (QEMU's drained
+    /// section), which moves them to the target if the job was told to complete.
+    async fn finish_in_step(self, job: &Rc<Job>, tracker: Tracker) -> Result<Finish, String> {
+        let t = &tracker.bitmap;
+        let mut held: Vec<Hold> = Vec::new();
+        for link in self.parents.links_on(&self.source) {
+            held.push(link.hold().await);
+        }
+        while let Some((offset, len)) = t.take_dirty(0, CHUNK) {
+            if let Err((e, _)) = self.copy(offset, len).await {
+                // The job fails and the exports stay on the source: nothing to copy later,
+                // but the record stays true while the job lasts.
+                t.mark(offset, len);
+                return Err(e.to_string());
+            }
+            job.progress_add(len);
+        }
+        job.set_remaining(0);
+        self.target.flush().await.map_err(|e| e.to_string())?;
+        let pivot = job.complete_requested() && !job.soft_cancelled();
+        let m = self;
+        Ok(Some(Box::pin(async move {
+            let r = if pivot {
+                // The job's own write permission on the target goes first: the exports'
+                // take its place.
+                let _ = m.target_claim.set(Perm::NONE, Perm::ALL);
+                let links: Vec<Arc<NodeLink>> = held.iter().map(|h| h.link().clone()).collect();
+                m.parents.replace(&links, &m.source, &m.target)
+            } else {
+                Ok(())
+            };
+            drop(held);
+            drop(tracker);
+            r
+        })))
+    }
 }

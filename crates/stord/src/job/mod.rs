@@ -677,7 +677,7 @@ impl JobOptions {
 impl Jobs {
     /// Whether `id` could start now (well formed, free, within the limit).
     pub fn check_new(&self, id: &str) -> Result<(), JobError> {
-        if !crate::daemon::id_wellformed(id) {
+        if !crate::cli::id_wellformed(id) {
             return Err(JobError::InvalidId(id.into()));
         }
         if self.map.borrow().contains_key(id) {

@@ -275,62 +275,18 @@ async fn serve(conn: OwnedFd, state: SharedState) {
     let mut stream = JsonStream::default();
     let mut buf = vec![0u8; 64 << 10];
     'conn: loop {
-        let n = buf.len();
-        let (r, s) = op::recv(fd, Slice::new(buf, 0, n), 0).await;
-        buf = s.into_inner();
-        let k = match r {
-            Ok(0) => break,
-            Ok(k) => k,
-            Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => {
-                if op::poll_add(fd, Interest::READABLE).await.is_err() {
-                    break;
-                }
-                continue;
-            }
-            Err(_) => break,
-        };
+        let (k, b) = recv_some(fd, buf).await;
+        buf = b;
+        let Some(k) = k else { break };
         for piece in stream.push(&buf[..k]) {
-            // Replies the client has not read hold up its next commands.
-            std::future::poll_fn(|cx| {
-                if out.closed.get() || out.queued() < MAX_QUEUED {
-                    Poll::Ready(())
-                } else {
-                    *out.reader_waker.borrow_mut() = Some(cx.waker().clone());
-                    Poll::Pending
-                }
-            })
-            .await;
+            room_for_replies(&out).await;
             if out.closed.get() {
                 break 'conn;
             }
-            let reply = match piece {
-                Piece::Garbage(_) => Some(error_reply(
-                    None,
-                    &QmpError::generic("JSON parse error, invalid token"),
-                )),
-                Piece::TooDeep => {
-                    tracing::warn!(
-                        "qmp: a message nested deeper than {} levels; closing that connection",
-                        stream::MAX_NESTING
-                    );
-                    break 'conn;
-                }
-                Piece::Json(text) if text.len() > MAX_MESSAGE => {
-                    tracing::warn!(
-                        "qmp: a message over {MAX_MESSAGE} bytes; closing that connection"
-                    );
-                    break 'conn;
-                }
-                Piece::Json(text) => match serde_json::from_slice::<Value>(&text) {
-                    Err(e) => Some(error_reply(
-                        None,
-                        &QmpError::generic(format!("JSON parse error, {e}")),
-                    )),
-                    Ok(v) => handle(&state, &out, v).await,
-                },
-            };
-            if let Some(r) = reply {
-                out.send(&r);
+            match answer(piece, &state, &out).await {
+                Answer::Reply(r) => out.send(&r),
+                Answer::Nothing => {}
+                Answer::Close => break 'conn,
             }
         }
         if stream.pending() > MAX_MESSAGE {
@@ -344,6 +300,82 @@ async fn serve(conn: OwnedFd, state: SharedState) {
     }
     writer.await;
     drop(conn);
+}
+
+/// Reads what the client sent into `buf`: the byte count, or None once the connection
+/// is closed or failed.
+async fn recv_some(fd: RawFd, buf: Vec<u8>) -> (Option<usize>, Vec<u8>) {
+    let mut buf = buf;
+    loop {
+        let n = buf.len();
+        let (r, s) = op::recv(fd, Slice::new(buf, 0, n), 0).await;
+        buf = s.into_inner();
+        match r {
+            Ok(0) => return (None, buf),
+            Ok(k) => return (Some(k), buf),
+            Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => {
+                if op::poll_add(fd, Interest::READABLE).await.is_err() {
+                    return (None, buf);
+                }
+            }
+            Err(_) => return (None, buf),
+        }
+    }
+}
+
+/// Waits while the replies the client has not read are over their limit: they hold up
+/// its next commands.
+async fn room_for_replies(out: &Outbox) {
+    std::future::poll_fn(|cx| {
+        if out.closed.get() || out.queued() < MAX_QUEUED {
+            Poll::Ready(())
+        } else {
+            *out.reader_waker.borrow_mut() = Some(cx.waker().clone());
+            Poll::Pending
+        }
+    })
+    .await
+}
+
+/// What one message of the stream gets.
+enum Answer {
+    Reply(Value),
+    Nothing,
+    /// The client broke a limit: its connection is closed.
+    Close,
+}
+
+/// Answers one piece of the stream: a command's reply, a parse error, or the end of a
+/// connection whose client sent more than a message may hold.
+async fn answer(piece: Piece, state: &SharedState, out: &Rc<Outbox>) -> Answer {
+    let text = match piece {
+        Piece::Garbage(_) => {
+            let e = QmpError::generic("JSON parse error, invalid token");
+            return Answer::Reply(error_reply(None, &e));
+        }
+        Piece::TooDeep => {
+            tracing::warn!(
+                "qmp: a message nested deeper than {} levels; closing that connection",
+                stream::MAX_NESTING
+            );
+            return Answer::Close;
+        }
+        Piece::Json(text) if text.len() > MAX_MESSAGE => {
+            tracing::warn!("qmp: a message over {MAX_MESSAGE} bytes; closing that connection");
+            return Answer::Close;
+        }
+        Piece::Json(text) => text,
+    };
+    match serde_json::from_slice::<Value>(&text) {
+        Err(e) => {
+            let e = QmpError::generic(format!("JSON parse error, {e}"));
+            Answer::Reply(error_reply(None, &e))
+        }
+        Ok(v) => match handle(state, out, v).await {
+            Some(r) => Answer::Reply(r),
+            None => Answer::Nothing,
+        },
+    }
 }
 
 /// Commands the QMP fuzz target does not run: they listen on or remove paths the input
