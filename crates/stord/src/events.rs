@@ -1,12 +1,13 @@
-//! QMP events: what the daemon announces (BLOCK_EXPORT_DELETED, SHUTDOWN, job and block
-//! job events),
+//! QMP events: what the daemon announces (BLOCK_EXPORT_DELETED, job and block job events),
 //! fanned out to whoever listens.
 //!
 //! The daemon emits without knowing who listens; the QMP monitor subscribes each
 //! negotiated connection as an [`EventSink`]. Keeping the fan-out here, below both, is what
 //! lets the daemon layer and the monitor stay one above the other. At shutdown the daemon
-//! waits (woken, not polling) until every sink has sent what it was given, so the reply to
-//! `quit` and the SHUTDOWN event reach their clients.
+//! tears down what it serves first (each export's BLOCK_EXPORT_DELETED, each job's
+//! cancellation), then tells the sinks it has [`stopped`](Events::stopped) (a monitor sends
+//! the reply to `quit` it held, last, as qsd does) and waits (woken, not polling) until
+//! every sink has sent what it was given. Like qsd, stord has no SHUTDOWN event.
 
 use std::cell::RefCell;
 use std::rc::{Rc, Weak};
@@ -23,10 +24,6 @@ pub struct EventInfo {
 
 /// Every event stord sends.
 pub const EVENTS: &[EventInfo] = &[
-    EventInfo {
-        name: "SHUTDOWN",
-        members: &[("guest", "bool"), ("reason", "str")],
-    },
     EventInfo {
         name: "BLOCK_EXPORT_DELETED",
         members: &[("id", "str")],
@@ -81,6 +78,9 @@ pub trait EventSink {
     fn listening(&self) -> bool;
     /// Whether everything it was given has been sent (or it is closed).
     fn flushed(&self) -> bool;
+    /// The daemon's stop has torn down what it served: what was held until then (the
+    /// reply to `quit`) goes now.
+    fn stopped(&self) {}
 }
 
 #[derive(Default)]
@@ -136,6 +136,20 @@ impl Events {
     pub fn sink_drained(&self) {
         if let Some(w) = self.0.flush_waiter.borrow_mut().take() {
             w.wake();
+        }
+    }
+
+    /// Tells every sink the daemon's stop has torn down what it served.
+    pub fn stopped(&self) {
+        let sinks: Vec<Rc<dyn EventSink>> = self
+            .0
+            .sinks
+            .borrow()
+            .iter()
+            .filter_map(Weak::upgrade)
+            .collect();
+        for s in sinks {
+            s.stopped();
         }
     }
 

@@ -2,7 +2,8 @@
 //! events a hostile or broken peer could otherwise repeat thousands of times a second.
 //!
 //! Events go to stderr, one line each. `STORD_LOG` sets the most verbose level shown
-//! (`error`, `warn`, `info` (the default), `debug`, `trace`).
+//! (`error`, `warn` (the default: silent unless something is wrong, as qsd is, whose
+//! stderr scripts and QEMU's own tests compare), `info`, `debug`, `trace`).
 
 use std::cell::Cell;
 use std::time::Duration;
@@ -15,7 +16,7 @@ pub fn init() {
     let level = std::env::var("STORD_LOG")
         .ok()
         .and_then(|v| v.parse::<LevelFilter>().ok())
-        .unwrap_or(LevelFilter::INFO);
+        .unwrap_or(LevelFilter::WARN);
     let _ = tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_max_level(level)

@@ -90,7 +90,7 @@ enum Waited {
     Signalled,
 }
 
-/// How long monitors get to send what they hold (the reply to `quit`, SHUTDOWN).
+/// How long monitors get to send what they hold (the reply to `quit`, the last events).
 const MONITOR_FLUSH_LIMIT: Duration = Duration::from_millis(500);
 /// How long disconnected clients' requests get to finish.
 const DRAIN_LIMIT: Duration = Duration::from_secs(5);
@@ -280,47 +280,27 @@ impl Daemon {
         self.state.borrow().quit_flag().set(true);
     }
 
-    /// Stops serving, lets in-flight requests finish (at most 5 s), flushes writable nodes
-    /// (at most 10 s), joins IoThreads and removes sockets and the pidfile. False when it
-    /// had to stop without finishing (requests stuck in storage that does not answer, or a
-    /// second signal): the caller should exit at once.
+    /// Stops as qsd does, in its order: exports go (clients disconnected, their requests
+    /// finished within 5 s, BLOCK_EXPORT_DELETED each), jobs are cancelled, writable nodes
+    /// flushed (at most 10 s), then monitors send what they hold (the reply to `quit`
+    /// last) and close; IoThreads are joined and sockets and the pidfile removed. False
+    /// when it had to stop without finishing (requests stuck in storage that does not
+    /// answer, or a second signal): the caller should exit at once.
     pub fn shutdown(&mut self) -> bool {
         // The signal that started the stop is counted already; another one cuts it short.
-        let signals_at_start = self.signals_seen.count.get().min(1);
-        let events = {
-            let st = self.state.borrow();
-            st.announce_shutdown("host-signal");
-            st.events().clone()
-        };
-        // Let monitors send what they have (the reply to `quit`, SHUTDOWN), bounded.
-        let flushed = stord_aio::spawn(async move { events.all_flushed().await });
-        self.wait_bounded(vec![flushed], MONITOR_FLUSH_LIMIT, signals_at_start);
-        for m in std::mem::take(&mut self.monitors) {
-            m.stop();
-        }
+        let seen = self.signals_seen.count.get().min(1);
         let removals = self.state.borrow_mut().stop_serving();
-        // Let the disconnected clients' requests finish (each export wakes its removal
-        // task when it has drained).
-        let drained = self.wait_bounded(removals, DRAIN_LIMIT, signals_at_start);
+        // Each export wakes its removal task when its requests have finished.
+        let drained = self.wait_bounded(removals, DRAIN_LIMIT, seen);
         if drained == Waited::TimedOut {
             tracing::warn!("exports still had requests in flight after 5 s; flushing anyway");
         }
         let mut clean = drained == Waited::Done;
         if drained != Waited::Signalled {
-            let flushes = self.state.borrow().close_writable_nodes();
-            match self.wait_bounded(flushes, FLUSH_LIMIT, signals_at_start) {
-                Waited::Done => {}
-                Waited::TimedOut => {
-                    tracing::error!(
-                        "writable nodes were not flushed within {} s (storage not answering); \
-                         stopping without them",
-                        FLUSH_LIMIT.as_secs()
-                    );
-                    clean = false;
-                }
-                Waited::Signalled => clean = false,
-            }
+            clean &= self.cancel_jobs(seen);
+            clean &= self.flush_nodes(seen);
         }
+        self.close_monitors(seen);
         if clean {
             let threads = self.state.borrow_mut().take_iothreads();
             for (id, mut t) in threads {
@@ -336,6 +316,50 @@ impl Daemon {
             let _ = std::fs::remove_file(p);
         }
         clean
+    }
+
+    /// Cancels every job and waits for them to go (bounded); false if they did not.
+    fn cancel_jobs(&self, seen: u32) -> bool {
+        let jobs = self.state.borrow().jobs().clone();
+        let cancelled = stord_aio::spawn(async move { jobs.cancel_all().await });
+        match self.wait_bounded(vec![cancelled], DRAIN_LIMIT, seen) {
+            Waited::Done => true,
+            Waited::TimedOut => {
+                tracing::warn!("jobs were still running 5 s after their cancellation");
+                false
+            }
+            Waited::Signalled => false,
+        }
+    }
+
+    /// Closes every writable node (caches and bitmaps written back, flushed), bounded;
+    /// false if that did not finish.
+    fn flush_nodes(&self, seen: u32) -> bool {
+        let flushes = self.state.borrow().close_writable_nodes();
+        match self.wait_bounded(flushes, FLUSH_LIMIT, seen) {
+            Waited::Done => true,
+            Waited::TimedOut => {
+                tracing::error!(
+                    "writable nodes were not flushed within {} s (storage not answering); \
+                     stopping without them",
+                    FLUSH_LIMIT.as_secs()
+                );
+                false
+            }
+            Waited::Signalled => false,
+        }
+    }
+
+    /// Lets monitors send what they hold, the reply to `quit` last (bounded), and closes
+    /// them.
+    fn close_monitors(&mut self, seen: u32) {
+        let events = self.state.borrow().events().clone();
+        events.stopped();
+        let flushed = stord_aio::spawn(async move { events.all_flushed().await });
+        self.wait_bounded(vec![flushed], MONITOR_FLUSH_LIMIT, seen);
+        for m in std::mem::take(&mut self.monitors) {
+            m.stop();
+        }
     }
 
     /// Waits for `tasks` on the main loop for at most `limit`, or until a shutdown signal

@@ -8,6 +8,7 @@ use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use common::rawqmp::{monitor_args, RawQmp};
 use common::{run, run_ok, sparse_image, tmpdir, Stord};
 
 /// FUSE tests run one at a time: the io_uring transport is switched on with a global
@@ -36,23 +37,26 @@ fn on_both_transports(test: impl Fn(&str)) {
     test("io-uring=on");
 }
 
-/// Asserts which transport served the export (from the daemon's exit statistics).
+/// Asserts which transport served the export (from query-block-exports), then stops the
+/// daemon.
 fn assert_transport(s: &mut Stord, transport_opt: &str) {
-    let err = s.stop_and_stderr();
-    let line = err
-        .lines()
-        .find(|l| l.contains("fuse export"))
-        .unwrap_or_else(|| panic!("no stats: {err}"));
+    let mut q = RawQmp::connect(&s.dir.join("qmp.sock"));
+    let r = q.send(r#"{"execute":"query-block-exports"}"#);
+    let e = &r["return"][0];
+    let (dev, uring) = (
+        e["x-requests"]["dev-fuse"].as_u64().unwrap(),
+        e["x-requests"]["io-uring"].as_u64().unwrap(),
+    );
     if transport_opt == "io-uring=on" {
-        assert!(line.contains("transport io_uring"), "{line}");
-        let n: u64 = line.rsplit(' ').next().unwrap().parse().unwrap();
-        assert!(n > 100, "few requests over io_uring: {line}");
+        assert_eq!(e["x-transport"], "io_uring", "{r}");
+        assert!(uring > 100, "few requests over io_uring: {r}");
     } else {
-        assert!(
-            line.contains("transport /dev/fuse") && line.ends_with("via io_uring 0"),
-            "{line}"
-        );
+        assert_eq!(e["x-transport"], "/dev/fuse", "{r}");
+        assert_eq!(uring, 0, "{r}");
+        assert!(dev > 100, "few requests over /dev/fuse: {r}");
     }
+    drop(q);
+    s.stop_and_stderr();
 }
 
 fn is_mounted(p: &Path) -> bool {
@@ -85,7 +89,7 @@ fn fuse_stord(
     // A mount left by the previous transport's run must be gone first.
     wait_unmounted(&mnt);
     std::fs::write(&mnt, b"").unwrap();
-    let mut args: Vec<String> = Vec::new();
+    let mut args = monitor_args(&dir.join("qmp.sock"));
     for t in iothreads {
         args.push("--object".into());
         args.push(format!("iothread,id={t}"));

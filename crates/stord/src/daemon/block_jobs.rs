@@ -97,6 +97,36 @@ impl Parents for ExportParents {
     }
 }
 
+/// A block job QEMU has announced by now (created): one that fails before it starts is
+/// announced gone (null) as it is dropped, as QEMU's job_early_fail, before the command's
+/// error goes out.
+struct NewJob {
+    id: String,
+    speed: u64,
+    /// Where the early failure is announced; None once the job has started.
+    events: Option<crate::events::Events>,
+}
+
+impl NewJob {
+    /// The job started: nothing to announce on drop.
+    fn started(mut self) {
+        self.events = None;
+    }
+}
+
+impl Drop for NewJob {
+    fn drop(&mut self) {
+        if let Some(events) = self.events.take() {
+            for status in ["created", "null"] {
+                events.emit(
+                    "JOB_STATUS_CHANGE",
+                    serde_json::json!({ "status": status, "id": self.id }),
+                );
+            }
+        }
+    }
+}
+
 /// The chain below `top` as bdrv_filter_or_cow_bs walks it, `top` first, each node with
 /// its depth as allocation_depth counts it (top is 1; a backing link adds one, a
 /// filter's file link none).
@@ -297,14 +327,17 @@ impl State {
     /// A new block job's id (QEMU names one without an id after the device, which has no
     /// name in a storage daemon: refused) and speed (a negative one is refused after QEMU
     /// announced the job, created then gone).
-    fn new_block_job(&self, id: Option<&str>, speed: i64) -> Result<(String, u64), DaemonError> {
+    fn new_block_job(&self, id: Option<&str>, speed: i64) -> Result<NewJob, DaemonError> {
         let id = id.unwrap_or_default().to_string();
         self.jobs.check_new(&id)?;
-        let Ok(speed) = u64::try_from(speed) else {
-            self.jobs.early_fail(&id, &self.events);
-            return Err(invalid("Parameter 'speed' expects a non-negative value"));
+        let mut job = NewJob {
+            id,
+            speed: 0,
+            events: Some(self.events.clone()),
         };
-        Ok((id, speed))
+        job.speed = u64::try_from(speed)
+            .map_err(|_| invalid("Parameter 'speed' expects a non-negative value"))?;
+        Ok(job)
     }
 
     /// `block-stream`: the content of the chain between `device` and its base is copied
@@ -342,14 +375,14 @@ impl State {
                 "block-stream: 'filter-node-name' is not supported by stord yet",
             ));
         }
-        let (job_id, speed) = self.new_block_job(o.job_id.as_deref(), o.speed)?;
+        let job = self.new_block_job(o.job_id.as_deref(), o.speed)?;
         if top.is_read_only() {
             return Err(invalid(format!(
                 "Block node '{}' is read-only: stord streams only into a writable node",
                 top.name
             )));
         }
-        let holds = stream_holds(&top, &chain[..end], &job_id)?;
+        let holds = stream_holds(&top, &chain[..end], &job.id)?;
         let removed: Vec<String> = chain[1..end].iter().map(|(n, _)| n.name.clone()).collect();
         let stream = Stream {
             holds,
@@ -361,8 +394,8 @@ impl State {
             base,
             on_error: o.on_error,
         };
-        let how = (o.auto_finalize, o.auto_dismiss, speed);
-        self.start_copy_job(&job_id, "stream", how, stream, removed, me)
+        let how = (o.auto_finalize, o.auto_dismiss);
+        self.start_copy_job(job, "stream", how, stream, removed, me)
     }
 
     /// Where the streamed part of `chain` ends: the index of the base, as `base` (a file
@@ -413,14 +446,14 @@ impl State {
     /// and nothing uses them, as QEMU frees nodes with their last reference.
     fn start_copy_job<T: CopyJob>(
         &mut self,
-        job_id: &str,
+        job: NewJob,
         kind: &'static str,
-        how: (bool, bool, u64),
+        how: (bool, bool),
         work: T,
         removed: Vec<String>,
         me: Weak<RefCell<State>>,
     ) -> Result<(), DaemonError> {
-        self.start_block_job(job_id, kind, how, false, move |job| {
+        self.start_block_job(job, kind, how, false, move |job| {
             run_copy(work, job, move || {
                 if let Some(state) = me.upgrade() {
                     state.borrow_mut().drop_implicit(removed);
@@ -429,12 +462,12 @@ impl State {
         })
     }
 
-    /// Starts block job `job_id`; `completable`: it waits in ready for job-complete.
+    /// Starts block job `job`; `completable`: it waits in ready for job-complete.
     fn start_block_job<F>(
         &mut self,
-        job_id: &str,
+        new: NewJob,
         kind: &'static str,
-        (auto_finalize, auto_dismiss, speed): (bool, bool, u64),
+        (auto_finalize, auto_dismiss): (bool, bool),
         completable: bool,
         work: impl FnOnce(Rc<Job>) -> F,
     ) -> Result<(), DaemonError>
@@ -445,10 +478,11 @@ impl State {
             auto_finalize,
             auto_dismiss,
             block: true,
-            speed,
+            speed: new.speed,
             completable,
         };
-        self.jobs.start(job_id, kind, opts, &self.events, work)?;
+        self.jobs.start(&new.id, kind, opts, &self.events, work)?;
+        new.started();
         Ok(())
     }
 
@@ -485,13 +519,13 @@ impl State {
                 "block-commit: 'filter-node-name' is not supported by stord yet",
             ));
         }
-        let (job_id, speed) = self.new_block_job(o.job_id.as_deref(), o.speed)?;
+        let job = self.new_block_job(o.job_id.as_deref(), o.speed)?;
         let base_node = chain[base].0.clone();
         if base_node.is_read_only() {
             self.reopen_read_only(&base_node.name.clone(), false)?;
         }
         let overlay = overlay_of(&chain[..top], &top_node)?;
-        let holds = commit_holds(&dev, &chain[top..base], &base_node, &job_id)?;
+        let holds = commit_holds(&dev, &chain[top..base], &base_node, &job.id)?;
         let removed: Vec<String> = chain[top..base]
             .iter()
             .map(|(n, _)| n.name.clone())
@@ -505,8 +539,8 @@ impl State {
             base: base_node,
             on_error: o.on_error,
         };
-        let how = (o.auto_finalize, o.auto_dismiss, speed);
-        self.start_copy_job(&job_id, "commit", how, commit, removed, me)
+        let how = (o.auto_finalize, o.auto_dismiss);
+        self.start_copy_job(job, "commit", how, commit, removed, me)
     }
 
     /// The indexes in `chain` of the top image committed and of the base (QEMU's lookups
@@ -574,7 +608,7 @@ impl State {
                 "block-commit: 'filter-node-name' is not supported by stord yet",
             ));
         }
-        let (job_id, speed) = self.new_block_job(o.job_id.as_deref(), o.speed)?;
+        let job = self.new_block_job(o.job_id.as_deref(), o.speed)?;
         let top = chain[0].0.clone();
         let (base_node, base_depth) = chain[base].clone();
         // QEMU reopens a read-only base read-write for the commit (stord can if the node
@@ -582,7 +616,7 @@ impl State {
         if base_node.is_read_only() {
             self.reopen_read_only(&base_node.name.clone(), false)?;
         }
-        let user = format!("commit job '{job_id}'");
+        let user = format!("commit job '{}'", job.id);
         let reason = "block device is in use by block job: commit".to_string();
         let mut claims = Vec::new();
         let mut blockers = Vec::new();
@@ -620,9 +654,9 @@ impl State {
             parents: Box::new(ExportParents(me)),
         };
         self.start_block_job(
-            &job_id,
+            job,
             "commit",
-            (o.auto_finalize, o.auto_dismiss, speed),
+            (o.auto_finalize, o.auto_dismiss),
             true,
             |job| crate::job::mirror::run(mirror, job),
         )
@@ -650,14 +684,14 @@ impl State {
         if Arc::ptr_eq(&source, &target) {
             return Err(invalid("Can't mirror node into itself"));
         }
-        let (job_id, speed) = self.new_block_job(o.job_id.as_deref(), o.speed)?;
+        let job = self.new_block_job(o.job_id.as_deref(), o.speed)?;
         if target.is_read_only() {
             return Err(invalid(format!(
                 "Block node '{}' is read-only",
                 target.name
             )));
         }
-        let (holds, target_claim) = mirror_holds(&source, &target, &job_id)?;
+        let (holds, target_claim) = mirror_holds(&source, &target, &job.id)?;
         let granularity = match o.granularity {
             Some(g) if g > 0 => g as u64,
             _ => target.default_bitmap_granularity().clamp(4096, 65536),
@@ -676,9 +710,9 @@ impl State {
             parents: Box::new(ExportParents(me)),
         };
         self.start_block_job(
-            &job_id,
+            job,
             "mirror",
-            (o.auto_finalize, o.auto_dismiss, speed),
+            (o.auto_finalize, o.auto_dismiss),
             true,
             |job| crate::job::mirror::run(mirror, job),
         )

@@ -149,8 +149,6 @@ pub struct State {
     events: Events,
     /// Set to stop the main loop.
     quit: Rc<Cell<bool>>,
-    /// The SHUTDOWN event has been sent (by `quit`).
-    shutdown_announced: Cell<bool>,
 }
 
 /// Shared handle to the state.
@@ -235,19 +233,8 @@ impl State {
         self.quit.clone()
     }
 
-    /// Sends SHUTDOWN once, with `reason` (QEMU's ShutdownCause name).
-    pub fn announce_shutdown(&self, reason: &str) {
-        if !self.shutdown_announced.replace(true) {
-            self.events.emit(
-                "SHUTDOWN",
-                serde_json::json!({ "guest": false, "reason": reason }),
-            );
-        }
-    }
-
-    /// `quit`: announces the stop and ends the main loop.
-    pub fn request_quit(&self, reason: &str) {
-        self.announce_shutdown(reason);
+    /// `quit`: ends the main loop (the stop follows; qsd announces nothing).
+    pub fn request_quit(&self) {
         self.quit.set(true);
     }
 
@@ -630,8 +617,8 @@ impl State {
                 let writable = matches!(kv.get("writable"), Some("on" | "true" | "yes"));
                 let growable = matches!(kv.get("growable"), Some("on" | "true" | "yes"));
                 let (perm, shared) = export_perms(&kind, writable, growable);
-                let user = format!("block export '{}'", kv.get("id").unwrap_or(&kind));
-                Some(node.claim(&user, "root", perm, shared)?)
+                // An export's BlockBackend has no name in QEMU: its words for the user.
+                Some(node.claim("an unnamed block device", "root", perm, shared)?)
             }
             None => None,
         };

@@ -641,8 +641,8 @@ impl Job {
     }
 }
 
-/// Every job, by id (main thread only).
-#[derive(Default)]
+/// Every job, by id (main thread only); clones share the table.
+#[derive(Default, Clone)]
 pub struct Jobs {
     map: Rc<RefCell<BTreeMap<String, Rc<Job>>>>,
     /// Creation order, for query-jobs (QEMU lists the newest first).
@@ -687,14 +687,6 @@ impl Jobs {
             return Err(JobError::TooMany);
         }
         Ok(())
-    }
-
-    /// A job refused after QEMU would have created it (a block job's negative speed):
-    /// QEMU announces it created, then null.
-    pub fn early_fail(&self, id: &str, events: &Events) {
-        for status in ["created", "null"] {
-            events.emit("JOB_STATUS_CHANGE", json!({ "status": status, "id": id }));
-        }
     }
 
     /// Starts `work` as job `id` of type `kind`; its state changes go to `events`.
@@ -931,6 +923,30 @@ impl Jobs {
             job.wake();
         }
         Ok(())
+    }
+
+    /// At the daemon's stop, as QEMU's job_cancel_sync_all: every job is cancelled (as
+    /// `job-cancel` does, forced) and, once concluded, dismissed; completes when none is
+    /// left.
+    pub async fn cancel_all(&self) {
+        let jobs: Vec<Rc<Job>> = self.map.borrow().values().cloned().collect();
+        for job in &jobs {
+            let _ = self.cancel(job, true);
+        }
+        loop {
+            let jobs: Vec<Rc<Job>> = self.map.borrow().values().cloned().collect();
+            if jobs.is_empty() {
+                return;
+            }
+            for job in jobs
+                .iter()
+                .filter(|j| j.status.get() == JobStatus::Concluded)
+            {
+                let _ = self.dismiss(job);
+            }
+            // The jobs finish on this loop; look again shortly.
+            stord_aio::sleep(Duration::from_millis(1)).await;
+        }
     }
 
     /// `query-jobs`: newest first.

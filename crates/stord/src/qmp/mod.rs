@@ -12,6 +12,7 @@
 
 mod commands;
 pub mod stream;
+pub mod text;
 
 use std::cell::{Cell, RefCell};
 use std::io;
@@ -93,6 +94,8 @@ struct Outbox {
     in_writer: Cell<usize>,
     /// Told when everything queued has gone (the daemon waits for that at shutdown).
     events: Events,
+    /// The reply to `quit`, sent once the stop has torn everything down (qsd's order).
+    held: RefCell<Option<Value>>,
 }
 
 impl Outbox {
@@ -107,6 +110,7 @@ impl Outbox {
             negotiated: Cell::new(false),
             sending: Cell::new(false),
             in_writer: Cell::new(0),
+            held: RefCell::default(),
         }
     }
 
@@ -120,7 +124,7 @@ impl Outbox {
             return;
         }
         let mut b = self.buf.borrow_mut();
-        b.extend_from_slice(v.to_string().as_bytes());
+        b.extend_from_slice(text::to_text(v).as_bytes());
         b.extend_from_slice(b"\r\n");
         drop(b);
         if self.queued() > MAX_BACKLOG {
@@ -257,6 +261,12 @@ impl EventSink for Outbox {
 
     fn listening(&self) -> bool {
         self.negotiated.get()
+    }
+
+    fn stopped(&self) {
+        if let Some(reply) = self.held.borrow_mut().take() {
+            self.send(&reply);
+        }
     }
 
     fn flushed(&self) -> bool {
@@ -510,7 +520,12 @@ async fn handle(state: &SharedState, out: &Rc<Outbox>, msg: Value) -> Option<Val
             desc: "Capabilities negotiation is already complete, command ignored".into(),
         })));
     }
-    Some(reply(commands::execute(state, &cmd, args)))
+    let r = commands::execute(state, &cmd, args);
+    if cmd == "quit" && r.is_ok() {
+        *out.held.borrow_mut() = Some(reply(r));
+        return None;
+    }
+    Some(reply(r))
 }
 
 #[cfg(test)]

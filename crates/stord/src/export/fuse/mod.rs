@@ -490,6 +490,11 @@ impl Export for FuseExport {
     }
     fn describe(&self, out: &mut serde_json::Map<String, serde_json::Value>) {
         out.insert("x-transport".into(), self.transport().into());
+        let (dev, uring) = self.request_counts();
+        out.insert(
+            "x-requests".into(),
+            serde_json::json!({ "dev-fuse": dev, "io-uring": uring }),
+        );
     }
     fn begin_stop(&mut self) {
         self.halt();

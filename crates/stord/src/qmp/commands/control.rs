@@ -110,7 +110,7 @@ pub const QUIT: Command = Command {
     args: &[],
     open: false,
     run: |state, _| {
-        state.borrow().request_quit("host-qmp-quit");
+        state.borrow().request_quit();
         Ok(json!({}))
     },
 };

@@ -439,7 +439,7 @@ mod tests {
                 assert!(members.contains(&a.name), "{}: {}", c.name, a.name);
             }
         }
-        assert_eq!(find("SHUTDOWN").unwrap()["meta-type"], "event");
+        assert_eq!(find("BLOCK_EXPORT_DELETED").unwrap()["meta-type"], "event");
         // Every type a member or variant names is in the list.
         for e in list.iter().filter(|e| e["meta-type"] == "object") {
             let variants = e["variants"].as_array().into_iter().flatten();
