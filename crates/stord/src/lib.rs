@@ -5,6 +5,7 @@
 //!   (protocol nodes), `raw` (a format node over a child).
 //! - [`export`]: one folder per export protocol.
 //! - [`cli`]: qsd's option syntax.
+//! - [`chardev`]: `--chardev`, the devices monitors talk through.
 //! - [`qmp`]: the QMP monitor.
 //! - [`accept`]: listening sockets that survive descriptor exhaustion.
 //! - [`log`]: the tracing subscriber and rate-limited events.
@@ -22,6 +23,7 @@
 
 pub mod accept;
 pub mod block;
+pub mod chardev;
 pub mod cli;
 pub mod daemon;
 pub mod events;

@@ -23,11 +23,12 @@ use std::time::Duration;
 use stord_aio::{AioContext, AioContextOptions, PollParams, ReactorKind};
 
 use crate::block::graph::GraphError;
+use crate::chardev::{Chardev, ChardevError};
 use crate::cli::keyval::{KeyVal, OptionError};
 use crate::cli::{CommandLine, Item};
 use crate::daemon::{DaemonError, SharedState};
 use crate::export::nbd::{ListenAddr, NbdServerOpts};
-use crate::qmp::MonitorServer;
+use crate::qmp::Monitor;
 use crate::sys;
 
 /// Why the command line could not be applied; the message names the option, as qsd's do.
@@ -47,10 +48,12 @@ pub enum StartError {
     NbdServer(Box<DaemonError>),
     #[error("--chardev: {0}")]
     Chardev(String),
+    #[error("--chardev: {0}")]
+    ChardevOption(#[from] ChardevError),
     #[error("--monitor: chardev '{0}' not found")]
     NoChardev(String),
-    #[error("--monitor: cannot listen on {path}: {source}")]
-    Monitor { path: PathBuf, source: io::Error },
+    #[error("--monitor: {0}")]
+    Monitor(io::Error),
     #[error("cannot write pidfile '{path}': {source}")]
     Pidfile { path: PathBuf, source: io::Error },
 }
@@ -66,10 +69,10 @@ pub struct Daemon {
     ctx: AioContext,
     state: SharedState,
     pidfile: Option<PathBuf>,
-    /// `--chardev socket` paths by id, until a monitor takes them.
-    chardevs: BTreeMap<String, PathBuf>,
-    /// Listening monitors.
-    monitors: Vec<MonitorServer>,
+    /// `--chardev` devices by id, until a monitor takes them.
+    chardevs: BTreeMap<String, Chardev>,
+    /// The monitors.
+    monitors: Vec<Monitor>,
     /// Shutdown signals received, and who waits for the next one.
     signals_seen: SignalsSeen,
     _signals: OwnedFd,
@@ -215,10 +218,10 @@ impl Daemon {
                     let _ = kv.take_choice("mode", &["control"])?;
                     let _ = kv.take_bool("pretty", false)?;
                     kv.finish()?;
-                    let path = self.chardevs.remove(&id).ok_or(StartError::NoChardev(id))?;
-                    let server = MonitorServer::start(&self.ctx, &path, self.state.clone())
-                        .map_err(|source| StartError::Monitor { path, source })?;
-                    self.monitors.push(server);
+                    let dev = self.chardevs.remove(&id).ok_or(StartError::NoChardev(id))?;
+                    let monitor = Monitor::open(&self.ctx, &dev, self.state.clone())
+                        .map_err(StartError::Monitor)?;
+                    self.monitors.push(monitor);
                 }
             }
         }
@@ -234,31 +237,15 @@ impl Daemon {
         Ok(())
     }
 
-    /// `--chardev socket,id=...,path=...,server=on,wait=off`.
-    fn add_chardev(&mut self, mut kv: KeyVal) -> Result<(), StartError> {
-        let backend = kv.take_required("backend")?;
-        if backend != "socket" {
+    /// `--chardev`: a socket (listening or connecting) or stdio, for a monitor to take.
+    fn add_chardev(&mut self, kv: KeyVal) -> Result<(), StartError> {
+        let (id, dev) = Chardev::from_options(kv)?;
+        if self.chardevs.contains_key(&id) {
             return Err(StartError::Chardev(format!(
-                "backend '{backend}' is not supported (only socket)"
+                "Chardev with id '{id}' already exists"
             )));
         }
-        let id = kv.take_required("id")?;
-        let path = kv.take_required("path")?;
-        if !kv.take_bool("server", false)? {
-            return Err(StartError::Chardev(
-                "only server=on sockets are supported".into(),
-            ));
-        }
-        if kv.take_bool("wait", true)? {
-            return Err(StartError::Chardev(
-                "wait=on is not supported (use wait=off)".into(),
-            ));
-        }
-        kv.finish()?;
-        if self.chardevs.contains_key(&id) {
-            return Err(StartError::Chardev(format!("duplicate chardev id '{id}'")));
-        }
-        self.chardevs.insert(id, PathBuf::from(path));
+        self.chardevs.insert(id, dev);
         Ok(())
     }
 

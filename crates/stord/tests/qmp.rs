@@ -61,6 +61,11 @@ fn qmp_reopen_and_transaction_answer_as_qsd() {
 }
 
 #[test]
+fn qmp_monitor_modes_and_text_match_qsd() {
+    run_script("monitor_modes.py");
+}
+
+#[test]
 fn qmp_schema_is_generated_from_the_command_table_and_agrees_with_qsd() {
     run_script("schema.py");
 }

@@ -629,10 +629,17 @@ impl State {
             )?);
             blockers.push(n.block_ops(reason.clone())?);
         }
+        // As QEMU's mirror_start_job for a backing target: resize only if the base must
+        // grow to the top's size; others may do all but resize.
+        let grow = base_node.size() < top.size();
         let target_claim = base_node.claim(
             &user,
             "target",
-            Perm::WRITE | Perm::RESIZE,
+            if grow {
+                Perm::WRITE | Perm::RESIZE
+            } else {
+                Perm::WRITE
+            },
             Perm::ALL & Perm::RESIZE.complement(),
         )?;
         blockers.push(base_node.block_ops(reason)?);

@@ -735,10 +735,11 @@ impl Jobs {
         );
         let fut = work(job.clone());
         let (map, order) = (self.map.clone(), self.order.clone());
+        // Running before the command's reply, as QEMU's job_start; the work itself starts
+        // after the reply has gone out.
+        job.set(JobStatus::Running);
         stord_aio::spawn_detached(async move {
-            // The command's reply goes out before the job runs, as in QEMU.
             stord_aio::yield_now().await;
-            job.set(JobStatus::Running);
             // As QEMU's job_co_entry: a pause asked for before the start holds here.
             job.pause_point().await;
             let r = if job.cancelled.get() {
@@ -929,23 +930,26 @@ impl Jobs {
     /// `job-cancel` does, forced) and, once concluded, dismissed; completes when none is
     /// left.
     pub async fn cancel_all(&self) {
-        let jobs: Vec<Rc<Job>> = self.map.borrow().values().cloned().collect();
-        for job in &jobs {
-            let _ = self.cancel(job, true);
-        }
+        // Newest first, one at a time, as QEMU walks its job list.
         loop {
-            let jobs: Vec<Rc<Job>> = self.map.borrow().values().cloned().collect();
-            if jobs.is_empty() {
-                return;
-            }
-            for job in jobs
-                .iter()
-                .filter(|j| j.status.get() == JobStatus::Concluded)
+            let newest = {
+                let map = self.map.borrow();
+                let order = self.order.borrow();
+                order.iter().rev().find_map(|id| map.get(id).cloned())
+            };
+            let Some(job) = newest else { return };
+            let _ = self.cancel(&job, true);
+            // The job finishes on this loop: look again shortly.
+            while job.status.get() != JobStatus::Concluded
+                && self.map.borrow().contains_key(&job.id)
             {
-                let _ = self.dismiss(job);
+                stord_aio::sleep(Duration::from_millis(1)).await;
             }
-            // The jobs finish on this loop; look again shortly.
-            stord_aio::sleep(Duration::from_millis(1)).await;
+            if job.status.get() == JobStatus::Concluded {
+                let _ = self.dismiss(&job);
+            }
+            self.map.borrow_mut().remove(&job.id);
+            self.order.borrow_mut().retain(|j| *j != job.id);
         }
     }
 

@@ -11,22 +11,20 @@
 //! up beyond [`MAX_BACKLOG`] is disconnected. Connections run as tasks on the main loop.
 
 mod commands;
+mod monitor;
 pub mod stream;
 pub mod text;
 
+pub use monitor::Monitor;
+
 use std::cell::{Cell, RefCell};
-use std::io;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
-use std::os::unix::fs::PermissionsExt;
-use std::os::unix::net::UnixListener;
-use std::path::{Path, PathBuf};
 use std::rc::Rc;
 use std::task::{Poll, Waker};
 
 use serde_json::{json, Value};
-use stord_aio::{op, AioContext, Interest, Slice};
+use stord_aio::{op, Interest, Slice};
 
-use crate::accept::Acceptor;
 use crate::daemon::SharedState;
 use crate::events::{EventSink, Events};
 use stream::{JsonStream, Piece};
@@ -156,37 +154,6 @@ impl Outbox {
         if let Some(w) = self.reader_waker.borrow_mut().take() {
             w.wake();
         }
-    }
-}
-
-/// A listening monitor socket.
-pub struct MonitorServer {
-    path: PathBuf,
-    _acceptor: Acceptor,
-}
-
-impl MonitorServer {
-    /// Listens on `path` (mode 0600) and serves connections on the main loop.
-    pub fn start(ctx: &AioContext, path: &Path, state: SharedState) -> io::Result<Self> {
-        if path.exists() {
-            let _ = std::fs::remove_file(path);
-        }
-        let listener = UnixListener::bind(path)?;
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
-        listener.set_nonblocking(true)?;
-        let acceptor = Acceptor::start(ctx, "qmp monitor", listener.into(), move |conn| {
-            stord_aio::spawn(serve(conn, state.clone()));
-        })?;
-        Ok(Self {
-            path: path.to_path_buf(),
-            _acceptor: acceptor,
-        })
-    }
-
-    /// Stops listening and removes the socket.
-    pub fn stop(self) {
-        drop(self._acceptor);
-        let _ = std::fs::remove_file(&self.path);
     }
 }
 
