@@ -135,6 +135,19 @@ pub fn setsid() -> io::Result<()> {
     }
 }
 
+/// Makes `dst` a descriptor of the open file behind `src` (dup3 with close-on-exec): the
+/// number stays, the old open file it held is released (and with it that description's
+/// OFD locks).
+pub fn dup_onto(src: RawFd, dst: RawFd) -> io::Result<()> {
+    // SAFETY: dup3 takes two descriptor numbers; the caller owns `dst` and keeps it open.
+    let r = unsafe { libc::dup3(src, dst, libc::O_CLOEXEC) };
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
 /// Points stdin, stdout and stderr at /dev/null.
 pub fn stdio_to_devnull() -> io::Result<()> {
     use std::os::fd::AsRawFd;

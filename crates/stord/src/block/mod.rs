@@ -190,6 +190,15 @@ pub trait BlockDriver: Send + Sync {
         None
     }
     /// The image's cluster size, for format drivers that have one.
+    /// Makes a driver opened read-only able to write (QEMU's reopen with read-only off,
+    /// as block-commit asks of a backing image it commits into): a file reopens its
+    /// descriptor read-write; a format driver whose state allows it says so. Its children
+    /// are made writable first, by the caller.
+    fn reopen_rw(&self) -> BoxFut<'_, Result<(), String>> {
+        let name = self.driver_name();
+        Box::pin(async move { Err(format!("the {name} driver cannot reopen read-write")) })
+    }
+
     fn cluster_size(&self) -> Option<u64> {
         None
     }
@@ -343,8 +352,8 @@ pub struct BlockNode {
     pub name: String,
     /// Refuse writes (changes with `blockdev-reopen`).
     read_only: std::sync::atomic::AtomicBool,
-    /// Opened for writing: whether it may be made writable again.
-    opened_writable: bool,
+    /// Opened for writing (or reopened so): whether it may be made writable.
+    opened_writable: std::sync::atomic::AtomicBool,
     /// Opened with O_DIRECT.
     pub direct: bool,
     /// Counters.
@@ -378,7 +387,7 @@ impl BlockNode {
         Self {
             name,
             read_only: std::sync::atomic::AtomicBool::new(read_only),
-            opened_writable: !read_only,
+            opened_writable: std::sync::atomic::AtomicBool::new(!read_only),
             direct,
             stats: NodeStats::default(),
             force_share: false,
@@ -415,10 +424,34 @@ impl BlockNode {
         self.read_only.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Whether the node can be made writable: it was opened for writing (stord does not
-    /// reopen a read-only file read-write).
+    /// Whether the node can be made writable: it was opened (or reopened) for writing.
     pub fn can_write(&self) -> bool {
         self.opened_writable
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Reopens a node opened read-only so it can write ([`BlockDriver::reopen_rw`]; its
+    /// children first, by the caller); it stays read-only until
+    /// [`set_read_only`](Self::set_read_only) says otherwise.
+    pub async fn reopen_rw(&self) -> Result<(), String> {
+        if !self.can_write() {
+            self.driver.reopen_rw().await?;
+            self.opened_writable
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    /// Sets `read-only` and takes what the node then needs of its children (a writable
+    /// format node write access to its file, and so the file's locks); on a conflict the
+    /// node is as it was.
+    pub fn refresh_perms_as(&self, read_only: bool) -> Result<(), perm::PermError> {
+        let was = self.is_read_only();
+        self.set_read_only(read_only);
+        self.refresh_perms().inspect_err(|_| {
+            self.set_read_only(was);
+            let _ = self.refresh_perms();
+        })
     }
 
     /// `blockdev-reopen` of `read-only`: the caller checked `can_write` and the users.
@@ -970,5 +1003,34 @@ impl BlockNode {
             b.resize(size);
         }
         Ok(())
+    }
+}
+
+/// Nodes a job made writable for its life (a commit's base, reopened read-write as QEMU
+/// reopens it): made read-only again, top first, when it is dropped, unless
+/// [`keep`](Self::keep) was called (an active commit that pivoted: the base is the active
+/// layer now).
+#[derive(Default)]
+pub struct ReadOnlyAgain(Vec<Arc<BlockNode>>);
+
+impl ReadOnlyAgain {
+    /// `nodes`, top first.
+    pub fn new(nodes: Vec<Arc<BlockNode>>) -> Self {
+        Self(nodes)
+    }
+
+    /// They stay writable.
+    pub fn keep(&mut self) {
+        self.0.clear();
+    }
+}
+
+impl Drop for ReadOnlyAgain {
+    fn drop(&mut self) {
+        for n in &self.0 {
+            n.set_read_only(true);
+            // What it takes of its children shrinks with it (a format node's write lock).
+            let _ = n.refresh_perms();
+        }
     }
 }

@@ -97,6 +97,10 @@ impl NullDriver {
 }
 
 impl BlockDriver for NullDriver {
+    /// Nothing of its own is read-only: its child is reopened by the caller.
+    fn reopen_rw(&self) -> BoxFut<'_, Result<(), String>> {
+        Box::pin(async { Ok(()) })
+    }
     fn driver_name(&self) -> &'static str {
         "null-co"
     }

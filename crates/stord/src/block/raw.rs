@@ -100,6 +100,10 @@ impl RawDriver {
 }
 
 impl BlockDriver for RawDriver {
+    /// Nothing of its own is read-only: its child is reopened by the caller.
+    fn reopen_rw(&self) -> BoxFut<'_, Result<(), String>> {
+        Box::pin(async { Ok(()) })
+    }
     fn no_flush(&self) -> bool {
         self.child_driver().no_flush()
     }

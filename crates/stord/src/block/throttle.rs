@@ -250,6 +250,10 @@ impl ThrottleDriver {
 }
 
 impl BlockDriver for ThrottleDriver {
+    /// Nothing of its own is read-only: its child is reopened by the caller.
+    fn reopen_rw(&self) -> BoxFut<'_, Result<(), String>> {
+        Box::pin(async { Ok(()) })
+    }
     fn no_flush(&self) -> bool {
         self.child.driver().no_flush()
     }

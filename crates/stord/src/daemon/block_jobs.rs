@@ -225,6 +225,7 @@ fn stream_holds(
         claims,
         blockers,
         attached: top.attach_job(),
+        reopened: Default::default(),
     })
 }
 
@@ -257,6 +258,7 @@ fn commit_holds(
         claims,
         blockers,
         attached: dev.attach_job(),
+        reopened: Default::default(),
     })
 }
 
@@ -521,11 +523,11 @@ impl State {
         }
         let job = self.new_block_job(o.job_id.as_deref(), o.speed)?;
         let base_node = chain[base].0.clone();
-        if base_node.is_read_only() {
-            self.reopen_read_only(&base_node.name.clone(), false)?;
-        }
+        // QEMU reopens a read-only base read-write for the commit, and back after it.
+        let reopened = crate::block::ReadOnlyAgain::new(self.make_writable(&base_node)?);
         let overlay = overlay_of(&chain[..top], &top_node)?;
-        let holds = commit_holds(&dev, &chain[top..base], &base_node, &job.id)?;
+        let mut holds = commit_holds(&dev, &chain[top..base], &base_node, &job.id)?;
+        holds.reopened = reopened;
         let removed: Vec<String> = chain[top..base]
             .iter()
             .map(|(n, _)| n.name.clone())
@@ -611,11 +613,9 @@ impl State {
         let job = self.new_block_job(o.job_id.as_deref(), o.speed)?;
         let top = chain[0].0.clone();
         let (base_node, base_depth) = chain[base].clone();
-        // QEMU reopens a read-only base read-write for the commit (stord can if the node
-        // was opened writable).
-        if base_node.is_read_only() {
-            self.reopen_read_only(&base_node.name.clone(), false)?;
-        }
+        // QEMU reopens a read-only base read-write for the commit, and back after it
+        // unless the exports moved onto it.
+        let reopened = crate::block::ReadOnlyAgain::new(self.make_writable(&base_node)?);
         let user = format!("commit job '{}'", job.id);
         let reason = "block device is in use by block job: commit".to_string();
         let mut claims = Vec::new();
@@ -657,6 +657,7 @@ impl State {
                 claims,
                 blockers,
                 attached: top.attach_job(),
+                reopened,
             },
             parents: Box::new(ExportParents(me)),
         };
@@ -802,6 +803,7 @@ fn mirror_holds(
         claims,
         blockers,
         attached: source.attach_job(),
+        reopened: Default::default(),
     };
     Ok((holds, target_claim))
 }

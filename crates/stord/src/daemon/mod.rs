@@ -456,19 +456,7 @@ impl State {
             return Ok(());
         }
         if !read_only {
-            if !node.can_write() {
-                return Err(DaemonError::Invalid(format!(
-                    "Cannot make node '{name}' writable: it was opened read-only (stord \
-                     cannot reopen its file read-write; blockdev-add it writable)"
-                )));
-            }
-            node.set_read_only(false);
-            // A format node takes write access to its file again: its lock may be refused.
-            if let Err(e) = node.refresh_perms() {
-                node.set_read_only(true);
-                let _ = node.refresh_perms();
-                return Err(e.into());
-            }
+            self.make_writable(&node)?;
             return Ok(());
         }
         // Every node at or above this one, for the writers among their users.
@@ -513,6 +501,48 @@ impl State {
         // What it takes of its children shrinks with it (a format node's write lock goes).
         let _ = node.refresh_perms();
         Ok(())
+    }
+
+    /// Makes `node` writable with the nodes it stores its data on (its `file`, and
+    /// theirs), as QEMU's reopen with read-only off: bottom-up, each node writable and its
+    /// permissions taken on its children (their locks) before its driver reopens (a file
+    /// its descriptor read-write, an image its metadata for writing), then its own locks
+    /// taken again. On a failure every node changed goes back. The nodes it changed,
+    /// top first (to be made read-only again).
+    pub fn make_writable(&self, node: &Arc<BlockNode>) -> Result<Vec<Arc<BlockNode>>, DaemonError> {
+        let mut chain = vec![node.clone()];
+        while let Some(file) = chain
+            .last()
+            .and_then(|n| n.children().into_iter().find(|(r, _)| *r == "file"))
+            .map(|(_, c)| c)
+        {
+            chain.push(file);
+        }
+        let mut changed: Vec<Arc<BlockNode>> = Vec::new();
+        for n in chain.iter().rev().filter(|n| n.is_read_only()) {
+            changed.insert(0, n.clone());
+            let r = n
+                .refresh_perms_as(false)
+                .map_err(DaemonError::from)
+                .and_then(|()| {
+                    let m = n.clone();
+                    crate::block::block_on_helper(move || async move { m.reopen_rw().await })
+                        .map_err(|e| e.to_string())
+                        .and_then(|r| r)
+                        .map_err(|e| {
+                            DaemonError::Invalid(format!(
+                                "Cannot make node '{}' writable: {e}",
+                                n.name
+                            ))
+                        })?;
+                    n.refresh_perms().map_err(DaemonError::from)
+                });
+            if let Err(e) = r {
+                drop(crate::block::ReadOnlyAgain::new(changed));
+                return Err(e);
+            }
+        }
+        Ok(changed)
     }
 
     /// `--nbd-server` / `nbd-server-start`.

@@ -278,9 +278,11 @@ impl Mirror {
         job.set_remaining(0);
         self.target.flush().await.map_err(|e| e.to_string())?;
         let pivot = job.complete_requested() && !job.soft_cancelled();
-        let m = self;
+        let mut m = self;
         Ok(Some(Box::pin(async move {
             let r = if pivot {
+                // The target serves the exports now: it stays writable.
+                m.holds.reopened.keep();
                 // The job's own write permission on the target goes first: the exports'
                 // take its place.
                 let _ = m.target_claim.set(Perm::NONE, Perm::ALL);

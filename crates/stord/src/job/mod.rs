@@ -238,6 +238,8 @@ pub struct Holds {
     pub blockers: Vec<crate::block::blocker::Blocker>,
     /// The job on the node it was started on.
     pub attached: crate::block::blocker::JobAttachment,
+    /// Nodes made writable for the job, read-only again after it.
+    pub reopened: crate::block::ReadOnlyAgain,
 }
 
 /// A rate limit in QEMU's manner (util/ratelimit.h): a quota of bytes per slice; bytes

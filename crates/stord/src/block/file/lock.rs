@@ -43,6 +43,12 @@ impl ImageLock {
         }
     }
 
+    /// The descriptor's open file was replaced: it holds no locks any more, so the next
+    /// [`set`](Self::set) takes them all again.
+    pub(crate) fn forget(&self) {
+        *self.held.lock().expect("image lock") = (Perm::NONE, Perm::NONE);
+    }
+
     /// Locks exactly the bytes for `perm` held and `unshared` not shared.
     fn lock_bytes(fd: RawFd, perm: Perm, unshared: Perm) -> Result<(), u64> {
         for (p, _) in Perm::ALL.each() {

@@ -541,6 +541,28 @@ fn probe_extent(fd: RawFd, offset: u64, size: u64) -> (extent_cache::Extent, boo
 }
 
 impl<E: Engine> BlockDriver for FileDriver<E> {
+    fn reopen_rw(&self) -> BoxFut<'_, Result<(), String>> {
+        Box::pin(async move {
+            let name = &self.opts.filename;
+            let mut flags = libc::O_CLOEXEC;
+            if self.opts.direct {
+                flags |= libc::O_DIRECT;
+            }
+            let file = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .custom_flags(flags)
+                .open(name)
+                .map_err(|e| format!("Could not reopen '{name}' read-write: {e}"))?;
+            // The descriptor number requests use stays; requests in flight hold their own
+            // reference to the file. The new open file has no locks yet: they are taken
+            // again with the node's permissions, which the caller refreshes.
+            crate::sys::dup_onto(file.as_raw_fd(), self.raw())
+                .map_err(|e| format!("Could not reopen '{name}' read-write: {e}"))?;
+            self.lock.forget();
+            Ok(())
+        })
+    }
     fn no_flush(&self) -> bool {
         self.opts.no_flush
     }

@@ -375,7 +375,7 @@ impl Qcow2Driver {
     /// The node is in service (opened read-write, every check passed): its bitmaps are
     /// marked in use in the image from now until they are stored at close.
     pub(super) async fn activate_impl(&self) -> io::Result<()> {
-        if !self.writable {
+        if !self.writable.load(std::sync::atomic::Ordering::Relaxed) {
             return Ok(());
         }
         let mut m = self.meta.lock().await;

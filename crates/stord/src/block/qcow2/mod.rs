@@ -492,8 +492,10 @@ pub struct Qcow2Driver {
     compression: Compression,
     /// A write on metadata was prevented: every request fails from now on.
     corrupt: std::sync::atomic::AtomicBool,
-    /// Opened read-write.
-    writable: bool,
+    /// Opened (or reloaded) read-write.
+    writable: std::sync::atomic::AtomicBool,
+    /// The table caches' sizes (L2, refcount blocks), for a reload.
+    cache: (usize, usize),
 }
 
 /// Counts a request in `io_inflight` until dropped.
@@ -551,6 +553,34 @@ impl Qcow2Driver {
         image: Image,
         opts: &Qcow2Options,
     ) -> Self {
+        let h = image.header.clone();
+        let cache = opts.cache_tables(h.size, h.cluster_size());
+        let writable = image.writable;
+        let meta = Self::meta_of(image, cache);
+        Self {
+            file,
+            backing_state: (backing.is_some() as u64).into(),
+            backing: std::sync::RwLock::new(backing),
+            version: h.version,
+            cluster_bits: h.cluster_bits,
+            cluster_size: h.cluster_size(),
+            l2_bits: h.cluster_bits - 3,
+            refcount_order: h.refcount_order,
+            size: h.size.into(),
+            discard: opts.discard,
+            meta: AsyncMutex::new(meta),
+            cache,
+            alloc_locks: RangeLocks::default(),
+            io_inflight: AtomicUsize::new(0),
+            incompatible: h.incompatible,
+            compression: h.compression,
+            corrupt: Default::default(),
+            writable: writable.into(),
+        }
+    }
+
+    /// The metadata state of a loaded image, with caches of `(l2, refcount)` tables.
+    fn meta_of(image: Image, (l2_tables, rc_tables): (usize, usize)) -> Meta {
         let h = image.header;
         // Contiguous metadata goes past every cluster the refcounts count and every table
         // this open found (an image whose refcounts undercount its metadata must not get
@@ -561,9 +591,7 @@ impl Qcow2Driver {
                 .last_key_value()
                 .map_or(0, |(&c, _)| (c + 1) << h.cluster_bits),
         );
-        let cs = h.cluster_size();
-        let (l2_tables, rc_tables) = opts.cache_tables(h.size, cs);
-        let meta = Meta {
+        Meta {
             regions: image.regions,
             l1: image.l1,
             l1_offset: h.l1_table_offset,
@@ -579,26 +607,33 @@ impl Qcow2Driver {
             pending_free: Vec::new(),
             needs_sync: false,
             bitmap_dir: image.bitmaps.map(|l| l.dir).unwrap_or_default(),
-        };
-        Self {
-            file,
-            backing_state: (backing.is_some() as u64).into(),
-            backing: std::sync::RwLock::new(backing),
-            version: h.version,
-            cluster_bits: h.cluster_bits,
-            cluster_size: cs,
-            l2_bits: h.cluster_bits - 3,
-            refcount_order: h.refcount_order,
-            size: h.size.into(),
-            discard: opts.discard,
-            meta: AsyncMutex::new(meta),
-            alloc_locks: RangeLocks::default(),
-            io_inflight: AtomicUsize::new(0),
-            incompatible: h.incompatible,
-            compression: h.compression,
-            corrupt: Default::default(),
-            writable: image.writable,
         }
+    }
+
+    /// Reads the image's metadata again, as a fresh open would (QEMU's invalidate-cache):
+    /// with `writable`, for writing (refused images refused, dirty refcounts repaired,
+    /// other autoclear bits cleared). What was cached goes; the caller made sure nothing
+    /// was written through this driver since its last flush (it was read-only, or
+    /// inactive). Images with persistent bitmaps are refused: their bitmaps live in the
+    /// node, which a reload does not replace.
+    pub async fn reload(&self, writable: bool) -> io::Result<()> {
+        let mut m = self.meta.lock().await;
+        let image = Image::load(&self.file, writable)
+            .await
+            .map_err(io::Error::other)?;
+        if !m.bitmap_dir.entries.is_empty() || image.bitmaps.is_some() {
+            return Err(io::Error::other(
+                "stord cannot reload an image with persistent bitmaps",
+            ));
+        }
+        let h = &image.header;
+        if h.cluster_bits != self.cluster_bits || h.refcount_order != self.refcount_order {
+            return Err(io::Error::other("the image's layout changed"));
+        }
+        self.size.store(h.size, Ordering::Relaxed);
+        *m = Self::meta_of(image, self.cache);
+        self.writable.store(writable, Ordering::Relaxed);
+        Ok(())
     }
 
     fn cluster_start(&self, off: u64) -> u64 {
@@ -1451,6 +1486,9 @@ impl BlockDriver for Qcow2Driver {
     }
     fn activate(&self) -> BoxFut<'_, io::Result<()>> {
         Box::pin(self.activate_impl())
+    }
+    fn reopen_rw(&self) -> BoxFut<'_, Result<(), String>> {
+        Box::pin(async move { self.reload(true).await.map_err(|e| e.to_string()) })
     }
     fn can_store_bitmap(&self, granularity: u64, name: &str) -> Option<Result<(), String>> {
         Some(self.can_store(granularity, name))
