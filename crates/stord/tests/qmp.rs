@@ -61,6 +61,11 @@ fn qmp_reopen_and_transaction_answer_as_qsd() {
 }
 
 #[test]
+fn qmp_inactive_nodes_hand_an_image_over_as_qsd() {
+    run_script("inactive.py");
+}
+
+#[test]
 fn qmp_monitor_modes_and_text_match_qsd() {
     run_script("monitor_modes.py");
 }

@@ -83,6 +83,9 @@ pub struct OpenFlags<'a> {
     pub read_only: bool,
     /// The new node's name (for the permissions it takes while it opens).
     pub node_name: &'a str,
+    /// `active=off`: it opens inactive (it writes nothing, not even its metadata, until
+    /// `blockdev-set-active`).
+    pub inactive: bool,
 }
 
 /// An opened driver and what the node over it is.

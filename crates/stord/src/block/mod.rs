@@ -194,6 +194,19 @@ pub trait BlockDriver: Send + Sync {
     /// as block-commit asks of a backing image it commits into): a file reopens its
     /// descriptor read-write; a format driver whose state allows it says so. Its children
     /// are made writable first, by the caller.
+    /// The node goes inactive (another process takes the image over): what it caches is
+    /// written and flushed (QEMU's bdrv_inactivate).
+    fn inactivate(&self) -> BoxFut<'_, io::Result<()>> {
+        self.flush()
+    }
+
+    /// The node is active again after another process may have written the image: what
+    /// it caches of it is read again (QEMU's bdrv_co_invalidate_cache), for writing if
+    /// `writable`.
+    fn invalidate_cache(&self, _writable: bool) -> BoxFut<'_, Result<(), String>> {
+        Box::pin(async { Ok(()) })
+    }
+
     fn reopen_rw(&self) -> BoxFut<'_, Result<(), String>> {
         let name = self.driver_name();
         Box::pin(async move { Err(format!("the {name} driver cannot reopen read-write")) })
@@ -354,6 +367,9 @@ pub struct BlockNode {
     read_only: std::sync::atomic::AtomicBool,
     /// Opened for writing (or reopened so): whether it may be made writable.
     opened_writable: std::sync::atomic::AtomicBool,
+    /// Inactive (QEMU's BDRV_O_INACTIVE, `active=off`, `blockdev-set-active`): another
+    /// process owns the image; this node reads, writes nothing and holds no lock.
+    inactive: std::sync::atomic::AtomicBool,
     /// Opened with O_DIRECT.
     pub direct: bool,
     /// Counters.
@@ -388,6 +404,7 @@ impl BlockNode {
             name,
             read_only: std::sync::atomic::AtomicBool::new(read_only),
             opened_writable: std::sync::atomic::AtomicBool::new(!read_only),
+            inactive: Default::default(),
             direct,
             stats: NodeStats::default(),
             force_share: false,
@@ -440,6 +457,18 @@ impl BlockNode {
                 .store(true, std::sync::atomic::Ordering::Relaxed);
         }
         Ok(())
+    }
+
+    /// Whether the node is inactive.
+    pub fn is_inactive(&self) -> bool {
+        self.inactive.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Marks the node inactive or active; the caller refreshes its permissions and tells
+    /// its driver ([`BlockDriver::inactivate`], [`BlockDriver::invalidate_cache`]).
+    pub fn set_inactive(&self, inactive: bool) {
+        self.inactive
+            .store(inactive, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Sets `read-only` and takes what the node then needs of its children (a writable
@@ -775,7 +804,7 @@ impl BlockNode {
     }
 
     fn check_writable(&self) -> io::Result<()> {
-        if self.is_read_only() {
+        if self.is_read_only() || self.is_inactive() {
             Err(io::Error::from_raw_os_error(libc::EPERM))
         } else {
             Ok(())

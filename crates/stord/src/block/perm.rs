@@ -196,6 +196,11 @@ impl Claim {
         &self.node
     }
 
+    /// What this user takes and shares now.
+    pub fn held(&self) -> (Perm, Perm) {
+        self.node.use_of(self.id)
+    }
+
     /// Changes what this user takes and shares (all or nothing).
     pub fn set(&self, perm: Perm, shared: Perm) -> Result<(), PermError> {
         self.node.update_use(self.id, perm, shared)
@@ -293,9 +298,7 @@ impl BlockNode {
         let children = self.driver.children();
         if users.children.is_empty() && !children.is_empty() {
             for (role, child) in children {
-                let (p, s) = self
-                    .driver
-                    .child_perms(role, perm, shared, !self.is_read_only());
+                let (p, s) = self.child_claim(role, perm, shared);
                 match child.claim(&self.name, role, p, s) {
                     Ok(c) => users.children.push(c),
                     Err(e) => {
@@ -307,9 +310,7 @@ impl BlockNode {
         } else {
             let mut done: Vec<(usize, (Perm, Perm))> = Vec::new();
             for (i, (role, _)) in children.into_iter().enumerate() {
-                let (p, s) = self
-                    .driver
-                    .child_perms(role, perm, shared, !self.is_read_only());
+                let (p, s) = self.child_claim(role, perm, shared);
                 let c = &users.children[i];
                 let before = c.node.use_of(c.id);
                 if let Err(e) = c.set(p, s) {
@@ -322,7 +323,27 @@ impl BlockNode {
                 done.push((i, before));
             }
         }
-        self.driver.set_perm(perm, shared)
+        if self.is_inactive() {
+            // An inactive node holds nothing of its file (QEMU's file-posix takes no lock
+            // for one): another process may own the image meanwhile.
+            self.driver.set_perm(Perm::NONE, Perm::ALL)
+        } else {
+            self.driver.set_perm(perm, shared)
+        }
+    }
+
+    /// What the node takes of its child `role` for users holding `perm` and sharing
+    /// `shared`: its driver's rule, writing only while the node is writable and active;
+    /// an inactive node lets others write and resize (QEMU's default perms with
+    /// BDRV_O_INACTIVE).
+    fn child_claim(&self, role: &'static str, perm: Perm, shared: Perm) -> (Perm, Perm) {
+        let writes = !self.is_read_only() && !self.is_inactive();
+        let (p, s) = self.driver.child_perms(role, perm, shared, writes);
+        if self.is_inactive() {
+            (p, s | Perm::WRITE | Perm::RESIZE)
+        } else {
+            (p, s)
+        }
     }
 
     /// Points this node's backing link at `new` (QEMU's bdrv_set_backing_hd): the node's
@@ -337,9 +358,7 @@ impl BlockNode {
         let claim = match (&new, claimed) {
             (Some(b), true) => {
                 let (perm, shared) = users.cumulative();
-                let (p, s) = self
-                    .driver
-                    .child_perms("backing", perm, shared, !self.is_read_only());
+                let (p, s) = self.child_claim("backing", perm, shared);
                 Some(
                     b.claim(&self.name, "backing", p, s)
                         .map_err(|e| e.to_string())?,

@@ -142,6 +142,7 @@ impl Builder<'_> {
         };
         let read_only = kv.take_bool("read-only", false)?;
         let _ = kv.take_bool("auto-read-only", false)?;
+        let inactive = !kv.take_bool("active", true)?;
         let common = common_options(&mut kv, def.takes_discard, read_only)?;
         // What inline children inherit, as QEMU's do: the cache mode, read-only,
         // force-share, and discard=unmap (a child passes on what its parent decided to
@@ -160,6 +161,9 @@ impl Builder<'_> {
         if common.force_share {
             inherit.push(("force-share", "on".into()));
         }
+        if inactive {
+            inherit.push(("active", "off".into()));
+        }
         self.inherit.push(inherit);
         let opened = (def.open)(
             self,
@@ -167,6 +171,7 @@ impl Builder<'_> {
             OpenFlags {
                 read_only,
                 node_name: &name,
+                inactive,
             },
         );
         self.inherit.pop();
@@ -178,10 +183,11 @@ impl Builder<'_> {
                 .with_options(common),
         );
         node.adopt_bitmaps(opened.bitmaps);
+        node.set_inactive(inactive);
         // What the node needs of its children (a format node: its file), as locks where
         // they are files: refused here if another user or process is in the way.
         node.refresh_perms()?;
-        if node.has_persistent_bitmaps() {
+        if node.has_persistent_bitmaps() && !inactive {
             let n = node.clone();
             crate::block::block_on_helper(move || async move { n.activate().await })
                 .and_then(|r| r)

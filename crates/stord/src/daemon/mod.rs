@@ -6,6 +6,7 @@
 //! [`graph`] opens nodes (the driver table, inline children, rollback); [`objects`] holds
 //! the `--object` types.
 
+mod active;
 mod block_jobs;
 mod graph;
 pub mod objects;
@@ -139,6 +140,10 @@ pub struct State {
     exports: BTreeMap<String, Box<dyn Export>>,
     /// Each export's permissions on its node (given back once it has drained).
     export_claims: BTreeMap<String, crate::block::perm::Claim>,
+    /// Exports made with `allow-inactive=on`.
+    allow_inactive: BTreeSet<String>,
+    /// Exports whose node is inactive: the permissions they take back on activation.
+    inactive_exports: BTreeMap<String, (crate::block::perm::Perm, crate::block::perm::Perm)>,
     /// Exports being removed: each task ends once its export has drained.
     removals: Vec<stord_aio::JoinHandle<()>>,
     /// Protocol servers (the NBD server, once started), by the export type they serve.
@@ -642,11 +647,20 @@ impl State {
         }
         // The export's permissions on its node come first, so a conflict refuses it before
         // it listens or mounts anything.
-        let claim = match kv.get("node-name").and_then(|n| self.nodes.get(n)) {
+        let allow_inactive = kv.take_bool("allow-inactive", false)?;
+        let mut held_back = None;
+        let claim = match kv.get("node-name").and_then(|n| self.nodes.get(n)).cloned() {
             Some(node) => {
                 let writable = matches!(kv.get("writable"), Some("on" | "true" | "yes"));
                 let growable = matches!(kv.get("growable"), Some("on" | "true" | "yes"));
-                let (perm, shared) = export_perms(&kind, writable, growable);
+                let (mut perm, mut shared) = export_perms(&kind, writable, growable);
+                if self.prepare_export_node(&node, allow_inactive)? {
+                    held_back = Some((perm, shared));
+                    (perm, shared) = (
+                        crate::block::perm::Perm::NONE,
+                        crate::block::perm::Perm::ALL,
+                    );
+                }
                 // An export's BlockBackend has no name in QEMU: its words for the user.
                 Some(node.claim("an unnamed block device", "root", perm, shared)?)
             }
@@ -659,10 +673,17 @@ impl State {
             claimed: self.exports.values().filter_map(|e| e.claim()).collect(),
         };
         let export = create(&env, kv)?;
+        let id = export.id().to_string();
         if let Some(c) = claim {
-            self.export_claims.insert(export.id().to_string(), c);
+            self.export_claims.insert(id.clone(), c);
         }
-        self.exports.insert(export.id().to_string(), export);
+        if let Some(p) = held_back {
+            self.inactive_exports.insert(id.clone(), p);
+        }
+        if allow_inactive {
+            self.allow_inactive.insert(id.clone());
+        }
+        self.exports.insert(id, export);
         Ok(())
     }
 
@@ -691,6 +712,8 @@ impl State {
         };
         e.begin_stop();
         let claim = self.export_claims.remove(id);
+        self.allow_inactive.remove(id);
+        self.inactive_exports.remove(id);
         let events = self.events.clone();
         self.removals.retain(|h| !h.is_finished());
         self.removals.push(stord_aio::spawn(async move {

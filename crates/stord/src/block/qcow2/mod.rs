@@ -72,15 +72,17 @@ pub const DRIVER: DriverDef = DriverDef {
         let file = g.child(kv, "file")?;
         let opts = Qcow2Options::from_opts(kv)?;
         let ro = flags.read_only || file.is_read_only();
+        // An inactive image is read as a read-only one; activation reads it again.
+        let writes = !ro && !flags.inactive;
         let given = g.optional_child(kv, "backing")?;
         // The file's permissions (its locks) before the image is read and, when writable,
         // written (dirty refcounts repaired, bitmaps marked in use): as QEMU attaches the
         // child before qcow2_open runs. The node takes them for good once it exists.
-        let (perm, shared) = crate::block::perm::storage_perms(!ro);
+        let (perm, shared) = crate::block::perm::storage_perms(writes);
         let opening = file.claim(flags.node_name, "file", perm, shared)?;
         let f = file.clone();
         let mut image =
-            crate::block::block_on_helper(move || async move { Image::load(&f, !ro).await })
+            crate::block::block_on_helper(move || async move { Image::load(&f, writes).await })
                 .and_then(|r| r.map_err(io::Error::other))
                 .map_err(|e| GraphError::Invalid(format!("{}: {e}", kv.what)))?;
         drop(opening);
@@ -1489,6 +1491,9 @@ impl BlockDriver for Qcow2Driver {
     }
     fn reopen_rw(&self) -> BoxFut<'_, Result<(), String>> {
         Box::pin(async move { self.reload(true).await.map_err(|e| e.to_string()) })
+    }
+    fn invalidate_cache(&self, writable: bool) -> BoxFut<'_, Result<(), String>> {
+        Box::pin(async move { self.reload(writable).await.map_err(|e| e.to_string()) })
     }
     fn can_store_bitmap(&self, granularity: u64, name: &str) -> Option<Result<(), String>> {
         Some(self.can_store(granularity, name))

@@ -23,6 +23,20 @@ pub const BLOCKDEV_ADD: Command = Command {
     },
 };
 
+pub const BLOCKDEV_SET_ACTIVE: Command = Command {
+    name: "blockdev-set-active",
+    args: &[opt("node-name", Ty::Str), req("active", Ty::Bool)],
+    open: false,
+    run: |state, mut a| {
+        let node = a.str("node-name");
+        let active = a.bool("active").unwrap_or(true);
+        state
+            .borrow_mut()
+            .blockdev_set_active(node.as_deref(), active)?;
+        Ok(json!({}))
+    },
+};
+
 pub const BLOCKDEV_SNAPSHOT: Command = Command {
     name: "blockdev-snapshot",
     args: &[req("node", Ty::Str), req("overlay", Ty::Str)],
@@ -169,7 +183,7 @@ fn node_fields(n: &crate::block::BlockNode) -> Value {
         "ro": n.is_read_only(),
         "file": file,
         "encrypted": false,
-        "active": true,
+        "active": !n.is_inactive(),
         "backing_file_depth": n.backing_depth(),
         "detect_zeroes": n.detect_zeroes().name(),
         "write_threshold": 0,

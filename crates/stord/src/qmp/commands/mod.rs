@@ -65,6 +65,7 @@ pub const COMMANDS: &[Command] = &[
     export::BLOCK_EXPORT_DEL,
     export::QUERY_BLOCK_EXPORTS,
     block::BLOCKDEV_REOPEN,
+    block::BLOCKDEV_SET_ACTIVE,
     block::BLOCK_RESIZE,
     job::BLOCKDEV_CREATE,
     job::QUERY_JOBS,
