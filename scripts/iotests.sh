@@ -38,7 +38,7 @@ DAEMON_TESTS=(108 281 graph-changes-while-io mirror-change-copy-mode qsd-jobs qs
 SAME_AS_QSD=(185)
 # A sample of tests that run over FUSE, within CI's budget (the whole set takes over 20
 # minutes per daemon here; it is run by hand, its table in docs/iotests.md).
-FUSE_SAMPLE=(025 026 028 031 034 036 037 038 039 046 050 054 060 071 079 080 089 090 091 095)
+FUSE_SAMPLE=(025 026 028 031 034 036 037 038 039 046 050 054 060 071 079 080 089 090 091 095 106)
 
 # --- QEMU's iotests, from the source package of the installed QEMU -----------------------
 upstream=$(qemu-img --version | sed -n 's/^qemu-img version \([0-9.]*\).*/\1/p')

@@ -171,6 +171,11 @@ pub trait BlockDriver: Send + Sync {
     }
     /// Changes the size.
     fn resize(&self, size: u64) -> BoxFut<'_, io::Result<()>>;
+    /// Changes the size with the new area allocated where the storage can (QEMU's
+    /// truncate with `preallocation=falloc`); elsewhere as [`resize`](Self::resize).
+    fn resize_falloc(&self, size: u64) -> BoxFut<'_, io::Result<()>> {
+        self.resize(size)
+    }
     /// Extra description for query commands (e.g. the file name).
     fn filename(&self) -> Option<String> {
         None
@@ -1003,6 +1008,16 @@ impl BlockNode {
 
     /// Resizes.
     pub async fn resize(&self, size: u64) -> io::Result<()> {
+        self.resize_with(size, false).await
+    }
+
+    /// Changes the size, the new area allocated where the storage can (a FUSE client's
+    /// fallocate past the end, as qsd grows with `preallocation=falloc`).
+    pub async fn resize_preallocated(&self, size: u64) -> io::Result<()> {
+        self.resize_with(size, true).await
+    }
+
+    async fn resize_with(&self, size: u64, falloc: bool) -> io::Result<()> {
         self.check_writable()?;
         // The image's bitmaps are resized in memory and stored at close: those whose bits
         // cannot be trusted or changed block it (QEMU's qcow2_truncate_bitmaps_check).
@@ -1022,7 +1037,11 @@ impl BlockNode {
                 "a dirty bitmap of this node could not cover that size",
             ));
         }
-        self.driver.resize(size).await?;
+        if falloc {
+            self.driver.resize_falloc(size).await?;
+        } else {
+            self.driver.resize(size).await?;
+        }
         for b in self
             .bitmaps
             .read()

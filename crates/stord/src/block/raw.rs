@@ -159,6 +159,12 @@ impl BlockDriver for RawDriver {
         }
         self.child_driver().resize(self.offset + size)
     }
+    fn resize_falloc(&self, size: u64) -> BoxFut<'_, io::Result<()>> {
+        if self.size.is_some() {
+            return self.resize(size);
+        }
+        self.child_driver().resize_falloc(self.offset + size)
+    }
     fn filename(&self) -> Option<String> {
         if !self.is_window() {
             return self.child.filename();

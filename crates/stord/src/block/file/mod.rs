@@ -640,4 +640,16 @@ impl<E: Engine> BlockDriver for FileDriver<E> {
         };
         Box::pin(std::future::ready(r))
     }
+    fn resize_falloc(&self, size: u64) -> BoxFut<'_, io::Result<()>> {
+        Box::pin(async move {
+            let old = self.size.load(Relaxed);
+            self.resize(size).await?;
+            if size <= old {
+                return Ok(());
+            }
+            // Allocating may take long on a big range: on a worker, as QEMU's thread pool.
+            let fd = self.fd.clone();
+            crate::block::offload(move || sys::fallocate(fd.as_raw_fd(), 0, old, size - old)).await
+        })
+    }
 }

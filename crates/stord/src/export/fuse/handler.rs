@@ -303,15 +303,19 @@ impl FuseShared {
                     .await
                     .map_err(errno)?;
             }
-        } else if mode & !libc::FALLOC_FL_KEEP_SIZE == 0 {
-            // Preallocation: only extending is meaningful (the image is always allocated
-            // as far as readers can tell).
-            if end > size && !keep {
-                if !s.growable {
-                    return Err(libc::EPERM);
-                }
-                node.resize(end).await.map_err(errno)?;
+        } else if mode == 0 {
+            // As qsd: only at or past the end, by growing with the new area allocated
+            // (preallocation=falloc); a gap before it is not allocated.
+            if offset < size {
+                return Err(libc::EOPNOTSUPP);
             }
+            if !s.growable {
+                return Err(libc::EPERM);
+            }
+            if offset > size {
+                node.resize(offset).await.map_err(errno)?;
+            }
+            node.resize_preallocated(end).await.map_err(errno)?;
         } else {
             return Err(libc::EOPNOTSUPP);
         }
