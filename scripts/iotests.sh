@@ -4,7 +4,8 @@
 # protocol (`check -fuse`: every test image is served through the daemon's FUSE export).
 # qemu, qemu-img, qemu-io and qemu-nbd stay the installed QEMU's.
 #
-#   scripts/iotests.sh [--daemon stord|qsd] [--set daemon|fuse-sample|fuse] [--format F] [TEST...]
+#   scripts/iotests.sh [--daemon stord|qsd] [--set daemon|fuse-sample|fuse] [--format F]
+#                      [--stord PATH] [TEST...]
 #
 # The tests come from Debian's source package of the installed QEMU (only
 # tests/qemu-iotests, python/ and VERSION are used): its orig tarball, checked against the
@@ -18,6 +19,7 @@ cd "$(dirname "$0")/.."
 root=$PWD
 
 daemon=stord
+stord_bin=
 set_name=daemon
 format=
 tests=()
@@ -26,6 +28,7 @@ while (($#)); do
         --daemon) daemon=$2; shift 2 ;;
         --set) set_name=$2; shift 2 ;;
         --format) format=$2; shift 2 ;;
+        --stord) stord_bin=$2; shift 2 ;;
         -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
         *) tests+=("$1"); shift ;;
     esac
@@ -94,8 +97,12 @@ chmod +x "$cache/bin/qemu-system-x86_64"
 # --- the daemon under test --------------------------------------------------------------
 case $daemon in
     stord)
-        cargo build -p stord --quiet
-        qsd_prog=$root/target/debug/stord ;;
+        if [ -n "$stord_bin" ]; then
+            qsd_prog=$(realpath "$stord_bin")
+        else
+            cargo build -p stord --quiet
+            qsd_prog=$root/target/debug/stord
+        fi ;;
     qsd) qsd_prog=$(command -v qemu-storage-daemon) ;;
     *) echo "iotests: --daemon stord|qsd" >&2; exit 2 ;;
 esac
@@ -103,7 +110,7 @@ export QEMU_PROG=$cache/bin/qemu-system-x86_64 QEMU_IMG_PROG=$(command -v qemu-i
 export QEMU_IO_PROG=$(command -v qemu-io) QEMU_NBD_PROG=$(command -v qemu-nbd) QSD_PROG=$qsd_prog
 
 # --- run ---------------------------------------------------------------------------------
-out=$cache/results/$daemon-$set_name
+out=$cache/results/$daemon-$set_name${format:+-$format}
 rm -rf "$out"
 mkdir -p "$out"
 export TEST_DIR=$out/scratch SOCK_DIR

@@ -20,6 +20,7 @@
 //! - [`process`]: the main loop, signals, the command line applied, the stop.
 //! - [`schema`]: QAPI's types for the tables that describe their arguments.
 //! - [`usage`]: `--help`, generated from the tables.
+//! - [`trace`]: `--trace`, QEMU's trace event names mapped onto stord's modules.
 
 pub mod accept;
 pub mod block;
@@ -39,4 +40,5 @@ pub mod schema;
 pub mod secret;
 pub mod sys;
 pub mod tls;
+pub mod trace;
 pub mod usage;

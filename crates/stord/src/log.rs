@@ -13,16 +13,39 @@ use tracing::level_filters::LevelFilter;
 
 /// Installs the stderr subscriber (once per process; later calls do nothing).
 pub fn init() {
+    let _ = init_with(&crate::trace::TraceConfig::default());
+}
+
+/// Installs the subscriber with what `--trace` asked for: its modules shown at every
+/// level, its output in its file (once per process; later calls do nothing). Names that
+/// selected nothing are warned about.
+pub fn init_with(trace: &crate::trace::TraceConfig) -> std::io::Result<()> {
+    use tracing_subscriber::fmt::writer::BoxMakeWriter;
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    use tracing_subscriber::Layer;
     let level = std::env::var("STORD_LOG")
         .ok()
         .and_then(|v| v.parse::<LevelFilter>().ok())
         .unwrap_or(LevelFilter::WARN);
-    let _ = tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_max_level(level)
+    let mut filter = tracing_subscriber::filter::Targets::new().with_default(level);
+    for t in &trace.targets {
+        filter = filter.with_target(*t, LevelFilter::TRACE);
+    }
+    let writer = match &trace.file {
+        Some(p) => BoxMakeWriter::new(std::sync::Mutex::new(std::fs::File::create(p)?)),
+        None => BoxMakeWriter::new(std::io::stderr),
+    };
+    let layer = tracing_subscriber::fmt::layer()
+        .with_writer(writer)
         .with_ansi(false)
-        .with_target(false)
-        .try_init();
+        .with_target(!trace.targets.is_empty())
+        .with_filter(filter);
+    let _ = tracing_subscriber::registry().with(layer).try_init();
+    for w in &trace.warnings {
+        tracing::warn!("--trace: {w}");
+    }
+    Ok(())
 }
 
 /// Lets an event through at most once per interval and counts the ones it held back.

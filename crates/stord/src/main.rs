@@ -6,16 +6,26 @@ use stord::cli;
 use stord::process::{default_job, repo_root, Daemon};
 
 fn main() -> ExitCode {
-    stord::log::init();
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut cl = match cli::parse(&args) {
         Ok(cl) => cl,
         Err(e) => {
+            stord::log::init();
             eprintln!("stord: {e}");
             eprintln!("Try 'stord --help' for more information.");
             return ExitCode::from(1);
         }
     };
+    if cl.trace.iter().any(|t| t == "help" || t == "enable=help") {
+        print!("{}", stord::trace::help());
+        return ExitCode::SUCCESS;
+    }
+    let traced = stord::trace::TraceConfig::from_options(&cl.trace)
+        .and_then(|t| stord::log::init_with(&t).map_err(|e| format!("--trace file: {e}")));
+    if let Err(e) = traced {
+        eprintln!("stord: {e}");
+        return ExitCode::from(1);
+    }
     if cl.help {
         print!("{}", stord::usage::text());
         return ExitCode::SUCCESS;

@@ -103,8 +103,15 @@ const NBD_SERVER: &str = "  --nbd-server addr.type=unix,addr.path=<path>
                             the NBD server; with tls-creds every client must use TLS
 ";
 
-const PROCESS: &str = "  --chardev socket,id=<id>,path=<path>,server=on,wait=off
-  --monitor chardev=<id>    a QMP monitor on that socket (created 0600)
+const PROCESS: &str = "  --chardev socket,id=<id>,path=<path>[,server=on,wait=off]
+            | socket,id=<id>,host=<host>,port=<port>[,server=on,wait=off] | stdio,id=<id>
+                            a socket stord listens on (server=on) or connects to, or
+                            stdin and stdout
+  --monitor [chardev=]<id>  a QMP monitor on that chardev (a unix socket created 0600)
+  --trace [enable=]<pattern>[,events=<file>][,file=<file>]
+                            QEMU trace event names or patterns (nbd_*, qcow2_*, ...):
+                            their stord modules' diagnostics at every level
+                            (--trace help lists the mapping)
   --pidfile <path>          write the process id once everything is ready
   --daemonize               detach once everything is ready (the parent exits 0 then)
 ";

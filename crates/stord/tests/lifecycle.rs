@@ -261,3 +261,87 @@ fn the_reactor_variable_sets_auto_and_never_overrides_an_explicit_choice() {
         "{err}"
     );
 }
+
+/// As qsd: a daemon that runs well writes nothing to stderr, through a stop by SIGTERM with
+/// an NBD, a FUSE and a vhost-user-blk export that served a client (QEMU's tests compare
+/// the daemon's stderr).
+#[test]
+fn stderr_stays_empty_through_a_sigterm_stop_with_every_export() {
+    let dir = tmpdir("quiet");
+    let (nbd, mnt, vhost) = (dir.join("nbd.sock"), dir.join("mnt"), dir.join("vu.sock"));
+    std::fs::write(&mnt, b"").unwrap();
+    let args: Vec<String> = [
+        "--object",
+        "iothread,id=io0",
+        "--blockdev",
+        "driver=null-co,node-name=n0,size=64M,read-zeroes=on",
+        "--nbd-server",
+        &format!("addr.type=unix,addr.path={}", nbd.display()),
+        "--export",
+        "type=nbd,id=e0,node-name=n0,iothread=io0",
+        "--export",
+        &format!("type=fuse,id=e1,node-name=n0,mountpoint={}", mnt.display()),
+        "--export",
+        &format!(
+            "type=vhost-user-blk,id=e2,node-name=n0,addr.type=unix,addr.path={}",
+            vhost.display()
+        ),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let mut s = Stord::start(&dir, &args);
+    let uri = format!("nbd+unix:///n0?socket={}", nbd.display());
+    run_ok(
+        "qemu-io",
+        &["-r", "-f", "raw", "-c", "read -P 0 0 1M", &uri],
+    );
+    assert_eq!(std::fs::read(&mnt).unwrap().len(), 64 << 20);
+    s.signal(libc::SIGTERM);
+    let st = s.wait_exit(Duration::from_secs(10));
+    assert!(st.success());
+    let mut err = String::new();
+    use std::io::Read;
+    s.child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    assert_eq!(err, "", "stord wrote to stderr");
+}
+
+/// `--trace` with a QEMU trace pattern shows its subsystem's diagnostics, in the file
+/// `file=` names; a name that selects nothing is warned about in QEMU's words.
+#[test]
+fn trace_shows_a_subsystems_diagnostics_in_its_file() {
+    let dir = tmpdir("trace");
+    let nbd = dir.join("nbd.sock");
+    let log = dir.join("trace.log");
+    let args: Vec<String> = [
+        "--trace",
+        &format!("enable=nbd_*,file={}", log.display()),
+        "--trace",
+        "no_such_event",
+        "--blockdev",
+        "driver=null-co,node-name=n0",
+        "--nbd-server",
+        &format!("addr.type=unix,addr.path={}", nbd.display()),
+        "--export",
+        "type=nbd,id=e0,node-name=n0",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let mut s = Stord::start(&dir, &args);
+    let uri = format!("nbd+unix:///n0?socket={}", nbd.display());
+    run_ok("qemu-io", &["-r", "-f", "raw", "-c", "read 0 4k", &uri]);
+    s.signal(libc::SIGTERM);
+    assert!(s.wait_exit(Duration::from_secs(10)).success());
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(text.contains("stord::export::nbd"), "{text}");
+    assert!(
+        text.contains("trace event 'no_such_event' does not exist"),
+        "{text}"
+    );
+}

@@ -56,6 +56,8 @@ pub struct CommandLine {
     pub version: bool,
     /// `--daemonize`.
     pub daemonize: bool,
+    /// `--trace` values, in order.
+    pub trace: Vec<String>,
     /// `--object help` or `--object TYPE,help`: the value, whose help is printed instead
     /// of running.
     pub object_help: Option<String>,
@@ -94,6 +96,7 @@ pub fn parse(args: &[String]) -> Result<CommandLine, String> {
                 | "--pidfile"
                 | "--chardev"
                 | "--monitor"
+                | "--trace"
         );
         let value = if needs_value {
             match inline {
@@ -131,10 +134,11 @@ pub fn parse(args: &[String]) -> Result<CommandLine, String> {
             "--chardev" => cl.items.push(Item::Chardev(value.expect("value"))),
             "--monitor" => cl.items.push(Item::Monitor(value.expect("value"))),
             "--daemonize" => cl.daemonize = true,
+            "--trace" => cl.trace.push(value.expect("value")),
             other => {
                 return Err(format!(
                     "unrecognized option '{other}' (supported: --object, --blockdev, --nbd-server, --export, \
-                     --chardev, --monitor, --pidfile, --daemonize, --help, --version)"
+                     --chardev, --monitor, --trace, --pidfile, --daemonize, --help, --version)"
                 ))
             }
         }

@@ -659,6 +659,7 @@ async fn handle_connection(
         }
     };
     let export = n.export.clone();
+    tracing::debug!("nbd: a client negotiated export '{}'", export.name);
     if export.shutting_down.load(Ordering::SeqCst) {
         return;
     }
