@@ -100,8 +100,9 @@ case $daemon in
         if [ -n "$stord_bin" ]; then
             qsd_prog=$(realpath "$stord_bin")
         else
-            cargo build -p stord --quiet
-            qsd_prog=$root/target/debug/stord
+            # The release build, as users run it (the README's first command builds it).
+            cargo build --release -p stord --quiet
+            qsd_prog=$root/target/release/stord
         fi ;;
     qsd) qsd_prog=$(command -v qemu-storage-daemon) ;;
     *) echo "iotests: --daemon stord|qsd" >&2; exit 2 ;;
