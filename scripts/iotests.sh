@@ -156,7 +156,8 @@ case $set_name in
         if ((${#tests[@]} == 0)); then
             if [ "$set_name" = fuse-sample ]; then tests=("${FUSE_SAMPLE[@]}")
             else mapfile -t tests < <(grep -lE '_supported_proto.*(fuse|generic)' \
-                                          [0-9][0-9][0-9] tests/* 2>/dev/null | sort -u)
+                                          [0-9][0-9][0-9] tests/* 2>/dev/null |
+                                      sed 's|^tests/||' | sort -u)
             fi
         fi
         for fmt in ${format:-qcow2 raw}; do run "$fmt" -fuse "${tests[@]}"; done ;;
