@@ -92,7 +92,8 @@ With no options, serves data/default.img (created sparse, 1 GiB) over NBD on a u
 const NODES: &str =
     "                            every --blockdev (also a JSON object) takes read-only=on|off,
                             detect-zeroes=off|on|unmap, discard=ignore|unmap,
-                            force-share=on|off and cache.direct/cache.no-flush=on|off;
+                            force-share=on|off, cache.direct/cache.no-flush=on|off and
+                            active=on|off (off: inactive, until blockdev-set-active);
                             inline children (file.driver=...) inherit them as QEMU's do
 ";
 

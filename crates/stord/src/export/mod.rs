@@ -166,6 +166,8 @@ pub struct ExportType {
     /// `type=`.
     pub name: &'static str,
     pub create: ExportConstructor,
+    /// It may serve an inactive node (`allow-inactive=on`; QEMU's supports_inactive).
+    pub supports_inactive: bool,
     /// Its options beside `type`, `id` and `node-name`, for `--help` and docs/usage.md.
     pub help: Help,
 }
@@ -175,12 +177,14 @@ pub const EXPORT_TYPES: &[ExportType] = &[
     ExportType {
         name: "nbd",
         create: nbd::create,
+        supports_inactive: true,
         help: Help {
             synopsis: "\n\
                        [,name=<export name>][,description=<text>][,writable=on|off]\n\
                        [,multi-conn=on|off|auto][,allocation-depth=on|off]\n\
                        [,bitmaps.0=<bitmap>,bitmaps.1=<bitmap>...]\n\
-                       [,iothread=<id> | ,iothread.0=<id>,iothread.1=<id>...]",
+                       [,iothread=<id> | ,iothread.0=<id>,iothread.1=<id>...]\n\
+                       [,allow-inactive=on|off]",
             about: "a node over NBD, on the --nbd-server's socket (each bitmap as\n\
                     qemu:dirty-bitmap:<name>)",
         },
@@ -188,6 +192,7 @@ pub const EXPORT_TYPES: &[ExportType] = &[
     ExportType {
         name: "fuse",
         create: fuse::create,
+        supports_inactive: false,
         help: Help {
             synopsis: "mountpoint=<file>\n\
                        [,writable=on|off][,growable=on|off]\n\
@@ -200,6 +205,7 @@ pub const EXPORT_TYPES: &[ExportType] = &[
     ExportType {
         name: "vhost-user-blk",
         create: vhost_user_blk::create,
+        supports_inactive: false,
         help: Help {
             synopsis: "addr.type=unix,addr.path=<path>\n\
                        [,writable=on|off][,num-queues=<n>][,logical-block-size=<n>]\n\
