@@ -194,11 +194,6 @@ pub trait BlockDriver: Send + Sync {
     fn allocated_bytes(&self) -> Option<u64> {
         None
     }
-    /// The image's cluster size, for format drivers that have one.
-    /// Makes a driver opened read-only able to write (QEMU's reopen with read-only off,
-    /// as block-commit asks of a backing image it commits into): a file reopens its
-    /// descriptor read-write; a format driver whose state allows it says so. Its children
-    /// are made writable first, by the caller.
     /// The node goes inactive (another process takes the image over): what it caches is
     /// written and flushed (QEMU's bdrv_inactivate).
     fn inactivate(&self) -> BoxFut<'_, io::Result<()>> {
@@ -212,11 +207,16 @@ pub trait BlockDriver: Send + Sync {
         Box::pin(async { Ok(()) })
     }
 
+    /// Makes a driver opened read-only able to write (QEMU's reopen with read-only off,
+    /// as block-commit asks of a backing image it commits into): a file reopens its
+    /// descriptor read-write; a format driver whose state allows it says so. Its children
+    /// are made writable first, by the caller.
     fn reopen_rw(&self) -> BoxFut<'_, Result<(), String>> {
         let name = self.driver_name();
         Box::pin(async move { Err(format!("the {name} driver cannot reopen read-write")) })
     }
 
+    /// The image's cluster size, for format drivers that have one.
     fn cluster_size(&self) -> Option<u64> {
         None
     }
@@ -1075,10 +1075,26 @@ impl ReadOnlyAgain {
 
 impl Drop for ReadOnlyAgain {
     fn drop(&mut self) {
-        for n in &self.0 {
-            n.set_read_only(true);
-            // What it takes of its children shrinks with it (a format node's write lock).
-            let _ = n.refresh_perms();
+        let nodes = std::mem::take(&mut self.0);
+        if nodes.is_empty() {
+            return;
+        }
+        let back = async move {
+            // Flushed first, as QEMU's reopen to read-only: nothing cached stays behind
+            // for a later write without the write lock.
+            if let Some(top) = nodes.first() {
+                if let Err(e) = top.flush().await {
+                    tracing::warn!("node '{}': flush before going read-only: {e}", top.name);
+                }
+            }
+            for n in &nodes {
+                n.set_read_only(true);
+                // What it takes of its children shrinks with it (a format node's write lock).
+                let _ = n.refresh_perms();
+            }
+        };
+        if stord_aio::with_current_context(|_| ()).is_some() {
+            stord_aio::spawn_detached(back);
         }
     }
 }

@@ -237,6 +237,7 @@ impl BlockNode {
         shared: Perm,
     ) -> Result<Claim, PermError> {
         let shared = if self.force_share { Perm::ALL } else { shared };
+        self.check_active(perm)?;
         let mut users = self.users.lock().expect("node users");
         if let Some(e) = users.conflict(&self.name, None, (user, role), perm, shared) {
             return Err(e);
@@ -264,6 +265,7 @@ impl BlockNode {
 
     fn update_use(&self, id: u64, perm: Perm, shared: Perm) -> Result<(), PermError> {
         let shared = if self.force_share { Perm::ALL } else { shared };
+        self.check_active(perm)?;
         let mut users = self.users.lock().expect("node users");
         let Some(i) = users.list.iter().position(|u| u.id == id) else {
             return Ok(());
@@ -329,6 +331,16 @@ impl BlockNode {
             self.driver.set_perm(Perm::NONE, Perm::ALL)
         } else {
             self.driver.set_perm(perm, shared)
+        }
+    }
+
+    /// An inactive node gives nobody write access (QEMU's words for the refusal).
+    fn check_active(&self, perm: Perm) -> Result<(), PermError> {
+        match (perm & (Perm::WRITE | Perm::RESIZE)).each().next() {
+            Some((_, name)) if self.is_inactive() => Err(PermError::Locked(format!(
+                "Permission '{name}' unavailable on inactive node"
+            ))),
+            _ => Ok(()),
         }
     }
 

@@ -69,6 +69,15 @@ impl State {
         if n.is_inactive() {
             return Ok(());
         }
+        if n.has_persistent_bitmaps() {
+            // QEMU stores them at inactivation; stord stores them at close only, which an
+            // inactive node must not do: refused rather than lost or written late.
+            return Err(DaemonError::Invalid(
+                "Failed to inactivate node: stord cannot hand over an image with persistent \
+                 dirty bitmaps"
+                    .into(),
+            ));
+        }
         let m = n.clone();
         crate::block::block_on_helper(move || async move { m.driver().inactivate().await })
             .and_then(|r| r)

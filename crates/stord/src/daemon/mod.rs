@@ -303,7 +303,7 @@ impl State {
     pub fn close_writable_nodes(&self) -> Vec<stord_aio::JoinHandle<()>> {
         self.nodes
             .values()
-            .filter(|n| n.can_write())
+            .filter(|n| n.can_write() && !n.is_inactive())
             .cloned()
             .map(|node| {
                 stord_aio::spawn(async move {
@@ -523,6 +523,12 @@ impl State {
         {
             chain.push(file);
         }
+        if let Some(n) = chain.iter().find(|n| n.is_inactive()) {
+            return Err(DaemonError::Invalid(format!(
+                "Cannot make node '{}' writable: it is inactive",
+                n.name
+            )));
+        }
         let mut changed: Vec<Arc<BlockNode>> = Vec::new();
         for n in chain.iter().rev().filter(|n| n.is_read_only()) {
             changed.insert(0, n.clone());
@@ -629,11 +635,7 @@ impl State {
     /// `--export` / `block-export-add`: the type's constructor from [`EXPORT_TYPES`].
     pub fn add_export(&mut self, mut kv: KeyVal) -> Result<(), DaemonError> {
         let kind = kv.take_required("type")?;
-        let Some(create) = EXPORT_TYPES
-            .iter()
-            .find(|t| t.name == kind)
-            .map(|t| t.create)
-        else {
+        let Some(ty) = EXPORT_TYPES.iter().find(|t| t.name == kind) else {
             let names: Vec<&str> = EXPORT_TYPES.iter().map(|t| t.name).collect();
             return Err(kv.bad_value("type", &names.join(", "), &kind).into());
         };
@@ -648,6 +650,11 @@ impl State {
         // The export's permissions on its node come first, so a conflict refuses it before
         // it listens or mounts anything.
         let allow_inactive = kv.take_bool("allow-inactive", false)?;
+        if allow_inactive && !ty.supports_inactive {
+            return Err(DaemonError::Invalid(
+                "Export type does not support inactive exports".into(),
+            ));
+        }
         let mut held_back = None;
         let claim = match kv.get("node-name").and_then(|n| self.nodes.get(n)).cloned() {
             Some(node) => {
@@ -672,7 +679,7 @@ impl State {
             servers: &self.servers,
             claimed: self.exports.values().filter_map(|e| e.claim()).collect(),
         };
-        let export = create(&env, kv)?;
+        let export = (ty.create)(&env, kv)?;
         let id = export.id().to_string();
         if let Some(c) = claim {
             self.export_claims.insert(id.clone(), c);

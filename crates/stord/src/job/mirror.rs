@@ -281,13 +281,16 @@ impl Mirror {
         let mut m = self;
         Ok(Some(Box::pin(async move {
             let r = if pivot {
-                // The target serves the exports now: it stays writable.
-                m.holds.reopened.keep();
                 // The job's own write permission on the target goes first: the exports'
                 // take its place.
                 let _ = m.target_claim.set(Perm::NONE, Perm::ALL);
                 let links: Vec<Arc<NodeLink>> = held.iter().map(|h| h.link().clone()).collect();
-                m.parents.replace(&links, &m.source, &m.target)
+                let r = m.parents.replace(&links, &m.source, &m.target);
+                if r.is_ok() {
+                    // The target serves the exports now: it stays writable.
+                    m.holds.reopened.keep();
+                }
+                r
             } else {
                 Ok(())
             };

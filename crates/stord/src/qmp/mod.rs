@@ -487,6 +487,10 @@ async fn handle(state: &SharedState, out: &Rc<Outbox>, msg: Value) -> Option<Val
             desc: "Capabilities negotiation is already complete, command ignored".into(),
         })));
     }
+    // Once quit has been asked, nothing more runs (QEMU's main loop has ended by then).
+    if state.borrow().quit_flag().get() {
+        return None;
+    }
     let r = commands::execute(state, &cmd, args);
     if cmd == "quit" && r.is_ok() {
         *out.held.borrow_mut() = Some(reply(r));

@@ -643,13 +643,46 @@ impl<E: Engine> BlockDriver for FileDriver<E> {
     fn resize_falloc(&self, size: u64) -> BoxFut<'_, io::Result<()>> {
         Box::pin(async move {
             let old = self.size.load(Relaxed);
-            self.resize(size).await?;
-            if size <= old {
-                return Ok(());
+            if size <= old || self.block_device {
+                return self.resize(size).await;
             }
-            // Allocating may take long on a big range: on a worker, as QEMU's thread pool.
+            // fallocate past the end grows the file with the area allocated, or fails
+            // leaving it as it was. Allocating may take long on a big range: on a worker,
+            // as QEMU's thread pool. A filesystem without it grows the file plainly.
             let fd = self.fd.clone();
-            crate::block::offload(move || sys::fallocate(fd.as_raw_fd(), 0, old, size - old)).await
+            self.extents.invalidate();
+            let r =
+                crate::block::offload(move || sys::fallocate(fd.as_raw_fd(), 0, old, size - old))
+                    .await;
+            match r {
+                Ok(()) => {
+                    self.size.store(size, Relaxed);
+                    Ok(())
+                }
+                Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => self.resize(size).await,
+                Err(e) => Err(e),
+            }
+        })
+    }
+    fn invalidate_cache(&self, _writable: bool) -> BoxFut<'_, Result<(), String>> {
+        Box::pin(async move {
+            // Another process may have written and grown the file.
+            self.extents.invalidate();
+            if !self.block_device {
+                let len = self
+                    .fd
+                    .try_clone()
+                    .and_then(|fd| std::fs::File::from(fd).metadata())
+                    .map_err(|e| {
+                        format!(
+                            "Could not refresh the size of '{}': {e}",
+                            self.opts.filename
+                        )
+                    })?
+                    .len();
+                self.size.store(len, Relaxed);
+            }
+            Ok(())
         })
     }
 }

@@ -620,14 +620,24 @@ impl Qcow2Driver {
     /// node, which a reload does not replace.
     pub async fn reload(&self, writable: bool) -> io::Result<()> {
         let mut m = self.meta.lock().await;
-        let image = Image::load(&self.file, writable)
+        let refuse = || io::Error::other("stord cannot reload an image with persistent bitmaps");
+        if !m.bitmap_dir.entries.is_empty() {
+            return Err(refuse());
+        }
+        // Read first as it is: a load for writing would already mark bitmaps in use.
+        let probe = Image::load(&self.file, false)
             .await
             .map_err(io::Error::other)?;
-        if !m.bitmap_dir.entries.is_empty() || image.bitmaps.is_some() {
-            return Err(io::Error::other(
-                "stord cannot reload an image with persistent bitmaps",
-            ));
+        if probe.bitmaps.is_some() {
+            return Err(refuse());
         }
+        let image = if writable {
+            Image::load(&self.file, true)
+                .await
+                .map_err(io::Error::other)?
+        } else {
+            probe
+        };
         let h = &image.header;
         if h.cluster_bits != self.cluster_bits || h.refcount_order != self.refcount_order {
             return Err(io::Error::other("the image's layout changed"));
