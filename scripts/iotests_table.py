@@ -54,6 +54,18 @@ def main():
         ]
         worse = [n for n in names if qsd.get(n) == "pass" and stord.get(n) != "pass"]
         lines.append("Passed by qsd and not by stord: " + (", ".join(worse) or "none") + ".")
+        both = [n for n in names if qsd.get(n) == "fail" and stord.get(n) == "fail"]
+        for n in both:
+            bad = lambda d: os.path.join(RESULTS, f"{d}-fuse-{fmt}", "scratch",
+                                         f"{fmt}-fuse-{n}", f"{n}.out.bad")
+            try:
+                same = open(bad("qsd"), "rb").read() == open(bad("stord"), "rb").read()
+            except OSError:
+                same = False
+            lines.append(f"Failed by both: {n}, " + (
+                "with the same output byte for byte (the difference from the expected "
+                "output is QEMU's, under TCG)." if same
+                else "with different outputs."))
         lines += ["", "| test | qsd | stord |", "|---|---|---|"]
         for n in names:
             lines.append(f"| {n} | {qsd.get(n, '-')} | {stord.get(n, '-')} |")
