@@ -38,6 +38,13 @@ def main():
         "`scripts/iotests_table.py`; CI runs a sample of them and the tests that start the daemon",
         "themselves. 'not run' is the test's own verdict (a format or feature it does not cover).",
         "",
+        "The tests that start the daemon themselves pass on stord as on qsd (108, 281,",
+        "graph-changes-while-io, mirror-change-copy-mode with qcow2 and raw, qsd-jobs, qsd-migrate",
+        "with qcow2 and raw). 185 fails with both under TCG (qemu's own job emits more",
+        "JOB_STATUS_CHANGE events than the expected output has); run by hand, stord's output equalled",
+        "qsd's byte for byte, and CI counts it passed when it equals the expected output without",
+        "those lines (qsd's own run of it is timing-dependent here and times out now and then).",
+        "",
     ]
     for fmt in formats:
         qsd = outcomes(os.path.join(RESULTS, f"qsd-fuse-{fmt}", "check.log"))
