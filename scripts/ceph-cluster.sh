@@ -52,10 +52,18 @@ step() { [ -z "${CEPH_CLUSTER_TRACE:-}" ] || log "$(elapsed)s $*"; }
 # Every ceph CLI call goes through here: our conf only, and a bounded wait so that a dead
 # monitor makes us fail instead of hang.
 cephc() { timeout 30 ceph -c "$conf" --connect-timeout 20 "$@"; }
-# A mon command whose output only matters when it fails.
+# A mon command whose output only matters when it fails. A monitor that has just formed
+# its quorum may still refuse commands for a moment ("problem getting command descriptions
+# from mon", seen once in CI): asked again, for up to 3 s, before it counts as failed.
 mon_cmd() {
-    local out
-    out=$(cephc "$@" 2>&1) || { log "ceph $* failed: $out"; diagnose; return 1; }
+    local out try
+    for try in $(seq 10); do
+        out=$(cephc "$@" 2>&1) && return 0
+        sleep 0.3
+    done
+    log "ceph $* failed: $out"
+    diagnose
+    return 1
 }
 
 # A zombie counts as dead: our daemons are reparented to PID 1, which in a container may
