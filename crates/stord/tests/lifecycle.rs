@@ -297,17 +297,9 @@ fn stderr_stays_empty_through_a_sigterm_stop_with_every_export() {
         &["-r", "-f", "raw", "-c", "read -P 0 0 1M", &uri],
     );
     assert_eq!(std::fs::read(&mnt).unwrap().len(), 64 << 20);
-    s.signal(libc::SIGTERM);
-    let st = s.wait_exit(Duration::from_secs(10));
-    assert!(st.success());
-    let mut err = String::new();
-    use std::io::Read;
-    s.child
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut err)
-        .unwrap();
+    let err = s.stop_and_stderr();
+    let st = s.child.try_wait().unwrap();
+    assert!(st.is_some_and(|st| st.success()), "{st:?}");
     assert_eq!(err, "", "stord wrote to stderr");
 }
 

@@ -58,6 +58,15 @@ impl State {
         self.inactivate(&n)
     }
 
+    /// The ids of the exports that serve `n`.
+    fn exports_on(&self, n: &Arc<BlockNode>) -> Vec<String> {
+        self.exports
+            .values()
+            .filter(|e| Arc::ptr_eq(&e.node(), n))
+            .map(|e| e.id().to_string())
+            .collect()
+    }
+
     fn has_active_parent(&self, n: &BlockNode) -> bool {
         self.parents_of(&n.name)
             .iter()
@@ -83,12 +92,7 @@ impl State {
             .and_then(|r| r)
             .map_err(|e| DaemonError::Invalid(format!("Failed to inactivate node: {e}")))?;
         // The exports on it: those allowed to stay give up their permissions.
-        let ids: Vec<String> = self
-            .exports
-            .values()
-            .filter(|e| Arc::ptr_eq(&e.node(), n))
-            .map(|e| e.id().to_string())
-            .collect();
+        let ids = self.exports_on(n);
         for id in &ids {
             if !self.inactive_exports.contains_key(id) && !self.allow_inactive.contains(id) {
                 return Err(eperm("Failed to inactivate node"));
@@ -147,12 +151,7 @@ impl State {
                 )));
             }
         }
-        let ids: Vec<String> = self
-            .exports
-            .values()
-            .filter(|e| Arc::ptr_eq(&e.node(), n))
-            .map(|e| e.id().to_string())
-            .collect();
+        let ids = self.exports_on(n);
         for id in ids {
             if let (Some((perm, shared)), Some(c)) = (
                 self.inactive_exports.get(&id).copied(),
