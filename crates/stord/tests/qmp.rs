@@ -124,3 +124,8 @@ fn qmp_nbd_client_node_answers_as_qsd_and_survives_its_server() {
 fn qmp_rbd_node_on_a_real_ceph_cluster_answers_as_qsd() {
     run_script("rbd.py");
 }
+
+#[test]
+fn qmp_backup_push_and_pull_as_qsd() {
+    run_script("backup.py");
+}

@@ -6,10 +6,12 @@
 //! (for the io_uring backend, on that thread's own ring).
 
 pub mod blocker;
+pub mod copy_before_write;
 pub mod create;
 pub mod dirty_bitmap;
 pub mod file;
 pub mod graph;
+pub mod hook;
 pub mod iov;
 pub mod link;
 pub mod nbd;
@@ -395,6 +397,8 @@ pub struct BlockNode {
     blocked: std::sync::Mutex<Option<String>>,
     /// Jobs running on the node ([`blocker::JobAttachment`]).
     jobs_attached: std::sync::atomic::AtomicUsize,
+    /// What jobs run around the node's requests ([`hook`]).
+    hooks: hook::Hooks,
     driver: Box<dyn BlockDriver>,
 }
 
@@ -420,6 +424,7 @@ impl BlockNode {
             has_bitmaps: Default::default(),
             blocked: Default::default(),
             jobs_attached: Default::default(),
+            hooks: Default::default(),
             driver,
         }
     }
@@ -816,6 +821,32 @@ impl BlockNode {
         }
     }
 
+    /// Whether `[offset, offset + len)` may be written now: the node is writable, the
+    /// range inside it, and the hooks ran (a backup copied what the write would change).
+    async fn may_write(&self, offset: u64, len: u64) -> io::Result<()> {
+        self.check_writable()?;
+        self.check_range(offset, len)?;
+        self.hooks.before_write(offset, len).await
+    }
+
+    /// Runs `read` with what the hooks hold for a read of `[offset, offset + len)` (the
+    /// request starts only once they hold it).
+    async fn read_hooked<F: Future>(
+        &self,
+        offset: u64,
+        len: u64,
+        read: impl FnOnce() -> F,
+    ) -> F::Output {
+        let hooks = self.hooks.current();
+        let mut held = Vec::new();
+        for h in hooks.iter().flatten() {
+            held.extend(h.before_read(offset, len).await);
+        }
+        let r = read().await;
+        drop(held);
+        r
+    }
+
     fn account<T>(&self, start: u64, r: &io::Result<T>) {
         if r.is_err() {
             self.stats.errors.fetch_add(1, Relaxed);
@@ -831,7 +862,10 @@ impl BlockNode {
             self.stats.errors.fetch_add(1, Relaxed);
             return (Err(e), buf);
         }
-        let (r, buf) = self.driver.read(offset, buf).await;
+        let len = buf.len() as u64;
+        let (r, buf) = self
+            .read_hooked(offset, len, || self.driver.read(offset, buf))
+            .await;
         if r.is_ok() {
             self.stats.rd_bytes.fetch_add(buf.len() as u64, Relaxed);
         }
@@ -843,10 +877,7 @@ impl BlockNode {
     pub async fn write(&self, offset: u64, buf: Buf, fua: bool) -> (io::Result<()>, Buf) {
         let start = now_ns();
         self.stats.wr_ops.fetch_add(1, Relaxed);
-        if let Err(e) = self
-            .check_writable()
-            .and_then(|_| self.check_range(offset, buf.len() as u64))
-        {
+        if let Err(e) = self.may_write(offset, buf.len() as u64).await {
             self.stats.errors.fetch_add(1, Relaxed);
             return (Err(e), buf);
         }
@@ -874,7 +905,10 @@ impl BlockNode {
             self.stats.errors.fetch_add(1, Relaxed);
             return (Err(e), iov);
         }
-        let (r, iov) = self.driver.readv(offset, iov).await;
+        let len = iov.len() as u64;
+        let (r, iov) = self
+            .read_hooked(offset, len, || self.driver.readv(offset, iov))
+            .await;
         if r.is_ok() {
             self.stats.rd_bytes.fetch_add(iov.len() as u64, Relaxed);
         }
@@ -886,10 +920,7 @@ impl BlockNode {
     pub async fn writev(&self, offset: u64, iov: IoVec, fua: bool) -> (io::Result<()>, IoVec) {
         let start = now_ns();
         self.stats.wr_ops.fetch_add(1, Relaxed);
-        if let Err(e) = self
-            .check_writable()
-            .and_then(|_| self.check_range(offset, iov.len() as u64))
-        {
+        if let Err(e) = self.may_write(offset, iov.len() as u64).await {
             self.stats.errors.fetch_add(1, Relaxed);
             return (Err(e), iov);
         }
@@ -943,10 +974,7 @@ impl BlockNode {
     pub async fn discard(&self, offset: u64, len: u64) -> io::Result<()> {
         let start = now_ns();
         self.stats.discard_ops.fetch_add(1, Relaxed);
-        let r = match self
-            .check_writable()
-            .and_then(|_| self.check_range(offset, len))
-        {
+        let r = match self.may_write(offset, len).await {
             Ok(()) if !self.unmap => Ok(()),
             Ok(()) => {
                 let r = self.driver.discard(offset, len).await;
@@ -963,10 +991,7 @@ impl BlockNode {
     pub async fn write_zeroes(&self, offset: u64, len: u64, may_unmap: bool) -> io::Result<()> {
         let start = now_ns();
         self.stats.zero_ops.fetch_add(1, Relaxed);
-        let r = match self
-            .check_writable()
-            .and_then(|_| self.check_range(offset, len))
-        {
+        let r = match self.may_write(offset, len).await {
             Ok(()) => {
                 let r = self
                     .driver

@@ -2,7 +2,8 @@
 //! read-modify-write under O_DIRECT (an unaligned write patches the covering aligned
 //! blocks; two such writes into one block would lose an update) and qcow2's cluster
 //! allocation (two writes into one unallocated cluster must not both allocate it).
-//! Ranges that do not overlap never wait. Waiters may be on any IoThread: their wakers
+//! Ranges that do not overlap never wait. A shared hold waits only for exclusive ones
+//! (a backup's point-in-time readers against its copy-before-write). Waiters may be on any IoThread: their wakers
 //! hand the wake-up to their own loop.
 
 use std::future::poll_fn;
@@ -11,7 +12,8 @@ use std::task::{Poll, Waker};
 
 #[derive(Default)]
 struct State {
-    held: Vec<(u64, u64)>,
+    /// Held ranges: start, end, shared.
+    held: Vec<(u64, u64, bool)>,
     waiters: Vec<Waker>,
 }
 
@@ -24,26 +26,37 @@ pub struct RangeLocks {
 /// A held range; released on drop.
 pub struct RangeGuard<'a> {
     locks: &'a RangeLocks,
-    range: (u64, u64),
+    range: (u64, u64, bool),
 }
 
 impl RangeLocks {
     /// Waits until no held range overlaps `[start, end)`, then holds it.
     pub async fn lock(&self, start: u64, end: u64) -> RangeGuard<'_> {
+        self.hold(start, end, false).await
+    }
+
+    /// Waits until no range held exclusively overlaps `[start, end)`, then holds it
+    /// shared: other shared holds of it may come, exclusive ones wait.
+    pub async fn lock_shared(&self, start: u64, end: u64) -> RangeGuard<'_> {
+        self.hold(start, end, true).await
+    }
+
+    async fn hold(&self, start: u64, end: u64, shared: bool) -> RangeGuard<'_> {
         poll_fn(|cx| {
             let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
-            if s.held.iter().any(|&(a, b)| a < end && start < b) {
+            let conflict = |&(a, b, sh): &(u64, u64, bool)| a < end && start < b && !(sh && shared);
+            if s.held.iter().any(conflict) {
                 s.waiters.push(cx.waker().clone());
                 Poll::Pending
             } else {
-                s.held.push((start, end));
+                s.held.push((start, end, shared));
                 Poll::Ready(())
             }
         })
         .await;
         RangeGuard {
             locks: self,
-            range: (start, end),
+            range: (start, end, shared),
         }
     }
 }
@@ -60,5 +73,40 @@ impl Drop for RangeGuard<'_> {
         for w in waiters {
             w.wake();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::future::Future;
+    use std::pin::pin;
+    use std::task::{Context, Waker};
+
+    /// The guard if the hold is taken at once.
+    fn now<'a>(f: impl Future<Output = RangeGuard<'a>>) -> Option<RangeGuard<'a>> {
+        match pin!(f).poll(&mut Context::from_waker(Waker::noop())) {
+            Poll::Ready(g) => Some(g),
+            Poll::Pending => None,
+        }
+    }
+
+    #[test]
+    fn shared_holds_wait_only_for_exclusive_ones() {
+        let l = RangeLocks::default();
+        let a = now(l.lock_shared(0, 100)).expect("free");
+        let b = now(l.lock_shared(50, 150));
+        assert!(b.is_some(), "two shared holds overlap");
+        assert!(
+            now(l.lock(90, 95)).is_none(),
+            "an exclusive hold waits for shared ones"
+        );
+        let x = now(l.lock(200, 300)).expect("ranges apart never wait");
+        assert!(
+            now(l.lock_shared(250, 260)).is_none(),
+            "a shared hold waits for an exclusive one"
+        );
+        drop((a, b, x));
+        assert!(now(l.lock(0, 300)).is_some(), "all released");
     }
 }

@@ -100,9 +100,12 @@ impl Parents for ExportParents {
 /// A block job QEMU has announced by now (created): one that fails before it starts is
 /// announced gone (null) as it is dropped, as QEMU's job_early_fail, before the command's
 /// error goes out.
-struct NewJob {
-    id: String,
+pub(super) struct NewJob {
+    pub(super) id: String,
     speed: u64,
+    /// Made inside a drained section (a transaction action's): see
+    /// [`JobOptions::drained`].
+    pub(super) drained: bool,
     /// Where the early failure is announced; None once the job has started.
     events: Option<crate::events::Events>,
 }
@@ -322,19 +325,24 @@ impl State {
     }
 
     /// A node named as both device and node (QEMU's lookups of a `device` argument).
-    fn device_node(&self, name: &str) -> Result<Arc<BlockNode>, DaemonError> {
+    pub(super) fn device_node(&self, name: &str) -> Result<Arc<BlockNode>, DaemonError> {
         self.find_node(name, name)
     }
 
     /// A new block job's id (QEMU names one without an id after the device, which has no
     /// name in a storage daemon: refused) and speed (a negative one is refused after QEMU
     /// announced the job, created then gone).
-    fn new_block_job(&self, id: Option<&str>, speed: i64) -> Result<NewJob, DaemonError> {
+    pub(super) fn new_block_job(
+        &self,
+        id: Option<&str>,
+        speed: i64,
+    ) -> Result<NewJob, DaemonError> {
         let id = id.unwrap_or_default().to_string();
         self.jobs.check_new(&id)?;
         let mut job = NewJob {
             id,
             speed: 0,
+            drained: false,
             events: Some(self.events.clone()),
         };
         job.speed = u64::try_from(speed)
@@ -465,7 +473,7 @@ impl State {
     }
 
     /// Starts block job `job`; `completable`: it waits in ready for job-complete.
-    fn start_block_job<F>(
+    pub(super) fn start_block_job<F>(
         &mut self,
         new: NewJob,
         kind: &'static str,
@@ -482,6 +490,7 @@ impl State {
             block: true,
             speed: new.speed,
             completable,
+            drained: new.drained,
         };
         self.jobs.start(&new.id, kind, opts, &self.events, work)?;
         new.started();

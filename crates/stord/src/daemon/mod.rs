@@ -7,6 +7,7 @@
 //! the `--object` types.
 
 mod active;
+mod backup;
 mod block_jobs;
 mod graph;
 pub mod objects;
@@ -24,6 +25,7 @@ use std::sync::Arc;
 
 use stord_aio::{AioContext, IoThread, Remote};
 
+pub use self::backup::{BackupOptions, BackupPerf, PreparedBackup};
 pub use self::block_jobs::{CommitOptions, MirrorOptions, StreamOptions};
 pub use self::snapshot::{hold_all_exports, SnapshotDone, SnapshotSyncOptions};
 use crate::block::link::NodeLink;

@@ -13,6 +13,7 @@
 //! its steps (where pause, cancel and the speed limit take effect) and returns what is to
 //! be done at finalize ([`Finish`]: QEMU's prepare, which changes the graph).
 
+pub mod backup;
 pub mod commit;
 pub mod mirror;
 pub mod stream;
@@ -661,6 +662,11 @@ pub struct JobOptions {
     pub speed: u64,
     /// It waits in ready for `job-complete`.
     pub completable: bool,
+    /// Started inside a drained section that ends right after (QEMU runs blockdev-backup
+    /// as a transaction action, which drains the source from prepare to clean): the job
+    /// is paused at its first pause point and resumed as the section ends, both
+    /// announced before the command's reply.
+    pub drained: bool,
 }
 
 impl JobOptions {
@@ -672,6 +678,7 @@ impl JobOptions {
             block: false,
             speed: 0,
             completable: false,
+            drained: false,
         }
     }
 }
@@ -740,6 +747,10 @@ impl Jobs {
         // Running before the command's reply, as QEMU's job_start; the work itself starts
         // after the reply has gone out.
         job.set(JobStatus::Running);
+        if opts.drained {
+            job.set(JobStatus::Paused);
+            job.set(JobStatus::Running);
+        }
         stord_aio::spawn_detached(async move {
             stord_aio::yield_now().await;
             // As QEMU's job_co_entry: a pause asked for before the start holds here.

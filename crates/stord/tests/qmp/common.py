@@ -82,6 +82,27 @@ def sparse(name, size):
     return p
 
 
+def qcow2(image, size, backing=None):
+    """A fresh qcow2 image, backed by `backing` (named relative to it) if given."""
+    if os.path.exists(image):
+        os.unlink(image)
+    args = ["qemu-img", "create", "-q", "-f", "qcow2"]
+    if backing:
+        args += ["-b", os.path.basename(backing), "-F", "qcow2"]
+    subprocess.run(args + [image, str(size)], check=True)
+
+
+def apply_dirty(src, dst, extents):
+    """Copies the extents an nbdinfo map marks dirty from file `src` onto file `dst` (an
+    incremental backup restored onto the full one)."""
+    with open(src, "rb") as s, open(dst, "r+b") as d:
+        for e in extents:
+            if e["type"] & 1:
+                s.seek(e["offset"])
+                d.seek(e["offset"])
+                d.write(s.read(e["length"]))
+
+
 def fio(*args, check=True):
     # --verify_state_save=0: no *-verify.state files left in the working directory.
     out = subprocess.run(["fio", "--output-format=json", "--verify_state_save=0"] + list(args),

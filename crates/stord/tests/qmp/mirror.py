@@ -30,12 +30,7 @@ def img(tag, name):
 
 
 def create(path, backing=None, size=SIZE):
-    if os.path.exists(path):
-        os.unlink(path)
-    args = ["qemu-img", "create", "-q", "-f", "qcow2"]
-    if backing:
-        args += ["-b", os.path.basename(backing), "-F", "qcow2"]
-    subprocess.run(args + [path, str(size)], check=True)
+    common.qcow2(path, size, backing)
 
 
 def make_images(tag):

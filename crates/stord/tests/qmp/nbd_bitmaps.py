@@ -96,12 +96,7 @@ def flow(binary, tag, base):
         # The incremental part: the dirty extents, copied onto the full backup.
         current = common.path(f"nbm-{tag}-current.raw")
         run("nbdcopy", backup, current)
-        with open(current, "rb") as src, open(full, "r+b") as dst:
-            for e in dirty:
-                if e["type"] & 1:
-                    src.seek(e["offset"])
-                    dst.seek(e["offset"])
-                    dst.write(src.read(e["length"]))
+        common.apply_dirty(current, full, dirty)
         run("qemu-img", "compare", "-f", "raw", "-F", "raw", full, current)
         c("block-export-del", id="backup")
         common.wait_event(q, "BLOCK_EXPORT_DELETED")

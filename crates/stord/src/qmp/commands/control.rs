@@ -44,12 +44,13 @@ pub const TRANSACTION: Command = Command {
     open: false,
     run: |state, mut a| {
         let actions = a.array("actions").unwrap_or_default();
-        // Snapshots change what exports serve: no request may be inside the graph from
-        // the first action to the commit or abort (QEMU drains everything).
+        // Snapshots change what exports serve, and a backup's point in time is shared
+        // with the other actions: no request may be inside the graph from the first
+        // action to the commit or abort (QEMU drains everything).
         let snapshots = actions.iter().any(|act| {
             matches!(
                 act.get("type").and_then(Value::as_str),
-                Some("blockdev-snapshot" | "blockdev-snapshot-sync")
+                Some("blockdev-snapshot" | "blockdev-snapshot-sync" | "blockdev-backup")
             )
         });
         let _held = if snapshots {
@@ -75,12 +76,13 @@ pub const TRANSACTION: Command = Command {
                 Err(QmpError::generic("Transaction aborted using Abort action"))
             } else {
                 super::block::snapshot_action(state, &ty, data.clone())
+                    .or_else(|| super::job::backup_action(state, &ty, data.clone()))
                     .or_else(|| super::bitmap::transaction_action(state, &ty, data))
                     .unwrap_or_else(|| {
                         Err(QmpError::generic(format!(
                             "transaction: action '{ty}' is not supported by stord \
-                             (supported: abort, blockdev-snapshot, blockdev-snapshot-sync \
-                             and the block-dirty-bitmap actions)"
+                             (supported: abort, blockdev-backup, blockdev-snapshot, \
+                             blockdev-snapshot-sync and the block-dirty-bitmap actions)"
                         )))
                     })
             };

@@ -341,3 +341,122 @@ fn error_policy(a: &mut Args, key: &str) -> Result<crate::job::OnError, QmpError
         }),
     }
 }
+
+/// QEMU's MirrorSyncMode.
+static SYNC_MODE: super::EnumType = super::EnumType {
+    name: "MirrorSyncMode",
+    values: || vec!["top", "full", "none", "incremental", "bitmap"],
+};
+
+/// QEMU's BitmapSyncMode.
+static BITMAP_SYNC_MODE: super::EnumType = super::EnumType {
+    name: "BitmapSyncMode",
+    values: || vec!["on-success", "never", "always"],
+};
+
+pub const BLOCKDEV_BACKUP: Command = Command {
+    name: "blockdev-backup",
+    args: &[
+        opt("job-id", Ty::Str),
+        req("device", Ty::Str),
+        req("sync", Ty::Enum(&SYNC_MODE)),
+        opt("speed", Ty::Int),
+        opt("bitmap", Ty::Str),
+        opt("bitmap-mode", Ty::Enum(&BITMAP_SYNC_MODE)),
+        opt("compress", Ty::Bool),
+        opt("on-source-error", Ty::Str),
+        opt("on-target-error", Ty::Str),
+        opt("auto-finalize", Ty::Bool),
+        opt("auto-dismiss", Ty::Bool),
+        opt("filter-node-name", Ty::Str),
+        opt("discard-source", Ty::Bool),
+        opt("x-perf", Ty::Object),
+        req("target", Ty::Str),
+    ],
+    open: false,
+    run: |state, a| {
+        // The point in time: no export request inside the graph while it is made.
+        let _held = crate::daemon::hold_all_exports(state);
+        let p = prepare_backup(state, a)?;
+        state.borrow_mut().start_backup(p)?;
+        Ok(json!({}))
+    },
+};
+
+/// A `blockdev-backup` (command or transaction action) made, not started.
+pub fn prepare_backup(
+    state: &crate::daemon::SharedState,
+    mut a: Args,
+) -> Result<crate::daemon::PreparedBackup, QmpError> {
+    let bitmap_mode = a
+        .str("bitmap-mode")
+        .map(|m| crate::job::backup::BitmapMode::parse(&m).expect("checked by the schema"));
+    let perf = match a.take("x-perf") {
+        Some(Value::Object(p)) => backup_perf(p)?,
+        _ => Default::default(),
+    };
+    let o = crate::daemon::BackupOptions {
+        job_id: a.str("job-id"),
+        device: a.str_req("device")?,
+        target: a.str_req("target")?,
+        sync: a.str_req("sync")?,
+        speed: a.i64("speed").unwrap_or(0),
+        bitmap: a.str("bitmap"),
+        bitmap_mode,
+        compress: a.bool("compress").unwrap_or(false),
+        on_source_error: error_policy(&mut a, "on-source-error")?,
+        on_target_error: error_policy(&mut a, "on-target-error")?,
+        auto_finalize: a.bool("auto-finalize").unwrap_or(true),
+        auto_dismiss: a.bool("auto-dismiss").unwrap_or(true),
+        filter_node_name: a.str("filter-node-name"),
+        discard_source: a.bool("discard-source").unwrap_or(false),
+        perf,
+    };
+    Ok(state.borrow_mut().blockdev_backup(o)?)
+}
+
+/// QEMU's BackupPerf members, checked as the schema declares them.
+const BACKUP_PERF: &[super::Arg] = &[
+    opt("use-copy-range", Ty::Bool),
+    opt("max-workers", Ty::Int),
+    opt("max-chunk", Ty::Int),
+    opt("min-cluster-size", Ty::Uint),
+];
+
+fn backup_perf(p: Map<String, Value>) -> Result<crate::daemon::BackupPerf, QmpError> {
+    let mut p = Args::check_nested(p, BACKUP_PERF, "x-perf")?;
+    Ok(crate::daemon::BackupPerf {
+        max_workers: p.i64("max-workers"),
+        max_chunk: p.i64("max-chunk"),
+        min_cluster_size: p.i64("min-cluster-size").map(|v| v as u64),
+    })
+}
+
+/// The `blockdev-backup` transaction action: made at prepare (the point in time shared
+/// with the other actions), started at commit, dropped on abort.
+pub fn backup_action(
+    state: &crate::daemon::SharedState,
+    ty: &str,
+    data: Map<String, Value>,
+) -> Option<Result<super::bitmap::Prepared, QmpError>> {
+    if ty != "blockdev-backup" {
+        return None;
+    }
+    let run = || {
+        let a = Args::check(data, BLOCKDEV_BACKUP.args, false)?;
+        let prepared = std::cell::RefCell::new(Some(prepare_backup(state, a)?));
+        let prepared = std::rc::Rc::new(prepared);
+        let (st, p) = (state.clone(), prepared.clone());
+        Ok(super::bitmap::Prepared {
+            abort: Box::new(move || drop(prepared.borrow_mut().take())),
+            commit: Box::new(move || {
+                if let Some(b) = p.borrow_mut().take() {
+                    if let Err(e) = st.borrow_mut().start_backup(b) {
+                        tracing::error!("transaction: the backup job did not start: {e}");
+                    }
+                }
+            }),
+        })
+    };
+    Some(run())
+}

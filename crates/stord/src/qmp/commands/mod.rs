@@ -86,6 +86,7 @@ pub const COMMANDS: &[Command] = &[
     job::BLOCK_STREAM,
     job::BLOCK_COMMIT,
     job::BLOCKDEV_MIRROR,
+    job::BLOCKDEV_BACKUP,
     block::BLOCKDEV_SNAPSHOT,
     block::BLOCKDEV_SNAPSHOT_SYNC,
     control::TRANSACTION,
@@ -127,6 +128,17 @@ impl Args {
     /// type, no others unless `open`.
     fn check(map: Map<String, Value>, spec: &[Arg], open: bool) -> Result<Self, QmpError> {
         check_members(&map, spec, open, "")?;
+        Ok(Self { map })
+    }
+
+    /// A nested object's members checked against `spec` (QEMU names a member in its
+    /// messages as `path.member`).
+    pub fn check_nested(
+        map: Map<String, Value>,
+        spec: &[Arg],
+        path: &str,
+    ) -> Result<Self, QmpError> {
+        check_members(&map, spec, false, &format!("{path}."))?;
         Ok(Self { map })
     }
 

@@ -1,0 +1,93 @@
+//! Hooks on a node's requests: what a job runs before a write changes a range, or holds
+//! while a read looks at one (a backup's copy-before-write and the point-in-time readers
+//! of its target). QEMU inserts a filter node above the source for this; stord calls the
+//! hook from the node's own request path instead, so exports and parents stay where they
+//! are and nothing moves when the job ends. A node without hooks pays one relaxed load
+//! per request.
+
+use std::io;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::{Arc, RwLock};
+
+use super::{BlockNode, BoxFut};
+
+/// Anything a read holds while it runs (a range lock's guard).
+pub trait Held {}
+impl<T> Held for T {}
+
+/// What a hook holds for one read.
+pub type ReadHold<'a> = Box<dyn Held + 'a>;
+
+/// A hook on a node's requests.
+pub trait NodeHook: Send + Sync {
+    /// Runs before `[offset, offset + len)` changes (a write, write-zeroes or discard);
+    /// its error fails the request.
+    fn before_write(&self, offset: u64, len: u64) -> BoxFut<'_, io::Result<()>>;
+    /// Runs before a read of `[offset, offset + len)`; what it returns is held until the
+    /// read is done.
+    fn before_read(&self, _offset: u64, _len: u64) -> BoxFut<'_, Option<ReadHold<'_>>> {
+        Box::pin(std::future::ready(None))
+    }
+}
+
+/// A node's hooks.
+#[derive(Default)]
+pub(super) struct Hooks {
+    list: RwLock<Vec<Arc<dyn NodeHook>>>,
+    any: AtomicBool,
+}
+
+impl Hooks {
+    /// The hooks now, None when there are none (the common case, without the lock).
+    pub(super) fn current(&self) -> Option<Vec<Arc<dyn NodeHook>>> {
+        if !self.any.load(Relaxed) {
+            return None;
+        }
+        Some(self.list.read().unwrap_or_else(|e| e.into_inner()).clone())
+    }
+
+    /// Runs every hook's [`NodeHook::before_write`].
+    pub(super) async fn before_write(&self, offset: u64, len: u64) -> io::Result<()> {
+        for h in self.current().iter().flatten() {
+            h.before_write(offset, len).await?;
+        }
+        Ok(())
+    }
+
+    fn add(&self, h: Arc<dyn NodeHook>) {
+        let mut list = self.list.write().unwrap_or_else(|e| e.into_inner());
+        list.push(h);
+        self.any.store(true, Relaxed);
+    }
+
+    fn remove(&self, h: &Arc<dyn NodeHook>) {
+        let mut list = self.list.write().unwrap_or_else(|e| e.into_inner());
+        list.retain(|x| !std::ptr::addr_eq(Arc::as_ptr(x), Arc::as_ptr(h)));
+        self.any.store(!list.is_empty(), Relaxed);
+    }
+}
+
+/// A hook installed on a node, removed when this is dropped.
+pub struct HookOn {
+    node: Arc<BlockNode>,
+    hook: Arc<dyn NodeHook>,
+}
+
+impl HookOn {
+    /// Installs `hook` on `node`: requests that start from now on run it. Requests already
+    /// past the hook's place do not; callers that need a clean start hold the node's
+    /// users first.
+    pub fn install(node: &Arc<BlockNode>, hook: Arc<dyn NodeHook>) -> Self {
+        node.hooks.add(hook.clone());
+        HookOn {
+            node: node.clone(),
+            hook,
+        }
+    }
+}
+
+impl Drop for HookOn {
+    fn drop(&mut self) {
+        self.node.hooks.remove(&self.hook);
+    }
+}

@@ -1,0 +1,305 @@
+//! blockdev-backup over the graph: QEMU's checks in its order and words
+//! (blockdev.c's do_backup_common, backup.c's backup_job_create), what the job holds, and
+//! the point in time: the copy set, the frozen bitmap and the copy-before-write hook are
+//! made together while no export request is inside the graph (the caller holds the
+//! exports, as QEMU drains). A transaction makes the backup in its prepare and starts it
+//! at commit; dropped unstarted, it leaves nothing behind.
+
+use std::sync::Arc;
+
+use super::block_jobs::NewJob;
+use super::{DaemonError, State};
+use crate::block::copy_before_write::{
+    BeforeWrite, CopyBeforeWrite, PointInTimeReads, Unallocated,
+};
+use crate::block::hook::HookOn;
+use crate::block::perm::Perm;
+use crate::block::BlockNode;
+use crate::job::backup::{Backup, BitmapMode, Sync, SyncBitmap};
+use crate::job::{Holds, OnError};
+
+/// QEMU's BLOCK_COPY_CLUSTER_SIZE_DEFAULT.
+const DEFAULT_CLUSTER: u64 = 64 << 10;
+
+/// `x-perf`'s members.
+#[derive(Default)]
+pub struct BackupPerf {
+    pub max_workers: Option<i64>,
+    pub max_chunk: Option<i64>,
+    pub min_cluster_size: Option<u64>,
+}
+
+/// `blockdev-backup`'s arguments.
+pub struct BackupOptions {
+    pub job_id: Option<String>,
+    pub device: String,
+    pub target: String,
+    /// `full`, `top`, `none`, `incremental` or `bitmap`.
+    pub sync: String,
+    pub speed: i64,
+    pub bitmap: Option<String>,
+    pub bitmap_mode: Option<BitmapMode>,
+    pub compress: bool,
+    pub on_source_error: OnError,
+    pub on_target_error: OnError,
+    pub auto_finalize: bool,
+    pub auto_dismiss: bool,
+    pub filter_node_name: Option<String>,
+    pub discard_source: bool,
+    pub perf: BackupPerf,
+}
+
+/// A backup made and not started yet.
+pub struct PreparedBackup {
+    job: NewJob,
+    work: Backup,
+    how: (bool, bool),
+}
+
+fn invalid(s: impl Into<String>) -> DaemonError {
+    DaemonError::Invalid(s.into())
+}
+
+/// QEMU's desugaring of `incremental` and its checks of `bitmap` and `bitmap-mode` that
+/// need no node: the sync mode and bitmap mode to use.
+fn sync_modes(o: &BackupOptions) -> Result<(String, Option<BitmapMode>), DaemonError> {
+    let mut sync = o.sync.clone();
+    let mut mode = o.bitmap_mode;
+    if matches!(sync.as_str(), "bitmap" | "incremental") && o.bitmap.is_none() {
+        return Err(invalid(format!(
+            "must provide a valid bitmap name for '{sync}' sync mode"
+        )));
+    }
+    if sync == "incremental" {
+        if mode.is_some_and(|m| m != BitmapMode::OnSuccess) {
+            return Err(invalid(
+                "Bitmap sync mode must be 'on-success' when using sync mode 'incremental'",
+            ));
+        }
+        sync = "bitmap".into();
+        mode = Some(BitmapMode::OnSuccess);
+    }
+    Ok((sync, mode))
+}
+
+/// The backup's cluster size (QEMU's block_copy_calculate_cluster_size).
+fn cluster_size(target: &BlockNode, min: Option<u64>) -> Result<u64, DaemonError> {
+    let min = min.unwrap_or(0);
+    if min > i64::MAX as u64 {
+        return Err(invalid(format!(
+            "min-cluster-size too large: {min} > {}",
+            i64::MAX
+        )));
+    }
+    if min != 0 && !min.is_power_of_two() {
+        return Err(invalid("min-cluster-size needs to be a power of 2"));
+    }
+    let min = min.max(DEFAULT_CLUSTER);
+    Ok(match target.driver().cluster_size() {
+        Some(c) => c.max(min),
+        None => min,
+    })
+}
+
+/// Whether reads of `target` reach `source` (a fleecing image backed by the source).
+fn reads_through(target: &Arc<BlockNode>, source: &Arc<BlockNode>) -> bool {
+    let mut n = target.filtered_or_backing();
+    while let Some(b) = n {
+        if Arc::ptr_eq(&b, source) {
+            return true;
+        }
+        n = b.filtered_or_backing();
+    }
+    false
+}
+
+/// What a backup holds: the source is read (nobody may resize it), the target written
+/// (others may read and write it, not resize it); neither may serve another job.
+fn backup_holds(
+    source: &Arc<BlockNode>,
+    target: &Arc<BlockNode>,
+    job_id: &str,
+) -> Result<Holds, DaemonError> {
+    let user = format!("backup job '{job_id}'");
+    let reason = "block device is in use by block job: backup".to_string();
+    let all_but_resize = Perm::ALL & Perm::RESIZE.complement();
+    let claims = vec![
+        source.claim(&user, "source", Perm::CONSISTENT_READ, all_but_resize)?,
+        target.claim(&user, "target", Perm::WRITE, all_but_resize)?,
+    ];
+    let blockers = vec![source.block_ops(reason.clone())?, target.block_ops(reason)?];
+    Ok(Holds {
+        claims,
+        blockers,
+        attached: source.attach_job(),
+        reopened: Default::default(),
+    })
+}
+
+impl State {
+    /// `blockdev-backup` up to the start: checks, holds, and the point in time.
+    pub fn blockdev_backup(&mut self, o: BackupOptions) -> Result<PreparedBackup, DaemonError> {
+        let source = self.device_node(&o.device)?;
+        let target = self.device_node(&o.target)?;
+        let (sync, mode) = sync_modes(&o)?;
+        let bitmap = self.backup_bitmap(&source, &o, &sync, mode)?;
+        if Arc::ptr_eq(&source, &target) {
+            return Err(invalid("Source and target cannot be the same"));
+        }
+        if o.compress {
+            return Err(invalid("Compression is not supported for this drive "));
+        }
+        source.check_not_busy()?;
+        target.check_not_busy()?;
+        if o.perf
+            .max_workers
+            .is_some_and(|w| !(1..=i32::MAX as i64).contains(&w))
+        {
+            return Err(invalid(format!(
+                "max-workers must be between 1 and {}",
+                i32::MAX
+            )));
+        }
+        if o.perf.max_chunk.is_some_and(|c| c < 0) {
+            return Err(invalid(
+                "max-chunk must be zero (which means no limit) or positive",
+            ));
+        }
+        if let (Some(b), Some(m)) = (&bitmap, mode) {
+            if m != BitmapMode::Never {
+                b.check(crate::block::dirty_bitmap::Use::Modify)
+                    .map_err(|e| invalid(e.to_string()))?;
+            }
+        }
+        if source.size() != target.size() {
+            return Err(invalid("Source and target image have different sizes"));
+        }
+        if o.filter_node_name.is_some() {
+            return Err(invalid(
+                "blockdev-backup: 'filter-node-name' is not supported by stord yet",
+            ));
+        }
+        if o.discard_source {
+            return Err(invalid(
+                "blockdev-backup: 'discard-source' is not supported by stord yet",
+            ));
+        }
+        let cluster = cluster_size(&target, o.perf.min_cluster_size)?;
+        if let Some(c) = o.perf.max_chunk.filter(|&c| c > 0 && (c as u64) < cluster) {
+            return Err(invalid(format!(
+                "Required max-chunk ({c}) is less than backup cluster size ({cluster})"
+            )));
+        }
+        let mut job = self.new_block_job(o.job_id.as_deref(), o.speed)?;
+        job.drained = true;
+        let holds = backup_holds(&source, &target, &job.id)?;
+        let unallocated = if sync == "top" && source.backing_depth() > 0 {
+            Unallocated::Skip
+        } else {
+            Unallocated::Copy
+        };
+        let copy = Arc::new(CopyBeforeWrite::new(
+            source.clone(),
+            target.clone(),
+            cluster,
+            unallocated,
+        ));
+        match &bitmap {
+            Some(b) if sync == "bitmap" => mark_from(&copy, b, source.size()),
+            _ => copy.mark(0, source.size()),
+        }
+        let bitmap = match (bitmap, mode) {
+            (Some(b), Some(m)) => {
+                Some(SyncBitmap::freeze(&source, b, m, copy.clone()).map_err(invalid)?)
+            }
+            _ => None,
+        };
+        let mut hooks = vec![HookOn::install(
+            &source,
+            Arc::new(BeforeWrite(copy.clone())),
+        )];
+        if reads_through(&target, &source) {
+            hooks.push(HookOn::install(
+                &target,
+                Arc::new(PointInTimeReads(copy.clone())),
+            ));
+        }
+        let work = Backup {
+            copy,
+            sync: if sync == "none" {
+                Sync::None
+            } else {
+                Sync::Copy
+            },
+            bitmap,
+            on_source_error: o.on_source_error,
+            on_target_error: o.on_target_error,
+            hooks,
+            holds,
+            target_attached: target.attach_job(),
+        };
+        Ok(PreparedBackup {
+            job,
+            work,
+            how: (o.auto_finalize, o.auto_dismiss),
+        })
+    }
+
+    /// The bitmap a backup reads or syncs, after QEMU's checks of it (in its order).
+    fn backup_bitmap(
+        &self,
+        source: &Arc<BlockNode>,
+        o: &BackupOptions,
+        sync: &str,
+        mode: Option<BitmapMode>,
+    ) -> Result<Option<Arc<crate::block::dirty_bitmap::DirtyBitmap>>, DaemonError> {
+        let Some(name) = &o.bitmap else {
+            if mode.is_some() {
+                return Err(invalid("Cannot specify bitmap sync mode without a bitmap"));
+            }
+            return Ok(None);
+        };
+        let b = source
+            .bitmap(name)
+            .map_err(|_| invalid(format!("Bitmap '{name}' could not be found")))?;
+        let Some(mode) = mode else {
+            return Err(invalid(
+                "Bitmap sync mode must be given when providing a bitmap",
+            ));
+        };
+        b.check(crate::block::dirty_bitmap::Use::AllowReadOnly)
+            .map_err(|e| invalid(e.to_string()))?;
+        if sync == "none" {
+            return Err(invalid(
+                "sync mode 'none' does not produce meaningful bitmap outputs",
+            ));
+        }
+        if mode == BitmapMode::Never && sync != "bitmap" {
+            return Err(invalid(format!(
+                "Bitmap sync mode 'never' has no meaningful effect when combined with sync \
+                 mode '{sync}'"
+            )));
+        }
+        Ok(Some(b))
+    }
+
+    /// Starts a prepared backup.
+    pub fn start_backup(&mut self, p: PreparedBackup) -> Result<(), DaemonError> {
+        let work = p.work;
+        self.start_block_job(p.job, "backup", p.how, false, move |job| {
+            crate::job::backup::run(work, job)
+        })
+    }
+}
+
+/// Marks in `copy` what `bitmap` has dirty.
+fn mark_from(copy: &CopyBeforeWrite, bitmap: &crate::block::dirty_bitmap::DirtyBitmap, size: u64) {
+    let mut o = 0;
+    while o < size {
+        let (n, dirty) = bitmap.extent(o, size - o);
+        if dirty {
+            copy.mark(o, n);
+        }
+        o += n.max(1);
+    }
+}
