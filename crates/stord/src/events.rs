@@ -56,6 +56,14 @@ pub const EVENTS: &[EventInfo] = &[
         members: &[("type", "any"), ("id", "str")],
     },
     EventInfo {
+        name: "BLOCK_WRITE_THRESHOLD",
+        members: &[
+            ("node-name", "str"),
+            ("amount-exceeded", "int"),
+            ("write-threshold", "int"),
+        ],
+    },
+    EventInfo {
         name: "BLOCK_JOB_ERROR",
         members: &[("device", "str"), ("operation", "any"), ("action", "any")],
     },
@@ -94,7 +102,37 @@ struct Inner {
 #[derive(Clone, Default)]
 pub struct Events(Rc<Inner>);
 
+thread_local! {
+    /// The fan-out of the loop this thread runs, for events posted from other threads.
+    static POSTED_TO: RefCell<Option<Events>> = const { RefCell::new(None) };
+}
+
+/// Sends events from any thread (a node's BLOCK_WRITE_THRESHOLD, raised by whichever
+/// thread wrote): each goes to the loop that made the poster and out from there.
+#[derive(Clone)]
+pub struct EventPoster {
+    main: stord_aio::Remote,
+}
+
+impl EventPoster {
+    pub fn emit(&self, name: &'static str, data: Value) {
+        self.main.call(move || {
+            POSTED_TO.with(|e| {
+                if let Some(e) = &*e.borrow() {
+                    e.emit(name, data);
+                }
+            })
+        });
+    }
+}
+
 impl Events {
+    /// A poster for these events (None off a loop): called on the thread that owns them.
+    pub fn poster(&self) -> Option<EventPoster> {
+        POSTED_TO.with(|e| *e.borrow_mut() = Some(self.clone()));
+        stord_aio::with_current_context(|c| EventPoster { main: c.remote() })
+    }
+
     /// Sends `{"event": name, "data": data, "timestamp": ...}` to every listening sink.
     pub fn emit(&self, name: &str, data: Value) {
         let now = std::time::SystemTime::now()

@@ -129,3 +129,8 @@ fn qmp_rbd_node_on_a_real_ceph_cluster_answers_as_qsd() {
 fn qmp_backup_push_and_pull_as_qsd() {
     run_script("backup.py");
 }
+
+#[test]
+fn qmp_smaller_qsd_commands_answer_as_qsd() {
+    run_script("qsd_commands.py");
+}

@@ -399,6 +399,11 @@ pub struct BlockNode {
     jobs_attached: std::sync::atomic::AtomicUsize,
     /// What jobs run around the node's requests ([`hook`]).
     hooks: hook::Hooks,
+    /// `block-set-write-threshold`: the first write ending past it announces
+    /// BLOCK_WRITE_THRESHOLD and clears it (0: none).
+    write_threshold: AtomicU64,
+    /// Where the node's events go (set by the daemon).
+    events: std::sync::OnceLock<crate::events::EventPoster>,
     driver: Box<dyn BlockDriver>,
 }
 
@@ -425,6 +430,8 @@ impl BlockNode {
             blocked: Default::default(),
             jobs_attached: Default::default(),
             hooks: Default::default(),
+            write_threshold: AtomicU64::new(0),
+            events: Default::default(),
             driver,
         }
     }
@@ -826,7 +833,50 @@ impl BlockNode {
     async fn may_write(&self, offset: u64, len: u64) -> io::Result<()> {
         self.check_writable()?;
         self.check_range(offset, len)?;
+        self.note_write(offset, len);
         self.hooks.before_write(offset, len).await
+    }
+
+    /// Where the node's events go.
+    pub fn set_event_poster(&self, p: crate::events::EventPoster) {
+        let _ = self.events.set(p);
+    }
+
+    /// `block-set-write-threshold` (0 clears it).
+    pub fn set_write_threshold(&self, offset: u64) {
+        self.write_threshold.store(offset, Relaxed);
+    }
+
+    pub fn write_threshold(&self) -> u64 {
+        self.write_threshold.load(Relaxed)
+    }
+
+    /// A write of `[offset, offset + len)` is about to reach the node (or its driver,
+    /// from a format above that writes to it directly): past the write threshold, the
+    /// threshold is announced and cleared, once (QEMU's
+    /// bdrv_write_threshold_check_write).
+    pub fn note_write(&self, offset: u64, len: u64) {
+        let threshold = self.write_threshold.load(Relaxed);
+        let end = offset.saturating_add(len);
+        if threshold == 0 || end <= threshold {
+            return;
+        }
+        if self
+            .write_threshold
+            .compare_exchange(threshold, 0, Relaxed, Relaxed)
+            .is_ok()
+        {
+            if let Some(e) = self.events.get() {
+                e.emit(
+                    "BLOCK_WRITE_THRESHOLD",
+                    serde_json::json!({
+                        "node-name": self.name,
+                        "amount-exceeded": end - threshold,
+                        "write-threshold": threshold,
+                    }),
+                );
+            }
+        }
     }
 
     /// Runs `read` with what the hooks hold for a read of `[offset, offset + len)` (the

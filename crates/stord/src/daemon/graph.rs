@@ -193,6 +193,9 @@ impl Builder<'_> {
                 .and_then(|r| r)
                 .map_err(|e| GraphError::Invalid(format!("{what}: {e}")))?;
         }
+        if let Some(p) = self.st.events.poster() {
+            node.set_event_poster(p);
+        }
         self.st.nodes.insert(name.clone(), node.clone());
         self.added.push(name.clone());
         if implicit {

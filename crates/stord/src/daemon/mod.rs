@@ -606,6 +606,11 @@ impl State {
         Ok(())
     }
 
+    /// Whether the NBD server listens.
+    pub fn nbd_server_running(&self) -> bool {
+        self.servers.contains_key("nbd")
+    }
+
     /// `nbd-server-stop`: stops listening; exports stay until deleted (as in QEMU, NBD
     /// exports are removed with the server).
     pub fn stop_nbd_server(&mut self) -> Result<(), DaemonError> {

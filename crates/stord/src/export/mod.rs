@@ -70,7 +70,7 @@ pub trait Export {
 pub enum ExportError {
     #[error(transparent)]
     Option(#[from] OptionError),
-    #[error("{what}: cannot find node '{name}'")]
+    #[error("Cannot find device='{name}' nor node-name='{name}'")]
     NodeNotFound { what: String, name: String },
     #[error("{what}: iothread '{id}' not found")]
     IoThreadNotFound { what: String, id: String },

@@ -197,6 +197,7 @@ impl Qcow2Driver {
     pub(super) async fn file_write(&self, offset: u64, data: &[u8]) -> io::Result<()> {
         let mut buf = request_buf(data.len());
         buf.copy_from_slice(data);
+        self.file.note_write(offset, data.len() as u64);
         self.file.driver().write(offset, buf, false).await.0
     }
 

@@ -1066,6 +1066,7 @@ impl Qcow2Driver {
         match self.in_place(offset, buf.len() as u64).await {
             Err(e) => return (Err(e), buf),
             Ok(Some((host, inflight))) => {
+                self.file.note_write(host, buf.len() as u64);
                 let r = self.file.driver().write(host, buf, fua).await;
                 drop(inflight);
                 return r;
@@ -1441,6 +1442,7 @@ impl BlockDriver for Qcow2Driver {
             match self.in_place(offset, iov.len() as u64).await {
                 Err(e) => return (Err(e), iov),
                 Ok(Some((host, inflight))) => {
+                    self.file.note_write(host, iov.len() as u64);
                     let r = self.file.driver().writev(host, iov, fua).await;
                     drop(inflight);
                     return r;

@@ -148,6 +148,21 @@ pub const BLOCK_RESIZE: Command = Command {
     },
 };
 
+pub const BLOCK_SET_WRITE_THRESHOLD: Command = Command {
+    name: "block-set-write-threshold",
+    args: &[req("node-name", Ty::Str), req("write-threshold", Ty::Uint)],
+    open: false,
+    run: |state, mut a| {
+        let name = a.str_req("node-name")?;
+        let st = state.borrow();
+        let node = st
+            .node(&name)
+            .ok_or_else(|| QmpError::generic(format!("Device '{name}' not found")))?;
+        node.set_write_threshold(a.i64("write-threshold").unwrap_or(0) as u64);
+        Ok(json!({}))
+    },
+};
+
 pub const QUERY_NAMED_BLOCK_NODES: Command = Command {
     name: "query-named-block-nodes",
     args: &[opt("flat", Ty::Bool)],
@@ -186,7 +201,7 @@ fn node_fields(n: &crate::block::BlockNode) -> Value {
         "active": !n.is_inactive(),
         "backing_file_depth": n.backing_depth(),
         "detect_zeroes": n.detect_zeroes().name(),
-        "write_threshold": 0,
+        "write_threshold": n.write_threshold(),
         "bps": 0, "bps_rd": 0, "bps_wr": 0,
         "iops": 0, "iops_rd": 0, "iops_wr": 0,
         "cache": { "writeback": true, "direct": n.direct, "no-flush": n.driver().no_flush() },

@@ -86,21 +86,85 @@ pub const BLOCK_EXPORT_ADD: Command = Command {
     },
 };
 
+/// The older way to export over NBD (libvirt before block-export-add): an NBD export
+/// whose id is its name, a read-only node quietly exported read-only (QEMU's
+/// qmp_nbd_server_add).
+pub const NBD_SERVER_ADD: Command = Command {
+    name: "nbd-server-add",
+    args: &[
+        req("device", Ty::Str),
+        opt("name", Ty::Str),
+        opt("description", Ty::Str),
+        opt("writable", Ty::Bool),
+        opt("bitmap", Ty::Str),
+        opt("allocation-depth", Ty::Bool),
+    ],
+    open: false,
+    run: |state, mut a| {
+        if !state.borrow().nbd_server_running() {
+            return Err(QmpError::generic("NBD server not running"));
+        }
+        let device = a.str_req("device")?;
+        let name = a.str("name").unwrap_or_else(|| device.clone());
+        let read_only = state.borrow().node(&device).is_some_and(|n| n.is_read_only());
+        let mut o = Map::new();
+        o.insert("type".into(), "nbd".into());
+        o.insert("id".into(), name.clone().into());
+        o.insert("node-name".into(), device.into());
+        o.insert("name".into(), name.into());
+        if let Some(d) = a.str("description") {
+            o.insert("description".into(), d.into());
+        }
+        o.insert("writable".into(), (a.bool("writable").unwrap_or(false) && !read_only).into());
+        if let Some(b) = a.str("bitmap") {
+            o.insert("bitmaps".into(), json!({ "0": b }));
+        }
+        if let Some(d) = a.bool("allocation-depth") {
+            o.insert("allocation-depth".into(), d.into());
+        }
+        let kv = super::Args::from_map(o).into_keyval("nbd-server-add");
+        state.borrow_mut().add_export(kv)?;
+        Ok(json!({}))
+    },
+};
+
+pub const NBD_SERVER_REMOVE: Command = Command {
+    name: "nbd-server-remove",
+    args: &[req("name", Ty::Str), opt("mode", Ty::Str)],
+    open: false,
+    run: |state, mut a| {
+        let name = a.str_req("name")?;
+        if let Some(e) = state.borrow().exports().find(|e| e.id() == name) {
+            if e.kind() != "nbd" {
+                return Err(QmpError::generic(format!(
+                    "Export '{name}' is not an NBD export"
+                )));
+            }
+        }
+        let hard = export_del_mode(&mut a)?;
+        state.borrow_mut().del_export(&name, hard)?;
+        Ok(json!({}))
+    },
+};
+
+/// `mode` of an export's removal: hard (clients cut off) or safe (the default).
+fn export_del_mode(a: &mut super::Args) -> Result<bool, QmpError> {
+    match a.str("mode").as_deref() {
+        None | Some("safe") => Ok(false),
+        Some("hard") => Ok(true),
+        Some(m) => Err(QmpError::generic(format!(
+            "Parameter 'mode' does not accept value '{m}'"
+        ))),
+    }
+}
+
 pub const BLOCK_EXPORT_DEL: Command = Command {
     name: "block-export-del",
     args: &[req("id", Ty::Str), opt("mode", Ty::Str)],
     open: false,
     run: |state, mut a| {
         let id = a.str_req("id")?;
-        let hard = match a.str("mode").as_deref() {
-            None | Some("safe") => false,
-            Some("hard") => true,
-            Some(m) => {
-                return Err(QmpError::generic(format!(
-                    "Parameter 'mode' does not accept value '{m}'"
-                )))
-            }
-        };
+        let hard = export_del_mode(&mut a)?;
         state.borrow_mut().del_export(&id, hard)?;
         Ok(json!({}))
     },

@@ -1,0 +1,136 @@
+"""qsd's smaller commands, the same calls against qsd and stord: every return, error and
+event equal.
+
+- nbd-server-add / nbd-server-remove (the NBD exports of libvirt before
+  block-export-add): refused without a server, an export named after its device, a
+  read-only node quietly exported read-only, what nbdinfo sees, removal and its errors.
+- block-set-write-threshold: the first write ending past the threshold (a guest offset
+  on the format node) raises BLOCK_WRITE_THRESHOLD once with the amount exceeded, and
+  the threshold is cleared; on the protocol node, qcow2's own writes to its file trip it
+  (stord only: where qcow2 puts a cluster differs between the two)."""
+
+import json
+import os
+import subprocess
+
+import common
+from common import ok
+
+SIZE = 64 << 20
+
+
+def run(*args):
+    return subprocess.run(list(args), check=True, capture_output=True, text=True).stdout
+
+
+def events(q, name):
+    out = [(e["event"], e["data"]) for e in q.get_events() if e["event"] == name]
+    q.clear_events()
+    return out
+
+
+def flow(binary, tag):
+    img = common.path(f"qc-{tag}.qcow2")
+    common.qcow2(img, SIZE)
+    ro = common.path(f"qc-{tag}-ro.qcow2")
+    common.qcow2(ro, SIZE)
+    sock = common.path(f"qc-{tag}.sock")
+    out = []
+    d = common.Daemon([
+        "--blockdev", f"driver=file,node-name=f,filename={img}",
+        "--blockdev", "driver=qcow2,node-name=disk,file=f",
+        "--blockdev", f"driver=file,node-name=rof,filename={ro},read-only=on",
+        "--blockdev", "driver=qcow2,node-name=ro,file=rof,read-only=on",
+    ], binary=binary, tag=tag)
+    try:
+        q = d.qmp()
+
+        def c(cmd, **a):
+            r = q.cmd_raw(cmd, a)
+            out.append((cmd, json.dumps(a).replace(f"qc-{tag}", "qc-T"), r))
+
+        # nbd-server-add and -remove.
+        c("nbd-server-add", device="disk")
+        c("nbd-server-start", addr={"type": "unix", "data": {"path": sock}})
+        c("nbd-server-add", device="disk")
+        c("nbd-server-add", device="disk", name="w", writable=True, description="the disk")
+        c("nbd-server-add", device="ro", writable=True)
+        c("nbd-server-add", device="disk")
+        c("nbd-server-add", device="nowhere")
+        c("nbd-server-add", device="disk", name="bm", bitmap="nope")
+        out.append(("exports", sorted(
+            (e["id"], e["node-name"], e["type"]) for e in ok(q.cmd_raw("query-block-exports")))))
+        for name in ("disk", "w", "ro"):
+            info = json.loads(run("nbdinfo", "--json", f"nbd+unix:///{name}?socket={sock}"))
+            e = info["exports"][0]
+            out.append((name, e["export-size"], e["is_read_only"], e.get("description")))
+        c("nbd-server-remove", name="ro")
+        c("nbd-server-remove", name="ro")
+        c("nbd-server-remove", name="w", mode="hard")
+        c("nbd-server-remove", name="disk", mode="sideways")
+        c("block-export-add", type="nbd", id="live", **{"node-name": "disk"}, name="live",
+          writable=True)
+        live = f"nbd+unix:///live?socket={sock}"
+
+        # Write threshold on the format node: guest offsets.
+        c("block-set-write-threshold", **{"node-name": "nowhere", "write-threshold": 1})
+        c("block-set-write-threshold", **{"node-name": "disk",
+                                          "write-threshold": (2 << 20) + 4096})
+        run("qemu-io", "-f", "raw", "-c", "write 0 4k", "-c", "write 1M 1M", live)
+        out.append(("below", events(q, "BLOCK_WRITE_THRESHOLD")))
+        run("qemu-io", "-f", "raw", "-c", "write 2M 64k", "-c", "write 4M 64k", live)
+        out.append(("past", events(q, "BLOCK_WRITE_THRESHOLD")))
+        nodes = ok(q.cmd_raw("query-named-block-nodes"))
+        out.append(("cleared", sorted((n["node-name"], n["write_threshold"]) for n in nodes)))
+        ok(q.cmd_raw("quit"))
+        try:
+            q.close()
+        except EOFError:
+            pass
+        assert d.wait() == 0
+    finally:
+        d.stop()
+    run("qemu-img", "check", "-q", img)
+    return out
+
+
+def protocol_node_threshold():
+    """qcow2's writes to its file trip the file node's threshold."""
+    img = common.path("qc-proto.qcow2")
+    common.qcow2(img, SIZE)
+    sock = common.path("qc-proto.sock")
+    d = common.Daemon([
+        "--blockdev", f"driver=file,node-name=f,filename={img}",
+        "--blockdev", "driver=qcow2,node-name=disk,file=f",
+        "--nbd-server", f"addr.type=unix,addr.path={sock}",
+        "--export", "type=nbd,id=live,node-name=disk,name=live,writable=on",
+    ])
+    try:
+        q = d.qmp()
+        size = os.path.getsize(img)
+        ok(q.cmd_raw("block-set-write-threshold", {"node-name": "f",
+                                                  "write-threshold": size + (1 << 20)}))
+        run("qemu-io", "-f", "raw", "-c", "write 0 64k", f"nbd+unix:///live?socket={sock}")
+        assert events(q, "BLOCK_WRITE_THRESHOLD") == []
+        run("qemu-io", "-f", "raw", "-c", "write 8M 2M", f"nbd+unix:///live?socket={sock}")
+        ev = events(q, "BLOCK_WRITE_THRESHOLD")
+        assert len(ev) == 1, ev
+        data = ev[0][1]
+        assert data["node-name"] == "f" and data["write-threshold"] == size + (1 << 20), data
+        assert 0 < data["amount-exceeded"] <= (2 << 20), data
+        q.close()
+    finally:
+        d.stop()
+
+
+def test():
+    theirs = flow("qemu-storage-daemon", "qsd")
+    ours = flow(common.STORD, "stord")
+    for a, b in zip(theirs, ours):
+        assert a == b, f"\nqsd   {a}\nstord {b}"
+    assert len(theirs) == len(ours), (len(theirs), len(ours))
+    protocol_node_threshold()
+
+
+if __name__ == "__main__":
+    common.main(test)
