@@ -21,6 +21,7 @@ pub mod qcow2;
 pub mod range_lock;
 pub mod raw;
 pub mod rbd;
+pub mod stats;
 pub mod throttle;
 
 pub use iov::IoVec;
@@ -36,7 +37,9 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
 use stord_aio::sys::now_ns;
-use stord_aio::{AlignedBuf, Histogram};
+use stord_aio::AlignedBuf;
+
+use stats::Op;
 
 /// A request's future (not Send: it belongs to the issuing thread).
 pub type BoxFut<'a, T> = Pin<Box<dyn Future<Output = T> + 'a>>;
@@ -298,29 +301,6 @@ pub trait BlockDriver: Send + Sync {
     }
 }
 
-/// Per-node counters (read from any thread).
-#[derive(Debug, Default)]
-pub struct NodeStats {
-    /// Read requests.
-    pub rd_ops: AtomicU64,
-    /// Write requests.
-    pub wr_ops: AtomicU64,
-    /// Flushes.
-    pub flush_ops: AtomicU64,
-    /// Discards.
-    pub discard_ops: AtomicU64,
-    /// Write-zeroes requests.
-    pub zero_ops: AtomicU64,
-    /// Bytes read.
-    pub rd_bytes: AtomicU64,
-    /// Bytes written.
-    pub wr_bytes: AtomicU64,
-    /// Failed requests.
-    pub errors: AtomicU64,
-    /// Request latency in nanoseconds (power-of-two buckets).
-    pub latency_ns: Histogram,
-}
-
 /// `detect-zeroes`: what a node does with writes whose data is all zeroes.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum DetectZeroes {
@@ -379,8 +359,8 @@ pub struct BlockNode {
     inactive: std::sync::atomic::AtomicBool,
     /// Opened with O_DIRECT.
     pub direct: bool,
-    /// Counters.
-    pub stats: NodeStats,
+    /// Counters (`query-blockstats`).
+    pub stats: stats::NodeStats,
     /// `force-share=on`: every user of the node shares everything (read-only nodes only).
     pub(crate) force_share: bool,
     /// `detect-zeroes`.
@@ -420,7 +400,7 @@ impl BlockNode {
             opened_writable: std::sync::atomic::AtomicBool::new(!read_only),
             inactive: Default::default(),
             direct,
-            stats: NodeStats::default(),
+            stats: Default::default(),
             force_share: false,
             detect_zeroes: DetectZeroes::Off,
             unmap: true,
@@ -897,81 +877,58 @@ impl BlockNode {
         r
     }
 
-    fn account<T>(&self, start: u64, r: &io::Result<T>) {
-        if r.is_err() {
-            self.stats.errors.fetch_add(1, Relaxed);
-        }
-        self.stats.latency_ns.record(now_ns() - start);
-    }
-
     /// Reads `buf.len()` bytes at `offset`.
     pub async fn read(&self, offset: u64, buf: Buf) -> (io::Result<()>, Buf) {
         let start = now_ns();
-        self.stats.rd_ops.fetch_add(1, Relaxed);
-        if let Err(e) = self.check_range(offset, buf.len() as u64) {
-            self.stats.errors.fetch_add(1, Relaxed);
+        let len = buf.len() as u64;
+        if let Err(e) = self.check_range(offset, len) {
+            self.stats.refused(Op::Read, &e);
             return (Err(e), buf);
         }
-        let len = buf.len() as u64;
         let (r, buf) = self
             .read_hooked(offset, len, || self.driver.read(offset, buf))
             .await;
-        if r.is_ok() {
-            self.stats.rd_bytes.fetch_add(buf.len() as u64, Relaxed);
-        }
-        self.account(start, &r);
+        self.stats.done(Op::Read, start, len, r.is_ok());
         (r, buf)
     }
 
     /// Writes `buf` at `offset`.
     pub async fn write(&self, offset: u64, buf: Buf, fua: bool) -> (io::Result<()>, Buf) {
         let start = now_ns();
-        self.stats.wr_ops.fetch_add(1, Relaxed);
-        if let Err(e) = self.may_write(offset, buf.len() as u64).await {
-            self.stats.errors.fetch_add(1, Relaxed);
+        let len = buf.len() as u64;
+        if let Err(e) = self.may_write(offset, len).await {
+            self.stats.refused(Op::Write, &e);
             return (Err(e), buf);
         }
         let (r, buf) = match self.zero_write(|| is_zero(&buf)) {
-            Some(may_unmap) => (
-                self.zeroes_then_fua(offset, buf.len() as u64, may_unmap, fua)
-                    .await,
-                buf,
-            ),
+            Some(may_unmap) => (self.zeroes_then_fua(offset, len, may_unmap, fua).await, buf),
             None => self.driver.write(offset, buf, fua).await,
         };
-        self.mark_dirty(offset, buf.len() as u64);
-        if r.is_ok() {
-            self.stats.wr_bytes.fetch_add(buf.len() as u64, Relaxed);
-        }
-        self.account(start, &r);
+        self.wrote(start, offset, len, &r);
         (r, buf)
     }
 
     /// Reads `iov.len()` bytes at `offset` into `iov`.
     pub async fn readv(&self, offset: u64, iov: IoVec) -> (io::Result<()>, IoVec) {
         let start = now_ns();
-        self.stats.rd_ops.fetch_add(1, Relaxed);
-        if let Err(e) = self.check_range(offset, iov.len() as u64) {
-            self.stats.errors.fetch_add(1, Relaxed);
+        let len = iov.len() as u64;
+        if let Err(e) = self.check_range(offset, len) {
+            self.stats.refused(Op::Read, &e);
             return (Err(e), iov);
         }
-        let len = iov.len() as u64;
         let (r, iov) = self
             .read_hooked(offset, len, || self.driver.readv(offset, iov))
             .await;
-        if r.is_ok() {
-            self.stats.rd_bytes.fetch_add(iov.len() as u64, Relaxed);
-        }
-        self.account(start, &r);
+        self.stats.done(Op::Read, start, len, r.is_ok());
         (r, iov)
     }
 
     /// Writes `iov` at `offset`.
     pub async fn writev(&self, offset: u64, iov: IoVec, fua: bool) -> (io::Result<()>, IoVec) {
         let start = now_ns();
-        self.stats.wr_ops.fetch_add(1, Relaxed);
-        if let Err(e) = self.may_write(offset, iov.len() as u64).await {
-            self.stats.errors.fetch_add(1, Relaxed);
+        let len = iov.len() as u64;
+        if let Err(e) = self.may_write(offset, len).await {
+            self.stats.refused(Op::Write, &e);
             return (Err(e), iov);
         }
         let zero = self.zero_write(|| {
@@ -980,19 +937,29 @@ impl BlockNode {
             is_zero(&b)
         });
         let (r, iov) = match zero {
-            Some(may_unmap) => (
-                self.zeroes_then_fua(offset, iov.len() as u64, may_unmap, fua)
-                    .await,
-                iov,
-            ),
+            Some(may_unmap) => (self.zeroes_then_fua(offset, len, may_unmap, fua).await, iov),
             None => self.driver.writev(offset, iov, fua).await,
         };
-        self.mark_dirty(offset, iov.len() as u64);
-        if r.is_ok() {
-            self.stats.wr_bytes.fetch_add(iov.len() as u64, Relaxed);
-        }
-        self.account(start, &r);
+        self.wrote(start, offset, len, &r);
         (r, iov)
+    }
+
+    /// Counts a request a format above sent straight to this node's driver (qcow2's data
+    /// and metadata I/O skips the node's checks), as the node's own.
+    pub fn count_direct(&self, op: Op, start: u64, end: u64, len: u64, ok: bool) {
+        if ok && op == Op::Write {
+            self.stats.wrote_up_to(end);
+        }
+        self.stats.done(op, start, len, ok);
+    }
+
+    /// After a write of any kind (data or zeroes): the bitmaps and the counters.
+    fn wrote(&self, start: u64, offset: u64, len: u64, r: &io::Result<()>) {
+        self.mark_dirty(offset, len);
+        if r.is_ok() {
+            self.stats.wrote_up_to(offset + len);
+        }
+        self.stats.done(Op::Write, start, len, r.is_ok());
     }
 
     /// A write turned into write-zeroes by `detect-zeroes`, durable if it was FUA.
@@ -1003,7 +970,6 @@ impl BlockNode {
         may_unmap: bool,
         fua: bool,
     ) -> io::Result<()> {
-        self.stats.zero_ops.fetch_add(1, Relaxed);
         self.driver.write_zeroes(offset, len, may_unmap).await?;
         if fua {
             self.driver.flush().await?;
@@ -1014,45 +980,41 @@ impl BlockNode {
     /// Flushes.
     pub async fn flush(&self) -> io::Result<()> {
         let start = now_ns();
-        self.stats.flush_ops.fetch_add(1, Relaxed);
         let r = self.driver.flush().await;
-        self.account(start, &r);
+        self.stats.done(Op::Flush, start, 0, r.is_ok());
         r
     }
 
     /// Discards a range.
     pub async fn discard(&self, offset: u64, len: u64) -> io::Result<()> {
         let start = now_ns();
-        self.stats.discard_ops.fetch_add(1, Relaxed);
-        let r = match self.may_write(offset, len).await {
-            Ok(()) if !self.unmap => Ok(()),
-            Ok(()) => {
-                let r = self.driver.discard(offset, len).await;
-                self.mark_dirty_as(offset, len, true);
-                r
-            }
-            Err(e) => Err(e),
+        if let Err(e) = self.may_write(offset, len).await {
+            self.stats.refused(Op::Unmap, &e);
+            return Err(e);
+        }
+        let r = if self.unmap {
+            let r = self.driver.discard(offset, len).await;
+            self.mark_dirty_as(offset, len, true);
+            r
+        } else {
+            Ok(())
         };
-        self.account(start, &r);
+        self.stats.done(Op::Unmap, start, len, r.is_ok());
         r
     }
 
     /// Zeroes a range.
     pub async fn write_zeroes(&self, offset: u64, len: u64, may_unmap: bool) -> io::Result<()> {
         let start = now_ns();
-        self.stats.zero_ops.fetch_add(1, Relaxed);
-        let r = match self.may_write(offset, len).await {
-            Ok(()) => {
-                let r = self
-                    .driver
-                    .write_zeroes(offset, len, may_unmap && self.unmap)
-                    .await;
-                self.mark_dirty(offset, len);
-                r
-            }
-            Err(e) => Err(e),
-        };
-        self.account(start, &r);
+        if let Err(e) = self.may_write(offset, len).await {
+            self.stats.refused(Op::Write, &e);
+            return Err(e);
+        }
+        let r = self
+            .driver
+            .write_zeroes(offset, len, may_unmap && self.unmap)
+            .await;
+        self.wrote(start, offset, len, &r);
         r
     }
 
@@ -1062,10 +1024,16 @@ impl BlockNode {
         if len == 0 {
             return Err(einval("empty block-status request"));
         }
-        let mut st = match self.driver.block_status_cached(offset, len) {
-            Some(st) => st,
-            None => self.driver.block_status(offset, len).await?,
-        };
+        // Held as a read: a point-in-time reader must not see a status the write after a
+        // copy changed (see [`hook`]).
+        let mut st = self
+            .read_hooked(offset, len, || async {
+                match self.driver.block_status_cached(offset, len) {
+                    Some(st) => Ok(st),
+                    None => self.driver.block_status(offset, len).await,
+                }
+            })
+            .await?;
         st.len = st.len.clamp(1, len);
         Ok(st)
     }

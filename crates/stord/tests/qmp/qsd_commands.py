@@ -7,7 +7,10 @@ event equal.
 - block-set-write-threshold: the first write ending past the threshold (a guest offset
   on the format node) raises BLOCK_WRITE_THRESHOLD once with the amount exceeded, and
   the threshold is cleared; on the protocol node, qcow2's own writes to its file trip it
-  (stord only: where qcow2 puts a cluster differs between the two)."""
+  (stord only: where qcow2 puts a cluster differs between the two).
+- query-blockstats / query-block: empty lists (no guest devices); with query-nodes, the
+  counts on the format node after a known fio workload are what fio issued (stord; qsd
+  counts nothing per node), the fields, parents and highest offsets written as qsd's."""
 
 import json
 import os
@@ -123,6 +126,56 @@ def protocol_node_threshold():
         d.stop()
 
 
+def blockstats(binary, tag):
+    """query-blockstats after a known fio workload through an NBD export: stord's counts
+    on the format node are what fio issued (qsd counts only in guest devices' backends
+    and reports zeroes per node); the shape of the answer and the highest offset written
+    on both nodes are qsd's."""
+    img = common.path(f"qb-{tag}.qcow2")
+    common.qcow2(img, SIZE)
+    sock = common.path(f"qb-{tag}.sock")
+    d = common.Daemon([
+        "--blockdev", f"driver=file,node-name=f,filename={img}",
+        "--blockdev", "driver=qcow2,node-name=disk,file=f",
+        "--nbd-server", f"addr.type=unix,addr.path={sock}",
+        "--export", "type=nbd,id=live,node-name=disk,name=live,writable=on",
+    ], binary=binary, tag=tag)
+    try:
+        q = d.qmp()
+        uri = f"nbd+unix:///live?socket={sock}"
+        r = common.fio("--name=r", "--ioengine=nbd", f"--uri={uri}", "--rw=randread",
+                       "--bs=4k", "--size=8M", "--io_size=8M", "--iodepth=4")
+        w = common.fio("--name=w", "--ioengine=nbd", f"--uri={uri}", "--rw=randwrite",
+                       "--bs=4k", "--size=4M", "--io_size=4M", "--iodepth=4", "--fsync=16")
+        rj, wj = r["jobs"][0], w["jobs"][0]
+        assert ok(q.cmd_raw("query-blockstats")) == []
+        assert ok(q.cmd_raw("query-block")) == []
+        stats = {e["node-name"]: e for e in ok(q.cmd_raw("query-blockstats",
+                                                         {"query-nodes": True}))}
+        q.close()
+    finally:
+        d.stop()
+    disk = stats["disk"]["stats"]
+    if binary == common.STORD:
+        assert disk["rd_operations"] == rj["read"]["total_ios"] == 2048, disk
+        assert disk["rd_bytes"] == 8 << 20, disk
+        assert disk["wr_operations"] == wj["write"]["total_ios"] == 1024, disk
+        assert disk["wr_bytes"] == 4 << 20, disk
+        assert disk["flush_operations"] == wj["sync"]["total_ios"], (disk, wj["sync"])
+        assert disk["failed_wr_operations"] == disk["invalid_rd_operations"] == 0, disk
+        assert disk["rd_total_time_ns"] > 0 and disk["wr_total_time_ns"] > 0, disk
+        f = stats["f"]["stats"]
+        assert f["wr_operations"] > 0 and f["rd_operations"] > 0, f
+    shape = {n: (sorted(e["stats"]), e.get("parent", {}).get("node-name"),
+                 e["stats"]["wr_highest_offset"]) for n, e in stats.items()}
+    # A node that has served a request says how long it has been idle (stord); qsd has
+    # no such time for nodes.
+    for n in shape:
+        keys = [k for k in shape[n][0] if k != "idle_time_ns"]
+        shape[n] = (keys,) + shape[n][1:]
+    return shape
+
+
 def test():
     theirs = flow("qemu-storage-daemon", "qsd")
     ours = flow(common.STORD, "stord")
@@ -130,6 +183,8 @@ def test():
         assert a == b, f"\nqsd   {a}\nstord {b}"
     assert len(theirs) == len(ours), (len(theirs), len(ours))
     protocol_node_threshold()
+    theirs, ours = blockstats("qemu-storage-daemon", "qsd"), blockstats(common.STORD, "stord")
+    assert theirs == ours, f"\nqsd   {theirs}\nstord {ours}"
 
 
 if __name__ == "__main__":

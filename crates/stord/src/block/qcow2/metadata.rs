@@ -20,6 +20,7 @@ use std::io;
 use super::table::{EntryCodec, Mapping, RefcountCodec, TableCache, COPIED, OFFSET_MASK};
 use super::Qcow2Driver;
 use crate::block::request_buf;
+use crate::block::stats::Op;
 
 /// Entries written per L1 / refcount table write-back unit (one 4 KiB page).
 const PAGE_ENTRIES: usize = 512;
@@ -190,15 +191,23 @@ impl Qcow2Driver {
     }
 
     pub(super) async fn file_read(&self, offset: u64, len: usize) -> io::Result<crate::block::Buf> {
+        let start = stord_aio::sys::now_ns();
         let (r, buf) = self.file.driver().read(offset, request_buf(len)).await;
+        let end = offset + len as u64;
+        self.file
+            .count_direct(Op::Read, start, end, len as u64, r.is_ok());
         r.map(|_| buf)
     }
 
     pub(super) async fn file_write(&self, offset: u64, data: &[u8]) -> io::Result<()> {
         let mut buf = request_buf(data.len());
         buf.copy_from_slice(data);
-        self.file.note_write(offset, data.len() as u64);
-        self.file.driver().write(offset, buf, false).await.0
+        let (start, len) = (stord_aio::sys::now_ns(), data.len() as u64);
+        self.file.note_write(offset, len);
+        let r = self.file.driver().write(offset, buf, false).await.0;
+        self.file
+            .count_direct(Op::Write, start, offset + len, len, r.is_ok());
+        r
     }
 
     /// The L2 table at `l2_off`, read into the cache if it is not there.

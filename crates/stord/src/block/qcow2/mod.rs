@@ -42,6 +42,7 @@ use std::io;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
+use stord_aio::sys::now_ns;
 use stord_aio::AsyncMutex;
 
 use self::metadata::{corrupt, Meta};
@@ -49,6 +50,7 @@ use self::table::{Mapping, TableCache, COPIED, OFFSET_MASK, ZERO};
 use crate::block::graph::{DriverDef, GraphError, Opened};
 use crate::block::perm::Perm;
 use crate::block::range_lock::RangeLocks;
+use crate::block::stats::Op;
 use crate::block::{request_buf, BlockDriver, BlockNode, BlockStatus, BoxFut, Buf, IoVec};
 use crate::cli::keyval::KeyVal;
 use crate::cli::Help;
@@ -827,8 +829,11 @@ impl Qcow2Driver {
             ..
         }] = pieces[..]
         {
+            let (start, len) = (now_ns(), buf.len() as u64);
             let r = self.file.driver().read(h, buf).await;
             drop(inflight);
+            self.file
+                .count_direct(Op::Read, start, h + len, len, r.0.is_ok());
             return r;
         }
         let r = self
@@ -1066,9 +1071,12 @@ impl Qcow2Driver {
         match self.in_place(offset, buf.len() as u64).await {
             Err(e) => return (Err(e), buf),
             Ok(Some((host, inflight))) => {
-                self.file.note_write(host, buf.len() as u64);
+                let (start, len) = (now_ns(), buf.len() as u64);
+                self.file.note_write(host, len);
                 let r = self.file.driver().write(host, buf, fua).await;
                 drop(inflight);
+                self.file
+                    .count_direct(Op::Write, start, host + len, len, r.0.is_ok());
                 return r;
             }
             Ok(None) => {}
@@ -1420,8 +1428,11 @@ impl BlockDriver for Qcow2Driver {
                 ..
             }] = pieces[..]
             {
+                let (start, len) = (now_ns(), iov.len() as u64);
                 let r = self.file.driver().readv(h, iov).await;
                 drop(inflight);
+                self.file
+                    .count_direct(Op::Read, start, h + len, len, r.0.is_ok());
                 return r;
             }
             crate::block::count_bounce();
@@ -1442,9 +1453,12 @@ impl BlockDriver for Qcow2Driver {
             match self.in_place(offset, iov.len() as u64).await {
                 Err(e) => return (Err(e), iov),
                 Ok(Some((host, inflight))) => {
-                    self.file.note_write(host, iov.len() as u64);
+                    let (start, len) = (now_ns(), iov.len() as u64);
+                    self.file.note_write(host, len);
                     let r = self.file.driver().writev(host, iov, fua).await;
                     drop(inflight);
+                    self.file
+                        .count_direct(Op::Write, start, host + len, len, r.0.is_ok());
                     return r;
                 }
                 Ok(None) => {}

@@ -527,8 +527,12 @@ async fn read_hole(conn: &Conn, node: &BlockNode, req: &Request) -> bool {
         return false;
     }
     let len = u64::from(req.len);
+    let start = stord_aio::sys::now_ns();
     match node.block_status(req.offset, len).await {
         Ok(st) if st.zero && st.len >= len => {
+            // Answered without reading, still a read the node served.
+            node.stats
+                .done(crate::block::stats::Op::Read, start, len, true);
             let h = Conn::chunk_header(req.handle, REPLY_FLAG_DONE, REPLY_TYPE_OFFSET_HOLE, 12);
             conn.queue(
                 req,

@@ -163,6 +163,39 @@ pub const BLOCK_SET_WRITE_THRESHOLD: Command = Command {
     },
 };
 
+/// QEMU lists the BlockBackends of guest devices and `-drive`s here; a storage daemon has
+/// none (qsd answers an empty list too), its nodes are in query-named-block-nodes.
+pub const QUERY_BLOCK: Command = Command {
+    name: "query-block",
+    args: &[],
+    open: false,
+    run: |_, _| Ok(json!([])),
+};
+
+/// Without `query-nodes`, QEMU's per-device list (empty, as query-block); with it, every
+/// node's counters ([`crate::block::stats`]), each with its `file` child's as `parent`.
+pub const QUERY_BLOCKSTATS: Command = Command {
+    name: "query-blockstats",
+    args: &[opt("query-nodes", Ty::Bool)],
+    open: false,
+    run: |state, mut a| {
+        if !a.bool("query-nodes").unwrap_or(false) {
+            return Ok(json!([]));
+        }
+        let st = state.borrow();
+        Ok(Value::Array(st.nodes().map(|n| node_stats(n)).collect()))
+    },
+};
+
+/// One node's entry in query-blockstats.
+fn node_stats(n: &crate::block::BlockNode) -> Value {
+    let mut v = json!({ "node-name": n.name, "stats": n.stats.to_qmp() });
+    if let Some((_, file)) = n.children().into_iter().find(|(role, _)| *role == "file") {
+        v["parent"] = node_stats(&file);
+    }
+    v
+}
+
 pub const QUERY_NAMED_BLOCK_NODES: Command = Command {
     name: "query-named-block-nodes",
     args: &[opt("flat", Ty::Bool)],

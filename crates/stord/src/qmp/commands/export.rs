@@ -106,7 +106,10 @@ pub const NBD_SERVER_ADD: Command = Command {
         }
         let device = a.str_req("device")?;
         let name = a.str("name").unwrap_or_else(|| device.clone());
-        let read_only = state.borrow().node(&device).is_some_and(|n| n.is_read_only());
+        let read_only = state
+            .borrow()
+            .node(&device)
+            .is_some_and(|n| n.is_read_only());
         let mut o = Map::new();
         o.insert("type".into(), "nbd".into());
         o.insert("id".into(), name.clone().into());
@@ -115,7 +118,10 @@ pub const NBD_SERVER_ADD: Command = Command {
         if let Some(d) = a.str("description") {
             o.insert("description".into(), d.into());
         }
-        o.insert("writable".into(), (a.bool("writable").unwrap_or(false) && !read_only).into());
+        o.insert(
+            "writable".into(),
+            (a.bool("writable").unwrap_or(false) && !read_only).into(),
+        );
         if let Some(b) = a.str("bitmap") {
             o.insert("bitmaps".into(), json!({ "0": b }));
         }

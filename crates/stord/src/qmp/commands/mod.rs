@@ -52,6 +52,8 @@ pub const COMMANDS: &[Command] = &[
     block::BLOCKDEV_ADD,
     block::BLOCKDEV_DEL,
     block::QUERY_NAMED_BLOCK_NODES,
+    block::QUERY_BLOCK,
+    block::QUERY_BLOCKSTATS,
     bitmap::ADD,
     bitmap::REMOVE,
     bitmap::CLEAR,
