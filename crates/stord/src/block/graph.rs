@@ -116,6 +116,16 @@ pub struct DriverDef {
     pub help: Help,
     /// How it creates images (`blockdev-create`), if it does.
     pub create: Option<&'static super::create::CreateDef>,
+    /// What `x-blockdev-amend` may change in its images, if anything.
+    pub amend: Option<&'static AmendDef>,
+}
+
+/// What `x-blockdev-amend` changes in a driver's open image (QEMU's bdrv_co_amend).
+pub struct AmendDef {
+    /// The members of the driver's BlockdevAmendOptions variant.
+    pub args: &'static [crate::schema::Arg],
+    /// The amendment, checked against `args`: an error fails the `amend` job.
+    pub run: fn(&BlockNode, &serde_json::Map<String, serde_json::Value>) -> Result<(), String>,
 }
 
 /// Every block driver.
@@ -154,6 +164,19 @@ pub fn driver_names() -> String {
 pub static BLOCKDEV_DRIVER: EnumType = EnumType {
     name: "BlockdevDriver",
     values: all_driver_names,
+};
+
+/// QAPI's `BlockdevAmendOptions`: `driver`, then the members of its [`AmendDef`].
+pub static BLOCKDEV_AMEND_OPTIONS: UnionType = UnionType {
+    name: "BlockdevAmendOptions",
+    tag: "driver",
+    tag_type: &BLOCKDEV_DRIVER,
+    variants: || {
+        BLOCK_DRIVERS
+            .iter()
+            .filter_map(|d| Some((d.names[0], d.amend?.args)))
+            .collect()
+    },
 };
 
 /// QAPI's `BlockdevCreateOptions`: `driver`, then the members of that driver's

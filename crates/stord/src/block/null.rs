@@ -22,6 +22,7 @@ pub const DRIVER: DriverDef = DriverDef {
                 and benchmarks",
     },
     create: None,
+    amend: None,
     open: |_, kv, flags| {
         Ok(Opened {
             driver: Box::new(NullDriver::from_opts(kv)?),

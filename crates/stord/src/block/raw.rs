@@ -28,6 +28,7 @@ pub const DRIVER: DriverDef = DriverDef {
                 offset and size cut a window of it",
     },
     create: None,
+    amend: None,
     open: |g, kv, flags| {
         let child = g.child(kv, "file")?;
         let raw = RawDriver::from_opts(kv, child.clone())?;

@@ -31,6 +31,7 @@ pub const DRIVER: DriverDef = DriverDef {
         about: "the limits of an --object throttle-group over its child `file`",
     },
     create: None,
+    amend: None,
     open: |g, kv, flags| {
         let id = kv.take_required("throttle-group")?;
         let Some(group) = g.throttle_group(&id) else {

@@ -9,6 +9,7 @@
 mod active;
 mod backup;
 mod block_jobs;
+mod chain;
 mod graph;
 pub mod objects;
 mod snapshot;

@@ -17,6 +17,7 @@ import os
 import subprocess
 
 import common
+import stream
 from common import ok
 
 SIZE = 64 << 20
@@ -176,6 +177,66 @@ def blockstats(binary, tag):
     return shape
 
 
+def editing(binary, tag):
+    """change-backing-file, x-blockdev-change and x-blockdev-amend: returns, errors, the
+    amend jobs' events, and the backing file the header names afterwards."""
+    base, top = common.path(f"qe-{tag}-base.qcow2"), common.path(f"qe-{tag}-top.qcow2")
+    common.qcow2(base, SIZE)
+    common.qcow2(top, SIZE, backing=base)
+    # The name the header gets (qemu-img check opens it).
+    common.qcow2(common.path("renamed.qcow2"), SIZE)
+    out = []
+    d = common.Daemon([
+        "--blockdev", f"driver=file,node-name=bf,filename={base}",
+        "--blockdev", "driver=qcow2,node-name=base,file=bf",
+        "--blockdev", f"driver=file,node-name=tf,filename={top}",
+        "--blockdev", "driver=qcow2,node-name=top,file=tf,backing=base",
+    ], binary=binary, tag=tag)
+    try:
+        q = d.qmp()
+
+        def c(cmd, **a):
+            out.append((cmd, a, q.cmd_raw(cmd, a)))
+
+        cbf = lambda dev, img, name="renamed.qcow2": c(
+            "change-backing-file", device=dev, **{"image-node-name": img, "backing-file": name})
+        cbf("top", "base")
+        cbf("nowhere", "top")
+        cbf("top", "nowhere")
+        cbf("base", "top")
+        cbf("tf", "top")
+        cbf("top", "top")
+        c("x-blockdev-change", parent="nowhere", child="file")
+        c("x-blockdev-change", parent="top")
+        c("x-blockdev-change", parent="top", child="file", node="bf")
+        c("x-blockdev-change", parent="top", child="f")
+        c("x-blockdev-change", parent="top", child="file")
+        c("x-blockdev-change", parent="top", node="nowhere")
+        c("x-blockdev-change", parent="top", node="bf")
+        amend = lambda node, **o: c("x-blockdev-amend", **{"job-id": "a", "node-name": node,
+                                                            "options": o})
+        amend("top", driver="file")
+        amend("tf", driver="file")
+        amend("top", driver="qcow2", encrypt={"state": "active"})
+        amend("nowhere", driver="qcow2")
+        amend("top", driver="qcow2")
+        stream.wait_status(q, "a", "concluded")
+        c("job-dismiss", id="a")
+        amend("top", driver="qcow2", encrypt={"format": "luks", "state": "active",
+                                             "new-secret": "s"})
+        stream.wait_status(q, "a", "concluded")
+        out.append(("jobs", stream.clean(ok(q.cmd_raw("query-jobs")))))
+        c("job-dismiss", id="a")
+        out.append(("events", stream.job_events(q)))
+        q.close()
+    finally:
+        d.stop()
+    info = json.loads(run("qemu-img", "info", "--output=json", "-U", top))
+    out.append(("header", info.get("backing-filename"), info.get("backing-filename-format")))
+    run("qemu-img", "check", "-q", top)
+    return out
+
+
 def test():
     theirs = flow("qemu-storage-daemon", "qsd")
     ours = flow(common.STORD, "stord")
@@ -183,6 +244,10 @@ def test():
         assert a == b, f"\nqsd   {a}\nstord {b}"
     assert len(theirs) == len(ours), (len(theirs), len(ours))
     protocol_node_threshold()
+    theirs, ours = editing("qemu-storage-daemon", "qsd"), editing(common.STORD, "stord")
+    for a, b in zip(theirs, ours):
+        assert a == b, f"\nqsd   {a}\nstord {b}"
+    assert len(theirs) == len(ours), (len(theirs), len(ours))
     theirs, ours = blockstats("qemu-storage-daemon", "qsd"), blockstats(common.STORD, "stord")
     assert theirs == ours, f"\nqsd   {theirs}\nstord {ours}"
 

@@ -158,6 +158,7 @@ pub const DRIVER: DriverDef = DriverDef {
         about: "a regular file or block device, locked as QEMU locks its images",
     },
     create: Some(&create::CREATE),
+    amend: None,
     open: |_, kv, flags| {
         let opts = FileOptions::from_opts(kv, flags.read_only)?;
         let direct = opts.direct;

@@ -44,6 +44,7 @@ pub const DRIVER: DriverDef = DriverDef {
         about: "an export of an NBD server",
     },
     create: None,
+    amend: None,
     open: |g, kv, flags| {
         let opts = NbdOptions::from_kv(kv)?;
         let tls = match &opts.tls_creds {

@@ -19,6 +19,7 @@
 //! encryption, external data files, extended L2 entries; writing to
 //! images marked dirty or corrupt.
 
+mod amend;
 mod bitmaps;
 pub mod create;
 #[cfg(any(test, fuzzing))]
@@ -70,6 +71,7 @@ pub const DRIVER: DriverDef = DriverDef {
                 image names opens by itself unless `backing` says otherwise",
     },
     create: Some(&create::CREATE),
+    amend: Some(&amend::AMEND),
     open: |g, kv, flags| {
         let file = g.child(kv, "file")?;
         let opts = Qcow2Options::from_opts(kv)?;

@@ -35,6 +35,7 @@ pub const DRIVER: DriverDef = DriverDef {
                 the first rbd node opens: Debian's librbd1)",
     },
     create: Some(&CREATE),
+    amend: None,
     open: |graph, kv, flags| {
         let opts = RbdOptions::from_kv(kv, &|id| graph.secret(id))?;
         let read_only = flags.read_only;

@@ -148,6 +148,42 @@ pub const BLOCK_RESIZE: Command = Command {
     },
 };
 
+pub const CHANGE_BACKING_FILE: Command = Command {
+    name: "change-backing-file",
+    args: &[
+        req("device", Ty::Str),
+        req("image-node-name", Ty::Str),
+        req("backing-file", Ty::Str),
+    ],
+    open: false,
+    run: |state, mut a| {
+        let (device, image) = (a.str_req("device")?, a.str_req("image-node-name")?);
+        let backing = a.str_req("backing-file")?;
+        state
+            .borrow_mut()
+            .change_backing_file(&device, &image, &backing)?;
+        Ok(json!({}))
+    },
+};
+
+pub const X_BLOCKDEV_CHANGE: Command = Command {
+    name: "x-blockdev-change",
+    args: &[
+        req("parent", Ty::Str),
+        opt("child", Ty::Str),
+        opt("node", Ty::Str),
+    ],
+    open: false,
+    run: |state, mut a| {
+        let parent = a.str_req("parent")?;
+        let (child, node) = (a.str("child"), a.str("node"));
+        state
+            .borrow_mut()
+            .blockdev_change(&parent, child.as_deref(), node.as_deref())?;
+        Ok(json!({}))
+    },
+};
+
 pub const BLOCK_SET_WRITE_THRESHOLD: Command = Command {
     name: "block-set-write-threshold",
     args: &[req("node-name", Ty::Str), req("write-threshold", Ty::Uint)],

@@ -35,6 +35,26 @@ pub const BLOCKDEV_CREATE: Command = Command {
     },
 };
 
+pub const X_BLOCKDEV_AMEND: Command = Command {
+    name: "x-blockdev-amend",
+    args: &[
+        req("job-id", Ty::Str),
+        req("node-name", Ty::Str),
+        req("options", Ty::Union(&graph::BLOCKDEV_AMEND_OPTIONS)),
+        opt("force", Ty::Bool),
+    ],
+    open: false,
+    run: |state, mut a| {
+        let id = a.str_req("job-id")?;
+        let node = a.str_req("node-name")?;
+        let Some(Value::Object(options)) = a.take("options") else {
+            return Err(super::missing("options"));
+        };
+        state.borrow_mut().blockdev_amend(&id, &node, options)?;
+        Ok(json!({}))
+    },
+};
+
 /// The driver's preparation of `options` (checked against its members already): the
 /// work the `create` job runs, or the command's error.
 fn prepare_creation(

@@ -1,0 +1,138 @@
+//! Commands that edit open images and their links in place, with QEMU's checks in its
+//! order and words: `change-backing-file` (the name an image's header gives its backing
+//! file, the graph left as it is), `x-blockdev-amend` (a driver's [`AmendDef`] as an
+//! `amend` job) and `x-blockdev-change` (adding or removing a child of a node that takes
+//! any number of them: QEMU's quorum, which stord has not, so every node refuses as
+//! QEMU's other drivers do).
+//!
+//! [`AmendDef`]: crate::block::graph::AmendDef
+
+use std::sync::Arc;
+
+use super::{DaemonError, State};
+use crate::block::BlockNode;
+
+fn invalid(s: impl Into<String>) -> DaemonError {
+    DaemonError::Invalid(s.into())
+}
+
+/// Whether `image` is `top` or below it through backing links and filters (QEMU's
+/// bdrv_chain_contains).
+fn chain_contains(top: &Arc<BlockNode>, image: &Arc<BlockNode>) -> bool {
+    let mut n = Some(top.clone());
+    while let Some(c) = n {
+        if Arc::ptr_eq(&c, image) {
+            return true;
+        }
+        n = c.filtered_or_backing();
+    }
+    false
+}
+
+impl State {
+    /// `change-backing-file`: `image_node_name` (in `device`'s chain) names
+    /// `backing_file` in its header from now on, with its own format as the backing
+    /// format, as QEMU writes it; a read-only image is made writable for the write.
+    pub fn change_backing_file(
+        &mut self,
+        device: &str,
+        image_node_name: &str,
+        backing_file: &str,
+    ) -> Result<(), DaemonError> {
+        let top = self.device_node(device)?;
+        if !self.parents_of(&top.name).is_empty() {
+            return Err(invalid("Need a root block node"));
+        }
+        let image = self.find_node("", image_node_name)?;
+        if image.backing_depth() == 0 {
+            return Err(invalid(
+                "not allowing backing file change on an image without a backing file",
+            ));
+        }
+        top.check_not_busy()?;
+        if !chain_contains(&top, &image) {
+            return Err(invalid(format!(
+                "'{device}' and image file are not in the same chain"
+            )));
+        }
+        let reopened = crate::block::ReadOnlyAgain::new(self.make_writable(&image)?);
+        let (node, name) = (image.clone(), backing_file.to_string());
+        let r = crate::block::block_on_helper(move || async move {
+            let format = node.driver_name();
+            node.driver()
+                .change_backing_file(Some((&name, Some(format))))
+                .await
+        })
+        .and_then(|r| r);
+        drop(reopened);
+        r.map_err(|e| {
+            invalid(format!(
+                "Could not change backing file to '{backing_file}': {}",
+                crate::block::os_text(&e)
+            ))
+        })
+    }
+
+    /// `x-blockdev-amend`: `options` (checked against the driver's members) applied to
+    /// node `node_name` by job `job_id`.
+    pub fn blockdev_amend(
+        &mut self,
+        job_id: &str,
+        node_name: &str,
+        options: serde_json::Map<String, serde_json::Value>,
+    ) -> Result<(), DaemonError> {
+        let node = self.find_node("", node_name)?;
+        let driver = options.get("driver").and_then(|d| d.as_str()).unwrap_or("");
+        if node.driver_name() != driver {
+            return Err(invalid(
+                "x-blockdev-amend doesn't support changing the block driver",
+            ));
+        }
+        let Some(def) = crate::block::graph::driver(driver).and_then(|d| d.amend) else {
+            return Err(invalid("Driver does not support x-blockdev-amend"));
+        };
+        let opts = crate::job::JobOptions::plain(true, false);
+        self.jobs
+            .start(job_id, "amend", opts, &self.events, move |job| async move {
+                job.set_progress(0, 1);
+                let r = (def.run)(&node, &options);
+                job.set_progress(1, 1);
+                r.map(|()| None)
+            })?;
+        Ok(())
+    }
+
+    /// `x-blockdev-change`: removes `parent`'s child `child` or adds node `node` to it.
+    pub fn blockdev_change(
+        &mut self,
+        parent: &str,
+        child: Option<&str>,
+        node: Option<&str>,
+    ) -> Result<(), DaemonError> {
+        let p = self.find_node(parent, parent)?;
+        match (child, node) {
+            (Some(_), Some(_)) => Err(invalid("The parameters child and node are in conflict")),
+            (None, None) => Err(invalid("Either child or node must be specified")),
+            (Some(c), None) => {
+                if !p.children().iter().any(|(role, _)| *role == c) {
+                    return Err(invalid(format!(
+                        "Node '{parent}' does not have child '{c}'"
+                    )));
+                }
+                Err(invalid(format!(
+                    "The node {} does not support removing a child",
+                    p.name
+                )))
+            }
+            (None, Some(n)) => {
+                if !self.nodes.contains_key(n) {
+                    return Err(invalid(format!("Node '{n}' not found")));
+                }
+                Err(invalid(format!(
+                    "The node {} does not support adding a child",
+                    p.name
+                )))
+            }
+        }
+    }
+}
