@@ -134,3 +134,8 @@ fn qmp_backup_push_and_pull_as_qsd() {
 fn qmp_smaller_qsd_commands_answer_as_qsd() {
     run_script("qsd_commands.py");
 }
+
+#[test]
+fn qmp_drive_backup_and_drive_mirror_as_qsd() {
+    run_script("drive_jobs.py");
+}

@@ -54,6 +54,9 @@ pub struct PreparedBackup {
     job: NewJob,
     work: Backup,
     how: (bool, bool),
+    /// What runs once the job has ended, or when it is dropped unstarted (drive-backup
+    /// lets its target go). Last: it runs after the work's hold on the nodes is gone.
+    pub(super) after: super::block_jobs::OnDrop,
 }
 
 fn invalid(s: impl Into<String>) -> DaemonError {
@@ -134,6 +137,14 @@ fn backup_holds(
         attached: source.attach_job(),
         reopened: Default::default(),
     })
+}
+
+impl PreparedBackup {
+    /// A transaction's abort: the job made in its prepare is cancelled unstarted (QEMU's
+    /// job_cancel_sync of a created job: aborting, concluded, null).
+    pub fn abort(mut self) {
+        self.job.gone_as = &["created", "aborting", "concluded", "null"];
+    }
 }
 
 impl State {
@@ -242,6 +253,7 @@ impl State {
             job,
             work,
             how: (o.auto_finalize, o.auto_dismiss),
+            after: super::block_jobs::OnDrop(None),
         })
     }
 
@@ -285,9 +297,11 @@ impl State {
 
     /// Starts a prepared backup.
     pub fn start_backup(&mut self, p: PreparedBackup) -> Result<(), DaemonError> {
-        let work = p.work;
-        self.start_block_job(p.job, "backup", p.how, false, move |job| {
-            crate::job::backup::run(work, job)
+        let mut p = p;
+        let after = p.after.0.take();
+        let (work, job, how) = (p.work, p.job, p.how);
+        self.start_block_job(job, "backup", how, false, move |job| {
+            super::block_jobs::with_after(crate::job::backup::run(work, job), after)
         })
     }
 }

@@ -12,7 +12,7 @@ use crate::block::link::NodeLink;
 use crate::block::perm::Perm;
 use crate::block::BlockNode;
 use crate::job::commit::Commit;
-use crate::job::mirror::{Mirror, Parents, Scope};
+use crate::job::mirror::{Mirror, Parents, Scope, TargetStart};
 use crate::job::stream::Stream;
 use crate::job::{run_copy, CopyJob, Finish, Holds, Job, JobOptions, OnError};
 
@@ -68,6 +68,8 @@ pub struct MirrorOptions {
     pub copy_mode: Option<String>,
     pub auto_finalize: bool,
     pub auto_dismiss: bool,
+    /// The target is an image just created (drive-mirror): it reads as zeroes.
+    pub target_fresh: bool,
 }
 
 /// The exports a mirror moves, reached through the daemon while the job runs.
@@ -106,6 +108,9 @@ pub(super) struct NewJob {
     /// Made inside a drained section (a transaction action's): see
     /// [`JobOptions::drained`].
     pub(super) drained: bool,
+    /// The states announced when it goes unstarted: QEMU's job_early_fail (created,
+    /// null), or a transaction's abort cancelling it (created, aborting, ...).
+    pub(super) gone_as: &'static [&'static str],
     /// Where the early failure is announced; None once the job has started.
     events: Option<crate::events::Events>,
 }
@@ -120,7 +125,7 @@ impl NewJob {
 impl Drop for NewJob {
     fn drop(&mut self) {
         if let Some(events) = self.events.take() {
-            for status in ["created", "null"] {
+            for &status in self.gone_as {
                 events.emit(
                     "JOB_STATUS_CHANGE",
                     serde_json::json!({ "status": status, "id": self.id }),
@@ -343,6 +348,7 @@ impl State {
             id,
             speed: 0,
             drained: false,
+            gone_as: &["created", "null"],
             events: Some(self.events.clone()),
         };
         job.speed = u64::try_from(speed)
@@ -659,6 +665,7 @@ impl State {
             target: base_node,
             scope: Scope::AboveBase(base_depth),
             unmap: true,
+            target_start: TargetStart::Unknown,
             on_source_error: o.on_error,
             on_target_error: o.on_error,
             target_claim,
@@ -685,6 +692,16 @@ impl State {
         &mut self,
         o: MirrorOptions,
         me: Weak<RefCell<State>>,
+    ) -> Result<(), DaemonError> {
+        self.mirror_then(o, me, None)
+    }
+
+    /// A mirror, and `after` once it has ended (see [`with_after`]).
+    pub(super) fn mirror_then(
+        &mut self,
+        o: MirrorOptions,
+        me: Weak<RefCell<State>>,
+        after: Option<Box<dyn FnOnce()>>,
     ) -> Result<(), DaemonError> {
         let source = self.device_node(&o.device)?;
         if !self.parents_of(&source.name).is_empty() || source.has_job() {
@@ -720,6 +737,11 @@ impl State {
             target,
             scope,
             unmap: true,
+            target_start: if o.target_fresh {
+                TargetStart::ReadsZero
+            } else {
+                TargetStart::ZeroFirst
+            },
             on_source_error: o.on_source_error,
             on_target_error: o.on_target_error,
             target_claim,
@@ -731,8 +753,48 @@ impl State {
             "mirror",
             (o.auto_finalize, o.auto_dismiss),
             true,
-            |job| crate::job::mirror::run(mirror, job),
+            |job| with_after(crate::job::mirror::run(mirror, job), after),
         )
+    }
+}
+
+/// Runs a closure when dropped.
+pub(super) struct OnDrop(pub(super) Option<Box<dyn FnOnce()>>);
+
+impl Drop for OnDrop {
+    fn drop(&mut self) {
+        if let Some(f) = self.0.take() {
+            f();
+        }
+    }
+}
+
+/// A job's `work`, and `after` once the work and its finalize are done and dropped,
+/// however the job ends (also if it is cancelled before it ever runs).
+pub(super) fn with_after<F>(
+    work: F,
+    after: Option<Box<dyn FnOnce()>>,
+) -> impl Future<Output = Result<Finish, String>>
+where
+    F: Future<Output = Result<Finish, String>> + 'static,
+{
+    let guard = OnDrop(after);
+    async move {
+        match work.await {
+            Ok(Some(finish)) => {
+                let finish: std::pin::Pin<Box<dyn Future<Output = Result<(), String>>>> =
+                    Box::pin(async move {
+                        let r = finish.await;
+                        drop(guard);
+                        r
+                    });
+                Ok(Some(finish))
+            }
+            other => {
+                drop(guard);
+                other
+            }
+        }
     }
 }
 

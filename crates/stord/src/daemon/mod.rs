@@ -10,7 +10,9 @@ mod active;
 mod backup;
 mod block_jobs;
 mod chain;
+mod drive;
 mod graph;
+mod new_image;
 pub mod objects;
 mod snapshot;
 
@@ -28,6 +30,7 @@ use stord_aio::{AioContext, IoThread, Remote};
 
 pub use self::backup::{BackupOptions, BackupPerf, PreparedBackup};
 pub use self::block_jobs::{CommitOptions, MirrorOptions, StreamOptions};
+pub use self::drive::DriveTarget;
 pub use self::snapshot::{hold_all_exports, SnapshotDone, SnapshotSyncOptions};
 use crate::block::link::NodeLink;
 use crate::block::throttle::ThrottleGroup;

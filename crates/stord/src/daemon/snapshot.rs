@@ -7,10 +7,7 @@
 use std::sync::Arc;
 
 use super::{DaemonError, State};
-use crate::block::file::create::{create_file, FileCreate};
-use crate::block::file::{self, AioMode, FileOptions};
 use crate::block::perm::Perm;
-use crate::block::qcow2::create::{create_qcow2, Qcow2Create};
 use crate::block::BlockNode;
 use crate::cli::keyval::KeyVal;
 
@@ -192,7 +189,8 @@ impl State {
             )));
         }
         if !o.existing {
-            create_overlay(&o.snapshot_file, &old)?;
+            let backing = old.filename().map(|f| (f, old.driver_name().to_string()));
+            super::new_image::create_image(&o.snapshot_file, "qcow2", old.size(), backing)?;
         }
         let mut pairs = vec![
             ("driver".to_string(), format),
@@ -217,47 +215,6 @@ impl State {
                 Err(e)
             }
         }
-    }
-}
-
-/// A qcow2 image at `path` the size of `backing`, naming it (its file name and format)
-/// as its backing file, as QEMU's bdrv_img_create makes it.
-fn create_overlay(path: &str, backing: &Arc<BlockNode>) -> Result<(), DaemonError> {
-    create_file(&FileCreate {
-        filename: path.to_string(),
-        size: 0,
-        falloc: false,
-    })
-    .map_err(DaemonError::Invalid)?;
-    let opts = FileOptions {
-        filename: path.to_string(),
-        aio: AioMode::Threads,
-        direct: false,
-        native: file::NativeTuning {
-            max_batch: 0,
-            reap_after_submit: true,
-        },
-        discard: file::DiscardMode::Ignore,
-        read_only: false,
-        locking: true,
-        no_flush: false,
-    };
-    let driver = file::open(opts).map_err(|e| invalid(format!("Could not open '{path}': {e}")))?;
-    let node = Arc::new(BlockNode::new("snapshot".into(), driver, false, false));
-    let q = Qcow2Create {
-        size: backing.size(),
-        v3: true,
-        cluster_size: 65536,
-        refcount_bits: 16,
-        lazy_refcounts: false,
-        backing_file: backing.filename(),
-        backing_fmt: Some(backing.driver_name().to_string()),
-        zstd: false,
-    };
-    let r = crate::block::block_on_helper(move || async move { create_qcow2(&node, &q).await });
-    match r {
-        Ok(Ok(())) => Ok(()),
-        Ok(Err(e)) | Err(e) => Err(invalid(format!("Could not create '{path}': {e}"))),
     }
 }
 

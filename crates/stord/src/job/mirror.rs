@@ -40,6 +40,18 @@ pub enum Scope {
     AboveBase(u32),
 }
 
+/// What the target holds when a `sync=full` mirror starts (QEMU's zero_target and
+/// bdrv_has_zero_init): what the first pass must copy follows from it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TargetStart {
+    /// Anything: every byte is copied (zeroes written where the source has none).
+    Unknown,
+    /// A fresh image that reads as zeroes: only what the source's chain holds is copied.
+    ReadsZero,
+    /// Zeroed first (with unmap, as QEMU does), then as [`TargetStart::ReadsZero`].
+    ZeroFirst,
+}
+
 /// What the daemon does for a mirror: find and move the exports on a node.
 pub trait Parents {
     /// The links of the exports that serve `node` now.
@@ -75,6 +87,8 @@ pub struct Mirror {
     pub granularity: u64,
     /// Zero ranges may be left unallocated in the target.
     pub unmap: bool,
+    /// What the target holds at the start (`sync=full`).
+    pub target_start: TargetStart,
     pub on_source_error: OnError,
     pub on_target_error: OnError,
     /// The job's write claim on the target, given up before the exports move there.
@@ -106,7 +120,7 @@ impl Mirror {
     async fn mark_initial(&self, t: &DirtyBitmap) -> Result<(), String> {
         let size = self.source.size();
         let wanted = |depth: u32| match self.scope {
-            Scope::Full => true,
+            Scope::Full => depth >= 1,
             Scope::Top => depth == 1,
             Scope::None => false,
             Scope::AboveBase(b) => depth >= 1 && depth < b,
@@ -114,8 +128,15 @@ impl Mirror {
         match self.scope {
             Scope::None => return Ok(()),
             Scope::Full => {
-                t.set_granules(0, size.div_ceil(self.granularity));
-                return Ok(());
+                let zeroed = match self.target_start {
+                    TargetStart::Unknown => false,
+                    TargetStart::ReadsZero => true,
+                    TargetStart::ZeroFirst => self.target.write_zeroes(0, size, true).await.is_ok(),
+                };
+                if !zeroed {
+                    t.set_granules(0, size.div_ceil(self.granularity));
+                    return Ok(());
+                }
             }
             _ => {}
         }

@@ -57,10 +57,17 @@ impl QmpError {
 }
 
 impl From<crate::daemon::DaemonError> for QmpError {
+    /// The error's message; a hint on the lines after it (a lock's "Is another process
+    /// using the image") is for the command line only, as QEMU's error_append_hint.
     fn from(e: crate::daemon::DaemonError) -> Self {
+        let text = e.to_string();
+        let desc = match text.split_once('\n') {
+            Some((first, _)) => first.to_string(),
+            None => text,
+        };
         Self {
             class: e.qmp_class(),
-            desc: e.to_string(),
+            desc,
         }
     }
 }

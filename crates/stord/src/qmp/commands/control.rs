@@ -50,7 +50,12 @@ pub const TRANSACTION: Command = Command {
         let snapshots = actions.iter().any(|act| {
             matches!(
                 act.get("type").and_then(Value::as_str),
-                Some("blockdev-snapshot" | "blockdev-snapshot-sync" | "blockdev-backup")
+                Some(
+                    "blockdev-snapshot"
+                        | "blockdev-snapshot-sync"
+                        | "blockdev-backup"
+                        | "drive-backup"
+                )
             )
         });
         let _held = if snapshots {
@@ -81,8 +86,9 @@ pub const TRANSACTION: Command = Command {
                     .unwrap_or_else(|| {
                         Err(QmpError::generic(format!(
                             "transaction: action '{ty}' is not supported by stord \
-                             (supported: abort, blockdev-backup, blockdev-snapshot, \
-                             blockdev-snapshot-sync and the block-dirty-bitmap actions)"
+                             (supported: abort, blockdev-backup, drive-backup, \
+                             blockdev-snapshot, blockdev-snapshot-sync and the \
+                             block-dirty-bitmap actions)"
                         )))
                     })
             };

@@ -97,7 +97,6 @@ pub const NBD_SERVER_ADD: Command = Command {
         opt("description", Ty::Str),
         opt("writable", Ty::Bool),
         opt("bitmap", Ty::Str),
-        opt("allocation-depth", Ty::Bool),
     ],
     open: false,
     run: |state, mut a| {
@@ -124,9 +123,6 @@ pub const NBD_SERVER_ADD: Command = Command {
         );
         if let Some(b) = a.str("bitmap") {
             o.insert("bitmaps".into(), json!({ "0": b }));
-        }
-        if let Some(d) = a.bool("allocation-depth") {
-            o.insert("allocation-depth".into(), d.into());
         }
         let kv = super::Args::from_map(o).into_keyval("nbd-server-add");
         state.borrow_mut().add_export(kv)?;

@@ -307,42 +307,101 @@ pub const BLOCKDEV_MIRROR: Command = Command {
     ],
     open: false,
     run: |state, mut a| {
-        let sync = a.str_req("sync")?;
-        if !matches!(
-            sync.as_str(),
-            "full" | "top" | "none" | "incremental" | "bitmap"
-        ) {
-            return Err(QmpError::generic(format!(
-                "Parameter 'sync' does not accept value '{sync}'"
-            )));
-        }
-        let copy_mode = a.str("copy-mode");
-        if let Some(m) = &copy_mode {
-            if !matches!(m.as_str(), "background" | "write-blocking") {
-                return Err(QmpError::generic(format!(
-                    "Parameter 'copy-mode' does not accept value '{m}'"
-                )));
-            }
-        }
-        let o = crate::daemon::MirrorOptions {
-            job_id: a.str("job-id"),
-            device: a.str_req("device")?,
-            target: a.str_req("target")?,
-            replaces: a.str("replaces"),
-            sync,
-            speed: a.i64("speed").unwrap_or(0),
-            granularity: a.i64("granularity"),
-            buf_size: a.i64("buf-size"),
-            on_source_error: error_policy(&mut a, "on-source-error")?,
-            on_target_error: error_policy(&mut a, "on-target-error")?,
-            filter_node_name: a.str("filter-node-name"),
-            copy_mode,
-            auto_finalize: a.bool("auto-finalize").unwrap_or(true),
-            auto_dismiss: a.bool("auto-dismiss").unwrap_or(true),
-        };
+        let o = mirror_options(&mut a)?;
         state
             .borrow_mut()
             .blockdev_mirror(o, std::rc::Rc::downgrade(state))?;
+        Ok(json!({}))
+    },
+};
+
+/// The arguments blockdev-mirror and drive-mirror share.
+fn mirror_options(a: &mut Args) -> Result<crate::daemon::MirrorOptions, QmpError> {
+    let sync = a.str_req("sync")?;
+    if !matches!(
+        sync.as_str(),
+        "full" | "top" | "none" | "incremental" | "bitmap"
+    ) {
+        return Err(QmpError::generic(format!(
+            "Parameter 'sync' does not accept value '{sync}'"
+        )));
+    }
+    let copy_mode = a.str("copy-mode");
+    if let Some(m) = &copy_mode {
+        if !matches!(m.as_str(), "background" | "write-blocking") {
+            return Err(QmpError::generic(format!(
+                "Parameter 'copy-mode' does not accept value '{m}'"
+            )));
+        }
+    }
+    Ok(crate::daemon::MirrorOptions {
+        job_id: a.str("job-id"),
+        device: a.str_req("device")?,
+        target: a.str_req("target")?,
+        replaces: a.str("replaces"),
+        sync,
+        speed: a.i64("speed").unwrap_or(0),
+        granularity: a.i64("granularity"),
+        buf_size: a.i64("buf-size"),
+        on_source_error: error_policy(a, "on-source-error")?,
+        on_target_error: error_policy(a, "on-target-error")?,
+        filter_node_name: a.str("filter-node-name"),
+        copy_mode,
+        auto_finalize: a.bool("auto-finalize").unwrap_or(true),
+        auto_dismiss: a.bool("auto-dismiss").unwrap_or(true),
+        target_fresh: false,
+    })
+}
+
+/// QEMU's NewImageMode: whether the image exists already.
+fn existing(a: &mut Args) -> Result<bool, QmpError> {
+    match a.str("mode").as_deref() {
+        None | Some("absolute-paths") => Ok(false),
+        Some("existing") => Ok(true),
+        Some(m) => Err(QmpError::generic(format!(
+            "Parameter 'mode' does not accept value '{m}'"
+        ))),
+    }
+}
+
+pub const DRIVE_MIRROR: Command = Command {
+    name: "drive-mirror",
+    args: &[
+        opt("job-id", Ty::Str),
+        req("device", Ty::Str),
+        req("target", Ty::Str),
+        opt("format", Ty::Str),
+        opt("node-name", Ty::Str),
+        opt("replaces", Ty::Str),
+        req("sync", Ty::Str),
+        opt("mode", Ty::Str),
+        opt("speed", Ty::Int),
+        opt("granularity", Ty::Int),
+        opt("buf-size", Ty::Int),
+        opt("on-source-error", Ty::Str),
+        opt("on-target-error", Ty::Str),
+        opt("unmap", Ty::Bool),
+        opt("copy-mode", Ty::Str),
+        opt("auto-finalize", Ty::Bool),
+        opt("auto-dismiss", Ty::Bool),
+    ],
+    open: false,
+    run: |state, mut a| {
+        let t = crate::daemon::DriveTarget {
+            path: String::new(),
+            format: a.str("format"),
+            existing: existing(&mut a)?,
+            node_name: a.str("node-name"),
+        };
+        let _ = a.bool("unmap");
+        let o = mirror_options(&mut a)?;
+        let t = crate::daemon::DriveTarget {
+            path: o.target.clone(),
+            ..t
+        };
+        state
+            .borrow_mut()
+            .drive_mirror(o, t, std::rc::Rc::downgrade(state))?;
         Ok(json!({}))
     },
 };
@@ -397,17 +456,59 @@ pub const BLOCKDEV_BACKUP: Command = Command {
     run: |state, a| {
         // The point in time: no export request inside the graph while it is made.
         let _held = crate::daemon::hold_all_exports(state);
-        let p = prepare_backup(state, a)?;
+        let p = prepare_backup(state, a, false)?;
         state.borrow_mut().start_backup(p)?;
         Ok(json!({}))
     },
 };
 
-/// A `blockdev-backup` (command or transaction action) made, not started.
+pub const DRIVE_BACKUP: Command = Command {
+    name: "drive-backup",
+    args: &[
+        opt("job-id", Ty::Str),
+        req("device", Ty::Str),
+        req("sync", Ty::Enum(&SYNC_MODE)),
+        opt("speed", Ty::Int),
+        opt("bitmap", Ty::Str),
+        opt("bitmap-mode", Ty::Enum(&BITMAP_SYNC_MODE)),
+        opt("compress", Ty::Bool),
+        opt("on-source-error", Ty::Str),
+        opt("on-target-error", Ty::Str),
+        opt("auto-finalize", Ty::Bool),
+        opt("auto-dismiss", Ty::Bool),
+        opt("filter-node-name", Ty::Str),
+        opt("discard-source", Ty::Bool),
+        opt("x-perf", Ty::Object),
+        req("target", Ty::Str),
+        opt("format", Ty::Str),
+        opt("mode", Ty::Str),
+    ],
+    open: false,
+    run: |state, a| {
+        let _held = crate::daemon::hold_all_exports(state);
+        let p = prepare_backup(state, a, true)?;
+        state.borrow_mut().start_backup(p)?;
+        Ok(json!({}))
+    },
+};
+
+/// A `blockdev-backup` or `drive-backup` (command or transaction action) made, not
+/// started.
 pub fn prepare_backup(
     state: &crate::daemon::SharedState,
     mut a: Args,
+    drive: bool,
 ) -> Result<crate::daemon::PreparedBackup, QmpError> {
+    let target = if drive {
+        Some(crate::daemon::DriveTarget {
+            path: String::new(),
+            format: a.str("format"),
+            existing: existing(&mut a)?,
+            node_name: None,
+        })
+    } else {
+        None
+    };
     let bitmap_mode = a
         .str("bitmap-mode")
         .map(|m| crate::job::backup::BitmapMode::parse(&m).expect("checked by the schema"));
@@ -432,7 +533,17 @@ pub fn prepare_backup(
         discard_source: a.bool("discard-source").unwrap_or(false),
         perf,
     };
-    Ok(state.borrow_mut().blockdev_backup(o)?)
+    let mut st = state.borrow_mut();
+    Ok(match target {
+        Some(t) => {
+            let t = crate::daemon::DriveTarget {
+                path: o.target.clone(),
+                ..t
+            };
+            st.drive_backup(o, t, std::rc::Rc::downgrade(state))?
+        }
+        None => st.blockdev_backup(o)?,
+    })
 }
 
 /// QEMU's BackupPerf members, checked as the schema declares them.
@@ -452,23 +563,34 @@ fn backup_perf(p: Map<String, Value>) -> Result<crate::daemon::BackupPerf, QmpEr
     })
 }
 
-/// The `blockdev-backup` transaction action: made at prepare (the point in time shared
+/// The `blockdev-backup` and `drive-backup` transaction actions: made at prepare (the point in time shared
 /// with the other actions), started at commit, dropped on abort.
 pub fn backup_action(
     state: &crate::daemon::SharedState,
     ty: &str,
     data: Map<String, Value>,
 ) -> Option<Result<super::bitmap::Prepared, QmpError>> {
-    if ty != "blockdev-backup" {
-        return None;
-    }
+    let drive = match ty {
+        "blockdev-backup" => false,
+        "drive-backup" => true,
+        _ => return None,
+    };
     let run = || {
-        let a = Args::check(data, BLOCKDEV_BACKUP.args, false)?;
-        let prepared = std::cell::RefCell::new(Some(prepare_backup(state, a)?));
+        let spec = if drive {
+            DRIVE_BACKUP.args
+        } else {
+            BLOCKDEV_BACKUP.args
+        };
+        let a = Args::check(data, spec, false)?;
+        let prepared = std::cell::RefCell::new(Some(prepare_backup(state, a, drive)?));
         let prepared = std::rc::Rc::new(prepared);
         let (st, p) = (state.clone(), prepared.clone());
         Ok(super::bitmap::Prepared {
-            abort: Box::new(move || drop(prepared.borrow_mut().take())),
+            abort: Box::new(move || {
+                if let Some(p) = prepared.borrow_mut().take() {
+                    p.abort();
+                }
+            }),
             commit: Box::new(move || {
                 if let Some(b) = p.borrow_mut().take() {
                     if let Err(e) = st.borrow_mut().start_backup(b) {

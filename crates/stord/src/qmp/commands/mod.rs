@@ -95,6 +95,8 @@ pub const COMMANDS: &[Command] = &[
     job::BLOCK_COMMIT,
     job::BLOCKDEV_MIRROR,
     job::BLOCKDEV_BACKUP,
+    job::DRIVE_BACKUP,
+    job::DRIVE_MIRROR,
     block::BLOCKDEV_SNAPSHOT,
     block::BLOCKDEV_SNAPSHOT_SYNC,
     control::TRANSACTION,
