@@ -36,6 +36,7 @@ pub mod log;
 pub mod nbd;
 pub mod process;
 pub mod qmp;
+pub mod qom;
 pub mod schema;
 pub mod secret;
 pub mod sys;

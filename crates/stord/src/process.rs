@@ -11,7 +11,6 @@
 //! IoThreads, remove sockets and the pidfile. A second signal cuts the waits short.
 
 use std::cell::Cell;
-use std::collections::BTreeMap;
 use std::future::Future;
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -69,8 +68,6 @@ pub struct Daemon {
     ctx: AioContext,
     state: SharedState,
     pidfile: Option<PathBuf>,
-    /// `--chardev` devices by id, until a monitor takes them.
-    chardevs: BTreeMap<String, Chardev>,
     /// The monitors.
     monitors: Vec<Monitor>,
     /// Shutdown signals received, and who waits for the next one.
@@ -152,7 +149,6 @@ impl Daemon {
             ctx,
             state,
             pidfile: None,
-            chardevs: BTreeMap::new(),
             monitors: Vec::new(),
             signals_seen: seen,
             _signals: signals,
@@ -218,13 +214,24 @@ impl Daemon {
                     let _ = kv.take_choice("mode", &["control"])?;
                     let _ = kv.take_bool("pretty", false)?;
                     kv.finish()?;
-                    let dev = self.chardevs.remove(&id).ok_or(StartError::NoChardev(id))?;
+                    let dev = self
+                        .state
+                        .borrow_mut()
+                        .chardevs()
+                        .take_for_monitor(&id)
+                        .ok_or(StartError::NoChardev(id))?;
                     let monitor = Monitor::open(&self.ctx, &dev, self.state.clone())
                         .map_err(StartError::Monitor)?;
                     self.monitors.push(monitor);
                 }
             }
         }
+        // What no monitor took is opened now (a ringbuf, a file, a socket bound).
+        self.state
+            .borrow_mut()
+            .chardevs()
+            .open_unused()
+            .map_err(|e| StartError::Chardev(e.to_string()))?;
         if let Some(p) = cl.pidfile {
             std::fs::write(&p, format!("{}\n", std::process::id())).map_err(|source| {
                 StartError::Pidfile {
@@ -237,16 +244,14 @@ impl Daemon {
         Ok(())
     }
 
-    /// `--chardev`: a socket (listening or connecting) or stdio, for a monitor to take.
+    /// `--chardev`: for a monitor to take, or opened once the command line is done.
     fn add_chardev(&mut self, kv: KeyVal) -> Result<(), StartError> {
         let (id, dev) = Chardev::from_options(kv)?;
-        if self.chardevs.contains_key(&id) {
-            return Err(StartError::Chardev(format!(
-                "Chardev with id '{id}' already exists"
-            )));
-        }
-        self.chardevs.insert(id, dev);
-        Ok(())
+        self.state
+            .borrow_mut()
+            .chardevs()
+            .add(&id, dev)
+            .map_err(|e| StartError::Chardev(e.to_string()))
     }
 
     /// Where the NBD server listens, if it runs.

@@ -106,8 +106,11 @@ const NBD_SERVER: &str = "  --nbd-server addr.type=unix,addr.path=<path>
 
 const PROCESS: &str = "  --chardev socket,id=<id>,path=<path>[,server=on,wait=off]
             | socket,id=<id>,host=<host>,port=<port>[,server=on,wait=off] | stdio,id=<id>
-                            a socket stord listens on (server=on) or connects to, or
-                            stdin and stdout
+            | ringbuf,id=<id>[,size=<n>] | memory,id=<id>[,size=<n>] | null,id=<id>
+            | file,id=<id>,path=<path>[,append=on]
+                            for a monitor, a socket stord listens on (server=on) or
+                            connects to, or stdin and stdout; besides, a ringbuf
+                            (ringbuf-read/-write), null or file device
   --monitor [chardev=]<id>  a QMP monitor on that chardev (a unix socket created 0600)
   --trace [enable=]<pattern>[,events=<file>][,file=<file>]
                             QEMU trace event names or patterns (nbd_*, qcow2_*, ...):

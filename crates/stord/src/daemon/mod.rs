@@ -158,6 +158,8 @@ pub struct State {
     jobs: crate::job::Jobs,
     /// Event fan-out to negotiated monitor connections.
     events: Events,
+    /// Character devices, those monitors use and those without a user.
+    chardevs: crate::chardev::table::Table,
     /// Set to stop the main loop.
     quit: Rc<Cell<bool>>,
 }
@@ -237,6 +239,16 @@ impl State {
     /// The event fan-out.
     pub fn events(&self) -> &Events {
         &self.events
+    }
+
+    /// The character devices.
+    pub fn chardevs(&mut self) -> &mut crate::chardev::table::Table {
+        &mut self.chardevs
+    }
+
+    /// The character devices, to read.
+    pub fn chardev_table(&self) -> &crate::chardev::table::Table {
+        &self.chardevs
     }
 
     /// The flag that stops the main loop.

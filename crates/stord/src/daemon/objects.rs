@@ -23,6 +23,18 @@ pub enum UserObject {
 }
 
 impl UserObject {
+    /// Its `qom-type`.
+    fn type_name(&self) -> &'static str {
+        match self {
+            UserObject::TlsCreds(c) => match **c {
+                TlsCreds::X509(_) => "tls-creds-x509",
+                TlsCreds::Psk(_) => "tls-creds-psk",
+            },
+            UserObject::Authz(_) => "authz-simple",
+            UserObject::Secret(_) => "secret",
+        }
+    }
+
     /// Whether something (the NBD server) holds it.
     fn in_use(&self) -> bool {
         match self {
@@ -197,6 +209,27 @@ impl State {
 
     /// `object-del`: fails while something uses the object (an export runs on the
     /// iothread, a node is in the throttle group, the NBD server holds the credentials).
+    /// Every object by id, with its `qom-type`.
+    pub fn object_types(&self) -> Vec<(String, &'static str)> {
+        let mut v: Vec<_> = self
+            .iothreads
+            .keys()
+            .map(|id| (id.clone(), "iothread"))
+            .chain(
+                self.throttle_groups
+                    .keys()
+                    .map(|id| (id.clone(), "throttle-group")),
+            )
+            .chain(
+                self.objects
+                    .iter()
+                    .map(|(id, o)| (id.clone(), o.type_name())),
+            )
+            .collect();
+        v.sort();
+        v
+    }
+
     pub fn del_object(&mut self, id: &str) -> Result<(), DaemonError> {
         if let Some(obj) = self.objects.get(id) {
             if obj.in_use() {

@@ -70,6 +70,12 @@ impl Monitor {
                 stord_aio::spawn_detached(serve(served.into(), state));
                 Kind::Stdio { ours, stdout_done }
             }
+            Chardev::Null | Chardev::Ringbuf { .. } | Chardev::File { .. } => {
+                return Err(io::Error::other(format!(
+                    "a monitor needs a socket or stdio chardev in stord, not {}",
+                    dev.type_name()
+                )))
+            }
         };
         Ok(Monitor { kind })
     }

@@ -8,6 +8,11 @@ event equal.
   on the format node) raises BLOCK_WRITE_THRESHOLD once with the amount exceeded, and
   the threshold is cleared; on the protocol node, qcow2's own writes to its file trip it
   (stord only: where qcow2 puts a cluster differs between the two).
+- chardevs (chardev-add/-change/-remove/-send-break, query-chardev, ringbuf-read/-write)
+  and QOM introspection (qom-list, qom-list-types, qom-list-properties): equal where the
+  two have the same things (qsd has more chardev backends and object types).
+- change-backing-file, x-blockdev-change, x-blockdev-amend: returns, errors, the amend
+  job's events and the header's backing name.
 - query-blockstats / query-block: empty lists (no guest devices); with query-nodes, the
   counts on the format node after a known fio workload are what fio issued (stord; qsd
   counts nothing per node), the fields, parents and highest offsets written as qsd's."""
@@ -237,6 +242,91 @@ def editing(binary, tag):
     return out
 
 
+# stord's own iothread properties (its polling policies and reactor), beside QEMU's.
+IOTHREAD_OWN = {"poll-weight", "poll-policy", "poll-grow-start", "poll-allow-shrink",
+                "poll-yield-ns", "reactor"}
+
+
+def chardevs_and_qom(binary, tag):
+    """Character devices (chardev-add/-change/-remove/-send-break, query-chardev, the
+    ringbuf's bytes) and QOM introspection. Where qsd has more (its other chardev
+    backends, its other object types), stord's answers are the part they share."""
+    out, extra = [], {}
+    d = common.Daemon([
+        "--object", "iothread,id=io0",
+        "--object", "secret,id=s0,data=x",
+        "--chardev", "ringbuf,id=cr,size=64",
+    ], binary=binary, tag=tag)
+    try:
+        q = d.qmp()
+
+        def c(cmd, **a):
+            r = q.cmd_raw(cmd, a)
+            norm = lambda v: json.dumps(v).replace(f"qc-{tag}", "qc-T")
+            out.append((cmd, norm(a), json.loads(norm(r))))
+            return r
+
+        add = lambda id, ty, **data: c("chardev-add", id=id,
+                                       backend={"type": ty, "data": data})
+        add("r1", "ringbuf", size=16)
+        add("r1", "null")
+        add("n1", "null")
+        add("f1", "file", out=common.path(f"qc-{tag}-f1.out"))
+        add("m1", "memory")
+        add("s1", "socket", addr={"type": "unix", "data": {"path": common.path(f"qc-{tag}.s1")}},
+            server=True, wait=False)
+        add("r2", "ringbuf", size=15)
+        out.append(("file made", os.path.exists(common.path(f"qc-{tag}-f1.out"))))
+        chardevs = ok(q.cmd_raw("query-chardev"))
+        out.append(("query-chardev", sorted(
+            (x["label"], x["filename"].replace(f"qc-{tag}", "qc-T"),
+             x["frontend-open"]) for x in chardevs if x["label"] != "mon0")))
+        c("ringbuf-write", device="r1", data="hello world, this is long")
+        c("ringbuf-read", device="r1", size=100)
+        c("ringbuf-write", device="r1", data="aGk=", format="base64")
+        c("ringbuf-read", device="r1", size=1, format="base64")
+        c("ringbuf-read", device="r1", size=10)
+        c("ringbuf-write", device="cr", data="from the command line")
+        c("ringbuf-read", device="cr", size=4)
+        c("ringbuf-read", device="n1", size=10)
+        c("ringbuf-read", device="nope", size=10)
+        c("ringbuf-read", device="r1", size=-1)
+        c("ringbuf-write", device="f1", data="x")
+        c("chardev-send-break", id="r1")
+        c("chardev-send-break", id="nope")
+        c("chardev-change", id="n1", backend={"type": "ringbuf", "data": {"size": 64}})
+        c("ringbuf-write", device="n1", data="now a ringbuf")
+        c("ringbuf-read", device="n1", size=5)
+        c("chardev-change", id="mon0", backend={"type": "null", "data": {}})
+        c("chardev-change", id="nope", backend={"type": "null", "data": {}})
+        c("chardev-remove", id="r1")
+        c("chardev-remove", id="r1")
+        c("chardev-remove", id="mon0")
+        backends = {b["name"] for b in ok(q.cmd_raw("query-chardev-backends"))}
+        extra["backends"] = backends
+        c("qom-list", path="/chardevs")
+        out[-1] = (out[-1][0], out[-1][1], sorted(x["name"] + x["type"] for x in out[-1][2]["return"]))
+        c("qom-list", path="/objects")
+        out[-1] = (out[-1][0], out[-1][1], sorted(x["name"] + x["type"] for x in out[-1][2]["return"]))
+        c("qom-list", path="/nope")
+        extra["root"] = {x["name"] for x in ok(q.cmd_raw("qom-list", {"path": "/"}))}
+        extra["io0"] = {x["name"]: x["type"] for x in ok(q.cmd_raw("qom-list", {"path": "io0"}))}
+        extra["types"] = {t["name"]: t.get("parent") for t in
+                          ok(q.cmd_raw("qom-list-types", {"implements": "user-creatable"}))}
+        extra["abstract"] = {t["name"]: (t.get("parent"), t.get("abstract", False)) for t in
+                             ok(q.cmd_raw("qom-list-types", {"abstract": True}))}
+        extra["props"] = {}
+        for t in ("throttle-group", "secret", "tls-creds-x509", "tls-creds-psk",
+                  "authz-simple", "iothread"):
+            r = ok(q.cmd_raw("qom-list-properties", {"typename": t}))
+            extra["props"][t] = {x["name"]: x["type"] for x in r}
+        c("qom-list-properties", typename="nope")
+        q.close()
+    finally:
+        d.stop()
+    return out, extra
+
+
 def test():
     theirs = flow("qemu-storage-daemon", "qsd")
     ours = flow(common.STORD, "stord")
@@ -244,6 +334,22 @@ def test():
         assert a == b, f"\nqsd   {a}\nstord {b}"
     assert len(theirs) == len(ours), (len(theirs), len(ours))
     protocol_node_threshold()
+    (theirs, t_extra), (ours, o_extra) = (chardevs_and_qom("qemu-storage-daemon", "qsd"),
+                                          chardevs_and_qom(common.STORD, "stord"))
+    for a, b in zip(theirs, ours):
+        assert a == b, f"\nqsd   {a}\nstord {b}"
+    assert len(theirs) == len(ours), (len(theirs), len(ours))
+    assert o_extra["backends"] <= t_extra["backends"], o_extra["backends"]
+    assert o_extra["root"] <= t_extra["root"] and "objects" in o_extra["root"]
+    own = {k: v for k, v in o_extra["io0"].items() if k not in IOTHREAD_OWN}
+    assert own == t_extra["io0"], (own, t_extra["io0"])
+    for name, parent in o_extra["types"].items():
+        assert t_extra["types"].get(name) == parent, (name, parent)
+    for name, info in o_extra["abstract"].items():
+        assert t_extra["abstract"].get(name) == info, (name, info)
+    for t, props in o_extra["props"].items():
+        mine = {k: v for k, v in props.items() if not (t == "iothread" and k in IOTHREAD_OWN)}
+        assert mine == t_extra["props"][t], (t, mine, t_extra["props"][t])
     theirs, ours = editing("qemu-storage-daemon", "qsd"), editing(common.STORD, "stord")
     for a, b in zip(theirs, ours):
         assert a == b, f"\nqsd   {a}\nstord {b}"

@@ -6,12 +6,13 @@
 //! schema where the two overlap.
 //!
 //! The handlers live beside the concern they serve: [`block`] (nodes), [`bitmap`] (dirty
-//! bitmaps), [`export`] (exports
+//! bitmaps), [`chardev`] (character devices and ringbufs), [`export`] (exports
 //! and the NBD server), [`object`] (objects and iothread properties), [`job`] (jobs and
 //! blockdev-create), [`control`] (the monitor itself and the process).
 
 mod bitmap;
 mod block;
+mod chardev;
 mod control;
 mod export;
 mod job;
@@ -47,6 +48,9 @@ pub const COMMANDS: &[Command] = &[
     object::QUERY_IOTHREADS,
     object::QOM_GET,
     object::QOM_SET,
+    object::QOM_LIST,
+    object::QOM_LIST_TYPES,
+    object::QOM_LIST_PROPERTIES,
     object::OBJECT_ADD,
     object::OBJECT_DEL,
     block::BLOCKDEV_ADD,
@@ -99,6 +103,14 @@ pub const COMMANDS: &[Command] = &[
     job::DRIVE_MIRROR,
     block::BLOCKDEV_SNAPSHOT,
     block::BLOCKDEV_SNAPSHOT_SYNC,
+    chardev::CHARDEV_ADD,
+    chardev::CHARDEV_CHANGE,
+    chardev::CHARDEV_REMOVE,
+    chardev::CHARDEV_SEND_BREAK,
+    chardev::QUERY_CHARDEV,
+    chardev::QUERY_CHARDEV_BACKENDS,
+    chardev::RINGBUF_READ,
+    chardev::RINGBUF_WRITE,
     control::TRANSACTION,
     control::QUIT,
 ];

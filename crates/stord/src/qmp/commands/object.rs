@@ -4,7 +4,7 @@
 use serde_json::{json, Map, Value};
 use stord_aio::Remote;
 
-use super::{req, Command, Ty};
+use super::{opt, req, Command, Ty};
 use crate::iothread::{self, IoThreadConfig, PropertyError};
 use crate::qmp::QmpError;
 
@@ -129,3 +129,141 @@ fn stats(r: &Remote) -> Value {
         "histograms": s.histograms.iter().map(|(n, h)| (n.clone(), json!(h))).collect::<Map<String, Value>>(),
     })
 }
+
+/// What a QOM path names (QEMU's object_resolve_path over the containers stord has).
+enum QomPath {
+    Root,
+    /// `/objects` or `/chardevs`: the children, by name, with their types.
+    Container(Vec<(String, &'static str)>),
+    /// An object or a chardev, of this type.
+    Object(&'static str),
+}
+
+fn not_found(path: &str) -> QmpError {
+    QmpError {
+        class: "DeviceNotFound",
+        desc: format!("Device '{path}' not found"),
+    }
+}
+
+fn resolve(st: &crate::daemon::State, path: &str) -> Result<QomPath, QmpError> {
+    let objects = st.object_types();
+    let chardevs: Vec<(String, &'static str)> = st
+        .chardev_table()
+        .iter()
+        .map(|(id, dev, _)| (id.to_string(), dev.type_name()))
+        .collect();
+    let find = |list: &[(String, &'static str)], id: &str| {
+        list.iter().find(|(i, _)| i == id).map(|(_, t)| *t)
+    };
+    let full = match path.strip_prefix('/') {
+        Some(rest) => rest,
+        None => {
+            // A partial path: the one object or chardev of that name (or a container).
+            return match (path, find(&objects, path), find(&chardevs, path)) {
+                ("objects", ..) => Ok(QomPath::Container(objects)),
+                ("chardevs", ..) => Ok(QomPath::Container(chardevs)),
+                (_, Some(_), Some(_)) => {
+                    Err(QmpError::generic(format!("Path '{path}' is ambiguous")))
+                }
+                (_, Some(t), None) | (_, None, Some(t)) => Ok(QomPath::Object(t)),
+                _ => Err(not_found(path)),
+            };
+        }
+    };
+    let parts: Vec<&str> = full.split('/').filter(|p| !p.is_empty()).collect();
+    match parts[..] {
+        [] => Ok(QomPath::Root),
+        ["objects"] => Ok(QomPath::Container(objects)),
+        ["chardevs"] => Ok(QomPath::Container(chardevs)),
+        ["objects", id] => find(&objects, id)
+            .map(QomPath::Object)
+            .ok_or_else(|| not_found(path)),
+        ["chardevs", id] => find(&chardevs, id)
+            .map(QomPath::Object)
+            .ok_or_else(|| not_found(path)),
+        _ => Err(not_found(path)),
+    }
+}
+
+fn prop(name: &str, ty: &str) -> Value {
+    json!({ "name": name, "type": ty })
+}
+
+pub const QOM_LIST: Command = Command {
+    name: "qom-list",
+    args: &[req("path", Ty::Str)],
+    open: false,
+    run: |state, mut a| {
+        let path = a.str_req("path")?;
+        let st = state.borrow();
+        let list: Vec<Value> = match resolve(&st, &path)? {
+            QomPath::Root => vec![
+                prop("type", "string"),
+                prop("objects", "child<container>"),
+                prop("chardevs", "child<container>"),
+            ],
+            QomPath::Container(children) => std::iter::once(prop("type", "string"))
+                .chain(
+                    children
+                        .iter()
+                        .map(|(id, t)| prop(id, &format!("child<{t}>"))),
+                )
+                .collect(),
+            QomPath::Object(t) => crate::qom::find(t)
+                .map(crate::qom::properties)
+                .unwrap_or_default()
+                .into_iter()
+                .map(|(n, t)| prop(n, t))
+                .collect(),
+        };
+        Ok(Value::Array(list))
+    },
+};
+
+pub const QOM_LIST_TYPES: Command = Command {
+    name: "qom-list-types",
+    args: &[opt("implements", Ty::Str), opt("abstract", Ty::Bool)],
+    open: false,
+    run: |_, mut a| {
+        let implements = a.str("implements");
+        let with_abstract = a.bool("abstract").unwrap_or(false);
+        Ok(Value::Array(
+            crate::qom::list_types(implements.as_deref(), with_abstract)
+                .into_iter()
+                .map(|t| {
+                    let mut v = json!({ "name": t.name });
+                    if let Some(p) = t.parent {
+                        v["parent"] = p.into();
+                    }
+                    if t.abstract_ {
+                        v["abstract"] = true.into();
+                    }
+                    v
+                })
+                .collect(),
+        ))
+    },
+};
+
+pub const QOM_LIST_PROPERTIES: Command = Command {
+    name: "qom-list-properties",
+    args: &[req("typename", Ty::Str)],
+    open: false,
+    run: |_, mut a| {
+        let name = a.str_req("typename")?;
+        let t = crate::qom::find(&name).ok_or_else(|| QmpError {
+            class: "DeviceNotFound",
+            desc: format!("Class '{name}' not found"),
+        })?;
+        if t.name == "interface" || t.parent == Some("interface") {
+            return Err(QmpError::generic("Parameter 'typename' expects a QOM type"));
+        }
+        Ok(Value::Array(
+            crate::qom::properties(t)
+                .into_iter()
+                .map(|(n, t)| prop(n, t))
+                .collect(),
+        ))
+    },
+};

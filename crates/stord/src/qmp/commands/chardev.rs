@@ -1,0 +1,153 @@
+//! Character devices over QMP: `chardev-add`, `-change`, `-remove`, `-send-break`,
+//! `query-chardev`, `query-chardev-backends`, and `ringbuf-read`/`-write` (the bytes of a
+//! ringbuf, raw text or base64, as QEMU reads and writes them).
+
+use serde_json::{json, Value};
+
+use super::{opt, req, Args, Command, EnumType, Ty};
+use crate::chardev::{Chardev, ChardevError, BACKENDS};
+use crate::qmp::QmpError;
+
+impl From<ChardevError> for QmpError {
+    fn from(e: ChardevError) -> Self {
+        QmpError::generic(e.to_string())
+    }
+}
+
+/// QEMU's DataFormat.
+static DATA_FORMAT: EnumType = EnumType {
+    name: "DataFormat",
+    values: || vec!["utf8", "base64"],
+};
+
+fn backend(a: &mut Args) -> Result<Chardev, QmpError> {
+    let b = a.take("backend").unwrap_or(Value::Null);
+    Ok(Chardev::from_qmp(&b)?)
+}
+
+pub const CHARDEV_ADD: Command = Command {
+    name: "chardev-add",
+    args: &[req("id", Ty::Str), req("backend", Ty::Object)],
+    open: false,
+    run: |state, mut a| {
+        let id = a.str_req("id")?;
+        let dev = backend(&mut a)
+            .map_err(|e| QmpError::generic(format!("Failed to add chardev '{id}': {}", e.desc)))?;
+        state.borrow_mut().chardevs().add_open(&id, dev)?;
+        Ok(json!({}))
+    },
+};
+
+pub const CHARDEV_CHANGE: Command = Command {
+    name: "chardev-change",
+    args: &[req("id", Ty::Str), req("backend", Ty::Object)],
+    open: false,
+    run: |state, mut a| {
+        let id = a.str_req("id")?;
+        if !state.borrow().chardev_table().contains(&id) {
+            return Err(QmpError::generic(format!("Chardev '{id}' does not exist")));
+        }
+        let dev = backend(&mut a)?;
+        state.borrow_mut().chardevs().change(&id, dev)?;
+        Ok(json!({}))
+    },
+};
+
+pub const CHARDEV_REMOVE: Command = Command {
+    name: "chardev-remove",
+    args: &[req("id", Ty::Str)],
+    open: false,
+    run: |state, mut a| {
+        state.borrow_mut().chardevs().remove(&a.str_req("id")?)?;
+        Ok(json!({}))
+    },
+};
+
+pub const CHARDEV_SEND_BREAK: Command = Command {
+    name: "chardev-send-break",
+    args: &[req("id", Ty::Str)],
+    open: false,
+    run: |state, mut a| {
+        let id = a.str_req("id")?;
+        if !state.borrow().chardev_table().contains(&id) {
+            return Err(QmpError::generic(format!("Chardev '{id}' not found")));
+        }
+        Ok(json!({}))
+    },
+};
+
+pub const QUERY_CHARDEV: Command = Command {
+    name: "query-chardev",
+    args: &[],
+    open: false,
+    run: |state, _| {
+        let st = state.borrow();
+        Ok(Value::Array(
+            st.chardev_table()
+                .iter()
+                .map(|(id, dev, used)| {
+                    json!({ "label": id, "filename": dev.filename(used), "frontend-open": used })
+                })
+                .collect(),
+        ))
+    },
+};
+
+pub const QUERY_CHARDEV_BACKENDS: Command = Command {
+    name: "query-chardev-backends",
+    args: &[],
+    open: false,
+    run: |_, _| Ok(BACKENDS.iter().map(|b| json!({ "name": b })).collect()),
+};
+
+pub const RINGBUF_WRITE: Command = Command {
+    name: "ringbuf-write",
+    args: &[
+        req("device", Ty::Str),
+        req("data", Ty::Str),
+        opt("format", Ty::Enum(&DATA_FORMAT)),
+    ],
+    open: false,
+    run: |state, mut a| {
+        let device = a.str_req("device")?;
+        let data = a.str_req("data")?;
+        let base64 = a.str("format").as_deref() == Some("base64");
+        let mut st = state.borrow_mut();
+        let ring = st.chardevs().ringbuf(&device)?;
+        let bytes = if base64 {
+            openssl::base64::decode_block(&data)
+                .map_err(|_| QmpError::generic("Base64 data contains invalid characters"))?
+        } else {
+            data.into_bytes()
+        };
+        ring.write(&bytes);
+        Ok(json!({}))
+    },
+};
+
+pub const RINGBUF_READ: Command = Command {
+    name: "ringbuf-read",
+    args: &[
+        req("device", Ty::Str),
+        req("size", Ty::Int),
+        opt("format", Ty::Enum(&DATA_FORMAT)),
+    ],
+    open: false,
+    run: |state, mut a| {
+        let device = a.str_req("device")?;
+        let size = a.i64("size").unwrap_or(0);
+        let base64 = a.str("format").as_deref() == Some("base64");
+        let mut st = state.borrow_mut();
+        let ring = st.chardevs().ringbuf(&device)?;
+        if size <= 0 {
+            return Err(QmpError::generic("size must be greater than zero"));
+        }
+        let bytes = ring.read(size as usize);
+        Ok(Value::String(if base64 {
+            openssl::base64::encode_block(&bytes)
+        } else {
+            // QEMU sends the bytes as they are, invalid UTF-8 replaced.
+            String::from_utf8_lossy(&bytes).into_owned()
+        }))
+    },
+};
