@@ -39,6 +39,20 @@ impl Perm {
         (Perm::RESIZE, "resize"),
     ];
 
+    /// QAPI's BlockPermission names of the bits, highest first as QEMU lists them.
+    pub fn qapi_names(self) -> Vec<&'static str> {
+        [
+            (Perm::RESIZE, "resize"),
+            (Perm::WRITE_UNCHANGED, "write-unchanged"),
+            (Perm::WRITE, "write"),
+            (Perm::CONSISTENT_READ, "consistent-read"),
+        ]
+        .into_iter()
+        .filter(|(p, _)| self.contains(*p))
+        .map(|(_, n)| n)
+        .collect()
+    }
+
     /// The raw bits.
     pub fn bits(self) -> u8 {
         self.0
@@ -406,6 +420,17 @@ impl BlockNode {
     pub fn refresh_perms(&self) -> Result<(), PermError> {
         let mut users = self.users.lock().expect("node users");
         self.apply(&mut users)
+    }
+
+    /// Who uses the node: each user's name, role, permissions taken and shared, in the
+    /// order they came (x-debug-query-block-graph's edges).
+    pub fn users_now(&self) -> Vec<(String, &'static str, Perm, Perm)> {
+        let users = self.users.lock().expect("node users");
+        users
+            .list
+            .iter()
+            .map(|u| (u.user.clone(), u.role, u.perm, u.shared))
+            .collect()
     }
 
     /// The permissions the node's users hold together, and what they all share.

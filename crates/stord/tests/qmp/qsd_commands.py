@@ -13,6 +13,8 @@ event equal.
   two have the same things (qsd has more chardev backends and object types).
 - change-backing-file, x-blockdev-change, x-blockdev-amend: returns, errors, the amend
   job's events and the header's backing name.
+- x-debug-query-block-graph: nodes, edges and their permissions as qsd's for a chain
+  with an export; a running job drawn as a block-job node.
 - query-blockstats / query-block: empty lists (no guest devices); with query-nodes, the
   counts on the format node after a known fio workload are what fio issued (stord; qsd
   counts nothing per node), the fields, parents and highest offsets written as qsd's."""
@@ -327,6 +329,46 @@ def chardevs_and_qom(binary, tag):
     return out, extra
 
 
+def block_graph(binary, tag):
+    """x-debug-query-block-graph over a qcow2 with a backing image and an NBD export: the
+    nodes, and each edge's name and permissions, as qsd's (ids named). With a job running
+    (stord only: QEMU also draws its mirror's filter node), the job is a block-job node
+    with its edges."""
+    base, top = common.path(f"qg-{tag}-base.qcow2"), common.path(f"qg-{tag}-top.qcow2")
+    common.qcow2(base, SIZE)
+    common.qcow2(top, SIZE, backing=base)
+    sock = common.path(f"qg-{tag}.sock")
+    d = common.Daemon([
+        "--blockdev", f"driver=file,node-name=bf,filename={base}",
+        "--blockdev", "driver=qcow2,node-name=base,file=bf",
+        "--blockdev", f"driver=file,node-name=tf,filename={top}",
+        "--blockdev", "driver=qcow2,node-name=top,file=tf,backing=base",
+        "--blockdev", f"driver=null-co,node-name=n,size={SIZE}",
+        "--nbd-server", f"addr.type=unix,addr.path={sock}",
+        "--export", "type=nbd,id=e0,node-name=top,name=e0,writable=on",
+    ], binary=binary, tag=tag)
+
+    def named(g):
+        names = {n["id"]: (n["name"] or "<" + n["type"] + ">") for n in g["nodes"]}
+        edges = sorted((names[e["parent"]], names[e["child"]], e["name"],
+                        tuple(e["perm"]), tuple(e["shared-perm"])) for e in g["edges"])
+        return sorted(names.values()), edges
+
+    try:
+        q = d.qmp()
+        plain = named(ok(q.cmd_raw("x-debug-query-block-graph")))
+        with_job = None
+        if binary == common.STORD:
+            ok(q.cmd_raw("blockdev-mirror", {"job-id": "m", "device": "top", "target": "n",
+                                             "sync": "full", "speed": 1}))
+            with_job = named(ok(q.cmd_raw("x-debug-query-block-graph")))
+            ok(q.cmd_raw("block-job-cancel", {"device": "m", "force": True}))
+        q.close()
+    finally:
+        d.stop()
+    return plain, with_job
+
+
 def test():
     theirs = flow("qemu-storage-daemon", "qsd")
     ours = flow(common.STORD, "stord")
@@ -334,6 +376,12 @@ def test():
         assert a == b, f"\nqsd   {a}\nstord {b}"
     assert len(theirs) == len(ours), (len(theirs), len(ours))
     protocol_node_threshold()
+    (theirs, _), (ours, with_job) = block_graph("qemu-storage-daemon", "qsd"), \
+        block_graph(common.STORD, "stord")
+    assert theirs == ours, f"\nqsd   {theirs}\nstord {ours}"
+    assert "m" in with_job[0], with_job
+    job_edges = {(e[1], e[2]) for e in with_job[1] if e[0] == "m"}
+    assert job_edges == {("top", "source"), ("n", "target")}, with_job
     (theirs, t_extra), (ours, o_extra) = (chardevs_and_qom("qemu-storage-daemon", "qsd"),
                                           chardevs_and_qom(common.STORD, "stord"))
     for a, b in zip(theirs, ours):

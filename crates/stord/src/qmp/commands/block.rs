@@ -232,6 +232,54 @@ fn node_stats(n: &crate::block::BlockNode) -> Value {
     v
 }
 
+/// The graph as QEMU's debugging command draws it: every node (block-driver), every
+/// export (block-backend) and job (block-job) that uses one, and an edge per use with
+/// the permissions taken and shared ([`crate::block::perm`]).
+pub const X_DEBUG_QUERY_BLOCK_GRAPH: Command = Command {
+    name: "x-debug-query-block-graph",
+    args: &[],
+    open: false,
+    run: |state, _| {
+        let st = state.borrow();
+        let mut nodes: Vec<Value> = Vec::new();
+        let mut ids = std::collections::BTreeMap::new();
+        let add = |nodes: &mut Vec<Value>, name: &str, ty: &str| {
+            let id = nodes.len() + 1;
+            nodes.push(json!({ "id": id, "type": ty, "name": name }));
+            id
+        };
+        for n in st.nodes() {
+            ids.insert(n.name.clone(), add(&mut nodes, &n.name, "block-driver"));
+        }
+        let mut jobs = std::collections::BTreeMap::new();
+        let mut edges = Vec::new();
+        for n in st.nodes() {
+            for (user, role, perm, shared) in n.users_now() {
+                let parent = match ids.get(&user) {
+                    Some(&id) => id,
+                    // An export: an anonymous BlockBackend, as QEMU's.
+                    None if role == "root" => add(&mut nodes, "", "block-backend"),
+                    // A job: named by its id, as QEMU names a job's graph node.
+                    None => {
+                        let job = user.split('\'').nth(1).unwrap_or(&user).to_string();
+                        *jobs
+                            .entry(job.clone())
+                            .or_insert_with(|| add(&mut nodes, &job, "block-job"))
+                    }
+                };
+                edges.push(json!({
+                    "parent": parent,
+                    "child": ids[&n.name],
+                    "name": role,
+                    "perm": perm.qapi_names(),
+                    "shared-perm": shared.qapi_names(),
+                }));
+            }
+        }
+        Ok(json!({ "nodes": nodes, "edges": edges }))
+    },
+};
+
 pub const QUERY_NAMED_BLOCK_NODES: Command = Command {
     name: "query-named-block-nodes",
     args: &[opt("flat", Ty::Bool)],
