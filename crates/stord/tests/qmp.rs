@@ -139,3 +139,8 @@ fn qmp_smaller_qsd_commands_answer_as_qsd() {
 fn qmp_drive_backup_and_drive_mirror_as_qsd() {
     run_script("drive_jobs.py");
 }
+
+#[test]
+fn qmp_mirror_switched_to_write_blocking_as_qsd() {
+    run_script("active_mirror.py");
+}

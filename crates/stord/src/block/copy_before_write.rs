@@ -15,7 +15,7 @@ use std::io;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 
-use super::hook::{NodeHook, ReadHold};
+use super::hook::{Hold, NodeHook};
 use super::range_lock::RangeLocks;
 use super::{request_buf, BlockNode, BoxFut};
 
@@ -229,8 +229,11 @@ impl CopyBeforeWrite {
 pub struct BeforeWrite(pub Arc<CopyBeforeWrite>);
 
 impl NodeHook for BeforeWrite {
-    fn before_write(&self, offset: u64, len: u64) -> BoxFut<'_, io::Result<()>> {
-        Box::pin(async move { self.0.copy(offset, len).await.map_err(|e| e.error) })
+    fn before_write(&self, offset: u64, len: u64) -> BoxFut<'_, io::Result<Option<Hold<'_>>>> {
+        Box::pin(async move {
+            self.0.copy(offset, len).await.map_err(|e| e.error)?;
+            Ok(None)
+        })
     }
 }
 
@@ -239,11 +242,11 @@ impl NodeHook for BeforeWrite {
 pub struct PointInTimeReads(pub Arc<CopyBeforeWrite>);
 
 impl NodeHook for PointInTimeReads {
-    fn before_write(&self, _offset: u64, _len: u64) -> BoxFut<'_, io::Result<()>> {
-        Box::pin(std::future::ready(Ok(())))
+    fn before_write(&self, _offset: u64, _len: u64) -> BoxFut<'_, io::Result<Option<Hold<'_>>>> {
+        Box::pin(std::future::ready(Ok(None)))
     }
 
-    fn before_read(&self, offset: u64, len: u64) -> BoxFut<'_, Option<ReadHold<'_>>> {
+    fn before_read(&self, offset: u64, len: u64) -> BoxFut<'_, Option<Hold<'_>>> {
         Box::pin(async move {
             let c = &self.0;
             let (first, end) = c.span(offset, len);
@@ -252,7 +255,7 @@ impl NodeHook for PointInTimeReads {
                 .locks
                 .lock_shared(first * c.cluster, end * c.cluster)
                 .await;
-            Some(Box::new(held) as ReadHold<'_>)
+            Some(Box::new(held) as Hold<'_>)
         })
     }
 }

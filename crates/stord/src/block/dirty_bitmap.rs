@@ -211,6 +211,19 @@ impl DirtyBitmap {
         }
     }
 
+    /// Clears the granules wholly inside `[offset, offset + len)` (a part of a granule
+    /// stays as it is).
+    pub fn reset(&self, offset: u64, len: u64) {
+        let g = self.granularity;
+        let first = offset.div_ceil(g);
+        let end = offset.saturating_add(len) / g;
+        let mut w = self.words();
+        let n = self.granules.load(Ordering::Relaxed);
+        for i in first..end.min(n) {
+            w[(i / 64) as usize] &= !(1 << (i % 64));
+        }
+    }
+
     /// Sets every bit `other` has (`block-dirty-bitmap-merge`).
     pub fn merge(&self, other: &DirtyBitmap) {
         let src = other.words().clone();

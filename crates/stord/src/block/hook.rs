@@ -9,26 +9,51 @@ use std::io;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Arc, RwLock};
 
-use super::{BlockNode, BoxFut};
+use super::{BlockNode, BoxFut, IoVec};
 
-/// Anything a read holds while it runs (a range lock's guard).
+/// Anything a request holds while it runs (a range lock's guard).
 pub trait Held {}
 impl<T> Held for T {}
 
-/// What a hook holds for one read.
-pub type ReadHold<'a> = Box<dyn Held + 'a>;
+/// What a hook holds for one request.
+pub type Hold<'a> = Box<dyn Held + 'a>;
+
+/// What a write-like request wrote, for [`NodeHook::after_write`].
+#[derive(Clone, Copy)]
+pub enum Written<'a> {
+    Data(&'a [u8]),
+    Iov(&'a IoVec),
+    Zeroes { may_unmap: bool },
+    Discard,
+}
 
 /// A hook on a node's requests.
 pub trait NodeHook: Send + Sync {
     /// Runs before `[offset, offset + len)` changes (a write, write-zeroes or discard);
-    /// its error fails the request.
-    fn before_write(&self, offset: u64, len: u64) -> BoxFut<'_, io::Result<()>>;
+    /// its error fails the request. What it returns is held until the request and
+    /// [`after_write`](Self::after_write) are done.
+    fn before_write(&self, offset: u64, len: u64) -> BoxFut<'_, io::Result<Option<Hold<'_>>>>;
+    /// Runs once the request is done (`ok`: it succeeded), before it completes, with
+    /// whether this hook held something for it.
+    fn after_write<'a>(
+        &'a self,
+        _offset: u64,
+        _len: u64,
+        _ok: bool,
+        _held: bool,
+        _what: Written<'a>,
+    ) -> BoxFut<'a, ()> {
+        Box::pin(std::future::ready(()))
+    }
     /// Runs before a read of `[offset, offset + len)`; what it returns is held until the
     /// read is done.
-    fn before_read(&self, _offset: u64, _len: u64) -> BoxFut<'_, Option<ReadHold<'_>>> {
+    fn before_read(&self, _offset: u64, _len: u64) -> BoxFut<'_, Option<Hold<'_>>> {
         Box::pin(std::future::ready(None))
     }
 }
+
+/// A node's hooks as they were when a request started.
+pub(super) type HookList = Option<Vec<Arc<dyn NodeHook>>>;
 
 /// A node's hooks.
 #[derive(Default)]
@@ -39,21 +64,41 @@ pub(super) struct Hooks {
 
 impl Hooks {
     /// The hooks now, None when there are none (the common case, without the lock).
-    pub(super) fn current(&self) -> Option<Vec<Arc<dyn NodeHook>>> {
+    pub(super) fn current(&self) -> HookList {
         if !self.any.load(Relaxed) {
             return None;
         }
         Some(self.list.read().unwrap_or_else(|e| e.into_inner()).clone())
     }
+}
 
-    /// Runs every hook's [`NodeHook::before_write`].
-    pub(super) async fn before_write(&self, offset: u64, len: u64) -> io::Result<()> {
-        for h in self.current().iter().flatten() {
-            h.before_write(offset, len).await?;
-        }
-        Ok(())
+/// Runs every hook's [`NodeHook::before_write`]: what each holds, in order.
+pub(super) async fn before_write(
+    hooks: &HookList,
+    offset: u64,
+    len: u64,
+) -> io::Result<Vec<Option<Hold<'_>>>> {
+    let mut held = Vec::new();
+    for h in hooks.iter().flatten() {
+        held.push(h.before_write(offset, len).await?);
     }
+    Ok(held)
+}
 
+/// Runs every hook's [`NodeHook::after_write`].
+pub(super) async fn after_write(
+    hooks: &HookList,
+    held: &[Option<Hold<'_>>],
+    (offset, len): (u64, u64),
+    ok: bool,
+    what: Written<'_>,
+) {
+    for (h, hold) in hooks.iter().flatten().zip(held) {
+        h.after_write(offset, len, ok, hold.is_some(), what).await;
+    }
+}
+
+impl Hooks {
     fn add(&self, h: Arc<dyn NodeHook>) {
         let mut list = self.list.write().unwrap_or_else(|e| e.into_inner());
         list.push(h);

@@ -810,11 +810,17 @@ impl BlockNode {
 
     /// Whether `[offset, offset + len)` may be written now: the node is writable, the
     /// range inside it, and the hooks ran (a backup copied what the write would change).
-    async fn may_write(&self, offset: u64, len: u64) -> io::Result<()> {
+    /// What the hooks hold comes back, to be kept until the request is done.
+    async fn may_write<'h>(
+        &self,
+        hooks: &'h hook::HookList,
+        offset: u64,
+        len: u64,
+    ) -> io::Result<Vec<Option<hook::Hold<'h>>>> {
         self.check_writable()?;
         self.check_range(offset, len)?;
         self.note_write(offset, len);
-        self.hooks.before_write(offset, len).await
+        hook::before_write(hooks, offset, len).await
     }
 
     /// Where the node's events go.
@@ -896,15 +902,22 @@ impl BlockNode {
     pub async fn write(&self, offset: u64, buf: Buf, fua: bool) -> (io::Result<()>, Buf) {
         let start = now_ns();
         let len = buf.len() as u64;
-        if let Err(e) = self.may_write(offset, len).await {
-            self.stats.refused(Op::Write, &e);
-            return (Err(e), buf);
-        }
+        let hooks = self.hooks.current();
+        let held = match self.may_write(&hooks, offset, len).await {
+            Ok(h) => h,
+            Err(e) => {
+                self.stats.refused(Op::Write, &e);
+                return (Err(e), buf);
+            }
+        };
         let (r, buf) = match self.zero_write(|| is_zero(&buf)) {
             Some(may_unmap) => (self.zeroes_then_fua(offset, len, may_unmap, fua).await, buf),
             None => self.driver.write(offset, buf, fua).await,
         };
         self.wrote(start, offset, len, &r);
+        let what = hook::Written::Data(&buf);
+        hook::after_write(&hooks, &held, (offset, len), r.is_ok(), what).await;
+        drop(held);
         (r, buf)
     }
 
@@ -927,10 +940,14 @@ impl BlockNode {
     pub async fn writev(&self, offset: u64, iov: IoVec, fua: bool) -> (io::Result<()>, IoVec) {
         let start = now_ns();
         let len = iov.len() as u64;
-        if let Err(e) = self.may_write(offset, len).await {
-            self.stats.refused(Op::Write, &e);
-            return (Err(e), iov);
-        }
+        let hooks = self.hooks.current();
+        let held = match self.may_write(&hooks, offset, len).await {
+            Ok(h) => h,
+            Err(e) => {
+                self.stats.refused(Op::Write, &e);
+                return (Err(e), iov);
+            }
+        };
         let zero = self.zero_write(|| {
             let mut b = request_buf(iov.len());
             iov.copy_out(0, &mut b);
@@ -941,6 +958,9 @@ impl BlockNode {
             None => self.driver.writev(offset, iov, fua).await,
         };
         self.wrote(start, offset, len, &r);
+        let what = hook::Written::Iov(&iov);
+        hook::after_write(&hooks, &held, (offset, len), r.is_ok(), what).await;
+        drop(held);
         (r, iov)
     }
 
@@ -988,10 +1008,14 @@ impl BlockNode {
     /// Discards a range.
     pub async fn discard(&self, offset: u64, len: u64) -> io::Result<()> {
         let start = now_ns();
-        if let Err(e) = self.may_write(offset, len).await {
-            self.stats.refused(Op::Unmap, &e);
-            return Err(e);
-        }
+        let hooks = self.hooks.current();
+        let held = match self.may_write(&hooks, offset, len).await {
+            Ok(h) => h,
+            Err(e) => {
+                self.stats.refused(Op::Unmap, &e);
+                return Err(e);
+            }
+        };
         let r = if self.unmap {
             let r = self.driver.discard(offset, len).await;
             self.mark_dirty_as(offset, len, true);
@@ -1000,21 +1024,29 @@ impl BlockNode {
             Ok(())
         };
         self.stats.done(Op::Unmap, start, len, r.is_ok());
+        let what = hook::Written::Discard;
+        hook::after_write(&hooks, &held, (offset, len), r.is_ok() && self.unmap, what).await;
+        drop(held);
         r
     }
 
     /// Zeroes a range.
     pub async fn write_zeroes(&self, offset: u64, len: u64, may_unmap: bool) -> io::Result<()> {
         let start = now_ns();
-        if let Err(e) = self.may_write(offset, len).await {
-            self.stats.refused(Op::Write, &e);
-            return Err(e);
-        }
-        let r = self
-            .driver
-            .write_zeroes(offset, len, may_unmap && self.unmap)
-            .await;
+        let hooks = self.hooks.current();
+        let held = match self.may_write(&hooks, offset, len).await {
+            Ok(h) => h,
+            Err(e) => {
+                self.stats.refused(Op::Write, &e);
+                return Err(e);
+            }
+        };
+        let may_unmap = may_unmap && self.unmap;
+        let r = self.driver.write_zeroes(offset, len, may_unmap).await;
         self.wrote(start, offset, len, &r);
+        let what = hook::Written::Zeroes { may_unmap };
+        hook::after_write(&hooks, &held, (offset, len), r.is_ok(), what).await;
+        drop(held);
         r
     }
 

@@ -14,6 +14,7 @@ use crate::block::BlockNode;
 use crate::job::commit::Commit;
 use crate::job::mirror::{Mirror, Parents, Scope, TargetStart};
 use crate::job::stream::Stream;
+use crate::job::write_blocking::WriteBlocking;
 use crate::job::{run_copy, CopyJob, Finish, Holds, Job, JobOptions, OnError};
 
 /// `block-stream`'s arguments.
@@ -658,8 +659,10 @@ impl State {
             Perm::ALL & Perm::RESIZE.complement(),
         )?;
         blockers.push(base_node.block_ops(reason)?);
+        let granularity = base_node.default_bitmap_granularity().max(4096);
         let mirror = Mirror {
-            granularity: base_node.default_bitmap_granularity().max(4096),
+            active: Arc::new(WriteBlocking::new(false, granularity, base_node.clone())),
+            granularity,
             source: top.clone(),
             target_attached: base_node.attach_job(),
             target: base_node,
@@ -730,7 +733,9 @@ impl State {
             Some(g) if g > 0 => g as u64,
             _ => target.default_bitmap_granularity().clamp(4096, 65536),
         };
+        let blocking = o.copy_mode.as_deref() == Some("write-blocking");
         let mirror = Mirror {
+            active: Arc::new(WriteBlocking::new(blocking, granularity, target.clone())),
             granularity,
             source,
             target_attached: target.attach_job(),
@@ -838,11 +843,6 @@ fn check_mirror_support(o: &MirrorOptions) -> Result<(), DaemonError> {
     if o.filter_node_name.is_some() {
         return Err(invalid(
             "blockdev-mirror: 'filter-node-name' is not supported by stord yet",
-        ));
-    }
-    if o.copy_mode.as_deref().is_some_and(|m| m != "background") {
-        return Err(invalid(
-            "blockdev-mirror: copy-mode 'write-blocking' is not supported by stord yet",
         ));
     }
     Ok(())

@@ -12,9 +12,11 @@ use std::rc::Rc;
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::write_blocking::{MirrorType, WriteBlocking};
 use super::{ErrorAction, Finish, Holds, Job, OnError};
 use crate::block::blocker::JobAttachment;
 use crate::block::dirty_bitmap::DirtyBitmap;
+use crate::block::hook::HookOn;
 use crate::block::link::{Hold, NodeLink};
 use crate::block::perm::{Claim, Perm};
 use crate::block::{request_buf, BlockNode};
@@ -66,10 +68,12 @@ pub trait Parents {
     ) -> Result<(), String>;
 }
 
-/// The tracker bitmap, taken off the source when the job ends however it ends.
+/// The tracker bitmap, taken off the source when the job ends however it ends, with the
+/// write-blocking hook.
 struct Tracker {
     node: Arc<BlockNode>,
     bitmap: Arc<DirtyBitmap>,
+    _hook: HookOn,
 }
 
 impl Drop for Tracker {
@@ -89,6 +93,9 @@ pub struct Mirror {
     pub unmap: bool,
     /// What the target holds at the start (`sync=full`).
     pub target_start: TargetStart,
+    /// `copy-mode=write-blocking`, and the job's copies held against such writes (see
+    /// [`super::write_blocking`]).
+    pub active: Arc<WriteBlocking>,
     pub on_source_error: OnError,
     pub on_target_error: OnError,
     /// The job's write claim on the target, given up before the exports move there.
@@ -161,6 +168,8 @@ impl Mirror {
     /// copied, or the error with whether it was the source's.
     async fn copy(&self, offset: u64, len: u64) -> Result<u64, (std::io::Error, bool)> {
         let end = (offset + len).min(self.source.size());
+        // Against write-blocking writes: the data read here lands before theirs.
+        let _held = self.active.hold_copy(offset, end - offset).await;
         let mut at = offset;
         let mut copied = 0;
         while at < end {
@@ -202,7 +211,13 @@ pub async fn run(m: Mirror, job: Rc<Job>) -> Result<Finish, String> {
     let tracker = Tracker {
         bitmap: m.source.add_tracker(bitmap),
         node: m.source.clone(),
+        _hook: HookOn::install(&m.source, m.active.clone()),
     };
+    m.active.set_tracker(tracker.bitmap.clone());
+    if !matches!(m.scope, Scope::AboveBase(_)) {
+        // A mirror's copy mode can change; an active commit's cannot (QEMU's drivers).
+        job.set_type(Rc::new(MirrorType(m.active.clone())));
+    }
     m.mark_initial(&tracker.bitmap).await?;
     if !m.copy_until_told(&job, &tracker.bitmap).await? {
         return Ok(None);
@@ -231,9 +246,11 @@ impl Mirror {
     async fn copy_until_told(&self, job: &Rc<Job>, t: &DirtyBitmap) -> Result<bool, String> {
         let mut cursor = 0;
         loop {
+            job.progress_grow(self.active.take_synced());
             job.set_remaining(t.count());
             job.ratelimit().await;
             if job.is_cancelled() {
+                job.progress_grow(self.active.take_synced());
                 return Ok(false);
             }
             match t.take_dirty(cursor, CHUNK) {
@@ -252,6 +269,7 @@ impl Mirror {
                 None if job.complete_requested() || job.soft_cancelled() => return Ok(true),
                 None => {
                     job.set_ready();
+                    self.active.went_ready();
                     job.sleep(IDLE).await;
                 }
             }

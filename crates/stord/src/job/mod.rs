@@ -17,6 +17,7 @@ pub mod backup;
 pub mod commit;
 pub mod mirror;
 pub mod stream;
+pub mod write_blocking;
 
 use std::cell::{Cell, RefCell};
 use std::collections::BTreeMap;
@@ -80,6 +81,7 @@ pub enum Verb {
     Complete,
     Finalize,
     Dismiss,
+    Change,
 }
 
 impl Verb {
@@ -92,6 +94,7 @@ impl Verb {
             Verb::Complete => "complete",
             Verb::Finalize => "finalize",
             Verb::Dismiss => "dismiss",
+            Verb::Change => "change",
         }
     }
 
@@ -102,7 +105,7 @@ impl Verb {
                 s,
                 Created | Running | Paused | Ready | Standby | Waiting | Pending
             ),
-            Verb::Pause | Verb::Resume | Verb::SetSpeed => {
+            Verb::Pause | Verb::Resume | Verb::SetSpeed | Verb::Change => {
                 matches!(s, Created | Running | Paused | Ready | Standby)
             }
             Verb::Complete => s == Ready,
@@ -142,6 +145,9 @@ pub enum JobError {
     Paused(String),
     #[error("Parameter 'speed' expects a non-negative value")]
     Speed,
+    /// A job type's own refusal (QEMU's text).
+    #[error("{0}")]
+    Other(String),
 }
 
 impl JobError {
@@ -290,6 +296,15 @@ impl RateLimit {
     }
 }
 
+/// What a job type adds to the common verbs (QEMU's BlockJobDriver `change` and
+/// `query`): a mirror's copy mode.
+pub trait JobType {
+    /// `block-job-change` with this type's options.
+    fn change(&self, options: &serde_json::Map<String, Value>) -> Result<(), String>;
+    /// The members query-block-jobs shows for this type.
+    fn query(&self, into: &mut serde_json::Map<String, Value>);
+}
+
 /// One job.
 pub struct Job {
     id: String,
@@ -329,6 +344,8 @@ pub struct Job {
     kicked: Cell<bool>,
     /// The job's task, parked.
     waker: RefCell<Option<Waker>>,
+    /// What the job's type adds (set by the work as it starts).
+    ext: RefCell<Option<Rc<dyn JobType>>>,
 }
 
 impl Job {
@@ -356,6 +373,13 @@ impl Job {
     pub fn progress_add(&self, n: u64) {
         let (c, t) = self.progress.get();
         self.progress.set((c + n, t.max(c + n)));
+    }
+
+    /// `n` more bytes to do, and done (QEMU's job_progress_increase_remaining then
+    /// job_progress_update).
+    pub fn progress_grow(&self, n: u64) {
+        let (c, t) = self.progress.get();
+        self.progress.set((c + n, t + n));
     }
 
     /// Sets the total so that `remaining` bytes are left.
@@ -620,6 +644,11 @@ impl Job {
         v
     }
 
+    /// Says what the job's type adds to the verbs and queries.
+    pub fn set_type(&self, t: Rc<dyn JobType>) {
+        *self.ext.borrow_mut() = Some(t);
+    }
+
     fn block_info(&self) -> Value {
         let (cur, total) = self.progress.get();
         let s = self.status.get();
@@ -639,6 +668,9 @@ impl Job {
         });
         if let Some(e) = &*self.error.borrow() {
             v["error"] = e.clone().into();
+        }
+        if let (Some(t), Value::Object(m)) = (&*self.ext.borrow(), &mut v) {
+            t.query(m);
         }
         v
     }
@@ -735,6 +767,7 @@ impl Jobs {
             idle: Cell::new(false),
             kicked: Cell::new(false),
             waker: RefCell::new(None),
+            ext: RefCell::new(None),
         });
         self.map.borrow_mut().insert(id.into(), job.clone());
         self.order.borrow_mut().push(id.into());
@@ -922,6 +955,20 @@ impl Jobs {
         job.complete_requested.set(true);
         job.wake();
         Ok(())
+    }
+
+    /// `block-job-change`: QEMU's verb check, then the job type's own.
+    pub fn change(
+        &self,
+        job: &Job,
+        options: &serde_json::Map<String, Value>,
+    ) -> Result<(), JobError> {
+        job.check(Verb::Change)?;
+        let ext = job.ext.borrow().clone();
+        match ext {
+            Some(t) => t.change(options).map_err(JobError::Other),
+            None => Err(JobError::Other("Job type does not support change".into())),
+        }
     }
 
     /// `block-job-set-speed`.

@@ -206,6 +206,54 @@ pub const BLOCK_JOB_SET_SPEED: Command = Command {
     },
 };
 
+/// QEMU's JobType.
+static JOB_TYPE: super::EnumType = super::EnumType {
+    name: "JobType",
+    values: || {
+        vec![
+            "commit",
+            "stream",
+            "mirror",
+            "backup",
+            "create",
+            "amend",
+            "snapshot-load",
+            "snapshot-save",
+            "snapshot-delete",
+        ]
+    },
+};
+
+/// QEMU's MirrorCopyMode.
+static COPY_MODE: super::EnumType = super::EnumType {
+    name: "MirrorCopyMode",
+    values: || vec!["background", "write-blocking"],
+};
+
+/// `block-job-change`: the options of the job's type (a mirror's `copy-mode`).
+pub const BLOCK_JOB_CHANGE: Command = Command {
+    name: "block-job-change",
+    args: &[
+        req("id", Ty::Str),
+        req("type", Ty::Enum(&JOB_TYPE)),
+        opt("copy-mode", Ty::Enum(&COPY_MODE)),
+    ],
+    open: false,
+    run: |state, mut a| {
+        let id = a.str_req("id")?;
+        let _ = a.str_req("type")?;
+        let mut options = Map::new();
+        if let Some(m) = a.str("copy-mode") {
+            options.insert("copy-mode".into(), m.into());
+        }
+        let st = state.borrow();
+        let jobs = st.jobs();
+        let job = jobs.get_block(&id)?;
+        jobs.change(&job, &options)?;
+        Ok(json!({}))
+    },
+};
+
 pub const BLOCK_STREAM: Command = Command {
     name: "block-stream",
     args: &[

@@ -96,6 +96,7 @@ pub const COMMANDS: &[Command] = &[
     job::BLOCK_JOB_CANCEL,
     job::BLOCK_JOB_COMPLETE,
     job::BLOCK_JOB_SET_SPEED,
+    job::BLOCK_JOB_CHANGE,
     job::BLOCK_STREAM,
     job::BLOCK_COMMIT,
     job::BLOCKDEV_MIRROR,
