@@ -144,3 +144,8 @@ fn qmp_drive_backup_and_drive_mirror_as_qsd() {
 fn qmp_mirror_switched_to_write_blocking_as_qsd() {
     run_script("active_mirror.py");
 }
+
+#[test]
+fn qmp_internal_snapshots_as_qsd() {
+    run_script("internal_snapshots.py");
+}

@@ -108,6 +108,26 @@ pub struct BlockStatus {
     pub zero: bool,
 }
 
+/// An internal snapshot as QMP reports it (QEMU's SnapshotInfo).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SnapshotInfo {
+    pub id: String,
+    pub name: String,
+    pub vm_state_size: u64,
+    pub date_sec: u64,
+    pub date_nsec: u64,
+    pub vm_clock_nsec: u64,
+    /// None: the snapshot records none (QEMU's -1).
+    pub icount: Option<u64>,
+}
+
+fn unsupported_fut<'a, T: 'a>() -> BoxFut<'a, io::Result<T>> {
+    Box::pin(std::future::ready(Err(io::Error::new(
+        io::ErrorKind::Unsupported,
+        "Operation not supported",
+    ))))
+}
+
 /// A block driver. Offsets and lengths have been checked against the size by the node.
 pub trait BlockDriver: Send + Sync {
     /// The driver's name as on the command line (`null-co`, `file`).
@@ -287,6 +307,30 @@ pub trait BlockDriver: Send + Sync {
             "Driver '{}' of node does not support backing files",
             self.driver_name()
         ))
+    }
+    /// Whether the driver keeps internal snapshots (QEMU's bdrv_can_snapshot).
+    fn can_snapshot(&self) -> bool {
+        false
+    }
+    /// The internal snapshots.
+    fn list_snapshots(&self) -> BoxFut<'_, io::Result<Vec<SnapshotInfo>>> {
+        unsupported_fut()
+    }
+    /// Takes internal snapshot `name` at `date` (seconds, nanoseconds).
+    fn create_snapshot<'a>(
+        &'a self,
+        _name: &'a str,
+        _date: (u32, u32),
+    ) -> BoxFut<'a, io::Result<SnapshotInfo>> {
+        unsupported_fut()
+    }
+    /// Deletes the internal snapshot `id` and/or `name`: it, or None if there is none.
+    fn delete_snapshot<'a>(
+        &'a self,
+        _id: Option<&'a str>,
+        _name: Option<&'a str>,
+    ) -> BoxFut<'a, io::Result<Option<SnapshotInfo>>> {
+        unsupported_fut()
     }
     /// Writes the backing file's name and format into the image (QEMU's
     /// bdrv_change_backing_file); None: the image names no backing file.

@@ -1,9 +1,11 @@
 //! Commands that edit open images and their links in place, with QEMU's checks in its
 //! order and words: `change-backing-file` (the name an image's header gives its backing
 //! file, the graph left as it is), `x-blockdev-amend` (a driver's [`AmendDef`] as an
-//! `amend` job) and `x-blockdev-change` (adding or removing a child of a node that takes
-//! any number of them: QEMU's quorum, which stord has not, so every node refuses as
-//! QEMU's other drivers do).
+//! `amend` job), internal snapshots (`blockdev-snapshot-internal-sync` and its delete:
+//! qcow2's, see `block::qcow2::internal`; the caller holds the exports, as QEMU drains)
+//! and `x-blockdev-change` (adding or removing a child of a node that takes any number of
+//! them: QEMU's quorum, which stord has not, so every node refuses as QEMU's other
+//! drivers do).
 //!
 //! [`AmendDef`]: crate::block::graph::AmendDef
 
@@ -71,6 +73,100 @@ impl State {
                 crate::block::os_text(&e)
             ))
         })
+    }
+
+    /// A root node by QEMU's qmp_get_root_bs.
+    fn root_node(&self, device: &str) -> Result<Arc<BlockNode>, DaemonError> {
+        let n = self.device_node(device)?;
+        if !self.parents_of(&n.name).is_empty() {
+            return Err(invalid("Need a root block node"));
+        }
+        Ok(n)
+    }
+
+    /// `blockdev-snapshot-internal-sync`: the node `device` (a root) gets snapshot
+    /// `name`, dated now.
+    pub fn snapshot_internal(
+        &mut self,
+        device: &str,
+        name: &str,
+    ) -> Result<crate::block::SnapshotInfo, DaemonError> {
+        let node = self.root_node(device)?;
+        node.check_not_busy()?;
+        if node.is_read_only() {
+            return Err(invalid(format!("Device '{device}' is read only")));
+        }
+        if !node.driver().can_snapshot() {
+            return Err(invalid(format!(
+                "Block format '{}' used by device '{device}' does not support internal \
+                 snapshots",
+                node.driver_name()
+            )));
+        }
+        if name.is_empty() {
+            return Err(invalid("Name is empty"));
+        }
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        // QEMU takes the time in microseconds.
+        let date = (now.as_secs() as u32, now.subsec_micros() * 1000);
+        let (n, name_owned) = (node.clone(), name.to_string());
+        let r = crate::block::block_on_helper(move || async move {
+            let list = n.driver().list_snapshots().await?;
+            if list.iter().any(|s| s.name == name_owned) {
+                return Ok(Err(()));
+            }
+            n.driver().create_snapshot(&name_owned, date).await.map(Ok)
+        })
+        .and_then(|r| r);
+        match r {
+            Ok(Ok(info)) => Ok(info),
+            Ok(Err(())) => Err(invalid(format!(
+                "Snapshot with name '{name}' already exists on device '{device}'"
+            ))),
+            Err(e) => Err(invalid(format!(
+                "Failed to create snapshot '{name}' on device '{device}': {}",
+                crate::block::os_text(&e)
+            ))),
+        }
+    }
+
+    /// `blockdev-snapshot-delete-internal-sync`: what the deleted snapshot was.
+    pub fn snapshot_delete_internal(
+        &mut self,
+        device: &str,
+        id: Option<&str>,
+        name: Option<&str>,
+    ) -> Result<crate::block::SnapshotInfo, DaemonError> {
+        let node = self.root_node(device)?;
+        if id.is_none() && name.is_none() {
+            return Err(invalid("Name or id must be provided"));
+        }
+        node.check_not_busy()?;
+        let (n, i, nm) = (
+            node.clone(),
+            id.map(str::to_string),
+            name.map(str::to_string),
+        );
+        let r = crate::block::block_on_helper(move || async move {
+            n.driver()
+                .delete_snapshot(i.as_deref(), nm.as_deref())
+                .await
+        })
+        .and_then(|r| r);
+        match r {
+            Ok(Some(info)) => Ok(info),
+            Ok(None) => Err(invalid(format!(
+                "Snapshot with id '{}' and name '{}' does not exist on device '{device}'",
+                id.unwrap_or("null"),
+                name.unwrap_or("null")
+            ))),
+            Err(e) => Err(invalid(format!(
+                "Failed to delete snapshot: {}",
+                crate::block::os_text(&e)
+            ))),
+        }
     }
 
     /// `x-blockdev-amend`: `options` (checked against the driver's members) applied to

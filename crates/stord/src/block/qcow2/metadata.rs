@@ -177,11 +177,11 @@ impl Qcow2Driver {
         ((guest >> self.cluster_bits) & ((1 << self.l2_bits) - 1)) as usize
     }
 
-    fn entries(&self) -> EntryCodec {
+    pub(super) fn entries(&self) -> EntryCodec {
         EntryCodec::new(self.cluster_bits, self.version)
     }
 
-    fn refcounts(&self) -> RefcountCodec {
+    pub(super) fn refcounts(&self) -> RefcountCodec {
         RefcountCodec::new(self.refcount_order)
     }
 
@@ -211,7 +211,7 @@ impl Qcow2Driver {
     }
 
     /// The L2 table at `l2_off`, read into the cache if it is not there.
-    async fn load_l2(&self, m: &mut Meta, l2_off: u64) -> io::Result<()> {
+    pub(super) async fn load_l2(&self, m: &mut Meta, l2_off: u64) -> io::Result<()> {
         if m.l2.contains(l2_off) {
             return Ok(());
         }

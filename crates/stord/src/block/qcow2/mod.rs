@@ -26,6 +26,7 @@ pub mod create;
 #[doc(hidden)]
 pub mod fuzz;
 mod header;
+mod internal;
 mod metadata;
 mod repair;
 mod snapshot;
@@ -1544,6 +1545,26 @@ impl BlockDriver for Qcow2Driver {
         self.backing_state
             .store(changes << 1 | new.is_some() as u64, Ordering::Release);
         Ok(std::mem::replace(&mut *b, new))
+    }
+    fn can_snapshot(&self) -> bool {
+        true
+    }
+    fn list_snapshots(&self) -> BoxFut<'_, io::Result<Vec<crate::block::SnapshotInfo>>> {
+        Box::pin(self.list_snapshots_impl())
+    }
+    fn create_snapshot<'a>(
+        &'a self,
+        name: &'a str,
+        date: (u32, u32),
+    ) -> BoxFut<'a, io::Result<crate::block::SnapshotInfo>> {
+        Box::pin(self.create_snapshot_impl(name, date))
+    }
+    fn delete_snapshot<'a>(
+        &'a self,
+        id: Option<&'a str>,
+        name: Option<&'a str>,
+    ) -> BoxFut<'a, io::Result<Option<crate::block::SnapshotInfo>>> {
+        Box::pin(self.delete_snapshot_impl(id, name))
     }
     fn change_backing_file<'a>(
         &'a self,

@@ -1,7 +1,8 @@
-//! The internal snapshot table: read at open, never written. stord does not create or
-//! apply internal snapshots, but it writes images that have them: the active image's
-//! shared tables and clusters are copied before they are changed (see `set_l2` and the
-//! allocating write), and the snapshots' tables are metadata no write may land on.
+//! The internal snapshot table: its L1 tables read at open (metadata no write may land on;
+//! the active image's shared tables and clusters are copied before they change, see
+//! `set_l2` and the allocating write), and its entries read and written whole by
+//! `blockdev-snapshot-internal-sync` and its delete ([`super::internal`]). stord does not
+//! apply (revert to) a snapshot.
 
 /// QEMU's cap on the snapshot table's size.
 pub const MAX_TABLE_BYTES: u64 = 64 << 20;
@@ -66,9 +67,118 @@ pub fn parse(buf: &[u8], n: u32) -> Result<Parsed, String> {
     Ok(Parsed::Done(l1s, table_end))
 }
 
+/// One snapshot as the table holds it (QEMU's QCowSnapshotHeader, its extra data kept
+/// as stored).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Entry {
+    pub l1: SnapshotL1,
+    pub id: String,
+    pub name: String,
+    pub date_sec: u32,
+    pub date_nsec: u32,
+    pub vm_clock_nsec: u64,
+    pub vm_state_size: u32,
+    pub extra: Vec<u8>,
+}
+
+/// The extra data QEMU writes: vm_state_size_large, disk_size, icount.
+pub const EXTRA_LEN: usize = 24;
+
+impl Entry {
+    /// The snapshot's icount (-1: none), from the extra data if it has it.
+    pub fn icount(&self) -> Option<u64> {
+        let v = u64::from_be_bytes(self.extra.get(16..24)?.try_into().ok()?);
+        (v != u64::MAX).then_some(v)
+    }
+}
+
+/// Every entry of a whole table (`buf`, `n` entries), as [`parse`] walks it.
+pub fn entries(buf: &[u8], n: u32) -> Result<Vec<Entry>, String> {
+    let mut at = 0usize;
+    let mut out = Vec::with_capacity(n as usize);
+    for i in 0..n {
+        let e = buf
+            .get(at..at + 40)
+            .ok_or_else(|| format!("snapshot entry {i} runs past the table"))?;
+        let (id_len, name_len) = (be16(e, 12) as usize, be16(e, 14) as usize);
+        let extra_len = be32(e, 36) as usize;
+        let body = at + 40;
+        let end = body + extra_len + id_len + name_len;
+        let rest = buf
+            .get(body..end)
+            .ok_or_else(|| format!("snapshot entry {i} runs past the table"))?;
+        let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+        out.push(Entry {
+            l1: SnapshotL1 {
+                offset: u64::from_be_bytes(e[..8].try_into().expect("8 bytes")),
+                entries: be32(e, 8),
+            },
+            id: text(&rest[extra_len..extra_len + id_len]),
+            name: text(&rest[extra_len + id_len..]),
+            date_sec: be32(e, 16),
+            date_nsec: be32(e, 20),
+            vm_clock_nsec: u64::from_be_bytes(e[24..32].try_into().expect("8 bytes")),
+            vm_state_size: be32(e, 32),
+            extra: rest[..extra_len].to_vec(),
+        });
+        at = end.div_ceil(8) * 8;
+    }
+    Ok(out)
+}
+
+/// The table holding `entries`, each padded to 8 bytes as QEMU writes it.
+pub fn serialize(entries: &[Entry]) -> Vec<u8> {
+    let mut t = Vec::new();
+    for e in entries {
+        t.extend(e.l1.offset.to_be_bytes());
+        t.extend(e.l1.entries.to_be_bytes());
+        t.extend((e.id.len() as u16).to_be_bytes());
+        t.extend((e.name.len() as u16).to_be_bytes());
+        t.extend(e.date_sec.to_be_bytes());
+        t.extend(e.date_nsec.to_be_bytes());
+        t.extend(e.vm_clock_nsec.to_be_bytes());
+        t.extend(e.vm_state_size.to_be_bytes());
+        t.extend((e.extra.len() as u32).to_be_bytes());
+        t.extend(&e.extra);
+        t.extend(e.id.as_bytes());
+        t.extend(e.name.as_bytes());
+        while !t.len().is_multiple_of(8) {
+            t.push(0);
+        }
+    }
+    t
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn entries_round_trip_through_the_table() {
+        let e = |id: &str, name: &str| Entry {
+            l1: SnapshotL1 {
+                offset: 0x30000,
+                entries: 3,
+            },
+            id: id.into(),
+            name: name.into(),
+            date_sec: 7,
+            date_nsec: 8,
+            vm_clock_nsec: 9,
+            vm_state_size: 0,
+            extra: [
+                0u64.to_be_bytes(),
+                1u64.to_be_bytes(),
+                u64::MAX.to_be_bytes(),
+            ]
+            .concat(),
+        };
+        let list = vec![e("1", "first"), e("12", "a longer name")];
+        let t = serialize(&list);
+        assert_eq!(entries(&t, 2).unwrap(), list);
+        assert_eq!(list[0].icount(), None);
+        assert!(matches!(parse(&t, 2), Ok(Parsed::Done(l, _)) if l.len() == 2));
+    }
 
     fn entry(l1: u64, size: u32, id: &str, name: &str, extra: u32) -> Vec<u8> {
         let mut e = vec![0u8; 40];

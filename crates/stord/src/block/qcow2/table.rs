@@ -232,6 +232,12 @@ impl<T> TableCache<T> {
         self.slots.get(&offset).map(|s| &s.table)
     }
 
+    /// Forgets the table at `offset` (its cluster is freed: the offset may hold something
+    /// else next).
+    pub fn remove(&mut self, offset: u64) {
+        self.slots.remove(&offset);
+    }
+
     /// Marks a written-back table clean.
     pub fn mark_clean(&mut self, offset: u64) {
         if let Some(s) = self.slots.get_mut(&offset) {

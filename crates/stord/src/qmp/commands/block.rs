@@ -78,6 +78,7 @@ pub fn snapshot_action(
     let spec = match ty {
         "blockdev-snapshot" => BLOCKDEV_SNAPSHOT.args,
         "blockdev-snapshot-sync" => BLOCKDEV_SNAPSHOT_SYNC.args,
+        "blockdev-snapshot-internal-sync" => return Some(internal_snapshot_action(state, data)),
         _ => return None,
     };
     let run = || -> Result<super::bitmap::Prepared, QmpError> {
@@ -96,6 +97,29 @@ pub fn snapshot_action(
         })
     };
     Some(run())
+}
+
+/// The `blockdev-snapshot-internal-sync` transaction action: taken at prepare, deleted
+/// again if the transaction aborts (QEMU's internal_snapshot_abort).
+fn internal_snapshot_action(
+    state: &crate::daemon::SharedState,
+    data: serde_json::Map<String, Value>,
+) -> Result<super::bitmap::Prepared, QmpError> {
+    let mut a = Args::check(data, BLOCKDEV_SNAPSHOT_INTERNAL_SYNC.args, false)?;
+    let (device, name) = (a.str_req("device")?, a.str_req("name")?);
+    let info = state.borrow_mut().snapshot_internal(&device, &name)?;
+    let st = state.clone();
+    Ok(super::bitmap::Prepared {
+        abort: Box::new(move || {
+            let r =
+                st.borrow_mut()
+                    .snapshot_delete_internal(&device, Some(&info.id), Some(&info.name));
+            if let Err(e) = r {
+                tracing::error!("transaction abort: snapshot '{name}' stays: {e}");
+            }
+        }),
+        commit: Box::new(|| {}),
+    })
 }
 
 /// blockdev-snapshot-sync's arguments (also a transaction action's).
@@ -163,6 +187,55 @@ pub const CHANGE_BACKING_FILE: Command = Command {
             .borrow_mut()
             .change_backing_file(&device, &image, &backing)?;
         Ok(json!({}))
+    },
+};
+
+/// QEMU's SnapshotInfo.
+fn snapshot_info(s: &crate::block::SnapshotInfo) -> Value {
+    let mut v = json!({
+        "id": s.id,
+        "name": s.name,
+        "vm-state-size": s.vm_state_size,
+        "date-sec": s.date_sec,
+        "date-nsec": s.date_nsec,
+        "vm-clock-sec": s.vm_clock_nsec / 1_000_000_000,
+        "vm-clock-nsec": s.vm_clock_nsec % 1_000_000_000,
+    });
+    if let Some(i) = s.icount {
+        v["icount"] = i.into();
+    }
+    v
+}
+
+pub const BLOCKDEV_SNAPSHOT_INTERNAL_SYNC: Command = Command {
+    name: "blockdev-snapshot-internal-sync",
+    args: &[req("device", Ty::Str), req("name", Ty::Str)],
+    open: false,
+    run: |state, mut a| {
+        let (device, name) = (a.str_req("device")?, a.str_req("name")?);
+        let _held = crate::daemon::hold_all_exports(state);
+        state.borrow_mut().snapshot_internal(&device, &name)?;
+        Ok(json!({}))
+    },
+};
+
+pub const BLOCKDEV_SNAPSHOT_DELETE_INTERNAL_SYNC: Command = Command {
+    name: "blockdev-snapshot-delete-internal-sync",
+    args: &[
+        req("device", Ty::Str),
+        opt("id", Ty::Str),
+        opt("name", Ty::Str),
+    ],
+    open: false,
+    run: |state, mut a| {
+        let device = a.str_req("device")?;
+        let (id, name) = (a.str("id"), a.str("name"));
+        let _held = crate::daemon::hold_all_exports(state);
+        let info =
+            state
+                .borrow_mut()
+                .snapshot_delete_internal(&device, id.as_deref(), name.as_deref())?;
+        Ok(snapshot_info(&info))
     },
 };
 

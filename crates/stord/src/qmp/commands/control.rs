@@ -53,6 +53,7 @@ pub const TRANSACTION: Command = Command {
                 Some(
                     "blockdev-snapshot"
                         | "blockdev-snapshot-sync"
+                        | "blockdev-snapshot-internal-sync"
                         | "blockdev-backup"
                         | "drive-backup"
                 )
@@ -87,8 +88,9 @@ pub const TRANSACTION: Command = Command {
                         Err(QmpError::generic(format!(
                             "transaction: action '{ty}' is not supported by stord \
                              (supported: abort, blockdev-backup, drive-backup, \
-                             blockdev-snapshot, blockdev-snapshot-sync and the \
-                             block-dirty-bitmap actions)"
+                             blockdev-snapshot, blockdev-snapshot-sync, \
+                             blockdev-snapshot-internal-sync and the block-dirty-bitmap \
+                             actions)"
                         )))
                     })
             };

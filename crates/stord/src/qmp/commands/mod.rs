@@ -105,6 +105,8 @@ pub const COMMANDS: &[Command] = &[
     job::DRIVE_MIRROR,
     block::BLOCKDEV_SNAPSHOT,
     block::BLOCKDEV_SNAPSHOT_SYNC,
+    block::BLOCKDEV_SNAPSHOT_INTERNAL_SYNC,
+    block::BLOCKDEV_SNAPSHOT_DELETE_INTERNAL_SYNC,
     chardev::CHARDEV_ADD,
     chardev::CHARDEV_CHANGE,
     chardev::CHARDEV_REMOVE,
