@@ -428,6 +428,9 @@ pub struct BlockNode {
     write_threshold: AtomicU64,
     /// Where the node's events go (set by the daemon).
     events: std::sync::OnceLock<crate::events::EventPoster>,
+    /// The IoThread the node was moved to (x-blockdev-set-iothread): its exports run
+    /// there unless they name one.
+    home: std::sync::Mutex<Option<String>>,
     driver: Box<dyn BlockDriver>,
 }
 
@@ -456,6 +459,7 @@ impl BlockNode {
             hooks: Default::default(),
             write_threshold: AtomicU64::new(0),
             events: Default::default(),
+            home: Default::default(),
             driver,
         }
     }
@@ -865,6 +869,15 @@ impl BlockNode {
         self.check_range(offset, len)?;
         self.note_write(offset, len);
         hook::before_write(hooks, offset, len).await
+    }
+
+    /// The IoThread the node belongs to, if it was moved to one.
+    pub fn home(&self) -> Option<String> {
+        self.home.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    pub fn set_home(&self, iothread: Option<String>) {
+        *self.home.lock().unwrap_or_else(|e| e.into_inner()) = iothread;
     }
 
     /// Where the node's events go.

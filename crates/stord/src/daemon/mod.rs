@@ -160,6 +160,7 @@ pub struct State {
     events: Events,
     /// Character devices, those monitors use and those without a user.
     chardevs: crate::chardev::table::Table,
+
     /// Set to stop the main loop.
     quit: Rc<Cell<bool>>,
 }
@@ -696,6 +697,13 @@ impl State {
             }
             None => None,
         };
+        // A node moved to an IoThread keeps its exports there, as QEMU's exports follow
+        // their node's AioContext.
+        if kv.get("iothread").is_none() && kv.get("iothread.0").is_none() {
+            if let Some(home) = kv.get("node-name").and_then(|n| self.nodes.get(n)?.home()) {
+                kv.inherit("iothread", &home);
+            }
+        }
         let env = ExportEnv {
             nodes: &self.nodes,
             iothreads: &self.iothreads,

@@ -250,7 +250,8 @@ impl State {
             return Err(DaemonError::ObjectNotFound(id.into()));
         };
         let remote = obj.remote().clone();
-        if self.exports.values().any(|e| e.runs_on(&remote)) {
+        let home_of_a_node = self.nodes.values().any(|n| n.home().as_deref() == Some(id));
+        if home_of_a_node || self.exports.values().any(|e| e.runs_on(&remote)) {
             return Err(DaemonError::ObjectInUse(id.into()));
         }
         if let Some(mut obj) = self.iothreads.remove(id) {

@@ -13,6 +13,8 @@ event equal.
   two have the same things (qsd has more chardev backends and object types).
 - change-backing-file, x-blockdev-change, x-blockdev-amend: returns, errors, the amend
   job's events and the header's backing name.
+- x-blockdev-set-iothread: QEMU's checks; an export added on a moved node runs on that
+  IoThread (stord: its loop completes the export's requests).
 - x-debug-query-block-graph: nodes, edges and their permissions as qsd's for a chain
   with an export; a running job drawn as a block-job node.
 - query-blockstats / query-block: empty lists (no guest devices); with query-nodes, the
@@ -369,6 +371,50 @@ def block_graph(binary, tag):
     return plain, with_job
 
 
+def set_iothread(binary, tag):
+    """x-blockdev-set-iothread: QEMU's checks and words; a node moved to an IoThread
+    keeps the export added on it there (stord: its loop serves the export's requests)."""
+    sock = common.path(f"qi-{tag}.sock")
+    out = []
+    d = common.Daemon([
+        "--object", "iothread,id=io0", "--object", "iothread,id=io1",
+        "--blockdev", f"driver=null-co,node-name=n,size={SIZE}",
+        "--nbd-server", f"addr.type=unix,addr.path={sock}",
+    ], binary=binary, tag=tag)
+    try:
+        q = d.qmp()
+
+        def c(cmd, **a):
+            out.append((cmd, a, q.cmd_raw(cmd, a)))
+
+        c("x-blockdev-set-iothread", **{"node-name": "nope", "iothread": "io0"})
+        c("x-blockdev-set-iothread", **{"node-name": "n", "iothread": "nope"})
+        c("x-blockdev-set-iothread", **{"node-name": "n", "iothread": "io1"})
+        c("x-blockdev-set-iothread", **{"node-name": "n", "iothread": None})
+        c("x-blockdev-set-iothread", **{"node-name": "n", "iothread": "io0"})
+        c("block-export-add", type="nbd", id="e", **{"node-name": "n"}, name="e")
+        c("x-blockdev-set-iothread", **{"node-name": "n", "iothread": "io1"})
+        if binary == common.STORD:
+            def iterations():
+                return {t["id"]: t["x-stats"]["completions"]
+                        for t in ok(q.cmd_raw("query-iothreads"))}
+            before = iterations()
+            common.fio("--name=r", "--ioengine=nbd", f"--uri=nbd+unix:///e?socket={sock}",
+                       "--rw=randread", "--bs=4k", "--size=4M", "--io_size=4M")
+            after = iterations()
+            assert after["io0"] - before["io0"] >= 1024, (before, after)
+            assert after["io1"] == before["io1"], (before, after)
+            r = q.cmd_raw("x-blockdev-set-iothread",
+                          {"node-name": "n", "iothread": "io1", "force": True})
+            assert r["error"]["desc"] == "Cannot change iothread of active block backend", r
+            r = q.cmd_raw("object-del", {"id": "io0"})
+            assert "error" in r, r
+        q.close()
+    finally:
+        d.stop()
+    return out
+
+
 def test():
     theirs = flow("qemu-storage-daemon", "qsd")
     ours = flow(common.STORD, "stord")
@@ -376,6 +422,8 @@ def test():
         assert a == b, f"\nqsd   {a}\nstord {b}"
     assert len(theirs) == len(ours), (len(theirs), len(ours))
     protocol_node_threshold()
+    theirs, ours = set_iothread("qemu-storage-daemon", "qsd"), set_iothread(common.STORD, "stord")
+    assert theirs == ours, f"\nqsd   {theirs}\nstord {ours}"
     (theirs, _), (ours, with_job) = block_graph("qemu-storage-daemon", "qsd"), \
         block_graph(common.STORD, "stord")
     assert theirs == ours, f"\nqsd   {theirs}\nstord {ours}"

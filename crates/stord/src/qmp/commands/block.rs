@@ -239,6 +239,29 @@ pub const BLOCKDEV_SNAPSHOT_DELETE_INTERNAL_SYNC: Command = Command {
     },
 };
 
+pub const X_BLOCKDEV_SET_IOTHREAD: Command = Command {
+    name: "x-blockdev-set-iothread",
+    args: &[
+        req("node-name", Ty::Str),
+        req("iothread", Ty::Any),
+        opt("force", Ty::Bool),
+    ],
+    open: false,
+    run: |state, mut a| {
+        let name = a.str_req("node-name")?;
+        let iothread = match a.take("iothread") {
+            Some(Value::String(s)) => Some(s),
+            Some(Value::Null) => None,
+            _ => return Err(super::type_error("iothread", "string or null")),
+        };
+        let force = a.bool("force").unwrap_or(false);
+        state
+            .borrow_mut()
+            .set_node_iothread(&name, iothread.as_deref(), force)?;
+        Ok(json!({}))
+    },
+};
+
 pub const X_BLOCKDEV_CHANGE: Command = Command {
     name: "x-blockdev-change",
     args: &[

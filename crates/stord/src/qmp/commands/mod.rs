@@ -78,6 +78,7 @@ pub const COMMANDS: &[Command] = &[
     block::BLOCK_SET_WRITE_THRESHOLD,
     block::CHANGE_BACKING_FILE,
     block::X_BLOCKDEV_CHANGE,
+    block::X_BLOCKDEV_SET_IOTHREAD,
     block::X_DEBUG_QUERY_BLOCK_GRAPH,
     job::BLOCKDEV_CREATE,
     job::X_BLOCKDEV_AMEND,
