@@ -21,8 +21,12 @@ use crate::block::dirty_bitmap::DirtyBitmap;
 use crate::block::hook::HookOn;
 use crate::block::BlockNode;
 
-/// How much one step copies at most.
+/// How much one copy moves at most.
 const CHUNK: u64 = 1 << 20;
+
+/// Copies in flight at once (QEMU's block-copy runs up to 64 workers; a few keep the
+/// storage's queue busy without holding much memory).
+const IN_FLIGHT: usize = 8;
 
 /// How long a `sync=none` job sleeps between looks at its progress (a verb wakes it).
 const IDLE: Duration = Duration::from_millis(100);
@@ -145,6 +149,23 @@ impl Backup {
     }
 }
 
+/// The next chunks to copy from `offset` on, in order, at most [`IN_FLIGHT`] (none past
+/// the end once the search wraps around).
+fn next_chunks(copy: &CopyBeforeWrite, offset: u64) -> Vec<u64> {
+    let mut out: Vec<u64> = Vec::new();
+    let mut from = offset;
+    while out.len() < IN_FLIGHT {
+        match copy.next(from) {
+            Some(at) if out.last().is_none_or(|&l| at > l) => {
+                out.push(at);
+                from = at + CHUNK;
+            }
+            _ => break,
+        }
+    }
+    out
+}
+
 /// Runs a backup: what is to be copied is copied (or, with `sync=none`, the job waits to
 /// be cancelled); at finalize the bitmap is synced, then the hooks go.
 pub async fn run(mut b: Backup, job: std::rc::Rc<Job>) -> Result<Finish, String> {
@@ -162,27 +183,37 @@ pub async fn run(mut b: Backup, job: std::rc::Rc<Job>) -> Result<Finish, String>
         if job.is_cancelled() {
             return Ok(None);
         }
-        let Some(at) = b.copy.next(offset) else {
+        let batch = next_chunks(&b.copy, offset);
+        let Some(&last) = batch.last() else {
             break;
         };
         let before = b.copy.copied();
-        match b.copy.copy(at, CHUNK).await {
-            Ok(()) => {
-                job.ratelimit_processed(b.copy.copied().saturating_sub(before));
-                offset = at + CHUNK;
+        let copies: Vec<_> = batch
+            .iter()
+            .map(|&at| {
+                let copy = b.copy.clone();
+                stord_aio::spawn(async move { copy.copy(at, CHUNK).await })
+            })
+            .collect();
+        let mut failed = None;
+        for c in copies {
+            if let Err(e) = c.await {
+                failed.get_or_insert(e);
             }
-            Err(e) => {
-                let policy = if e.read {
-                    b.on_source_error
-                } else {
-                    b.on_target_error
-                };
-                // Stop pauses the job (the copy is tried again once resumed); ignore
-                // tries again at once, as QEMU's backup_loop does.
-                if job.error_action(policy, e.read, &e.error) == ErrorAction::Report {
-                    b.progress(&job);
-                    return Err(crate::block::os_text(&e.error));
-                }
+        }
+        job.ratelimit_processed(b.copy.copied().saturating_sub(before));
+        offset = last + CHUNK;
+        if let Some(e) = failed {
+            let policy = if e.read {
+                b.on_source_error
+            } else {
+                b.on_target_error
+            };
+            // Stop pauses the job (what failed is tried again once resumed); ignore
+            // tries again at once, as QEMU's backup_loop does.
+            if job.error_action(policy, e.read, &e.error) == ErrorAction::Report {
+                b.progress(&job);
+                return Err(crate::block::os_text(&e.error));
             }
         }
         b.progress(&job);
