@@ -149,3 +149,8 @@ fn qmp_mirror_switched_to_write_blocking_as_qsd() {
 fn qmp_internal_snapshots_as_qsd() {
     run_script("internal_snapshots.py");
 }
+
+#[test]
+fn qmp_fleecing_with_copy_before_write_and_snapshot_access_as_qsd() {
+    run_script("fleecing.py");
+}

@@ -12,7 +12,7 @@
 //! empty there, so none of them reads the source after the write that follows the copy.
 
 use std::io;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 
 use super::hook::{Hold, NodeHook};
@@ -53,6 +53,11 @@ pub struct CopyBeforeWrite {
     locks: RangeLocks,
     /// Bytes copied (or zeroed) on the target.
     copied: AtomicU64,
+    /// One bit per cluster the point-in-time view still offers (a discard through
+    /// `snapshot-access` gives clusters up).
+    access: Mutex<Vec<u64>>,
+    /// A copy failed under `on-cbw-error=break-snapshot`: the view reads nothing now.
+    broken: AtomicBool,
 }
 
 impl CopyBeforeWrite {
@@ -74,7 +79,100 @@ impl CopyBeforeWrite {
             todo: Mutex::new(vec![0; words]),
             locks: RangeLocks::default(),
             copied: AtomicU64::new(0),
+            access: Mutex::new(vec![u64::MAX; words]),
+            broken: AtomicBool::new(false),
         }
+    }
+
+    /// The view is lost (QEMU's snapshot_error): its reads fail from now on.
+    pub fn break_snapshot(&self) {
+        self.broken.store(true, Relaxed);
+    }
+
+    fn accessible(&self, first: u64, end: u64) -> bool {
+        let w = self.access.lock().unwrap_or_else(|e| e.into_inner());
+        (first..end).all(|c| w[(c / 64) as usize] & (1 << (c % 64)) != 0)
+    }
+
+    /// Whether cluster `c` is still to be copied.
+    fn pending(&self, c: u64) -> bool {
+        self.bits()[(c / 64) as usize] & (1 << (c % 64)) != 0
+    }
+
+    /// Reads `[offset, offset + len)` of the point-in-time view (QEMU's snapshot read):
+    /// what is still to be copied from the source, held shared so no copy (and no write
+    /// after it) runs under the read, the rest from the target. EACCES once the view is
+    /// lost or for clusters it gave up.
+    pub async fn read_snapshot(&self, offset: u64, len: u64) -> io::Result<super::Buf> {
+        let (first, end) = self.span(offset, len);
+        if self.broken.load(Relaxed) || !self.accessible(first, end) {
+            return Err(io::Error::from_raw_os_error(libc::EACCES));
+        }
+        let _held = self
+            .locks
+            .lock_shared(first * self.cluster, end * self.cluster)
+            .await;
+        let mut out = request_buf(len as usize);
+        let stop = offset + len;
+        let mut o = offset;
+        while o < stop {
+            let pending = self.pending(o / self.cluster);
+            let mut e = ((o / self.cluster + 1) * self.cluster).min(stop);
+            while e < stop && self.pending(e / self.cluster) == pending {
+                e = ((e / self.cluster + 1) * self.cluster).min(stop);
+            }
+            let node = if pending { &self.source } else { &self.target };
+            let (r, b) = node.read(o, request_buf((e - o) as usize)).await;
+            r?;
+            out[(o - offset) as usize..(e - offset) as usize].copy_from_slice(&b);
+            o = e;
+        }
+        Ok(out)
+    }
+
+    /// The status of the view's first extent at `offset` (at most `len` bytes): the
+    /// source's where it is still to be copied, the target's elsewhere.
+    pub async fn snapshot_status(&self, offset: u64, len: u64) -> io::Result<super::BlockStatus> {
+        let (first, end) = self.span(offset, len);
+        if self.broken.load(Relaxed) || !self.accessible(first, end) {
+            return Err(io::Error::from_raw_os_error(libc::EACCES));
+        }
+        let _held = self
+            .locks
+            .lock_shared(first * self.cluster, end * self.cluster)
+            .await;
+        let pending = self.pending(offset / self.cluster);
+        let mut e = ((offset / self.cluster + 1) * self.cluster).min(offset + len);
+        while e < offset + len && self.pending(e / self.cluster) == pending {
+            e = ((e / self.cluster + 1) * self.cluster).min(offset + len);
+        }
+        let node = if pending { &self.source } else { &self.target };
+        node.block_status(offset, e - offset).await
+    }
+
+    /// A discard through the view (QEMU's cbw_co_pdiscard_snapshot): the whole clusters
+    /// in the range leave it, are not copied any more, and go from the target.
+    pub async fn discard_snapshot(&self, offset: u64, len: u64) -> io::Result<()> {
+        let first = offset.div_ceil(self.cluster);
+        let end = (offset + len) / self.cluster;
+        if first >= end {
+            return Ok(());
+        }
+        let _held = self
+            .locks
+            .lock(first * self.cluster, end * self.cluster)
+            .await;
+        {
+            let mut w = self.access.lock().unwrap_or_else(|e| e.into_inner());
+            for c in first..end {
+                w[(c / 64) as usize] &= !(1 << (c % 64));
+            }
+        }
+        self.clear(first, end);
+        let stop = (end * self.cluster).min(self.size);
+        self.target
+            .discard(first * self.cluster, stop - first * self.cluster)
+            .await
     }
 
     fn clusters(&self) -> u64 {

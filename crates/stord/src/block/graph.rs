@@ -137,6 +137,8 @@ pub const BLOCK_DRIVERS: &[&DriverDef] = &[
     &super::qcow2::DRIVER,
     &super::nbd::DRIVER,
     &super::rbd::DRIVER,
+    &super::cbw_driver::DRIVER,
+    &super::snapshot_access::DRIVER,
 ];
 
 /// The driver `name` selects.

@@ -6,6 +6,7 @@
 //! (for the io_uring backend, on that thread's own ring).
 
 pub mod blocker;
+pub mod cbw_driver;
 pub mod copy_before_write;
 pub mod create;
 pub mod dirty_bitmap;
@@ -21,6 +22,7 @@ pub mod qcow2;
 pub mod range_lock;
 pub mod raw;
 pub mod rbd;
+pub mod snapshot_access;
 pub mod stats;
 pub mod throttle;
 
@@ -307,6 +309,10 @@ pub trait BlockDriver: Send + Sync {
             "Driver '{}' of node does not support backing files",
             self.driver_name()
         ))
+    }
+    /// A `copy-before-write` node's point-in-time view (what `snapshot-access` reads).
+    fn copy_before_write(&self) -> Option<Arc<copy_before_write::CopyBeforeWrite>> {
+        None
     }
     /// Whether the driver keeps internal snapshots (QEMU's bdrv_can_snapshot).
     fn can_snapshot(&self) -> bool {
