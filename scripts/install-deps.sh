@@ -43,8 +43,9 @@ if [ "${qsd_major:-0}" -lt 10 ] || ! command -v qemu-system-x86_64 >/dev/null ||
     fi
 fi
 
-# Python packages for the QMP tests (the qemu.qmp client library).
-if ! python3 -c "import qemu.qmp" 2>/dev/null; then
+# Python packages for the QMP tests (the qemu.qmp client library, and prometheus_client's
+# OpenMetrics parser for the metrics listener).
+if ! python3 -c "import qemu.qmp, prometheus_client" 2>/dev/null; then
     echo "install-deps: installing crates/stord/tests/qmp/requirements.txt"
     python3 -m pip install --quiet -r crates/stord/tests/qmp/requirements.txt \
         || python3 -m pip install --quiet --break-system-packages -r crates/stord/tests/qmp/requirements.txt

@@ -33,6 +33,7 @@ pub mod guest_fault;
 pub mod iothread;
 pub mod job;
 pub mod log;
+pub mod metrics;
 pub mod nbd;
 pub mod process;
 pub mod qmp;

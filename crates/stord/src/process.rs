@@ -128,6 +128,7 @@ impl Daemon {
             poll: main_poll,
         })?;
         let state: SharedState = Rc::default();
+        state.borrow_mut().set_self(Rc::downgrade(&state));
         let q = state.borrow().quit_flag();
         let sigfd = signals.as_raw_fd();
         let seen = SignalsSeen::default();

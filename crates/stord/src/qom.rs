@@ -121,6 +121,9 @@ pub const TYPES: &[QomType] = &[
     ty("authz-simple", Some("authz"), false, USER, || {
         vec![("identity", "string")]
     }),
+    ty("metrics", Some("object"), false, USER, || {
+        vec![("addr", "SocketAddress")]
+    }),
     ty("secret_common", Some("object"), true, &[], || {
         vec![
             ("format", "QCryptoSecretFormat"),

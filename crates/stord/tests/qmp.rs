@@ -154,3 +154,8 @@ fn qmp_internal_snapshots_as_qsd() {
 fn qmp_fleecing_with_copy_before_write_and_snapshot_access_as_qsd() {
     run_script("fleecing.py");
 }
+
+#[test]
+fn qmp_metrics_listener_serves_openmetrics() {
+    run_script("metrics.py");
+}

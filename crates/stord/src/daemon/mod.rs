@@ -160,6 +160,10 @@ pub struct State {
     events: Events,
     /// Character devices, those monitors use and those without a user.
     chardevs: crate::chardev::table::Table,
+    /// `--object metrics` listeners by id.
+    metrics: BTreeMap<String, crate::metrics::MetricsServer>,
+    /// The shared state this is (what a metrics scrape reads from later).
+    me: std::rc::Weak<RefCell<State>>,
 
     /// Set to stop the main loop.
     quit: Rc<Cell<bool>>,
@@ -240,6 +244,11 @@ impl State {
     /// The event fan-out.
     pub fn events(&self) -> &Events {
         &self.events
+    }
+
+    /// Tells the state where it is shared (for what reads it later, a metrics scrape).
+    pub fn set_self(&mut self, me: std::rc::Weak<RefCell<State>>) {
+        self.me = me;
     }
 
     /// The character devices.

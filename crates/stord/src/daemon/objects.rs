@@ -114,6 +114,16 @@ pub const OBJECT_TYPES: &[ObjectType] = &[
         },
     },
     ObjectType {
+        name: "metrics",
+        create: create_metrics,
+        help: Help {
+            synopsis: ",addr.type=unix,addr.path=<path>\n\
+                   | ,addr.type=inet,addr.host=<host>,addr.port=<port>",
+            about: "stord's own: every node's query-blockstats counters as\n\
+                    OpenMetrics text over HTTP (a Prometheus scrape target)",
+        },
+    },
+    ObjectType {
         name: "secret",
         create: create_secret,
         help: Help {
@@ -127,6 +137,31 @@ fn create_authz(st: &mut State, _: &str, id: &str, mut kv: KeyVal) -> Result<(),
     let a = AuthzSimple::from_object(&mut kv)?;
     kv.finish()?;
     st.objects.insert(id.into(), UserObject::Authz(Arc::new(a)));
+    Ok(())
+}
+
+fn create_metrics(st: &mut State, _: &str, id: &str, mut kv: KeyVal) -> Result<(), DaemonError> {
+    let addr = crate::export::nbd::ListenAddr::from_options(&mut kv)?;
+    kv.finish()?;
+    let me = st.me.clone();
+    let source: crate::metrics::Source = std::rc::Rc::new(move || {
+        let Some(state) = me.upgrade() else {
+            return Vec::new();
+        };
+        let st = state.borrow();
+        st.nodes()
+            .map(|n| (n.name.clone(), n.stats.to_qmp()))
+            .collect()
+    });
+    let server = stord_aio::with_current_context(|ctx| {
+        crate::metrics::MetricsServer::start(ctx, &addr, source)
+    })
+    .ok_or_else(|| DaemonError::Invalid("metrics: not on the main loop".into()))?
+    .map_err(|source| DaemonError::Listen {
+        addr: addr.to_string(),
+        source,
+    })?;
+    st.metrics.insert(id.into(), server);
     Ok(())
 }
 
@@ -201,14 +236,13 @@ impl State {
         if self.iothreads.contains_key(&id)
             || self.throttle_groups.contains_key(&id)
             || self.objects.contains_key(&id)
+            || self.metrics.contains_key(&id)
         {
             return Err(DaemonError::DuplicateObject(id));
         }
         (t.create)(self, &kind, &id, kv)
     }
 
-    /// `object-del`: fails while something uses the object (an export runs on the
-    /// iothread, a node is in the throttle group, the NBD server holds the credentials).
     /// Every object by id, with its `qom-type`.
     pub fn object_types(&self) -> Vec<(String, &'static str)> {
         let mut v: Vec<_> = self
@@ -225,17 +259,23 @@ impl State {
                     .iter()
                     .map(|(id, o)| (id.clone(), o.type_name())),
             )
+            .chain(self.metrics.keys().map(|id| (id.clone(), "metrics")))
             .collect();
         v.sort();
         v
     }
 
+    /// `object-del`: fails while something uses the object (an export runs on the
+    /// iothread, a node is in the throttle group, the NBD server holds the credentials).
     pub fn del_object(&mut self, id: &str) -> Result<(), DaemonError> {
         if let Some(obj) = self.objects.get(id) {
             if obj.in_use() {
                 return Err(DaemonError::ObjectInUse(id.into()));
             }
             self.objects.remove(id);
+            return Ok(());
+        }
+        if self.metrics.remove(id).is_some() {
             return Ok(());
         }
         if let Some(group) = self.throttle_groups.get(id) {

@@ -401,6 +401,26 @@ pub enum ListenAddr {
     Inet(String, u16),
 }
 
+impl ListenAddr {
+    /// `addr.type=unix,addr.path=P` or `addr.type=inet,addr.host=H,addr.port=N`.
+    pub fn from_options(kv: &mut KeyVal) -> Result<Self, OptionError> {
+        Ok(
+            match kv.take_choice("addr.type", &["unix", "inet"])?.as_deref() {
+                Some("unix") => ListenAddr::Unix(PathBuf::from(kv.take_required("addr.path")?)),
+                Some("inet") => {
+                    let host = kv.take_required("addr.host")?;
+                    let port = kv.take_required("addr.port")?;
+                    let port = port
+                        .parse()
+                        .map_err(|_| kv.bad_value("addr.port", "a port number", &port))?;
+                    ListenAddr::Inet(host, port)
+                }
+                _ => return Err(kv.missing("addr.type")),
+            },
+        )
+    }
+}
+
 impl std::fmt::Display for ListenAddr {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
@@ -445,18 +465,7 @@ impl NbdServerOpts {
                 kv.insert(&format!("addr.{k}"), v);
             }
         }
-        let addr = match kv.take_choice("addr.type", &["unix", "inet"])?.as_deref() {
-            Some("unix") => ListenAddr::Unix(PathBuf::from(kv.take_required("addr.path")?)),
-            Some("inet") => {
-                let host = kv.take_required("addr.host")?;
-                let port = kv.take_required("addr.port")?;
-                let port = port
-                    .parse()
-                    .map_err(|_| kv.bad_value("addr.port", "a port number", &port))?;
-                ListenAddr::Inet(host, port)
-            }
-            _ => return Err(kv.missing("addr.type")),
-        };
+        let addr = ListenAddr::from_options(&mut kv)?;
         // QEMU's types: uint32 both (a larger value is refused, not cut down).
         let u32_range = 0..=u64::from(u32::MAX);
         let max_connections = kv
