@@ -171,16 +171,86 @@ fn label(v: &str) -> String {
         .replace('\n', "\\n")
 }
 
+/// The kinds of request, with QEMU's prefixes in query-blockstats.
+const OPS: [(&str, &str); 4] = [
+    ("read", "rd"),
+    ("write", "wr"),
+    ("flush", "flush"),
+    ("discard", "unmap"),
+];
+
+/// The families: name, type, unit, help, and each sample's value from one node's
+/// query-blockstats fields and a kind (None: not per kind; a None value: no sample).
+type Family = (
+    &'static str,
+    &'static str,
+    Option<&'static str>,
+    &'static str,
+    fn(&Value, Option<(&str, &str)>) -> Option<String>,
+);
+
+fn field(s: &Value, f: &str) -> u64 {
+    s.get(f).and_then(Value::as_u64).unwrap_or(0)
+}
+
+const FAMILIES: &[Family] = &[
+    (
+        "stord_node_operations",
+        "counter",
+        None,
+        "Requests a node served, by kind (query-blockstats' *_operations).",
+        |s, k| Some(field(s, &format!("{}_operations", k?.1)).to_string()),
+    ),
+    (
+        "stord_node_bytes",
+        "counter",
+        Some("bytes"),
+        "Bytes a node read, wrote or discarded.",
+        |s, k| {
+            let (op, q) = k?;
+            (op != "flush").then(|| field(s, &format!("{q}_bytes")).to_string())
+        },
+    ),
+    (
+        "stord_node_failed_operations",
+        "counter",
+        None,
+        "Requests that failed.",
+        |s, k| Some(field(s, &format!("failed_{}_operations", k?.1)).to_string()),
+    ),
+    (
+        "stord_node_invalid_operations",
+        "counter",
+        None,
+        "Requests refused as invalid (out of range).",
+        |s, k| Some(field(s, &format!("invalid_{}_operations", k?.1)).to_string()),
+    ),
+    (
+        "stord_node_time_seconds",
+        "counter",
+        Some("seconds"),
+        "Time the node's requests took, summed.",
+        |s, k| {
+            let ns = field(s, &format!("{}_total_time_ns", k?.1));
+            Some(format!("{}.{:09}", ns / 1_000_000_000, ns % 1_000_000_000))
+        },
+    ),
+    (
+        "stord_node_write_highest_offset_bytes",
+        "gauge",
+        Some("bytes"),
+        "The highest offset a write reached.",
+        |s, k| {
+            k.is_none()
+                .then(|| field(s, "wr_highest_offset").to_string())
+        },
+    ),
+];
+
 /// The families, from each node's query-blockstats fields.
 pub fn render(nodes: &[(String, Value)]) -> String {
-    const OPS: [(&str, &str); 4] = [
-        ("read", "rd"),
-        ("write", "wr"),
-        ("flush", "flush"),
-        ("discard", "unmap"),
-    ];
     let mut out = String::new();
-    let mut family = |name: &str, kind: &str, unit: Option<&str>, help: &str| {
+    for &(name, kind, unit, help, value) in FAMILIES {
         out.push_str(&format!("# TYPE {name} {kind}\n"));
         if let Some(u) = unit {
             out.push_str(&format!("# UNIT {name} {u}\n"));
@@ -193,78 +263,16 @@ pub fn render(nodes: &[(String, Value)]) -> String {
         };
         for (node, s) in nodes {
             let n = label(node);
-            let field = |f: &str| s.get(f).and_then(Value::as_u64).unwrap_or(0);
-            let mut line = |labels: String, v: String| {
-                out.push_str(&format!("{sample}{{{labels}}} {v}\n"));
-            };
-            match name {
-                "stord_node_write_highest_offset_bytes" => line(
-                    format!("node=\"{n}\""),
-                    field("wr_highest_offset").to_string(),
-                ),
-                _ => {
-                    for (op, q) in OPS {
-                        let v = match name {
-                            "stord_node_operations" => field(&format!("{q}_operations")),
-                            "stord_node_failed_operations" => {
-                                field(&format!("failed_{q}_operations"))
-                            }
-                            "stord_node_invalid_operations" => {
-                                field(&format!("invalid_{q}_operations"))
-                            }
-                            "stord_node_bytes" if op == "flush" => continue,
-                            "stord_node_bytes" => field(&format!("{q}_bytes")),
-                            _ => {
-                                let ns = field(&format!("{q}_total_time_ns"));
-                                line(
-                                    format!("node=\"{n}\",op=\"{op}\""),
-                                    format!("{}.{:09}", ns / 1_000_000_000, ns % 1_000_000_000),
-                                );
-                                continue;
-                            }
-                        };
-                        line(format!("node=\"{n}\",op=\"{op}\""), v.to_string());
-                    }
+            if let Some(v) = value(s, None) {
+                out.push_str(&format!("{sample}{{node=\"{n}\"}} {v}\n"));
+            }
+            for k in OPS {
+                if let Some(v) = value(s, Some(k)) {
+                    out.push_str(&format!("{sample}{{node=\"{n}\",op=\"{}\"}} {v}\n", k.0));
                 }
             }
         }
-    };
-    family(
-        "stord_node_operations",
-        "counter",
-        None,
-        "Requests a node served, by kind (query-blockstats' *_operations).",
-    );
-    family(
-        "stord_node_bytes",
-        "counter",
-        Some("bytes"),
-        "Bytes a node read, wrote or discarded.",
-    );
-    family(
-        "stord_node_failed_operations",
-        "counter",
-        None,
-        "Requests that failed.",
-    );
-    family(
-        "stord_node_invalid_operations",
-        "counter",
-        None,
-        "Requests refused as invalid (out of range).",
-    );
-    family(
-        "stord_node_time_seconds",
-        "counter",
-        Some("seconds"),
-        "Time the node's requests took, summed.",
-    );
-    family(
-        "stord_node_write_highest_offset_bytes",
-        "gauge",
-        Some("bytes"),
-        "The highest offset a write reached.",
-    );
+    }
     out.push_str("# EOF\n");
     out
 }

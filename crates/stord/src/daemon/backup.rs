@@ -139,6 +139,82 @@ fn backup_holds(
     })
 }
 
+/// backup_job_create's checks after the bitmap's (in QEMU's order): the backup's cluster
+/// size.
+fn check_backup(
+    o: &BackupOptions,
+    source: &Arc<BlockNode>,
+    target: &Arc<BlockNode>,
+    bitmap: Option<&crate::block::dirty_bitmap::DirtyBitmap>,
+    mode: Option<BitmapMode>,
+) -> Result<u64, DaemonError> {
+    if Arc::ptr_eq(source, target) {
+        return Err(invalid("Source and target cannot be the same"));
+    }
+    if o.compress {
+        return Err(invalid("Compression is not supported for this drive "));
+    }
+    source.check_not_busy()?;
+    target.check_not_busy()?;
+    if o.perf
+        .max_workers
+        .is_some_and(|w| !(1..=i32::MAX as i64).contains(&w))
+    {
+        return Err(invalid(format!(
+            "max-workers must be between 1 and {}",
+            i32::MAX
+        )));
+    }
+    if o.perf.max_chunk.is_some_and(|c| c < 0) {
+        return Err(invalid(
+            "max-chunk must be zero (which means no limit) or positive",
+        ));
+    }
+    if let (Some(b), Some(m)) = (bitmap, mode) {
+        if m != BitmapMode::Never {
+            b.check(crate::block::dirty_bitmap::Use::Modify)
+                .map_err(|e| invalid(e.to_string()))?;
+        }
+    }
+    if source.size() != target.size() {
+        return Err(invalid("Source and target image have different sizes"));
+    }
+    for (given, what) in [
+        (o.filter_node_name.is_some(), "filter-node-name"),
+        (o.discard_source, "discard-source"),
+    ] {
+        if given {
+            return Err(invalid(format!(
+                "blockdev-backup: '{what}' is not supported by stord yet"
+            )));
+        }
+    }
+    let cluster = cluster_size(target, o.perf.min_cluster_size)?;
+    if let Some(c) = o.perf.max_chunk.filter(|&c| c > 0 && (c as u64) < cluster) {
+        return Err(invalid(format!(
+            "Required max-chunk ({c}) is less than backup cluster size ({cluster})"
+        )));
+    }
+    Ok(cluster)
+}
+
+/// The hooks that keep the point in time: copy-before-write on the source, and the held
+/// reads of a target that reads through to it.
+fn point_in_time_hooks(
+    source: &Arc<BlockNode>,
+    target: &Arc<BlockNode>,
+    copy: &Arc<CopyBeforeWrite>,
+) -> Vec<HookOn> {
+    let mut hooks = vec![HookOn::install(source, Arc::new(BeforeWrite(copy.clone())))];
+    if reads_through(target, source) {
+        hooks.push(HookOn::install(
+            target,
+            Arc::new(PointInTimeReads(copy.clone())),
+        ));
+    }
+    hooks
+}
+
 impl PreparedBackup {
     /// A transaction's abort: the job made in its prepare is cancelled unstarted (QEMU's
     /// job_cancel_sync of a created job: aborting, concluded, null).
@@ -154,53 +230,7 @@ impl State {
         let target = self.device_node(&o.target)?;
         let (sync, mode) = sync_modes(&o)?;
         let bitmap = self.backup_bitmap(&source, &o, &sync, mode)?;
-        if Arc::ptr_eq(&source, &target) {
-            return Err(invalid("Source and target cannot be the same"));
-        }
-        if o.compress {
-            return Err(invalid("Compression is not supported for this drive "));
-        }
-        source.check_not_busy()?;
-        target.check_not_busy()?;
-        if o.perf
-            .max_workers
-            .is_some_and(|w| !(1..=i32::MAX as i64).contains(&w))
-        {
-            return Err(invalid(format!(
-                "max-workers must be between 1 and {}",
-                i32::MAX
-            )));
-        }
-        if o.perf.max_chunk.is_some_and(|c| c < 0) {
-            return Err(invalid(
-                "max-chunk must be zero (which means no limit) or positive",
-            ));
-        }
-        if let (Some(b), Some(m)) = (&bitmap, mode) {
-            if m != BitmapMode::Never {
-                b.check(crate::block::dirty_bitmap::Use::Modify)
-                    .map_err(|e| invalid(e.to_string()))?;
-            }
-        }
-        if source.size() != target.size() {
-            return Err(invalid("Source and target image have different sizes"));
-        }
-        if o.filter_node_name.is_some() {
-            return Err(invalid(
-                "blockdev-backup: 'filter-node-name' is not supported by stord yet",
-            ));
-        }
-        if o.discard_source {
-            return Err(invalid(
-                "blockdev-backup: 'discard-source' is not supported by stord yet",
-            ));
-        }
-        let cluster = cluster_size(&target, o.perf.min_cluster_size)?;
-        if let Some(c) = o.perf.max_chunk.filter(|&c| c > 0 && (c as u64) < cluster) {
-            return Err(invalid(format!(
-                "Required max-chunk ({c}) is less than backup cluster size ({cluster})"
-            )));
-        }
+        let cluster = check_backup(&o, &source, &target, bitmap.as_deref(), mode)?;
         let mut job = self.new_block_job(o.job_id.as_deref(), o.speed)?;
         job.drained = true;
         let holds = backup_holds(&source, &target, &job.id)?;
@@ -225,16 +255,7 @@ impl State {
             }
             _ => None,
         };
-        let mut hooks = vec![HookOn::install(
-            &source,
-            Arc::new(BeforeWrite(copy.clone())),
-        )];
-        if reads_through(&target, &source) {
-            hooks.push(HookOn::install(
-                &target,
-                Arc::new(PointInTimeReads(copy.clone())),
-            ));
-        }
+        let hooks = point_in_time_hooks(&source, &target, &copy);
         let work = Backup {
             copy,
             sync: if sync == "none" {

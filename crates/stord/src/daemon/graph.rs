@@ -193,6 +193,12 @@ impl Builder<'_> {
                 .and_then(|r| r)
                 .map_err(|e| GraphError::Invalid(format!("{what}: {e}")))?;
         }
+        self.register(name, &node, implicit);
+        Ok(node)
+    }
+
+    /// Puts an opened node in the table, its events going where the daemon's go.
+    fn register(&mut self, name: String, node: &Arc<BlockNode>, implicit: bool) {
         if let Some(p) = self.st.events.poster() {
             node.set_event_poster(p);
         }
@@ -201,7 +207,6 @@ impl Builder<'_> {
         if implicit {
             self.st.implicit.insert(name);
         }
-        Ok(node)
     }
 
     /// `role.driver=...` opened inline, with what the parent passes on.
