@@ -13,6 +13,11 @@ fn invalid(s: impl Into<String>) -> ChardevError {
     ChardevError::Invalid(s.into())
 }
 
+/// Chardevs the daemon keeps at most (a client must not make it hold without bound).
+pub const MAX_CHARDEVS: usize = 1024;
+/// The largest ringbuf (its bytes are held once written).
+pub const MAX_RINGBUF: u64 = 64 << 20;
+
 /// A ringbuf's bytes: the last `cap` written.
 #[derive(Debug)]
 pub struct RingBuf {
@@ -82,6 +87,12 @@ fn open(dev: &Chardev) -> Result<Open, ChardevError> {
         Chardev::Ringbuf { size, .. } => {
             if *size == 0 || !size.is_power_of_two() {
                 return Err(invalid("size of ringbuf chardev must be power of two"));
+            }
+            if *size > MAX_RINGBUF {
+                return Err(invalid(format!(
+                    "size of ringbuf chardev must be at most {} MiB in stord",
+                    MAX_RINGBUF >> 20
+                )));
             }
             Open::Ringbuf(RingBuf {
                 cap: *size as usize,
@@ -198,6 +209,11 @@ impl Table {
         if self.entries.contains_key(id) {
             return Err(invalid(format!("Chardev with id '{id}' already exists")));
         }
+        if self.entries.len() >= MAX_CHARDEVS {
+            return Err(invalid(format!(
+                "Failed to add chardev '{id}': too many chardevs (at most {MAX_CHARDEVS})"
+            )));
+        }
         let failed = |e: ChardevError| invalid(format!("Failed to add chardev '{id}': {e}"));
         self.check_stdio(&dev).map_err(failed)?;
         let open = open(&dev).map_err(failed)?;
@@ -285,6 +301,11 @@ mod tests {
             .to_string()
             .contains("power of two"));
         t.add_open("r", ring(8)).unwrap();
+        assert!(t
+            .add_open("huge", ring(MAX_RINGBUF * 2))
+            .unwrap_err()
+            .to_string()
+            .contains("at most"));
         assert!(t
             .add_open("r", Chardev::Null)
             .unwrap_err()

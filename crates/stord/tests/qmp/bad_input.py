@@ -83,6 +83,28 @@ def test():
         q = d.qmp()
         ok(q.cmd_raw("query-block-exports"))
         err(q.cmd_raw("qmp_capabilities"), cls="CommandNotFound")
+        # Malformed arguments of the newer commands: an error each, nothing kept.
+        for cmd, args in [
+            ("chardev-add", {"id": "c", "backend": 5}),
+            ("chardev-add", {"id": "c", "backend": {"type": "ringbuf", "data": {"size": 3}}}),
+            ("chardev-add", {"id": "c", "backend": {"type": "ringbuf",
+                                                    "data": {"size": 1 << 40}}}),
+            ("chardev-add", {"id": "c", "backend": {"type": "socket", "data": {}}}),
+            ("ringbuf-write", {"device": "nope", "data": "x", "format": "base64"}),
+            ("blockdev-backup", {"device": "x", "target": "y", "sync": "full",
+                                 "x-perf": {"max-workers": "many"}}),
+            ("blockdev-backup", {"device": "x", "target": "y", "sync": 1}),
+            ("block-job-change", {"id": "j", "type": "mirror", "copy-mode": "sideways"}),
+            ("x-blockdev-set-iothread", {"node-name": "n", "iothread": 5}),
+            ("x-blockdev-amend", {"job-id": "a", "node-name": "n",
+                                  "options": {"driver": "qcow2", "encrypt": 7}}),
+            ("qom-list", {"path": "/objects/../../x"}),
+            ("object-add", {"qom-type": "metrics", "id": "m", "addr": {"type": "vsock"}}),
+        ]:
+            r = q.cmd_raw(cmd, args)
+            assert "error" in r, (cmd, args, r)
+        assert ok(q.cmd_raw("query-chardev")) == [
+            c for c in ok(q.cmd_raw("query-chardev")) if c["label"] != "c"]
         q.close()
         watcher.close()
         assert d.proc.poll() is None
