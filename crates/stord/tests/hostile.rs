@@ -155,6 +155,71 @@ fn many_connections_together_stay_within_the_servers_buffer_limit() {
     assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
 }
 
+/// A client pipelining 32 MiB reads it never reads holds its connection's budget; many
+/// of them on one export hold that export's share (half the server's limit by default),
+/// so another export's client still gets a 32 MiB read through at once.
+#[test]
+fn one_exports_clients_hold_only_that_exports_share() {
+    let dir = tmpdir("export-limit");
+    let (img, img2) = (dir.join("disk.img"), dir.join("other.img"));
+    sparse_image(&img, 1 << 30);
+    sparse_image(&img2, 1 << 30);
+    let sock = dir.join("nbd.sock");
+    let args: Vec<String> = [
+        "--object".into(),
+        "iothread,id=io0".into(),
+        "--blockdev".into(),
+        format!("driver=file,node-name=disk,filename={}", img.display()),
+        "--blockdev".into(),
+        format!("driver=file,node-name=other,filename={}", img2.display()),
+        "--nbd-server".into(),
+        format!(
+            "addr.type=unix,addr.path={},x-buffer-limit=128M",
+            sock.display()
+        ),
+        "--export".into(),
+        "type=nbd,id=exp0,node-name=disk,name=disk,iothread=io0".into(),
+        "--export".into(),
+        "type=nbd,id=exp1,node-name=other,name=other,iothread=io0".into(),
+    ]
+    .to_vec();
+    let s = Stord::start(&dir, &args);
+    let mut bad = Vec::new();
+    for c in 0..12u64 {
+        let mut conn = RawNbd::connect(&s.sock, "disk");
+        let mut reqs = Vec::new();
+        for i in 0..64u64 {
+            reqs.extend_from_slice(&0x2560_9513u32.to_be_bytes());
+            reqs.extend_from_slice(&0u16.to_be_bytes());
+            reqs.extend_from_slice(&0u16.to_be_bytes()); // READ
+            reqs.extend_from_slice(&(c * 1000 + i).to_be_bytes());
+            reqs.extend_from_slice(&((i % 30) * 32 * MIB).to_be_bytes());
+            reqs.extend_from_slice(&(32u32 << 20).to_be_bytes());
+        }
+        conn.s.write_all(&reqs).unwrap();
+        bad.push(conn);
+    }
+    std::thread::sleep(Duration::from_secs(2));
+    let mut other = RawNbd::connect(&s.sock, "other");
+    other
+        .s
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let t = Instant::now();
+    let (e, d) = other.read(1, 0, 32 << 20);
+    assert_eq!((e, d.len()), (0, 32 << 20));
+    assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+    // A small request on the crowded export still gets through.
+    let mut good = RawNbd::connect(&s.sock, "disk");
+    good.s
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    assert_eq!(good.read(2, 4096, 4096).0, 0);
+    let peak = s.status_kib("VmHWM") * 1024;
+    assert!(peak < 320 * MIB, "peak RSS {} MiB", peak >> 20);
+    drop(bad);
+}
+
 #[test]
 fn pipelined_reads_never_read_stay_bounded_on_the_main_loop() {
     pipelined_huge_reads(false);

@@ -184,7 +184,7 @@ pub const EXPORT_TYPES: &[ExportType] = &[
                        [,multi-conn=on|off|auto][,allocation-depth=on|off]\n\
                        [,bitmaps.0=<bitmap>,bitmaps.1=<bitmap>...]\n\
                        [,iothread=<id> | ,iothread.0=<id>,iothread.1=<id>...]\n\
-                       [,allow-inactive=on|off]",
+                       [,allow-inactive=on|off][,x-buffer-limit=<size>]",
             about: "a node over NBD, on the --nbd-server's socket (each bitmap as\n\
                     qemu:dirty-bitmap:<name>)",
         },

@@ -75,6 +75,10 @@ pub struct NbdExport {
     pub shutting_down: AtomicBool,
     /// Woken when a connection leaves `clients`.
     drain: DrainSignal,
+    /// The request data this export's connections may hold together (`x-buffer-limit`,
+    /// stord's own; by default half the server's): one export's clients cannot take the
+    /// whole server budget from the others.
+    pub budget: Arc<MemoryBudget>,
 }
 
 impl Drop for NbdExport {
@@ -112,6 +116,7 @@ impl NbdExport {
             clients: Mutex::default(),
             shutting_down: AtomicBool::new(false),
             drain: DrainSignal::default(),
+            budget: Arc::new(MemoryBudget::new(usize::MAX)),
         }
     }
 
@@ -306,6 +311,9 @@ fn export_bitmaps(
     Ok(out)
 }
 
+/// The smallest per-export buffer limit (one large request must fit).
+const FREE_REQUEST_FLOOR: usize = 1 << 20;
+
 /// `--export type=nbd` / `block-export-add`: needs the NBD server running.
 pub fn create(env: &ExportEnv<'_>, mut kv: KeyVal) -> Result<Box<dyn Export>, ExportError> {
     let id = kv.take_required("id")?;
@@ -327,6 +335,7 @@ pub fn create(env: &ExportEnv<'_>, mut kv: KeyVal) -> Result<Box<dyn Export>, Ex
             .as_deref(),
         Some("off")
     );
+    let buffer_limit = kv.take_u64("x-buffer-limit", true)?;
     let what = kv.what.clone();
     let iothreads = env.remotes(&what, &names)?;
     kv.finish()?;
@@ -335,10 +344,13 @@ pub fn create(env: &ExportEnv<'_>, mut kv: KeyVal) -> Result<Box<dyn Export>, Ex
             format!("{what}: node '{node_name}' is read-only, cannot export it writable").into(),
         );
     }
-    let Some(table) = env.server::<NbdServer>("nbd").map(NbdServer::table) else {
+    let Some(server) = env.server::<NbdServer>("nbd") else {
         return Err(ExportError::Invalid("NBD server not running".into()));
     };
+    let table = server.table();
+    let limit = buffer_limit.map_or(server.budget.limit() / 2, |l| l as usize);
     let mut export = NbdExport::new(id, name, description, node, writable, iothreads, multi_conn);
+    export.budget = Arc::new(MemoryBudget::new(limit.max(FREE_REQUEST_FLOOR)));
     export.allocation_depth = allocation_depth;
     export.writethrough = writethrough;
     // Busy from now until the export goes (its Drop), as QEMU marks them.

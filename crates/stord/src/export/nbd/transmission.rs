@@ -114,9 +114,12 @@ struct Conn {
 }
 
 impl Drop for Conn {
-    /// Whatever its requests still held goes back to the server's budget.
+    /// Whatever its requests still held goes back to the export's and the server's
+    /// budgets.
     fn drop(&mut self) {
-        self.budget.give_back(self.held.get().1);
+        let bytes = self.held.get().1;
+        self.export.budget.give_back(bytes);
+        self.budget.give_back(bytes);
     }
 }
 
@@ -147,6 +150,7 @@ impl Conn {
     fn release(&self, n: usize, bytes: usize) {
         let (hn, hb) = self.held.get();
         self.held.set((hn - n, hb - bytes));
+        self.export.budget.give_back(bytes);
         self.budget.give_back(bytes);
         if let Some(w) = self.reader_waker.borrow_mut().take() {
             w.wake();
@@ -383,21 +387,39 @@ async fn read_loop(conn: &Rc<Conn>, pending: Vec<u8>, cipher: Vec<u8>) -> io::Re
         }
         // Back-pressure: wait for budget before reading a payload or starting the I/O, so
         // a client that does not read its replies stops being read.
-        // Then the server's budget, which other connections draw from too (woken when
-        // any of them gives bytes back).
-        poll_fn(|cx| {
+        // Then the export's budget and the server's, which other connections draw from
+        // too (woken when any of them gives bytes back).
+        let mut export_taken = false;
+        let taken = poll_fn(|cx| {
             if conn.broken.get() {
-                return Poll::Ready(());
+                return Poll::Ready(false);
             }
             if !conn.admits(req.cost) {
                 *conn.reader_waker.borrow_mut() = Some(cx.waker().clone());
                 return Poll::Pending;
             }
             let idle = conn.held.get().0 == 0;
-            conn.budget.poll_take(cx, req.cost, idle)
+            if !export_taken {
+                if conn
+                    .export
+                    .budget
+                    .poll_take(cx, req.cost, idle)
+                    .is_pending()
+                {
+                    return Poll::Pending;
+                }
+                export_taken = true;
+            }
+            conn.budget.poll_take(cx, req.cost, idle).map(|()| true)
         })
         .await;
-        if conn.broken.get() {
+        if conn.broken.get() || !taken {
+            if export_taken {
+                conn.export.budget.give_back(req.cost);
+            }
+            if taken {
+                conn.budget.give_back(req.cost);
+            }
             return Ok(());
         }
         conn.admit(req.cost);
