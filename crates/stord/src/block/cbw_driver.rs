@@ -8,8 +8,9 @@
 use std::io;
 use std::sync::Arc;
 
-use super::copy_before_write::{CopyBeforeWrite, Unallocated};
+use super::copy_before_write::{reads_through, CopyBeforeWrite, PointInTimeReads, Unallocated};
 use super::graph::{DriverDef, GraphError, Opened};
+use super::hook::HookOn;
 use super::perm::Perm;
 use super::{BlockDriver, BlockNode, BlockStatus, BoxFut, Buf, IoVec};
 use crate::cli::Help;
@@ -69,6 +70,13 @@ pub const DRIVER: DriverDef = DriverDef {
             Unallocated::Copy,
         ));
         state.mark(0, file.size());
+        if break_snapshot {
+            state.set_break_on_error();
+        }
+        // A target that reads through to the file (QEMU's older fleecing, the target
+        // backed by it): its reads hold what is still to be copied, as a backup's.
+        let target_reads = reads_through(&target, &file)
+            .then(|| HookOn::install(&target, Arc::new(PointInTimeReads(state.clone()))));
         Ok(Opened {
             read_only: flags.read_only || file.is_read_only(),
             direct: file.direct,
@@ -78,6 +86,7 @@ pub const DRIVER: DriverDef = DriverDef {
                 target,
                 state,
                 break_snapshot,
+                _target_reads: target_reads,
             }),
         })
     },
@@ -89,6 +98,8 @@ pub struct CbwDriver {
     target: Arc<BlockNode>,
     state: Arc<CopyBeforeWrite>,
     break_snapshot: bool,
+    /// The read hook on a target that reads through to the file, while the node lasts.
+    _target_reads: Option<HookOn>,
 }
 
 impl CbwDriver {
@@ -97,10 +108,8 @@ impl CbwDriver {
     async fn before(&self, offset: u64, len: u64) -> io::Result<()> {
         match self.state.copy(offset, len).await {
             Ok(()) => Ok(()),
-            Err(_) if self.break_snapshot => {
-                self.state.break_snapshot();
-                Ok(())
-            }
+            // The view was marked lost under the copy's hold.
+            Err(_) if self.break_snapshot => Ok(()),
             Err(e) => Err(e.error),
         }
     }

@@ -58,6 +58,9 @@ pub struct CopyBeforeWrite {
     access: Mutex<Vec<u64>>,
     /// A copy failed under `on-cbw-error=break-snapshot`: the view reads nothing now.
     broken: AtomicBool,
+    /// A failed copy breaks the view (set while the copy still holds its clusters, so no
+    /// reader waiting behind it reads the source after the write it lets through).
+    break_on_error: AtomicBool,
 }
 
 impl CopyBeforeWrite {
@@ -81,12 +84,19 @@ impl CopyBeforeWrite {
             copied: AtomicU64::new(0),
             access: Mutex::new(vec![u64::MAX; words]),
             broken: AtomicBool::new(false),
+            break_on_error: AtomicBool::new(false),
         }
     }
 
-    /// The view is lost (QEMU's snapshot_error): its reads fail from now on.
-    pub fn break_snapshot(&self) {
-        self.broken.store(true, Relaxed);
+    /// `on-cbw-error=break-snapshot`: a failed copy loses the view instead of failing
+    /// the write.
+    pub fn set_break_on_error(&self) {
+        self.break_on_error.store(true, Relaxed);
+    }
+
+    /// Whether the view was lost.
+    pub fn is_broken(&self) -> bool {
+        self.broken.load(Relaxed)
     }
 
     fn accessible(&self, first: u64, end: u64) -> bool {
@@ -112,6 +122,10 @@ impl CopyBeforeWrite {
             .locks
             .lock_shared(first * self.cluster, end * self.cluster)
             .await;
+        // Again under the hold: a copy that failed, or a discard, may have run before it.
+        if self.broken.load(Relaxed) || !self.accessible(first, end) {
+            return Err(io::Error::from_raw_os_error(libc::EACCES));
+        }
         let mut out = request_buf(len as usize);
         let stop = offset + len;
         let mut o = offset;
@@ -141,6 +155,9 @@ impl CopyBeforeWrite {
             .locks
             .lock_shared(first * self.cluster, end * self.cluster)
             .await;
+        if self.broken.load(Relaxed) || !self.accessible(first, end) {
+            return Err(io::Error::from_raw_os_error(libc::EACCES));
+        }
         let pending = self.pending(offset / self.cluster);
         let mut e = ((offset / self.cluster + 1) * self.cluster).min(offset + len);
         while e < offset + len && self.pending(e / self.cluster) == pending {
@@ -320,6 +337,18 @@ impl CopyBeforeWrite {
         }
         Ok(())
     }
+}
+
+/// Whether reads of `target` reach `source` (a fleecing image backed by the source).
+pub fn reads_through(target: &Arc<BlockNode>, source: &Arc<BlockNode>) -> bool {
+    let mut n = target.filtered_or_backing();
+    while let Some(b) = n {
+        if Arc::ptr_eq(&b, source) {
+            return true;
+        }
+        n = b.filtered_or_backing();
+    }
+    false
 }
 
 /// On the source: a write first has the old content of its clusters copied; a failed

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use super::block_jobs::NewJob;
 use super::{DaemonError, State};
 use crate::block::copy_before_write::{
-    BeforeWrite, CopyBeforeWrite, PointInTimeReads, Unallocated,
+    reads_through, BeforeWrite, CopyBeforeWrite, PointInTimeReads, Unallocated,
 };
 use crate::block::hook::HookOn;
 use crate::block::perm::Perm;
@@ -102,18 +102,6 @@ fn cluster_size(target: &BlockNode, min: Option<u64>) -> Result<u64, DaemonError
         Some(c) => c.max(min),
         None => min,
     })
-}
-
-/// Whether reads of `target` reach `source` (a fleecing image backed by the source).
-fn reads_through(target: &Arc<BlockNode>, source: &Arc<BlockNode>) -> bool {
-    let mut n = target.filtered_or_backing();
-    while let Some(b) = n {
-        if Arc::ptr_eq(&b, source) {
-            return true;
-        }
-        n = b.filtered_or_backing();
-    }
-    false
 }
 
 /// What a backup holds: the source is read (nobody may resize it), the target written
@@ -231,6 +219,7 @@ impl State {
         let (sync, mode) = sync_modes(&o)?;
         let bitmap = self.backup_bitmap(&source, &o, &sync, mode)?;
         let cluster = check_backup(&o, &source, &target, bitmap.as_deref(), mode)?;
+        self.check_hooked_paths(&source, &target)?;
         let mut job = self.new_block_job(o.job_id.as_deref(), o.speed)?;
         job.drained = true;
         let holds = backup_holds(&source, &target, &job.id)?;
@@ -276,6 +265,35 @@ impl State {
             how: (o.auto_finalize, o.auto_dismiss),
             after: super::block_jobs::OnDrop(None),
         })
+    }
+
+    /// The point in time is kept on the source's (and a fleecing target's) own request
+    /// path: a node above that passes requests straight to it (a filter, a format over its
+    /// file) would go past it. Nodes that use it as their backing image only read it.
+    fn check_hooked_paths(
+        &self,
+        source: &Arc<BlockNode>,
+        target: &Arc<BlockNode>,
+    ) -> Result<(), DaemonError> {
+        let mut nodes = vec![source];
+        if reads_through(target, source) {
+            nodes.push(target);
+        }
+        for n in nodes {
+            if let Some((parent, role)) = self
+                .parents_of(&n.name)
+                .into_iter()
+                .find(|(_, r)| *r != "backing")
+            {
+                return Err(invalid(format!(
+                    "blockdev-backup: node '{}' is the {role} of node '{parent}', whose \
+                     requests pass by it: stord backs up a node only from the top of its \
+                     stack (back up '{parent}')",
+                    n.name
+                )));
+            }
+        }
+        Ok(())
     }
 
     /// The bitmap a backup reads or syncs, after QEMU's checks of it (in its order).

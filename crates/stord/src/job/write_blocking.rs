@@ -3,7 +3,8 @@
 //! however fast clients write. The hook holds the write's granules against the job's
 //! background copies (which hold what they copy, whatever the mode, so a copy that read
 //! the old data cannot land after the new), writes the same data to the target, and
-//! leaves the tracker's granules it wrote clean. As QEMU's do_sync_target_write, a part
+//! leaves the tracker's granules it wrote whole clean (a granule it wrote in part stays as
+//! the source's write marked it, for the background copy). As QEMU's do_sync_target_write, a part
 //! of a granule that was dirty before the write is left to the background copy (the rest
 //! of that granule is not on the target yet). A failed write to the target leaves the
 //! granules dirty, and the job is no longer "actively synced". `block-job-change`
@@ -187,9 +188,11 @@ impl NodeHook for WriteBlocking {
             match self.to_target(offset, (start, stop), what).await {
                 Ok(()) => {
                     self.synced_bytes.fetch_add(stop - start, Relaxed);
+                    // Only granules this write covered whole are clean now: a part of a
+                    // granule may have been marked meanwhile by a write not held here (or
+                    // a copy that failed), and the rest of it is not on the target.
                     if let Some(t) = self.tracker.get() {
-                        let (a, b) = (start / g * g, stop.div_ceil(g) * g);
-                        t.reset(a, b - a);
+                        t.reset(start, stop - start);
                     }
                 }
                 // The granules stay dirty (the source's write marked them): the job copies

@@ -205,6 +205,30 @@ def flow(binary, tag, base):
     return out
 
 
+def filtered_source_refused():
+    """stord keeps the point in time on the source's own request path: a node that
+    another passes requests to (a qcow2 image's file) is refused, with the node to back
+    up instead (qsd would insert its filter above it)."""
+    img = common.path("bk-filtered.qcow2")
+    qcow2(img)
+    tgt = common.path("bk-filtered-tgt.qcow2")
+    qcow2(tgt)
+    d = common.Daemon([
+        "--blockdev", f"driver=file,node-name=f,filename={img}",
+        "--blockdev", "driver=qcow2,node-name=disk,file=f",
+        "--blockdev", f"driver=file,node-name=tf,filename={tgt}",
+    ])
+    try:
+        q = d.qmp()
+        r = q.cmd_raw("blockdev-backup", {"job-id": "b", "device": "f", "target": "tf",
+                                          "sync": "full"})
+        assert "back up 'disk'" in r["error"]["desc"], r
+        assert ok(q.cmd_raw("query-jobs")) == []
+        q.close()
+    finally:
+        d.stop()
+
+
 def test():
     base = common.path("bk-base.qcow2")
     qcow2(base)
@@ -215,6 +239,7 @@ def test():
     for a, b in zip(theirs, ours):
         assert a == b, f"\nqsd   {a}\nstord {b}"
     assert len(theirs) == len(ours), (len(theirs), len(ours))
+    filtered_source_refused()
 
 
 if __name__ == "__main__":
