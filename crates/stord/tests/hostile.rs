@@ -107,6 +107,23 @@ fn pipelined_huge_reads(iothread: bool) {
     assert_eq!((e, d), (0, vec![0x5a; 4096]));
 }
 
+/// A connection to export `name` that sends 64 READs of 32 MiB (handles from
+/// `c * 1000`) and never reads a reply.
+fn pipeline_huge_reads(sock: &std::path::Path, name: &str, c: u64) -> RawNbd {
+    let mut conn = RawNbd::connect(sock, name);
+    let mut reqs = Vec::new();
+    for i in 0..64u64 {
+        reqs.extend_from_slice(&0x2560_9513u32.to_be_bytes());
+        reqs.extend_from_slice(&0u16.to_be_bytes());
+        reqs.extend_from_slice(&0u16.to_be_bytes()); // READ
+        reqs.extend_from_slice(&(c * 1000 + i).to_be_bytes());
+        reqs.extend_from_slice(&((i % 30) * 32 * MIB).to_be_bytes());
+        reqs.extend_from_slice(&(32u32 << 20).to_be_bytes());
+    }
+    conn.s.write_all(&reqs).unwrap();
+    conn
+}
+
 /// Many connections that each hold their own budget (64 MiB of 32 MiB reads whose replies
 /// they never read) hold the server's `x-buffer-limit` together, not 64 MiB each; a
 /// well-behaved client is still served (a connection with nothing in flight always gets a
@@ -116,18 +133,7 @@ fn many_connections_together_stay_within_the_servers_buffer_limit() {
     let (s, _dir) = file_export("buffer-limit", true, ",x-buffer-limit=128M");
     let mut bad = Vec::new();
     for c in 0..12u64 {
-        let mut conn = RawNbd::connect(&s.sock, "disk");
-        let mut reqs = Vec::new();
-        for i in 0..64u64 {
-            reqs.extend_from_slice(&0x2560_9513u32.to_be_bytes());
-            reqs.extend_from_slice(&0u16.to_be_bytes());
-            reqs.extend_from_slice(&0u16.to_be_bytes()); // READ
-            reqs.extend_from_slice(&(c * 1000 + i).to_be_bytes());
-            reqs.extend_from_slice(&((i % 30) * 32 * MIB).to_be_bytes());
-            reqs.extend_from_slice(&(32u32 << 20).to_be_bytes());
-        }
-        conn.s.write_all(&reqs).unwrap();
-        bad.push(conn);
+        bad.push(pipeline_huge_reads(&s.sock, "disk", c));
     }
     std::thread::sleep(Duration::from_secs(2));
     let mut good = RawNbd::connect(&s.sock, "disk");
@@ -186,18 +192,7 @@ fn one_exports_clients_hold_only_that_exports_share() {
     let s = Stord::start(&dir, &args);
     let mut bad = Vec::new();
     for c in 0..12u64 {
-        let mut conn = RawNbd::connect(&s.sock, "disk");
-        let mut reqs = Vec::new();
-        for i in 0..64u64 {
-            reqs.extend_from_slice(&0x2560_9513u32.to_be_bytes());
-            reqs.extend_from_slice(&0u16.to_be_bytes());
-            reqs.extend_from_slice(&0u16.to_be_bytes()); // READ
-            reqs.extend_from_slice(&(c * 1000 + i).to_be_bytes());
-            reqs.extend_from_slice(&((i % 30) * 32 * MIB).to_be_bytes());
-            reqs.extend_from_slice(&(32u32 << 20).to_be_bytes());
-        }
-        conn.s.write_all(&reqs).unwrap();
-        bad.push(conn);
+        bad.push(pipeline_huge_reads(&s.sock, "disk", c));
     }
     std::thread::sleep(Duration::from_secs(2));
     let mut other = RawNbd::connect(&s.sock, "other");

@@ -167,9 +167,7 @@ impl BlockDriver for CbwDriver {
     }
     /// The copy keeps the size it started with, as QEMU's filter refuses resizes.
     fn resize(&self, _size: u64) -> BoxFut<'_, io::Result<()>> {
-        Box::pin(std::future::ready(Err(io::Error::from_raw_os_error(
-            libc::ENOTSUP,
-        ))))
+        super::unsupported_fut()
     }
     fn allocation_depth(&self, offset: u64, len: u64) -> BoxFut<'_, io::Result<(u64, u32)>> {
         Box::pin(self.file.allocation_depth(offset, len))

@@ -123,10 +123,10 @@ pub struct SnapshotInfo {
     pub icount: Option<u64>,
 }
 
-fn unsupported_fut<'a, T: 'a>() -> BoxFut<'a, io::Result<T>> {
-    Box::pin(std::future::ready(Err(io::Error::new(
-        io::ErrorKind::Unsupported,
-        "Operation not supported",
+/// A request the driver does not do: ENOTSUP, "Operation not supported".
+pub(crate) fn unsupported_fut<'a, T: 'a>() -> BoxFut<'a, io::Result<T>> {
+    Box::pin(std::future::ready(Err(io::Error::from_raw_os_error(
+        libc::ENOTSUP,
     ))))
 }
 

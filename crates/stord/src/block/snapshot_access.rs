@@ -47,12 +47,6 @@ pub struct SnapshotAccess {
     view: Arc<CopyBeforeWrite>,
 }
 
-fn not_supported<'a, T: 'a>() -> BoxFut<'a, io::Result<T>> {
-    Box::pin(std::future::ready(Err(io::Error::from_raw_os_error(
-        libc::ENOTSUP,
-    ))))
-}
-
 impl BlockDriver for SnapshotAccess {
     fn driver_name(&self) -> &'static str {
         "snapshot-access"
@@ -87,10 +81,10 @@ impl BlockDriver for SnapshotAccess {
         Box::pin(self.view.discard_snapshot(offset, len))
     }
     fn write_zeroes(&self, _o: u64, _l: u64, _m: bool) -> BoxFut<'_, io::Result<()>> {
-        not_supported()
+        super::unsupported_fut()
     }
     fn resize(&self, _size: u64) -> BoxFut<'_, io::Result<()>> {
-        not_supported()
+        super::unsupported_fut()
     }
     fn block_status(&self, offset: u64, len: u64) -> BoxFut<'_, io::Result<BlockStatus>> {
         Box::pin(self.view.snapshot_status(offset, len))

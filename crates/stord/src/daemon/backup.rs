@@ -8,7 +8,7 @@
 use std::sync::Arc;
 
 use super::block_jobs::NewJob;
-use super::{DaemonError, State};
+use super::{invalid, DaemonError, State};
 use crate::block::copy_before_write::{
     reads_through, BeforeWrite, CopyBeforeWrite, PointInTimeReads, Unallocated,
 };
@@ -57,10 +57,6 @@ pub struct PreparedBackup {
     /// What runs once the job has ended, or when it is dropped unstarted (drive-backup
     /// lets its target go). Last: it runs after the work's hold on the nodes is gone.
     pub(super) after: super::block_jobs::OnDrop,
-}
-
-fn invalid(s: impl Into<String>) -> DaemonError {
-    DaemonError::Invalid(s.into())
 }
 
 /// QEMU's desugaring of `incremental` and its checks of `bitmap` and `bitmap-mode` that

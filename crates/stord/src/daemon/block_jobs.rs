@@ -7,7 +7,7 @@ use std::future::Future;
 use std::rc::{Rc, Weak};
 use std::sync::Arc;
 
-use super::{DaemonError, State};
+use super::{invalid, DaemonError, State};
 use crate::block::link::NodeLink;
 use crate::block::perm::Perm;
 use crate::block::BlockNode;
@@ -182,10 +182,6 @@ fn backing_name(
         given.or_else(|| unfiltered.filename()).unwrap_or_default(),
         fmt.to_string(),
     )
-}
-
-fn invalid(s: impl Into<String>) -> DaemonError {
-    DaemonError::Invalid(s.into())
 }
 
 /// An argument's name and whether it was given.

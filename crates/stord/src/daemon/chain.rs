@@ -11,24 +11,13 @@
 
 use std::sync::Arc;
 
-use super::{DaemonError, State};
+use super::{invalid, DaemonError, State};
 use crate::block::BlockNode;
-
-fn invalid(s: impl Into<String>) -> DaemonError {
-    DaemonError::Invalid(s.into())
-}
 
 /// Whether `image` is `top` or below it through backing links and filters (QEMU's
 /// bdrv_chain_contains).
 fn chain_contains(top: &Arc<BlockNode>, image: &Arc<BlockNode>) -> bool {
-    let mut n = Some(top.clone());
-    while let Some(c) = n {
-        if Arc::ptr_eq(&c, image) {
-            return true;
-        }
-        n = c.filtered_or_backing();
-    }
-    false
+    Arc::ptr_eq(top, image) || crate::block::copy_before_write::reads_through(top, image)
 }
 
 impl State {
@@ -76,7 +65,7 @@ impl State {
     }
 
     /// A root node by QEMU's qmp_get_root_bs.
-    fn root_node(&self, device: &str) -> Result<Arc<BlockNode>, DaemonError> {
+    pub(super) fn root_node(&self, device: &str) -> Result<Arc<BlockNode>, DaemonError> {
         let n = self.device_node(device)?;
         if !self.parents_of(&n.name).is_empty() {
             return Err(invalid("Need a root block node"));

@@ -17,7 +17,7 @@ use std::sync::Arc;
 use super::backup::{BackupOptions, PreparedBackup};
 use super::block_jobs::MirrorOptions;
 use super::new_image::{create_image, probe_format};
-use super::{DaemonError, State};
+use super::{invalid, DaemonError, State};
 use crate::block::BlockNode;
 use crate::cli::keyval::KeyVal;
 
@@ -31,10 +31,6 @@ pub struct DriveTarget {
     pub existing: bool,
     /// The node name to give it (drive-mirror's `node-name`).
     pub node_name: Option<String>,
-}
-
-fn invalid(s: impl Into<String>) -> DaemonError {
-    DaemonError::Invalid(s.into())
 }
 
 /// The backing node below `n` past its filters (QEMU's bdrv_cow_bs(bdrv_skip_filters())).
@@ -150,10 +146,7 @@ impl State {
         t: DriveTarget,
         me: Weak<RefCell<State>>,
     ) -> Result<(), DaemonError> {
-        let source = self.device_node(&o.device)?;
-        if !self.parents_of(&source.name).is_empty() {
-            return Err(invalid("Need a root block node"));
-        }
+        let source = self.root_node(&o.device)?;
         source.check_not_busy()?;
         let mut target_backing = cow_below(&source);
         if target_backing.is_none() && o.sync == "top" {

@@ -127,6 +127,11 @@ impl DaemonError {
     }
 }
 
+/// A GenericError with QEMU's text.
+pub(super) fn invalid(s: impl Into<String>) -> DaemonError {
+    DaemonError::Invalid(s.into())
+}
+
 /// Everything the daemon has created (main thread only).
 #[derive(Default)]
 pub struct State {

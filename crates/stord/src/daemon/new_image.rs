@@ -5,15 +5,11 @@
 
 use std::sync::Arc;
 
-use super::DaemonError;
+use super::{invalid, DaemonError};
 use crate::block::file::create::{create_file, FileCreate};
 use crate::block::file::{self, AioMode, FileOptions};
 use crate::block::qcow2::create::{create_qcow2, Qcow2Create};
 use crate::block::BlockNode;
-
-fn invalid(s: impl Into<String>) -> DaemonError {
-    DaemonError::Invalid(s.into())
-}
 
 /// Creates `path` in `format`, `size` bytes, backed by `backing` (file name, format).
 pub(super) fn create_image(

@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use super::{DaemonError, State};
+use super::{invalid, DaemonError, State};
 use crate::block::perm::Perm;
 use crate::block::BlockNode;
 use crate::cli::keyval::KeyVal;
@@ -29,10 +29,6 @@ pub struct SnapshotDone {
     was_writable: bool,
     /// The node blockdev-snapshot-sync opened.
     created: Option<String>,
-}
-
-fn invalid(s: impl Into<String>) -> DaemonError {
-    DaemonError::Invalid(s.into())
 }
 
 impl State {

@@ -10,19 +10,15 @@ Every return, error and event (block-job-change's refusals; query-block-jobs wit
 actively-synced) equal to qsd's."""
 
 import os
-import subprocess
 import time
 
 import common
 import stream
-from common import ok
+from common import ok, run
 
 SIZE = 32 << 20
 HALF = 16 << 20
 
-
-def run(*args):
-    return subprocess.run(list(args), check=True, capture_output=True, text=True).stdout
 
 
 def flow(binary, tag, base):
@@ -69,12 +65,7 @@ def flow(binary, tag, base):
         c("block-job-cancel", device="m", force=True)
         stream.wait_status(q, "m", "gone")
         out.append(("events", stream.job_events(q)))
-        ok(q.cmd_raw("quit"))
-        try:
-            q.close()
-        except EOFError:
-            pass
-        assert d.wait() == 0
+        common.quit_and_wait(d, q)
     finally:
         d.stop()
     run("qemu-img", "check", "-q", tgt)

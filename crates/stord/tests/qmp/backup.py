@@ -20,19 +20,15 @@ the backups qemu-img compare-identical to what the disk held at their points in 
 import json
 import os
 import shutil
-import subprocess
 import threading
 import time
 
 import common
-from common import ok
+from common import ok, run
 from stream import clean, job_events
 
 SIZE = 64 << 20
 
-
-def run(*args):
-    return subprocess.run(list(args), check=True, capture_output=True, text=True).stdout
 
 
 def qcow2(path, backing=None, size=SIZE):
@@ -189,12 +185,7 @@ def flow(binary, tag, base):
         c("block-dirty-bitmap-remove", node="disk", name="b0")
         t1, t2 = push(c, q, tag, sock, out)
         pull(c, q, tag, sock, out)
-        ok(q.cmd_raw("quit"))
-        try:
-            q.close()
-        except EOFError:
-            pass
-        assert d.wait() == 0
+        common.quit_and_wait(d, q)
     finally:
         d.stop()
     run("qemu-img", "check", "-q", disk)

@@ -82,6 +82,22 @@ def sparse(name, size):
     return p
 
 
+def run(*args):
+    """A command that must succeed: its standard output."""
+    return subprocess.run(list(args), check=True, capture_output=True, text=True).stdout
+
+
+def quit_and_wait(d, q):
+    """QMP `quit`, then the daemon's clean exit (it may be gone before the client hangs
+    up)."""
+    ok(q.cmd_raw("quit"))
+    try:
+        q.close()
+    except EOFError:
+        pass
+    assert d.wait() == 0
+
+
 def qcow2(image, size, backing=None):
     """A fresh qcow2 image, backed by `backing` (named relative to it) if given."""
     if os.path.exists(image):

@@ -13,17 +13,13 @@ Every return and job event equal to qsd's; the images' backing names as qsd wrot
 import json
 import os
 import shutil
-import subprocess
 
 import common
 import stream
-from common import ok
+from common import ok, run
 
 SIZE = 32 << 20
 
-
-def run(*args):
-    return subprocess.run(list(args), check=True, capture_output=True, text=True).stdout
 
 
 def named_nodes(q):
@@ -100,12 +96,7 @@ def flow(binary, tag, base_img, top_img):
         done("fullm")
         exports = ok(q.cmd_raw("query-block-exports"))
         out.append(("exports", [(e["id"], e["node-name"]) for e in exports]))
-        ok(q.cmd_raw("quit"))
-        try:
-            q.close()
-        except EOFError:
-            pass
-        assert d.wait() == 0
+        common.quit_and_wait(d, q)
     finally:
         d.stop()
     for name in ("full.qcow2", "top.qcow2", "m-top.qcow2", "m-full.qcow2"):

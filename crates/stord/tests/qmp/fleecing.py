@@ -12,13 +12,10 @@ import subprocess
 import threading
 
 import common
-from common import ok
+from common import ok, run
 
 SIZE = 64 << 20
 
-
-def run(*args):
-    return subprocess.run(list(args), check=True, capture_output=True, text=True).stdout
 
 
 def flow(binary, tag, base):
@@ -78,12 +75,7 @@ def flow(binary, tag, base):
         out.append(("cbw again", q.cmd_raw("blockdev-add", {
             "driver": "copy-before-write", "node-name": "cbw2", "file": "disk",
             "target": "tmp2"})))
-        ok(q.cmd_raw("quit"))
-        try:
-            q.close()
-        except EOFError:
-            pass
-        assert d.wait() == 0
+        common.quit_and_wait(d, q)
     finally:
         d.stop()
     run("qemu-img", "check", "-q", disk)

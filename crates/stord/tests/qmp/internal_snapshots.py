@@ -10,16 +10,12 @@ byte."""
 
 import json
 import os
-import subprocess
 
 import common
-from common import ok
+from common import ok, run
 
 SIZE = 32 << 20
 
-
-def run(*args):
-    return subprocess.run(list(args), check=True, capture_output=True, text=True).stdout
 
 
 def masked(r):
@@ -87,12 +83,7 @@ def flow(binary, tag, base):
         delete(id="3")
         snap("disk", "s4")
         run("qemu-io", "-f", "raw", "-c", "write -P 0x51 4M 64k", live)
-        ok(q.cmd_raw("quit"))
-        try:
-            q.close()
-        except EOFError:
-            pass
-        assert d.wait() == 0
+        common.quit_and_wait(d, q)
     finally:
         d.stop()
     run("qemu-img", "check", "-q", disk)

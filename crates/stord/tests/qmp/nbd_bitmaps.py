@@ -14,16 +14,12 @@ Every return, error, dirty-bitmaps entry and nbdinfo output equal between the tw
 
 import json
 import shutil
-import subprocess
 
 import common
-from common import ok
+from common import ok, run
 
 SIZE = 64 << 20
 
-
-def run(*args):
-    return subprocess.run(list(args), check=True, capture_output=True, text=True).stdout
 
 
 def flow(binary, tag, base):
@@ -103,12 +99,7 @@ def flow(binary, tag, base):
         bitmaps("unexported")
         c("block-dirty-bitmap-clear", node="disk", name="c1")
         bitmaps("cleared")
-        ok(q.cmd_raw("quit"))
-        try:
-            q.close()
-        except EOFError:
-            pass
-        assert d.wait() == 0
+        common.quit_and_wait(d, q)
     finally:
         d.stop()
     return out

@@ -20,13 +20,10 @@ import signal
 import subprocess
 
 import common
-from common import ok
+from common import ok, run
 
 SIZE = 64 << 20
 
-
-def run(*args):
-    return subprocess.run(list(args), check=True, capture_output=True, text=True).stdout
 
 
 def base_image():
@@ -88,12 +85,7 @@ def flow(binary, tag, base, v2):
         return bitmaps
 
     def quit(d, q):
-        ok(q.cmd_raw("quit"))
-        try:
-            q.close()
-        except EOFError:
-            pass  # it may be gone before the client hangs up
-        assert d.wait() == 0
+        common.quit_and_wait(d, q)
 
     # Served read-write, written, bitmaps added, changed and removed.
     d, q = start()

@@ -23,17 +23,13 @@ event equal.
 
 import json
 import os
-import subprocess
 
 import common
 import stream
-from common import ok
+from common import ok, run
 
 SIZE = 64 << 20
 
-
-def run(*args):
-    return subprocess.run(list(args), check=True, capture_output=True, text=True).stdout
 
 
 def events(q, name):
@@ -95,12 +91,7 @@ def flow(binary, tag):
         out.append(("past", events(q, "BLOCK_WRITE_THRESHOLD")))
         nodes = ok(q.cmd_raw("query-named-block-nodes"))
         out.append(("cleared", sorted((n["node-name"], n["write_threshold"]) for n in nodes)))
-        ok(q.cmd_raw("quit"))
-        try:
-            q.close()
-        except EOFError:
-            pass
-        assert d.wait() == 0
+        common.quit_and_wait(d, q)
     finally:
         d.stop()
     run("qemu-img", "check", "-q", img)

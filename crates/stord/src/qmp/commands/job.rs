@@ -481,63 +481,55 @@ static BITMAP_SYNC_MODE: super::EnumType = super::EnumType {
     values: || vec!["on-success", "never", "always"],
 };
 
+/// QEMU's BackupCommon and the target, then what a form adds (drive-backup's image).
+macro_rules! backup_args {
+    ($($extra:expr),*) => {
+        &[
+            opt("job-id", Ty::Str),
+            req("device", Ty::Str),
+            req("sync", Ty::Enum(&SYNC_MODE)),
+            opt("speed", Ty::Int),
+            opt("bitmap", Ty::Str),
+            opt("bitmap-mode", Ty::Enum(&BITMAP_SYNC_MODE)),
+            opt("compress", Ty::Bool),
+            opt("on-source-error", Ty::Str),
+            opt("on-target-error", Ty::Str),
+            opt("auto-finalize", Ty::Bool),
+            opt("auto-dismiss", Ty::Bool),
+            opt("filter-node-name", Ty::Str),
+            opt("discard-source", Ty::Bool),
+            opt("x-perf", Ty::Object),
+            req("target", Ty::Str),
+            $($extra),*
+        ]
+    };
+}
+
+/// Either backup command: the point in time made while no export request is inside
+/// the graph, then the job started.
+fn backup_command(
+    state: &crate::daemon::SharedState,
+    a: Args,
+    drive: bool,
+) -> Result<Value, QmpError> {
+    let _held = crate::daemon::hold_all_exports(state);
+    let p = prepare_backup(state, a, drive)?;
+    state.borrow_mut().start_backup(p)?;
+    Ok(json!({}))
+}
+
 pub const BLOCKDEV_BACKUP: Command = Command {
     name: "blockdev-backup",
-    args: &[
-        opt("job-id", Ty::Str),
-        req("device", Ty::Str),
-        req("sync", Ty::Enum(&SYNC_MODE)),
-        opt("speed", Ty::Int),
-        opt("bitmap", Ty::Str),
-        opt("bitmap-mode", Ty::Enum(&BITMAP_SYNC_MODE)),
-        opt("compress", Ty::Bool),
-        opt("on-source-error", Ty::Str),
-        opt("on-target-error", Ty::Str),
-        opt("auto-finalize", Ty::Bool),
-        opt("auto-dismiss", Ty::Bool),
-        opt("filter-node-name", Ty::Str),
-        opt("discard-source", Ty::Bool),
-        opt("x-perf", Ty::Object),
-        req("target", Ty::Str),
-    ],
+    args: backup_args!(),
     open: false,
-    run: |state, a| {
-        // The point in time: no export request inside the graph while it is made.
-        let _held = crate::daemon::hold_all_exports(state);
-        let p = prepare_backup(state, a, false)?;
-        state.borrow_mut().start_backup(p)?;
-        Ok(json!({}))
-    },
+    run: |state, a| backup_command(state, a, false),
 };
 
 pub const DRIVE_BACKUP: Command = Command {
     name: "drive-backup",
-    args: &[
-        opt("job-id", Ty::Str),
-        req("device", Ty::Str),
-        req("sync", Ty::Enum(&SYNC_MODE)),
-        opt("speed", Ty::Int),
-        opt("bitmap", Ty::Str),
-        opt("bitmap-mode", Ty::Enum(&BITMAP_SYNC_MODE)),
-        opt("compress", Ty::Bool),
-        opt("on-source-error", Ty::Str),
-        opt("on-target-error", Ty::Str),
-        opt("auto-finalize", Ty::Bool),
-        opt("auto-dismiss", Ty::Bool),
-        opt("filter-node-name", Ty::Str),
-        opt("discard-source", Ty::Bool),
-        opt("x-perf", Ty::Object),
-        req("target", Ty::Str),
-        opt("format", Ty::Str),
-        opt("mode", Ty::Str),
-    ],
+    args: backup_args!(opt("format", Ty::Str), opt("mode", Ty::Str)),
     open: false,
-    run: |state, a| {
-        let _held = crate::daemon::hold_all_exports(state);
-        let p = prepare_backup(state, a, true)?;
-        state.borrow_mut().start_backup(p)?;
-        Ok(json!({}))
-    },
+    run: |state, a| backup_command(state, a, true),
 };
 
 /// A `blockdev-backup` or `drive-backup` (command or transaction action) made, not
