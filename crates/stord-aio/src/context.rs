@@ -571,6 +571,7 @@ impl Inner {
             *policy = p;
         }
         drop(policy);
+        self.windows_published.set(false);
         self.publish_windows();
     }
 
@@ -631,14 +632,15 @@ impl Inner {
 
         let mut ready = std::mem::take(&mut *self.ready.borrow_mut());
         ready.clear();
-        let window = if timeout == Some(0) {
-            0
-        } else if self.reactor.borrow().storage_owed() {
-            self.policy.borrow().window_ns()
-        } else {
+        let quiet = (!self.reactor.borrow().storage_owed()).then_some(STORAGE_ID);
+        let window = match (timeout, quiet) {
+            (Some(0), _) => 0,
+            (_, None) => self.policy.borrow().window_ns(),
             // No storage completion can come: polling for one only burns the CPU.
-            self.policy.borrow().window_ns_without(STORAGE_ID)
+            (_, Some(q)) => self.policy.borrow().window_ns_without(q),
         };
+        let mut polled_ns = 0;
+        let mut poll_hit = false;
         let mut events = std::mem::take(&mut *self.events.borrow_mut());
         let mut reaped = Reaped::default();
         if window > 0 {
@@ -663,6 +665,8 @@ impl Inner {
             }
             let elapsed = now - start;
             AioStats::add(&stats.poll_ns, elapsed);
+            polled_ns = elapsed.max(1);
+            poll_hit = !ready.is_empty();
             if ready.is_empty() {
                 AioStats::add(&stats.poll_misses, 1);
                 timeout = timeout.map(|t| t.saturating_sub(elapsed));
@@ -724,9 +728,11 @@ impl Inner {
             }
         }
         let users = self.user_handlers();
+        let mut work = completions as u64;
         for (id, h) in users.iter() {
             if h.poll() {
                 ready.push(*id);
+                work += 1;
             }
         }
         self.shared.notifier.accept();
@@ -775,6 +781,10 @@ impl Inner {
             block_ns,
             slept_ns,
             events: &ready,
+            polled_ns,
+            poll_hit,
+            quiet,
+            completions: work,
         });
         *self.ready.borrow_mut() = ready;
         self.publish_windows();

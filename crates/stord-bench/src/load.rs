@@ -40,7 +40,7 @@ impl Default for LoadOptions {
             reps: 3,
             exports: vec![Export::Nbd, Export::Fuse, Export::VhostBlkio],
             backends: vec!["file-io_uring".into(), "dev".into()],
-            daemons: vec!["stord-classic".into(), "qsd".into()],
+            daemons: vec!["stord-adaptive".into(), "qsd".into()],
             workloads: vec![
                 Workload {
                     rw: "randread",

@@ -113,6 +113,10 @@ mod tests {
             block_ns,
             slept_ns: None,
             events,
+            polled_ns: 0,
+            poll_hit: false,
+            quiet: None,
+            completions: 1,
         });
         p.window_ns()
     }

@@ -80,6 +80,10 @@ mod tests {
             block_ns: ns,
             slept_ns: Some(ns),
             events: &[],
+            polled_ns: 0,
+            poll_hit: false,
+            quiet: None,
+            completions: 1,
         });
         p.window_ns()
     }
@@ -89,6 +93,10 @@ mod tests {
             block_ns: ns,
             slept_ns: None,
             events: &[0],
+            polled_ns: 0,
+            poll_hit: false,
+            quiet: None,
+            completions: 1,
         });
         p.window_ns()
     }

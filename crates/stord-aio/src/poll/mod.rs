@@ -6,10 +6,13 @@
 //! polling window. Policies are pure state machines with no clock of their own, so tests
 //! drive them with synthetic waits and assert the exact window after each step.
 //!
-//! One file per policy: [`off`], [`classic`] (QEMU's per-handler grow/shrink),
+//! One file per policy: [`off`], [`adaptive`] (the default: classic's windows, kept only
+//! where the waits they shorten outweigh the time they spin), [`classic`] (QEMU's
+//! per-handler grow/shrink),
 //! [`weighted`] (QEMU's 2026 weighted handler intervals, `poll-weight`) and [`haltpoll`]
 //! (Linux's guest haltpoll governor).
 
+pub mod adaptive;
 pub mod classic;
 pub mod haltpoll;
 pub mod off;
@@ -43,8 +46,10 @@ pub const DEFAULT_GROW_START_NS: u64 = 50_000;
 pub enum PolicyKind {
     /// Never poll: block as soon as there is nothing to do.
     Off,
-    /// QEMU's per-handler grow/shrink (the default, as in qemu-storage-daemon).
+    /// Per-handler windows that must pay for themselves (the default).
     #[default]
+    Adaptive,
+    /// QEMU's per-handler grow/shrink (qemu-storage-daemon's policy).
     Classic,
     /// Per-handler moving average of the wait (`poll-weight`).
     Weighted,
@@ -54,8 +59,9 @@ pub enum PolicyKind {
 
 impl PolicyKind {
     /// All kinds, in a stable order (for benchmarks).
-    pub const ALL: [PolicyKind; 4] = [
+    pub const ALL: [PolicyKind; 5] = [
         PolicyKind::Off,
+        PolicyKind::Adaptive,
         PolicyKind::Classic,
         PolicyKind::Weighted,
         PolicyKind::Haltpoll,
@@ -65,6 +71,7 @@ impl PolicyKind {
     pub fn name(self) -> &'static str {
         match self {
             PolicyKind::Off => "off",
+            PolicyKind::Adaptive => "adaptive",
             PolicyKind::Classic => "classic",
             PolicyKind::Weighted => "weighted",
             PolicyKind::Haltpoll => "haltpoll",
@@ -85,7 +92,9 @@ impl FromStr for PolicyKind {
             .into_iter()
             .find(|k| k.name() == s)
             .ok_or_else(|| {
-                format!("unknown poll policy '{s}' (expected off, classic, weighted or haltpoll)")
+                format!(
+                    "unknown poll policy '{s}' (expected off, adaptive, classic, weighted or haltpoll)"
+                )
             })
     }
 }
@@ -132,7 +141,7 @@ pub const MAX_POLL_FACTOR: u64 = 1024;
 impl Default for PollParams {
     fn default() -> Self {
         Self {
-            policy: PolicyKind::Classic,
+            policy: PolicyKind::Adaptive,
             max_ns: DEFAULT_POLL_MAX_NS,
             grow: 0,
             shrink: 0,
@@ -195,6 +204,14 @@ pub struct Observation<'a> {
     pub slept_ns: Option<u64>,
     /// Handlers that had an event in this iteration.
     pub events: &'a [HandlerId],
+    /// Time spent busy-polling (0 when the loop did not poll).
+    pub polled_ns: u64,
+    /// Whether polling found the event (no sleep followed).
+    pub poll_hit: bool,
+    /// The handler left out of the window ([`PollPolicy::window_ns_without`]), if any.
+    pub quiet: Option<HandlerId>,
+    /// Completions reaped and user handlers ready: the work this wait brought.
+    pub completions: u64,
 }
 
 /// A polling policy. One instance per context; handlers are announced as they come and go.
@@ -226,6 +243,7 @@ pub trait PollPolicy: Send {
 pub fn new_policy(params: &PollParams) -> Box<dyn PollPolicy> {
     match params.policy {
         PolicyKind::Off => Box::new(off::Off),
+        PolicyKind::Adaptive => Box::new(adaptive::Adaptive::new(params)),
         PolicyKind::Classic => Box::new(classic::Classic::new(params)),
         PolicyKind::Weighted => Box::new(weighted::Weighted::new(params)),
         PolicyKind::Haltpoll => Box::new(haltpoll::Haltpoll::new(params)),

@@ -33,6 +33,10 @@ mod tests {
                 block_ns: w,
                 slept_ns: Some(w),
                 events: &[0],
+                polled_ns: 0,
+                poll_hit: false,
+                quiet: None,
+                completions: 1,
             });
             assert_eq!(p.window_ns(), 0);
         }

@@ -65,7 +65,7 @@ pub const OBJECT_TYPES: &[ObjectType] = &[
         help: Help {
             synopsis: "[,poll-max-ns=<ns> (default 65536)]\n\
                    [,poll-grow=<n>][,poll-shrink=<n>]\n\
-                   [,poll-weight=<0..63>][,poll-policy=off|classic|weighted|haltpoll]\n\
+                   [,poll-weight=<0..63>][,poll-policy=adaptive|off|classic|weighted|haltpoll]\n\
                    [,poll-grow-start=<ns>][,poll-allow-shrink=on|off][,poll-yield-ns=<ns>]\n\
                    [,reactor=auto|io_uring|epoll]",
             about: "an IoThread (an event loop on its own thread)",

@@ -25,7 +25,7 @@ def test():
     try:
         q = d.qmp()
         t = iothread(q)
-        assert t["poll-max-ns"] == 0 and t["poll-policy"] == "classic", t
+        assert t["poll-max-ns"] == 0 and t["poll-policy"] == "adaptive", t
         assert t["x-stats"]["reactor"] in ("io_uring", "epoll"), t
         assert isinstance(t["thread-id"], int) and t["thread-id"] > 0
         assert ok(q.cmd_raw("qom-get", {"path": "/objects/io0", "property": "poll-max-ns"})) == 0
@@ -53,6 +53,8 @@ def test():
             assert after["poll-ns"] > before["poll-ns"]
             ring = [w for w in after["windows"] if w["name"] == "io_uring"]
             assert ring and ring[0]["ns"] > 0, after["windows"]
+            # The default policy shows whether it polls as a context-wide window.
+            assert "(context)" in [w["name"] for w in after["windows"]], after["windows"]
         else:
             assert after["blocking-waits"] > before["blocking-waits"], (before, after)
 
