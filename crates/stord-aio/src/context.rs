@@ -728,13 +728,25 @@ impl Inner {
             }
         }
         let users = self.user_handlers();
-        let mut work = completions as u64;
+        let mut users_ready = 0;
         for (id, h) in users.iter() {
             if h.poll() {
                 ready.push(*id);
-                work += 1;
+                users_ready += 1;
             }
         }
+        // The work this wait brought, for policies that weigh polling per unit of work:
+        // completions, and ready user handlers. An fd's readiness is not counted when a
+        // user handler was ready too: that is the handler's own kick (a virtqueue's eventfd),
+        // which comes only while the loop sleeps, and would make sleeping look twice as
+        // productive as polling.
+        let fd_events = events.len() as u64;
+        let work = (completions as u64).saturating_sub(fd_events)
+            + if users_ready > 0 {
+                users_ready
+            } else {
+                fd_events
+            };
         self.shared.notifier.accept();
         if notifier_fired && self.shared.notifier.drain() > 0 {
             AioStats::add(&stats.eventfd_wakeups, 1);
