@@ -157,6 +157,18 @@ def stdio_transcript(binary, tag):
     lines = [l for l in out.split("\n")
              if not re.search(r'"status": "(ready|standby)", "id": "j0"', l)
              and "BLOCK_JOB_READY" not in l]
+    # A drained section in QEMU (the blockdev-create job finishing beside the commit, say)
+    # pauses the running job and resumes it at once, when its timing says so (seen in CI:
+    # qsd's paused/running pair came once in many runs): such a pair is left out too.
+    pause = re.compile(r'"status": "paused", "id": "j0"')
+    resume = re.compile(r'"status": "running", "id": "j0"')
+    kept = []
+    for l in lines:
+        if resume.search(l) and kept and pause.search(kept[-1]):
+            kept.pop()
+            continue
+        kept.append(l)
+    lines = kept
     create = [l for l in lines if '"id": "c0"' in l]
     rest = [l for l in lines if '"id": "c0"' not in l]
     return rest, create, proc.stderr
