@@ -571,7 +571,6 @@ impl Inner {
             *policy = p;
         }
         drop(policy);
-        self.windows_published.set(false);
         self.publish_windows();
     }
 
@@ -632,15 +631,15 @@ impl Inner {
 
         let mut ready = std::mem::take(&mut *self.ready.borrow_mut());
         ready.clear();
-        let quiet = (!self.reactor.borrow().storage_owed()).then_some(STORAGE_ID);
-        let window = match (timeout, quiet) {
-            (Some(0), _) => 0,
-            (_, None) => self.policy.borrow().window_ns(),
+        let window = if timeout == Some(0) {
+            0
+        } else if self.reactor.borrow().storage_owed() {
+            self.policy.borrow().window_ns()
+        } else {
             // No storage completion can come: polling for one only burns the CPU.
-            (_, Some(q)) => self.policy.borrow().window_ns_without(q),
+            self.policy.borrow().window_ns_without(STORAGE_ID)
         };
         let mut polled_ns = 0;
-        let mut poll_hit = false;
         let mut events = std::mem::take(&mut *self.events.borrow_mut());
         let mut reaped = Reaped::default();
         if window > 0 {
@@ -665,8 +664,8 @@ impl Inner {
             }
             let elapsed = now - start;
             AioStats::add(&stats.poll_ns, elapsed);
-            polled_ns = elapsed.max(1);
-            poll_hit = !ready.is_empty();
+            // Past the window the loop was yielding to another thread, not spinning.
+            polled_ns = elapsed.clamp(1, limit.max(1));
             if ready.is_empty() {
                 AioStats::add(&stats.poll_misses, 1);
                 timeout = timeout.map(|t| t.saturating_sub(elapsed));
@@ -794,9 +793,7 @@ impl Inner {
             slept_ns,
             events: &ready,
             polled_ns,
-            poll_hit,
-            quiet,
-            completions: work,
+            work,
         });
         *self.ready.borrow_mut() = ready;
         self.publish_windows();

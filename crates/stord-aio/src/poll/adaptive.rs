@@ -165,19 +165,12 @@ impl PollPolicy for Adaptive {
         }
     }
     fn adjust(&mut self, obs: &Observation<'_>) {
-        if obs.events.is_empty() || self.windows.window_ns() == 0 && self.ledger.polling {
-            // Nothing to weigh: a timeout, or no window to judge yet.
-            self.windows.adjust(obs);
-            return;
+        // A timeout brought nothing to weigh; nor does polling with no window grown yet.
+        let idle_epoch = self.ledger.polling && self.windows.window_ns() == 0;
+        if !obs.events.is_empty() && !idle_epoch {
+            self.ledger
+                .record(obs.block_ns, obs.work.max(1), obs.polled_ns);
         }
-        // The spin the loop did beyond its window was a yield to another thread.
-        let window = match obs.quiet {
-            Some(q) => self.windows.window_ns_without(q),
-            None => self.windows.window_ns(),
-        };
-        let events = obs.completions.max(1);
-        self.ledger
-            .record(obs.block_ns, events, obs.polled_ns.min(window));
         self.windows.adjust(obs);
     }
     fn windows(&self, out: &mut Vec<(Option<HandlerId>, u64)>) {
@@ -239,9 +232,7 @@ mod tests {
                 slept_ns: (!poll_hit).then_some(block_ns - polled_ns),
                 events: &[id],
                 polled_ns,
-                poll_hit,
-                quiet,
-                completions: 1,
+                work: 1,
             });
         }
 
@@ -346,9 +337,7 @@ mod tests {
                 slept_ns: Some(1000),
                 events: &[0],
                 polled_ns: 0,
-                poll_hit: false,
-                quiet: None,
-                completions: 1,
+                work: 1,
             });
         }
         assert_eq!(p.window_ns(), 0);

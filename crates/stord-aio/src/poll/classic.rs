@@ -114,9 +114,7 @@ mod tests {
             slept_ns: None,
             events,
             polled_ns: 0,
-            poll_hit: false,
-            quiet: None,
-            completions: 1,
+            work: 1,
         });
         p.window_ns()
     }

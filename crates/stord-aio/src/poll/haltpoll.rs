@@ -81,9 +81,7 @@ mod tests {
             slept_ns: Some(ns),
             events: &[],
             polled_ns: 0,
-            poll_hit: false,
-            quiet: None,
-            completions: 1,
+            work: 1,
         });
         p.window_ns()
     }
@@ -94,9 +92,7 @@ mod tests {
             slept_ns: None,
             events: &[0],
             polled_ns: 0,
-            poll_hit: false,
-            quiet: None,
-            completions: 1,
+            work: 1,
         });
         p.window_ns()
     }

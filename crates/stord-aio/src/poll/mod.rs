@@ -204,14 +204,10 @@ pub struct Observation<'a> {
     pub slept_ns: Option<u64>,
     /// Handlers that had an event in this iteration.
     pub events: &'a [HandlerId],
-    /// Time spent busy-polling (0 when the loop did not poll).
+    /// Time spent busy-polling, at most the window (0 when the loop did not poll).
     pub polled_ns: u64,
-    /// Whether polling found the event (no sleep followed).
-    pub poll_hit: bool,
-    /// The handler left out of the window ([`PollPolicy::window_ns_without`]), if any.
-    pub quiet: Option<HandlerId>,
     /// Completions reaped and user handlers ready: the work this wait brought.
-    pub completions: u64,
+    pub work: u64,
 }
 
 /// A polling policy. One instance per context; handlers are announced as they come and go.

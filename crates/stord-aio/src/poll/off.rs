@@ -34,9 +34,7 @@ mod tests {
                 slept_ns: Some(w),
                 events: &[0],
                 polled_ns: 0,
-                poll_hit: false,
-                quiet: None,
-                completions: 1,
+                work: 1,
             });
             assert_eq!(p.window_ns(), 0);
         }
