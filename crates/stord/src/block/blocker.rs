@@ -55,13 +55,16 @@ impl BlockNode {
 /// so the node is no longer a root node while the job lasts).
 pub struct JobAttachment {
     node: Arc<BlockNode>,
+    filtered: bool,
 }
 
 impl Drop for JobAttachment {
     fn drop(&mut self) {
-        self.node
-            .jobs_attached
-            .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+        use std::sync::atomic::Ordering::Relaxed;
+        self.node.jobs_attached.fetch_sub(1, Relaxed);
+        if self.filtered {
+            self.node.jobs_filtered.fetch_sub(1, Relaxed);
+        }
     }
 }
 
@@ -70,7 +73,28 @@ impl BlockNode {
     pub fn attach_job(self: &Arc<Self>) -> JobAttachment {
         self.jobs_attached
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        JobAttachment { node: self.clone() }
+        JobAttachment {
+            node: self.clone(),
+            filtered: false,
+        }
+    }
+
+    /// As [`BlockNode::attach_job`], for a job that reaches the node through a filter it
+    /// puts above it (QEMU's mirror_top and copy-before-write): no BlockBackend of the job
+    /// sits on the node itself.
+    pub fn attach_job_through_filter(self: &Arc<Self>) -> JobAttachment {
+        let mut a = self.attach_job();
+        a.filtered = true;
+        self.jobs_filtered
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        a
+    }
+
+    /// Whether a job's BlockBackend sits on the node itself (QEMU's bdrv_has_blk, for
+    /// jobs).
+    pub fn has_job_backend(&self) -> bool {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.jobs_attached.load(Relaxed) > self.jobs_filtered.load(Relaxed)
     }
 
     /// Whether a job runs on the node.

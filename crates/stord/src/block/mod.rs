@@ -427,6 +427,8 @@ pub struct BlockNode {
     blocked: std::sync::Mutex<Option<String>>,
     /// Jobs running on the node ([`blocker::JobAttachment`]).
     jobs_attached: std::sync::atomic::AtomicUsize,
+    /// Of those, the jobs that reach it through a filter of theirs.
+    jobs_filtered: std::sync::atomic::AtomicUsize,
     /// What jobs run around the node's requests ([`hook`]).
     hooks: hook::Hooks,
     /// `block-set-write-threshold`: the first write ending past it announces
@@ -462,6 +464,7 @@ impl BlockNode {
             has_bitmaps: Default::default(),
             blocked: Default::default(),
             jobs_attached: Default::default(),
+            jobs_filtered: Default::default(),
             hooks: Default::default(),
             write_threshold: AtomicU64::new(0),
             events: Default::default(),
@@ -875,6 +878,12 @@ impl BlockNode {
         self.check_range(offset, len)?;
         self.note_write(offset, len);
         hook::before_write(hooks, offset, len).await
+    }
+
+    /// Whether discards and zero writes that may unmap reach the driver (`discard=unmap`;
+    /// QEMU's BDRV_O_UNMAP).
+    pub fn unmaps(&self) -> bool {
+        self.unmap
     }
 
     /// The IoThread the node belongs to, if it was moved to one.

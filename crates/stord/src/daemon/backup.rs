@@ -118,7 +118,7 @@ fn backup_holds(
     Ok(Holds {
         claims,
         blockers,
-        attached: source.attach_job(),
+        attached: source.attach_job_through_filter(),
         reopened: Default::default(),
     })
 }
@@ -331,12 +331,19 @@ impl State {
     }
 
     /// Starts a prepared backup.
-    pub fn start_backup(&mut self, p: PreparedBackup) -> Result<(), DaemonError> {
+    /// Starts a prepared backup; its copies run where the source is served (`me`: the
+    /// daemon, to find that out as the job goes).
+    pub fn start_backup(
+        &mut self,
+        p: PreparedBackup,
+        me: std::rc::Weak<std::cell::RefCell<State>>,
+    ) -> Result<(), DaemonError> {
         let mut p = p;
         let after = p.after.0.take();
         let (work, job, how) = (p.work, p.job, p.how);
+        let home = super::block_jobs::home_finder(me, work.copy.source.clone());
         self.start_block_job(job, "backup", how, false, move |job| {
-            super::block_jobs::with_after(crate::job::backup::run(work, job), after)
+            super::block_jobs::with_after(crate::job::backup::run(work, job, home), after)
         })
     }
 }

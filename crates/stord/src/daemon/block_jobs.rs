@@ -12,7 +12,8 @@ use crate::block::link::NodeLink;
 use crate::block::perm::Perm;
 use crate::block::BlockNode;
 use crate::job::commit::Commit;
-use crate::job::mirror::{Mirror, Parents, Scope, TargetStart};
+use crate::job::home::Home;
+use crate::job::mirror::{Mirror, Parents, Scope, TargetStart, DEFAULT_BUF_SIZE};
 use crate::job::stream::Stream;
 use crate::job::write_blocking::WriteBlocking;
 use crate::job::{run_copy, CopyJob, Finish, Holds, Job, JobOptions, OnError};
@@ -84,6 +85,10 @@ impl Parents for ExportParents {
             .unwrap_or_default()
     }
 
+    fn home_of(&self, node: &Arc<BlockNode>) -> Home {
+        home_of(&self.0, node)
+    }
+
     fn replace(
         &self,
         links: &[Arc<NodeLink>],
@@ -98,6 +103,19 @@ impl Parents for ExportParents {
             None => Ok(()),
         }
     }
+}
+
+/// The thread that serves `node` now: where a job's copies run.
+fn home_of(me: &Weak<RefCell<State>>, node: &Arc<BlockNode>) -> Home {
+    me.upgrade()
+        .and_then(|s| s.borrow().iothread_serving(node))
+        .map_or(Home::Main, Home::IoThread)
+}
+
+/// Asks, each time it is called, which thread serves `node` (a job's copies follow a node
+/// moved to another IoThread while the job runs).
+pub(super) fn home_finder(me: Weak<RefCell<State>>, node: Arc<BlockNode>) -> impl Fn() -> Home {
+    move || home_of(&me, &node)
 }
 
 /// A block job QEMU has announced by now (created): one that fails before it starts is
@@ -659,6 +677,7 @@ impl State {
         let mirror = Mirror {
             active: Arc::new(WriteBlocking::new(false, granularity, base_node.clone())),
             granularity,
+            buf_size: DEFAULT_BUF_SIZE,
             source: top.clone(),
             target_attached: base_node.attach_job(),
             target: base_node,
@@ -671,7 +690,7 @@ impl State {
             holds: Holds {
                 claims,
                 blockers,
-                attached: top.attach_job(),
+                attached: top.attach_job_through_filter(),
                 reopened,
             },
             parents: Box::new(ExportParents(me)),
@@ -730,19 +749,29 @@ impl State {
             _ => target.default_bitmap_granularity().clamp(4096, 65536),
         };
         let blocking = o.copy_mode.as_deref() == Some("write-blocking");
+        // As QEMU's mirror_dirty_init: a target is zeroed first only if zeroes may unmap
+        // there (`discard=unmap`); else every byte is copied.
+        let target_start = if o.target_fresh {
+            TargetStart::ReadsZero
+        } else if target.unmaps() {
+            TargetStart::ZeroFirst
+        } else {
+            TargetStart::Unknown
+        };
         let mirror = Mirror {
             active: Arc::new(WriteBlocking::new(blocking, granularity, target.clone())),
             granularity,
+            // As QEMU's mirror_start_job: a whole number of granules.
+            buf_size: match o.buf_size {
+                Some(b) if b > 0 => (b as u64).div_ceil(granularity) * granularity,
+                _ => DEFAULT_BUF_SIZE,
+            },
             source,
             target_attached: target.attach_job(),
             target,
             scope,
             unmap: true,
-            target_start: if o.target_fresh {
-                TargetStart::ReadsZero
-            } else {
-                TargetStart::ZeroFirst
-            },
+            target_start,
             on_source_error: o.on_source_error,
             on_target_error: o.on_target_error,
             target_claim,
@@ -869,7 +898,7 @@ fn mirror_holds(
     let holds = Holds {
         claims,
         blockers,
-        attached: source.attach_job(),
+        attached: source.attach_job_through_filter(),
         reopened: Default::default(),
     };
     Ok((holds, target_claim))

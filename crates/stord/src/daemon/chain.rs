@@ -174,9 +174,8 @@ impl State {
             .get(name)
             .cloned()
             .ok_or_else(|| invalid(format!("Failed to find node with node-name='{name}'")))?;
-        let served =
-            |n: &Arc<BlockNode>| self.exports().any(|e| Arc::ptr_eq(&e.node(), n)) || n.has_job();
-        if !force && served(&node) {
+        let exported = |n: &Arc<BlockNode>| self.exports().any(|e| Arc::ptr_eq(&e.node(), n));
+        if !force && (exported(&node) || node.has_job_backend()) {
             return Err(invalid(format!(
                 "Node {name} is associated with a BlockBackend and could be in use (use \
                  force=true to override this check)"
@@ -194,7 +193,10 @@ impl State {
             subtree.extend(children);
             i += 1;
         }
-        if subtree.iter().any(served) {
+        // A job follows its node (its next copies run on the new thread, those in flight
+        // finish where they started), as QEMU's job BlockBackends allow the change; an
+        // export stays on the thread it was made on.
+        if subtree.iter().any(exported) {
             return Err(invalid("Cannot change iothread of active block backend"));
         }
         for n in subtree {

@@ -785,6 +785,22 @@ impl State {
             .collect()
     }
 
+    /// The IoThread that serves `node`: the one it was moved to, else the first that one
+    /// of its exports runs on (QEMU's node AioContext); None for the main loop.
+    pub fn iothread_serving(&self, node: &Arc<BlockNode>) -> Option<Remote> {
+        if let Some(home) = node.home() {
+            return self.iothread(&home).cloned();
+        }
+        let exports: Vec<_> = self
+            .exports
+            .values()
+            .filter(|e| Arc::ptr_eq(&e.node(), node))
+            .collect();
+        self.iothreads()
+            .find(|(_, r)| exports.iter().any(|e| e.runs_on(r)))
+            .map(|(_, r)| r.clone())
+    }
+
     /// Points every export that serves `from` at `to` (QEMU's bdrv_replace_node, for the
     /// exports' root links): each export's permissions are taken on `to` before any moves,
     /// so a conflict leaves everything as it was. Requests in flight finish on `from`.

@@ -14,9 +14,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::home::{stopped, Home, InFlight};
 use super::{ErrorAction, Finish, Holds, Job, OnError};
 use crate::block::blocker::JobAttachment;
-use crate::block::copy_before_write::CopyBeforeWrite;
+use crate::block::copy_before_write::{CopyBeforeWrite, CopyError};
 use crate::block::dirty_bitmap::DirtyBitmap;
 use crate::block::hook::HookOn;
 use crate::block::BlockNode;
@@ -24,9 +25,9 @@ use crate::block::BlockNode;
 /// How much one copy moves at most.
 const CHUNK: u64 = 1 << 20;
 
-/// Copies in flight at once (QEMU's block-copy runs up to 64 workers; a few keep the
-/// storage's queue busy without holding much memory).
-const IN_FLIGHT: usize = 8;
+/// Copies in flight at once (QEMU's block-copy runs up to 64 workers; as many as a
+/// mirror's keep the storage's queue busy without holding much memory).
+const IN_FLIGHT: usize = 16;
 
 /// How long a `sync=none` job sleeps between looks at its progress (a verb wakes it).
 const IDLE: Duration = Duration::from_millis(100);
@@ -149,26 +150,14 @@ impl Backup {
     }
 }
 
-/// The next chunks to copy from `offset` on, in order, at most [`IN_FLIGHT`] (none past
-/// the end once the search wraps around).
-fn next_chunks(copy: &CopyBeforeWrite, offset: u64) -> Vec<u64> {
-    let mut out: Vec<u64> = Vec::new();
-    let mut from = offset;
-    while out.len() < IN_FLIGHT {
-        match copy.next(from) {
-            Some(at) if out.last().is_none_or(|&l| at > l) => {
-                out.push(at);
-                from = at + CHUNK;
-            }
-            _ => break,
-        }
-    }
-    out
-}
-
 /// Runs a backup: what is to be copied is copied (or, with `sync=none`, the job waits to
-/// be cancelled); at finalize the bitmap is synced, then the hooks go.
-pub async fn run(mut b: Backup, job: std::rc::Rc<Job>) -> Result<Finish, String> {
+/// be cancelled); at finalize the bitmap is synced, then the hooks go. The copies run on
+/// the thread `home` names, [`IN_FLIGHT`] at a time.
+pub async fn run(
+    mut b: Backup,
+    job: std::rc::Rc<Job>,
+    home: impl Fn() -> Home,
+) -> Result<Finish, String> {
     b.progress(&job);
     if b.sync == Sync::None {
         while !job.is_cancelled() {
@@ -177,48 +166,14 @@ pub async fn run(mut b: Backup, job: std::rc::Rc<Job>) -> Result<Finish, String>
         }
         return Ok(None);
     }
-    let mut offset = 0;
-    loop {
-        job.ratelimit().await;
-        if job.is_cancelled() {
-            return Ok(None);
-        }
-        let batch = next_chunks(&b.copy, offset);
-        let Some(&last) = batch.last() else {
-            break;
-        };
-        let before = b.copy.copied();
-        let copies: Vec<_> = batch
-            .iter()
-            .map(|&at| {
-                let copy = b.copy.clone();
-                stord_aio::spawn(async move { copy.copy(at, CHUNK).await })
-            })
-            .collect();
-        let mut failed = None;
-        for c in copies {
-            if let Err(e) = c.await {
-                failed.get_or_insert(e);
-            }
-        }
-        job.ratelimit_processed(b.copy.copied().saturating_sub(before));
-        offset = last + CHUNK;
-        if let Some(e) = failed {
-            let policy = if e.read {
-                b.on_source_error
-            } else {
-                b.on_target_error
-            };
-            // Stop pauses the job (what failed is tried again once resumed); ignore
-            // tries again at once, as QEMU's backup_loop does.
-            if job.error_action(policy, e.read, &e.error) == ErrorAction::Report {
-                b.progress(&job);
-                return Err(crate::block::os_text(&e.error));
-            }
-        }
-        b.progress(&job);
-    }
+    let ops = InFlight::new();
+    let r = copy_all(&b, &job, &home, &ops).await;
+    // Whatever ended the loop, nothing it started is left running.
+    ops.drain().await;
     b.progress(&job);
+    if !r? {
+        return Ok(None);
+    }
     Ok(Some(Box::pin(async move {
         if let Some(bm) = &mut b.bitmap {
             bm.resolve(true);
@@ -226,4 +181,74 @@ pub async fn run(mut b: Backup, job: std::rc::Rc<Job>) -> Result<Finish, String>
         drop(b);
         Ok(())
     })))
+}
+
+/// Copies what is still to be copied, chunks in order from the start; a chunk found again
+/// behind the cursor (a failed copy, to be tried again) waits until those in flight are
+/// done. True once all is copied, false if cancelled.
+async fn copy_all(
+    b: &Backup,
+    job: &Job,
+    home: &impl Fn() -> Home,
+    ops: &InFlight<Result<(), CopyError>>,
+) -> Result<bool, String> {
+    let mut offset = 0;
+    let mut counted = b.copy.copied();
+    loop {
+        while let Some(r) = ops.try_next() {
+            settle(b, job, r)?;
+        }
+        let copied = b.copy.copied();
+        job.ratelimit_processed(copied.saturating_sub(counted));
+        counted = copied;
+        b.progress(job);
+        job.ratelimit().await;
+        if job.is_cancelled() {
+            return Ok(false);
+        }
+        let busy = ops.load().0;
+        let next = if busy < IN_FLIGHT {
+            b.copy.next(offset)
+        } else {
+            None
+        };
+        match next {
+            Some(at) if at >= offset => {
+                offset = at + CHUNK;
+                let copy = b.copy.clone();
+                let lost = Err(CopyError {
+                    error: stopped(),
+                    read: false,
+                });
+                ops.start(&home(), CHUNK, lost, move || async move {
+                    copy.copy(at, CHUNK).await
+                });
+            }
+            Some(_) if busy == 0 => offset = 0,
+            None if busy == 0 => return Ok(true),
+            _ => {
+                if let Some(r) = ops.next().await {
+                    settle(b, job, r)?;
+                }
+            }
+        }
+    }
+}
+
+/// A finished copy: a failure as `on-source-error` / `on-target-error` say (stop pauses
+/// the job, and what failed is copied again once resumed; ignore tries it again at once,
+/// as QEMU's backup_loop does).
+fn settle(b: &Backup, job: &Job, r: Result<(), CopyError>) -> Result<(), String> {
+    let Err(e) = r else {
+        return Ok(());
+    };
+    let policy = if e.read {
+        b.on_source_error
+    } else {
+        b.on_target_error
+    };
+    if job.error_action(policy, e.read, &e.error) == ErrorAction::Report {
+        return Err(crate::block::os_text(&e.error));
+    }
+    Ok(())
 }

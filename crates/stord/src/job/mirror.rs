@@ -7,11 +7,18 @@
 //! flushes the target, and at finalize points those exports at the target with their
 //! permissions (QEMU's mirror_exit_common and bdrv_replace_node). Cancelled without force
 //! once ready, it stops in step the same way but leaves the exports where they are.
+//!
+//! As QEMU's mirror, the copy runs as several operations at once (up to
+//! [`MAX_IN_FLIGHT`], holding at most `buf-size` bytes, each a dirty run of up to
+//! `buf-size / 16` or 1 MiB), on the thread that serves the source ([`super::home`]).
+//! Operations on overlapping granules wait for each other, so the copy that read the
+//! newer data lands last.
 
 use std::rc::Rc;
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::home::{stopped, Home, InFlight};
 use super::write_blocking::{MirrorType, WriteBlocking};
 use super::{ErrorAction, Finish, Holds, Job, OnError};
 use crate::block::blocker::JobAttachment;
@@ -21,8 +28,16 @@ use crate::block::link::{Hold, NodeLink};
 use crate::block::perm::{Claim, Perm};
 use crate::block::{request_buf, BlockNode};
 
-/// How much one step copies at most.
-const CHUNK: u64 = 1 << 20;
+/// Copy operations in flight at most (QEMU's MAX_IN_FLIGHT).
+pub const MAX_IN_FLIGHT: usize = 16;
+
+/// The least one operation may copy at most (QEMU's MAX_IO_BYTES): a larger `buf-size`
+/// makes operations larger.
+const MAX_IO_BYTES: u64 = 1 << 20;
+
+/// The buffer a mirror copies through when `buf-size` is not given (QEMU's
+/// DEFAULT_MIRROR_BUF_SIZE).
+pub const DEFAULT_BUF_SIZE: u64 = MAX_IN_FLIGHT as u64 * MAX_IO_BYTES;
 
 /// How long a ready job with nothing to copy waits before it looks again (QEMU's
 /// BLOCK_JOB_SLICE_TIME); a verb wakes it sooner.
@@ -58,6 +73,8 @@ pub enum TargetStart {
 pub trait Parents {
     /// The links of the exports that serve `node` now.
     fn links_on(&self, node: &Arc<BlockNode>) -> Vec<Arc<NodeLink>>;
+    /// The thread that serves `node` now (where the job's copies run).
+    fn home_of(&self, node: &Arc<BlockNode>) -> Home;
     /// Points the exports on `from` whose links are `links` (those held) at `to`, their
     /// permissions moved with them (all or nothing).
     fn replace(
@@ -89,6 +106,8 @@ pub struct Mirror {
     pub scope: Scope,
     /// Bytes per bit of the tracker.
     pub granularity: u64,
+    /// The most the copies in flight hold at once (`buf-size`).
+    pub buf_size: u64,
     /// Zero ranges may be left unallocated in the target.
     pub unmap: bool,
     /// What the target holds at the start (`sync=full`).
@@ -114,7 +133,25 @@ enum Action {
     Copy,
 }
 
-impl Mirror {
+/// What a copy operation needs, sent to the thread it runs on.
+#[derive(Clone)]
+struct Copier {
+    source: Arc<BlockNode>,
+    target: Arc<BlockNode>,
+    scope: Scope,
+    unmap: bool,
+    active: Arc<WriteBlocking>,
+}
+
+/// A finished copy operation: its range, and the bytes copied or the error with whether
+/// it was the source's.
+struct Copied {
+    offset: u64,
+    len: u64,
+    result: Result<u64, (std::io::Error, bool)>,
+}
+
+impl Copier {
     fn action(&self, depth: u32) -> Action {
         match (self.scope, depth) {
             (Scope::AboveBase(base), d) if d == 0 || d >= base => Action::Skip,
@@ -123,6 +160,45 @@ impl Mirror {
         }
     }
 
+    /// Brings `[offset, offset + len)` of the target in step with the source: the bytes
+    /// copied, or the error with whether it was the source's.
+    async fn copy(&self, offset: u64, len: u64) -> Result<u64, (std::io::Error, bool)> {
+        let end = (offset + len).min(self.source.size());
+        // Against write-blocking writes and other copies of these granules: the data
+        // read here lands before theirs.
+        let _held = self.active.hold_copy(offset, end - offset).await;
+        let mut at = offset;
+        let mut copied = 0;
+        while at < end {
+            let (n, depth) = self
+                .source
+                .driver()
+                .allocation_depth(at, end - at)
+                .await
+                .map_err(|e| (e, true))?;
+            let n = n.clamp(1, end - at);
+            match self.action(depth) {
+                Action::Skip => {}
+                Action::Zero => self
+                    .target
+                    .write_zeroes(at, n, self.unmap)
+                    .await
+                    .map_err(|e| (e, false))?,
+                Action::Copy => {
+                    let (r, buf) = self.source.read(at, request_buf(n as usize)).await;
+                    r.map_err(|e| (e, true))?;
+                    let (r, _) = self.target.write(at, buf, false).await;
+                    r.map_err(|e| (e, false))?;
+                    copied += n;
+                }
+            }
+            at += n;
+        }
+        Ok(copied)
+    }
+}
+
+impl Mirror {
     /// Marks what the first pass copies.
     async fn mark_initial(&self, t: &DirtyBitmap) -> Result<(), String> {
         let size = self.source.size();
@@ -164,40 +240,46 @@ impl Mirror {
         Ok(())
     }
 
-    /// Brings `[offset, offset + len)` of the target in step with the source: the bytes
-    /// copied, or the error with whether it was the source's.
-    async fn copy(&self, offset: u64, len: u64) -> Result<u64, (std::io::Error, bool)> {
-        let end = (offset + len).min(self.source.size());
-        // Against write-blocking writes: the data read here lands before theirs.
-        let _held = self.active.hold_copy(offset, end - offset).await;
-        let mut at = offset;
-        let mut copied = 0;
-        while at < end {
-            let (n, depth) = self
-                .source
-                .driver()
-                .allocation_depth(at, end - at)
-                .await
-                .map_err(|e| (e, true))?;
-            let n = n.clamp(1, end - at);
-            match self.action(depth) {
-                Action::Skip => {}
-                Action::Zero => self
-                    .target
-                    .write_zeroes(at, n, self.unmap)
-                    .await
-                    .map_err(|e| (e, false))?,
-                Action::Copy => {
-                    let (r, buf) = self.source.read(at, request_buf(n as usize)).await;
-                    r.map_err(|e| (e, true))?;
-                    let (r, _) = self.target.write(at, buf, false).await;
-                    r.map_err(|e| (e, false))?;
-                    copied += n;
-                }
-            }
-            at += n;
+    fn copier(&self) -> Copier {
+        Copier {
+            source: self.source.clone(),
+            target: self.target.clone(),
+            scope: self.scope,
+            unmap: self.unmap,
+            active: self.active.clone(),
         }
-        Ok(copied)
+    }
+
+    /// The most one operation copies (QEMU's max_io_bytes).
+    fn op_bytes(&self) -> u64 {
+        (self.buf_size / MAX_IN_FLIGHT as u64).max(MAX_IO_BYTES)
+    }
+
+    /// Whether another operation of `len` bytes may start beside those in flight.
+    fn has_room(&self, ops: &InFlight<Copied>) -> bool {
+        let (n, bytes) = ops.load();
+        n == 0 || (n < MAX_IN_FLIGHT && bytes + self.op_bytes() <= self.buf_size)
+    }
+
+    /// Starts copying `[offset, offset + len)` on the source's thread.
+    fn start(&self, ops: &InFlight<Copied>, offset: u64, len: u64) {
+        let home = self.parents.home_of(&self.source);
+        let c = self.copier();
+        let lost = Copied {
+            offset,
+            len,
+            result: Err((stopped(), false)),
+        };
+        ops.start(&home, len, lost, move || async move {
+            // Where the job's copies ran, in the loop's statistics (`x-stats`).
+            stord_aio::with_current_context(|l| l.counter("job.copies").add(1));
+            let result = c.copy(offset, len).await;
+            Copied {
+                offset,
+                len,
+                result,
+            }
+        });
     }
 }
 
@@ -242,30 +324,54 @@ impl Mirror {
     }
 
     /// Copies what is dirty, then waits in ready, until the job is told to complete or
-    /// cancelled softly (true) or cancelled (false).
+    /// cancelled softly (true) or cancelled (false). Whatever ends it, the operations it
+    /// started have finished when it returns.
     async fn copy_until_told(&self, job: &Rc<Job>, t: &DirtyBitmap) -> Result<bool, String> {
+        let ops = InFlight::new();
+        let r = self.copy_loop(job, t, &ops).await;
+        for done in ops.drain().await {
+            if done.result.is_err() {
+                t.mark(done.offset, done.len);
+            }
+        }
+        r
+    }
+
+    async fn copy_loop(
+        &self,
+        job: &Rc<Job>,
+        t: &DirtyBitmap,
+        ops: &InFlight<Copied>,
+    ) -> Result<bool, String> {
         let mut cursor = 0;
         loop {
+            while let Some(done) = ops.try_next() {
+                self.settle(job, t, done).await?;
+            }
             job.progress_grow(self.active.take_synced());
-            job.set_remaining(t.count());
+            job.set_remaining(t.count() + ops.load().1);
             job.ratelimit().await;
             if job.is_cancelled() {
                 job.progress_grow(self.active.take_synced());
                 return Ok(false);
             }
-            match t.take_dirty(cursor, CHUNK) {
-                Some((offset, len)) => match self.copy(offset, len).await {
-                    Ok(copied) => {
-                        cursor = offset + len;
-                        job.progress_add(len);
-                        job.ratelimit_processed(copied);
+            if !self.has_room(ops) {
+                if let Some(done) = ops.next().await {
+                    self.settle(job, t, done).await?;
+                }
+                continue;
+            }
+            match t.take_dirty(cursor, self.op_bytes()) {
+                Some((offset, len)) => {
+                    cursor = offset + len;
+                    job.ratelimit_processed(len);
+                    self.start(ops, offset, len);
+                }
+                None if ops.load().0 > 0 => {
+                    if let Some(done) = ops.next().await {
+                        self.settle(job, t, done).await?;
                     }
-                    Err((e, read)) => {
-                        // Copied again later, whatever the policy says now.
-                        t.mark(offset, len);
-                        self.on_copy_error(job, e, read).await?;
-                    }
-                },
+                }
                 None if job.complete_requested() || job.soft_cancelled() => return Ok(true),
                 None => {
                     job.set_ready();
@@ -274,6 +380,19 @@ impl Mirror {
                 }
             }
         }
+    }
+
+    /// Counts a finished operation; a failed one is marked to be copied again, whatever
+    /// the policy says now, and the policy applied.
+    async fn settle(&self, job: &Rc<Job>, t: &DirtyBitmap, done: Copied) -> Result<(), String> {
+        match done.result {
+            Ok(_) => job.progress_add(done.len),
+            Err((e, read)) => {
+                t.mark(done.offset, done.len);
+                self.on_copy_error(job, e, read).await?;
+            }
+        }
+        Ok(())
     }
 
     /// What a failed copy does, as `on-source-error` / `on-target-error` say.
@@ -296,6 +415,40 @@ impl Mirror {
         Ok(())
     }
 
+    /// Copies what is still dirty while the exports are held: operations in flight as
+    /// in the copy loop; the first error fails the job (what failed stays marked: the
+    /// exports stay on the source, and the record stays true while the job lasts).
+    async fn copy_rest(&self, job: &Rc<Job>, t: &DirtyBitmap) -> Result<(), String> {
+        let ops = InFlight::new();
+        let mut failed = None;
+        loop {
+            let next = if failed.is_none() && self.has_room(&ops) {
+                t.take_dirty(0, self.op_bytes())
+            } else {
+                None
+            };
+            if let Some((offset, len)) = next {
+                self.start(&ops, offset, len);
+                continue;
+            }
+            // Nothing more to start: the next to finish, until none is left.
+            let Some(done) = ops.next().await else {
+                break;
+            };
+            match done.result {
+                Ok(_) => job.progress_add(done.len),
+                Err((e, _)) => {
+                    t.mark(done.offset, done.len);
+                    failed.get_or_insert(e);
+                }
+            }
+        }
+        match failed {
+            Some(e) => Err(e.to_string()),
+            None => Ok(()),
+        }
+    }
+
     /// In step: the exports on the source wait at their door while the last writes are
     /// copied; they stay held until the graph change at finalize (QEMU's drained
     /// section), which moves them to the target if the job was told to complete.
@@ -305,15 +458,7 @@ impl Mirror {
         for link in self.parents.links_on(&self.source) {
             held.push(link.hold().await);
         }
-        while let Some((offset, len)) = t.take_dirty(0, CHUNK) {
-            if let Err((e, _)) = self.copy(offset, len).await {
-                // The job fails and the exports stay on the source: nothing to copy later,
-                // but the record stays true while the job lasts.
-                t.mark(offset, len);
-                return Err(e.to_string());
-            }
-            job.progress_add(len);
-        }
+        self.copy_rest(job, t).await?;
         job.set_remaining(0);
         self.target.flush().await.map_err(|e| e.to_string())?;
         let pivot = job.complete_requested() && !job.soft_cancelled();

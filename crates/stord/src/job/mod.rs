@@ -1,7 +1,8 @@
 //! Jobs: long operations that outlive the command that started them, with QEMU's states,
 //! verbs and events.
 //!
-//! A job is a task on the main loop (its I/O runs wherever its nodes are served). Every
+//! A job is a task on the main loop; the copies of mirror and backup run on the thread
+//! that serves their node ([`home`]), several at once. Every
 //! state change is announced as JOB_STATUS_CHANGE, in QEMU's order: created, running
 //! (paused and back, ready and standby for jobs that wait to be completed), then on
 //! success waiting, pending, concluded; on failure or cancel aborting, concluded; and null
@@ -15,6 +16,7 @@
 
 pub mod backup;
 pub mod commit;
+pub mod home;
 pub mod mirror;
 pub mod stream;
 pub mod write_blocking;

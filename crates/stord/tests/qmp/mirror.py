@@ -8,6 +8,10 @@ NBD export serves the source throughout while fio verify writes through it.
   (completes, the export stays), and one cancelled with job-cancel (cancelled).
 - Active commit of top into base (base <- mid <- top): READY, writes, job-complete, the
   export moves to base.
+- A mirror whose node an NBD export serves from an IoThread copies there (stord: that
+  thread's loop completes the job's I/O, the main loop's does not); a slow mirror of a
+  node moved to another IoThread with x-blockdev-set-iothread force=true while it runs
+  goes on there and ends READY and completed, its target equal to qsd's.
 
 Every return (QEMU's error texts and classes first), the JOB_STATUS_CHANGE and BLOCK_JOB_*
 events in order and the job lists equal qsd's. Afterwards qemu-img check is clean on every
@@ -214,6 +218,67 @@ def commit_flow(binary, tag):
     return out
 
 
+def copies(q):
+    """The job copy operations each IoThread ran (stord's x-stats), by IoThread id."""
+    return {t["id"]: t["x-stats"]["counters"].get("job.copies", 0)
+            for t in q.cmd_raw("query-iothreads")["return"]}
+
+
+def iothread_flow(binary, tag):
+    for n in ("solo", "solo-a", "solo-b"):
+        create(img(tag, n))
+    qemu_io(img(tag, "solo"), "write -P 0x61 0 24M", "write -P 0x62 28M 2M")
+    sock = common.path(f"mi-io-{tag}.sock")
+    args = ["--object", "iothread,id=io0", "--object", "iothread,id=io1"]
+    args += node_args(tag, [("solo", None), ("solo-a", ""), ("solo-b", "")])
+    args += ["--nbd-server", f"addr.type=unix,addr.path={sock}",
+             "--export", "type=nbd,id=e,node-name=solo,name=solo,iothread=io0"]
+    d = common.Daemon(args, binary=binary, tag=tag)
+    out = []
+    stord = tag == "stord"
+    try:
+        q = d.qmp()
+
+        def c(name, **a):
+            r = q.cmd_raw(name, a)
+            out.append((name, a, clean(r)))
+            return r
+
+        before = copies(q) if stord else None
+        c("blockdev-mirror", device="solo", target="solo-a", sync="full",
+          **{"job-id": "a"})
+        common.wait_event(q, "BLOCK_JOB_READY", timeout=30)
+        if stord:
+            after = copies(q)
+            # 32 MiB in operations of at most 1 MiB.
+            assert after["io0"] - before["io0"] >= 32, (before, after)
+            assert after["io1"] == before["io1"], (before, after)
+        c("job-complete", id="a")
+        wait_status(q, "a", "gone")
+        out.append(("events a", job_events(q)))
+        out.append(("exports a", served(q)))
+        # The export now serves solo-a; solo has no user but the next job.
+        c("blockdev-mirror", device="solo", target="solo-b", sync="full", speed=4 << 20,
+          **{"job-id": "b"})
+        time.sleep(0.5)
+        c("x-blockdev-set-iothread", **{"node-name": "solo", "iothread": "io1"})
+        c("x-blockdev-set-iothread", **{"node-name": "solo", "iothread": "io1",
+                                        "force": True})
+        before = copies(q) if stord else None
+        c("block-job-set-speed", device="b", speed=0)
+        common.wait_event(q, "BLOCK_JOB_READY", timeout=30)
+        if stord:
+            after = copies(q)
+            assert after["io1"] - before["io1"] >= 10, (before, after)
+        c("job-complete", id="b")
+        wait_status(q, "b", "gone")
+        out.append(("events b", job_events(q)))
+        q.close()
+    finally:
+        d.stop()
+    return out
+
+
 def compare(theirs, ours):
     assert len(theirs) == len(ours), (len(theirs), len(ours), theirs, ours)
     for a, b in zip(theirs, ours):
@@ -238,6 +303,8 @@ def test():
     check_and_compare(["base", "full", "topt"], checked=["src"])
     compare(commit_flow("qemu-storage-daemon", "qsd"), commit_flow(common.STORD, "stord"))
     check_and_compare(["cbase"])
+    compare(iothread_flow("qemu-storage-daemon", "qsd"), iothread_flow(common.STORD, "stord"))
+    check_and_compare(["solo", "solo-a", "solo-b"])
 
 
 if __name__ == "__main__":

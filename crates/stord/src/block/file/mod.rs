@@ -467,15 +467,30 @@ impl<E: Engine> FileDriver<E> {
                 Err(e) if errno(&e) == libc::EOPNOTSUPP || errno(&e) == libc::EINVAL => {}
                 Err(e) => return Err(e),
             }
+            // No zero range (tmpfs, NFS): a hole punched and allocated again reads as
+            // zeroes and stays allocated, as QEMU's handle_aiocb_write_zeroes does it.
+            if mode & libc::FALLOC_FL_PUNCH_HOLE == 0 {
+                let punch = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
+                if self.fallocate(punch, offset, len).await.is_ok() {
+                    match self.fallocate(0, offset, len).await {
+                        Ok(()) => return Ok(()),
+                        Err(e) if errno(&e) == libc::EOPNOTSUPP => {}
+                        Err(e) => return Err(e),
+                    }
+                }
+            }
         }
-        // Fallback: write zeroes in chunks of at most 1 MiB.
-        let chunk = 1 << 20;
+        // Fallback: write zeroes in chunks of at most 1 MiB, from one buffer.
+        let chunk = (len as usize).min(1 << 20);
+        let mut zeroes = new_buf(chunk);
         let mut off = offset;
         let end = offset + len;
         while off < end {
             let n = ((end - off) as usize).min(chunk);
-            let (r, _) = self.write_impl(off, new_buf(n), false).await;
+            zeroes.set_len(n);
+            let (r, buf) = self.write_impl(off, zeroes, false).await;
             r?;
+            zeroes = buf;
             off += n as u64;
         }
         Ok(())

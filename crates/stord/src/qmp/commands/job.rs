@@ -514,7 +514,9 @@ fn backup_command(
 ) -> Result<Value, QmpError> {
     let _held = crate::daemon::hold_all_exports(state);
     let p = prepare_backup(state, a, drive)?;
-    state.borrow_mut().start_backup(p)?;
+    state
+        .borrow_mut()
+        .start_backup(p, std::rc::Rc::downgrade(state))?;
     Ok(json!({}))
 }
 
@@ -633,7 +635,7 @@ pub fn backup_action(
             }),
             commit: Box::new(move || {
                 if let Some(b) = p.borrow_mut().take() {
-                    if let Err(e) = st.borrow_mut().start_backup(b) {
+                    if let Err(e) = st.borrow_mut().start_backup(b, std::rc::Rc::downgrade(&st)) {
                         tracing::error!("transaction: the backup job did not start: {e}");
                     }
                 }
