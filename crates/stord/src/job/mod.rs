@@ -2,8 +2,8 @@
 //! verbs and events.
 //!
 //! A job is a task on the main loop; the copies of mirror and backup run on the thread
-//! that serves their node ([`home`]), several at once. Every
-//! state change is announced as JOB_STATUS_CHANGE, in QEMU's order: created, running
+//! that serves their node ([`home`]), several at once. Every state change is announced
+//! as JOB_STATUS_CHANGE, in QEMU's order: created, running
 //! (paused and back, ready and standby for jobs that wait to be completed), then on
 //! success waiting, pending, concluded; on failure or cancel aborting, concluded; and null
 //! once dismissed (at once with `auto-dismiss`). Block jobs (stream, commit) also send
