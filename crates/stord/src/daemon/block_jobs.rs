@@ -484,8 +484,9 @@ impl State {
         removed: Vec<String>,
         me: Weak<RefCell<State>>,
     ) -> Result<(), DaemonError> {
+        let home = home_finder(me.clone(), work.node().clone());
         self.start_block_job(job, kind, how, false, move |job| {
-            run_copy(work, job, move || {
+            run_copy(work, job, home, move || {
                 if let Some(state) = me.upgrade() {
                     state.borrow_mut().drop_implicit(removed);
                 }

@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use super::{CopyJob, Holds, OnError};
+use super::{ChunkCopy, CopyJob, Holds, OnError};
 use crate::block::{request_buf, BlockNode};
 
 /// How much one step copies at most (QEMU's COMMIT_BUFFER_SIZE).
@@ -28,13 +28,60 @@ pub struct Commit {
     pub holds: Holds,
 }
 
+/// What commits one chunk: the images, and how deep the base lies below top.
+#[derive(Clone)]
+pub struct CommitChunk {
+    top: Arc<BlockNode>,
+    base: Arc<BlockNode>,
+    base_depth: u32,
+}
+
+impl ChunkCopy for CommitChunk {
+    /// Copies into base what an image above it holds in `[offset, offset + len)`, run by
+    /// run: the bytes copied.
+    async fn copy(&self, offset: u64, len: u64) -> Result<u64, (std::io::Error, bool)> {
+        let end = offset + len;
+        let mut at = offset;
+        let mut copied = 0;
+        while at < end {
+            let (n, depth) = self
+                .top
+                .driver()
+                .allocation_depth(at, end - at)
+                .await
+                .map_err(|e| (e, true))?;
+            let n = n.clamp(1, end - at);
+            if depth != 0 && depth < self.base_depth {
+                let (r, buf) = self.top.read(at, request_buf(n as usize)).await;
+                r.map_err(|e| (e, true))?;
+                let (r, _) = self.base.write(at, buf, false).await;
+                r.map_err(|e| (e, false))?;
+                copied += n;
+            }
+            at += n;
+        }
+        Ok(copied)
+    }
+}
+
 impl CopyJob for Commit {
     const CHUNK: u64 = CHUNK;
+    type Chunk = CommitChunk;
     fn bytes(&self) -> u64 {
         self.top.size()
     }
     fn on_error(&self) -> OnError {
         self.on_error
+    }
+    fn node(&self) -> &Arc<BlockNode> {
+        &self.top
+    }
+    fn chunk(&self) -> CommitChunk {
+        CommitChunk {
+            top: self.top.clone(),
+            base: self.base.clone(),
+            base_depth: self.base_depth,
+        }
     }
 
     /// Base grows to top's size first.
@@ -44,26 +91,6 @@ impl CopyJob for Commit {
             self.base.resize(len).await.map_err(|e| e.to_string())?;
         }
         Ok(())
-    }
-
-    /// Copies one run at `offset` into base if an image above base holds it: its length,
-    /// whether it was copied; an error with whether it was the read.
-    async fn step(&self, offset: u64, want: u64) -> Result<(u64, bool), (std::io::Error, bool)> {
-        let (n, depth) = self
-            .top
-            .driver()
-            .allocation_depth(offset, want)
-            .await
-            .map_err(|e| (e, true))?;
-        let n = n.clamp(1, want);
-        if depth == 0 || depth >= self.base_depth {
-            return Ok((n, false));
-        }
-        let (r, buf) = self.top.read(offset, request_buf(n as usize)).await;
-        r.map_err(|e| (e, true))?;
-        let (r, _) = self.base.write(offset, buf, false).await;
-        r.map_err(|e| (e, false))?;
-        Ok((n, true))
     }
 
     /// QEMU's commit_prepare: base durable, then the overlay's link and header skip the

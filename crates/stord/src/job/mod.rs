@@ -201,34 +201,47 @@ pub enum ErrorAction {
 /// change of stream and commit). It runs only if the job was not cancelled first.
 pub type Finish = Option<Pin<Box<dyn Future<Output = Result<(), String>>>>>;
 
-/// A job that copies in steps (stream, commit), run by [`run_copy`].
+/// What a copying job does to one chunk: sent to the thread that serves its node and run
+/// there, several chunks at once.
+#[allow(async_fn_in_trait)] // Its future runs where it is made: no Send bound is wanted.
+pub trait ChunkCopy: Clone + Send + 'static {
+    /// Handles `[offset, offset + len)`: the bytes it copied (what the speed limit counts),
+    /// or the error with whether reading failed.
+    async fn copy(&self, offset: u64, len: u64) -> Result<u64, (std::io::Error, bool)>;
+}
+
+/// A job that copies chunk by chunk (stream, commit), run by [`run_copy`].
 #[allow(async_fn_in_trait)] // Jobs are tasks on one thread: no Send bound is wanted.
 pub trait CopyJob: 'static {
-    /// The most one step handles.
+    /// The most one chunk holds.
     const CHUNK: u64;
+    type Chunk: ChunkCopy;
     /// Bytes to go over.
     fn bytes(&self) -> u64;
     fn on_error(&self) -> OnError;
-    /// Before the first step.
+    /// The node whose thread runs the chunks.
+    fn node(&self) -> &std::sync::Arc<crate::block::BlockNode>;
+    /// Before the first chunk.
     async fn prepare(&self) -> Result<(), String> {
         Ok(())
     }
-    /// One run at `offset` of up to `want` bytes: see [`Job::run_steps`].
-    async fn step(&self, offset: u64, want: u64) -> Result<(u64, bool), (std::io::Error, bool)>;
+    /// What copies each chunk.
+    fn chunk(&self) -> Self::Chunk;
     /// The graph change at finalize (QEMU's prepare).
     async fn finish(&self) -> Result<(), String>;
 }
 
-/// Runs a copying job step by step; at finalize its graph change, then its holds (the
-/// claims and blockers it owns) go and `after` runs.
+/// Runs a copying job chunk by chunk on the thread `home` names; at finalize its graph
+/// change, then its holds (the claims and blockers it owns) go and `after` runs.
 pub async fn run_copy<T: CopyJob>(
     t: T,
     job: Rc<Job>,
+    home: impl Fn() -> home::Home,
     after: impl FnOnce() + 'static,
 ) -> Result<Finish, String> {
     t.prepare().await?;
     if !job
-        .run_steps(t.bytes(), T::CHUNK, t.on_error(), |o, n| t.step(o, n))
+        .run_chunks(t.bytes(), T::CHUNK, t.on_error(), &t.chunk(), &home)
         .await?
     {
         return Ok(None);
@@ -240,6 +253,14 @@ pub async fn run_copy<T: CopyJob>(
         r
     })))
 }
+
+/// Chunks a copying job has in flight at most when no speed limit is set (QEMU's stream
+/// and commit copy one at a time; several keep the storage's queue busy). With a limit,
+/// one at a time, as QEMU's.
+const CHUNKS_IN_FLIGHT: usize = 8;
+
+/// A finished chunk: its range and what [`ChunkCopy::copy`] said.
+type ChunkDone = (u64, u64, Result<u64, (std::io::Error, bool)>);
 
 /// What a block job holds on the graph while it lasts.
 pub struct Holds {
@@ -550,56 +571,110 @@ impl Job {
         action
     }
 
-    /// The loop of a copying job (stream, commit): `step(offset, max)` handles one run of
-    /// up to `chunk` bytes and says how long it was and whether it copied (what the speed
-    /// limit counts), or fails with whether reading failed. Between steps the speed limit,
-    /// pause and cancel take effect; a failed step goes as `on_error` says. Ok(false) when
-    /// cancelled; an ignored error fails the job at the end, as QEMU leaves the graph then.
-    pub async fn run_steps<F, Fut>(
+    /// The loop of a copying job (stream, commit): `[0, len)` in chunks of `chunk` bytes,
+    /// handed to `c` on the thread `home` names, several at once. Between chunks the speed
+    /// limit, pause and cancel take effect; a failed chunk goes as `on_error` says (stop:
+    /// it is copied again once resumed). Ok(false) when cancelled; an ignored error fails
+    /// the job at the end, as QEMU leaves the graph then. Whatever ends it, the chunks it
+    /// started have finished when it returns.
+    pub async fn run_chunks<C: ChunkCopy>(
         &self,
         len: u64,
         chunk: u64,
         on_error: OnError,
-        mut step: F,
-    ) -> Result<bool, String>
-    where
-        F: FnMut(u64, u64) -> Fut,
-        Fut: Future<Output = Result<(u64, bool), (std::io::Error, bool)>>,
-    {
+        c: &C,
+        home: &dyn Fn() -> home::Home,
+    ) -> Result<bool, String> {
         self.set_remaining(len);
-        let mut offset = 0;
+        let ops = home::InFlight::new();
+        let r = self.chunks_loop(len, chunk, on_error, c, home, &ops).await;
+        ops.drain().await;
+        r
+    }
+
+    async fn chunks_loop<C: ChunkCopy>(
+        &self,
+        len: u64,
+        chunk: u64,
+        on_error: OnError,
+        c: &C,
+        home: &dyn Fn() -> home::Home,
+        ops: &home::InFlight<ChunkDone>,
+    ) -> Result<bool, String> {
+        let mut next = 0;
+        let mut again: Vec<(u64, u64)> = Vec::new();
         let mut ignored = None;
-        while offset < len {
+        loop {
+            while let Some(done) = ops.try_next() {
+                self.settle_chunk(done, on_error, &mut again, &mut ignored)?;
+            }
             self.ratelimit().await;
             if self.is_cancelled() {
                 return Ok(false);
             }
-            let want = chunk.min(len - offset);
-            match step(offset, want).await {
-                Ok((n, copied)) => {
-                    let n = n.clamp(1, want);
-                    self.progress_add(n);
-                    if copied {
-                        self.ratelimit_processed(n);
-                    }
-                    offset += n;
+            let busy = ops.load().0;
+            let most = if self.speed.get() > 0 {
+                1
+            } else {
+                CHUNKS_IN_FLIGHT
+            };
+            let work = if busy >= most {
+                None
+            } else if let Some(w) = again.pop() {
+                Some(w)
+            } else if next < len {
+                let w = (next, chunk.min(len - next));
+                next += w.1;
+                Some(w)
+            } else {
+                None
+            };
+            match work {
+                Some((offset, n)) => {
+                    let c = c.clone();
+                    let lost = (offset, n, Err((home::stopped(), false)));
+                    ops.start(&home(), n, lost, move || async move {
+                        (offset, n, c.copy(offset, n).await)
+                    });
                 }
-                Err((e, read)) => match self.error_action(on_error, read, &e) {
-                    // Paused now; the step is tried again once resumed.
-                    ErrorAction::Stop => {}
-                    ErrorAction::Ignore => {
-                        ignored.get_or_insert(e);
-                        self.progress_add(want);
-                        offset += want;
+                None if busy == 0 => break,
+                None => {
+                    if let Some(done) = ops.next().await {
+                        self.settle_chunk(done, on_error, &mut again, &mut ignored)?;
                     }
-                    ErrorAction::Report => return Err(e.to_string()),
-                },
+                }
             }
         }
         match ignored {
             Some(e) => Err(e.to_string()),
             None => Ok(true),
         }
+    }
+
+    /// Counts a finished chunk, or applies `on_error` to its failure.
+    fn settle_chunk(
+        &self,
+        (offset, n, r): ChunkDone,
+        on_error: OnError,
+        again: &mut Vec<(u64, u64)>,
+        ignored: &mut Option<std::io::Error>,
+    ) -> Result<(), String> {
+        match r {
+            Ok(copied) => {
+                self.progress_add(n);
+                self.ratelimit_processed(copied);
+            }
+            Err((e, read)) => match self.error_action(on_error, read, &e) {
+                // Paused now; the chunk is copied again once resumed.
+                ErrorAction::Stop => again.push((offset, n)),
+                ErrorAction::Ignore => {
+                    ignored.get_or_insert(e);
+                    self.progress_add(n);
+                }
+                ErrorAction::Report => return Err(e.to_string()),
+            },
+        }
+        Ok(())
     }
 
     fn block_event(&self, name: &str, error: Option<&str>) {

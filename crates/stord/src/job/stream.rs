@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use super::{CopyJob, Holds, OnError};
+use super::{ChunkCopy, CopyJob, Holds, OnError};
 use crate::block::BlockNode;
 
 /// How much one step looks at (QEMU's STREAM_CHUNK).
@@ -26,35 +26,60 @@ pub struct Stream {
     pub holds: Holds,
 }
 
+/// What streams one chunk: the image, and how deep the base lies below it.
+#[derive(Clone)]
+pub struct StreamChunk {
+    top: Arc<BlockNode>,
+    base_depth: Option<u32>,
+}
+
+impl ChunkCopy for StreamChunk {
+    /// Copies what lies between top and base in `[offset, offset + len)`, run by run: the
+    /// bytes copied.
+    async fn copy(&self, offset: u64, len: u64) -> Result<u64, (std::io::Error, bool)> {
+        let end = offset + len;
+        let mut at = offset;
+        let mut copied = 0;
+        while at < end {
+            let (n, depth) = self
+                .top
+                .driver()
+                .allocation_depth(at, end - at)
+                .await
+                .map_err(|e| (e, true))?;
+            let n = n.clamp(1, end - at);
+            if depth >= 2 && self.base_depth.is_none_or(|b| depth < b) {
+                // A failed copy-on-read counts as a read error, as QEMU reports it.
+                self.top
+                    .driver()
+                    .populate(at, n)
+                    .await
+                    .map_err(|e| (e, true))?;
+                copied += n;
+            }
+            at += n;
+        }
+        Ok(copied)
+    }
+}
+
 impl CopyJob for Stream {
     const CHUNK: u64 = CHUNK;
+    type Chunk = StreamChunk;
     fn bytes(&self) -> u64 {
         self.top.size()
     }
     fn on_error(&self) -> OnError {
         self.on_error
     }
-
-    /// Copies what lies between top and base in one run at `offset`: its length, and
-    /// whether it was copied.
-    async fn step(&self, offset: u64, want: u64) -> Result<(u64, bool), (std::io::Error, bool)> {
-        let (n, depth) = self
-            .top
-            .driver()
-            .allocation_depth(offset, want)
-            .await
-            .map_err(|e| (e, true))?;
-        let n = n.clamp(1, want);
-        let copy = depth >= 2 && self.base_depth.is_none_or(|b| depth < b);
-        if copy {
-            // A failed copy-on-read counts as a read error, as QEMU reports it.
-            self.top
-                .driver()
-                .populate(offset, n)
-                .await
-                .map_err(|e| (e, true))?;
+    fn node(&self) -> &Arc<BlockNode> {
+        &self.top
+    }
+    fn chunk(&self) -> StreamChunk {
+        StreamChunk {
+            top: self.top.clone(),
+            base_depth: self.base_depth,
         }
-        Ok((n, copy))
     }
 
     /// QEMU's stream_prepare: the backing link moves to the base, and the header names it.
