@@ -136,8 +136,9 @@ fn main() -> ExitCode {
     daemon.run();
     if !daemon.shutdown() {
         eprintln!("stord: stopped with requests abandoned in storage that did not answer");
-        // Threads stuck in that storage cannot be joined: leave without destructors.
-        std::process::exit(1);
+        // Threads stuck in that storage cannot be joined: leave without destructors (and
+        // without the libraries' exit handlers, which could wait on those threads).
+        stord::sys::exit_now(1);
     }
     ExitCode::SUCCESS
 }

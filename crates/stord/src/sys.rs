@@ -343,3 +343,13 @@ pub fn release_free_memory_soon() {
         TRIM_SCHEDULED.with(|s| s.set(false));
     }
 }
+
+/// Ends the process at once with `code`: no destructors and no atexit handlers (a
+/// library's teardown could wait on, or race with, a thread stuck in storage that does
+/// not answer). Standard output is flushed first.
+pub fn exit_now(code: i32) -> ! {
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+    // SAFETY: _exit ends the process; nothing runs after it.
+    unsafe { libc::_exit(code) }
+}

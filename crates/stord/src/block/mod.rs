@@ -99,6 +99,35 @@ where
         .map_err(|_| io::Error::other("the open thread panicked"))?
 }
 
+/// As [`block_on_helper`], waiting at most `limit`: None if the helper had not finished by
+/// then (it goes on by itself; what it holds is released when it ends).
+pub fn block_on_helper_within<T, F>(
+    limit: std::time::Duration,
+    make: impl FnOnce() -> F + Send + 'static,
+) -> Option<io::Result<T>>
+where
+    T: Send + 'static,
+    F: Future<Output = T> + 'static,
+{
+    let (tx, rx) = std::sync::mpsc::channel();
+    let spawned = std::thread::Builder::new()
+        .name("stord-close".into())
+        .spawn(move || {
+            let r = stord_aio::AioContext::new(Default::default()).map(|ctx| ctx.block_on(make()));
+            let _ = tx.send(r);
+        });
+    if let Err(e) = spawned {
+        return Some(Err(e));
+    }
+    match rx.recv_timeout(limit) {
+        Ok(r) => Some(r),
+        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => None,
+        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+            Some(Err(io::Error::other("the helper thread panicked")))
+        }
+    }
+}
+
 /// The allocation status of a range's first extent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BlockStatus {

@@ -13,7 +13,11 @@ by scripts/ceph-cluster.sh): the same flows against qsd and stord.
   written by qemu-io on both daemons; `rbd export`ed, qemu-img check finds both clean
   and compare finds them identical.
 - The OSD killed mid-I/O and restarted 2 s later: fio verify through the export waits
-  and goes on with no error; meanwhile QMP answers and another export serves."""
+  and goes on with no error; meanwhile QMP answers and another export serves.
+- stord only, with the OSD down: an rbd node is deleted within the close's 5 s bound
+  (the monitor does not wait for the cluster), and stord stopped (SIGTERM) while a write
+  through its export waits exits within its bounds (the exports' 5 s, the flush's 10 s)
+  with status 1, rather than waiting for the cluster."""
 
 import json
 import os
@@ -267,11 +271,64 @@ def run(binary, tag, c):
     return norm, qimg, faults
 
 
+def stop_with_osd_down(c):
+    """How long stord takes to stop (SIGTERM) with the OSD down and a write waiting."""
+    tag = "stordo"
+    sock = common.path(f"rb-{tag}-exp.sock")
+    d = common.Daemon(["--nbd-server", f"addr.type=unix,addr.path={sock}"],
+                      binary=common.STORD, tag=tag)
+    q = d.qmp()
+    loc = {"pool": "rbd", "conf": c.conf, "image": f"{tag}-disk"}
+    assert create(q, {"driver": "rbd", "location": loc, "size": SIZE}) == "ok"
+    ok(q.cmd_raw("blockdev-add", dict(loc, driver="rbd", **{"node-name": "disk"})))
+    ok(q.cmd_raw("block-export-add", {"type": "nbd", "id": "disk", "node-name": "disk",
+                                      "name": "disk", "writable": True}))
+    ok(q.cmd_raw("blockdev-add", dict(loc, driver="rbd", **{"node-name": "idle"})))
+    c.osd("osd-kill")
+    try:
+        # A node deleted with the OSD down: its close cannot reach the cluster, and the
+        # monitor (the main loop) must not wait for it past the close's bound.
+        t0 = time.time()
+        r = {}
+        t = threading.Thread(target=lambda: r.update(
+            d=q.cmd_raw("blockdev-del", {"node-name": "idle"})), daemon=True)
+        t.start()
+        t.join(timeout=30)
+        assert not t.is_alive(), "blockdev-del waited for the cluster"
+        ok(r["d"])
+        deleted_in = time.time() - t0
+        assert deleted_in < 10, deleted_in
+        writer = subprocess.Popen(["qemu-io", "-f", "raw", "-c", "write -P 0x33 0 1M",
+                                   f"nbd+unix:///disk?socket={sock}"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(1.0)
+        assert writer.poll() is None, "the write should wait for the OSD"
+        t0 = time.time()
+        d.signal(signal.SIGTERM)
+        try:
+            rc = d.proc.wait(timeout=40)
+        except subprocess.TimeoutExpired:
+            d.proc.kill()
+            d.proc.wait()
+            raise AssertionError("stord did not stop within 40 s with the OSD down")
+        took = time.time() - t0
+        writer.kill()
+        writer.wait()
+    finally:
+        c.osd("osd-start")
+    q.close()
+    # Exports 5 s, flush 10 s, the close 5 s, and slack for a loaded machine.
+    assert took < 25, took
+    # It stopped without finishing (the write is abandoned) and says so in its status.
+    assert rc == 1, rc
+
+
 def test():
     c = Cluster()
     try:
         qsd, qsd_img, _ = run("qemu-storage-daemon", "qsd", c)
         st, st_img, faults = run(common.STORD, "stord", c)
+        stop_with_osd_down(c)
     finally:
         c.stop()
     for i, (a, b) in enumerate(zip(qsd, st)):

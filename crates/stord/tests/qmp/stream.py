@@ -207,7 +207,7 @@ def implicit(binary, tag):
 
 
 def killed(sig):
-    """stord killed (SIGKILL) or stopped (SIGTERM) in the middle of a stream: the chain
+    """stord killed (SIGKILL) or stopped (SIGTERM) half-way through a stream: the chain
     opens and reads what it read before (compared with a copy taken at the start), and
     qemu-img check finds no corruption (after SIGTERM not even a leak)."""
     tag = f"stordk{sig}"
@@ -220,10 +220,10 @@ def killed(sig):
         q = d.qmp()
         common.ok(q.cmd_raw("block-stream", {"device": "top", "job-id": "k",
                                              "speed": 2 << 20}))
-        deadline = time.time() + 10
+        deadline = time.time() + 30
         while time.time() < deadline:
             jobs = common.ok(q.cmd_raw("query-block-jobs"))
-            if jobs and jobs[0]["offset"] >= 8 << 20:
+            if jobs and jobs[0]["offset"] >= SIZE // 2:
                 break
             time.sleep(0.01)
         else:
@@ -234,9 +234,9 @@ def killed(sig):
         d.stop()
     r = subprocess.run(["qemu-img", "check", img(tag, "top")], capture_output=True, text=True)
     if sig == 15:
-        # A clean exit; the image may hold clusters the cancelled stream had allocated
-        # and not yet linked (leaks, seen once in CI; QEMU drains the job instead).
-        assert rc == 0 and r.returncode in (0, 3), (rc, r.stdout + r.stderr)
+        # A clean exit: the job is cancelled and its chunks in flight finish (as QEMU
+        # drains it) before the image is closed, so not even a leak.
+        assert rc == 0 and r.returncode == 0, (rc, r.stdout + r.stderr)
     # 0: clean; 3: leaked clusters only (a crash between allocating and using a cluster).
     assert r.returncode in (0, 3) and "ERROR" not in r.stdout, r.stdout + r.stderr
     r = subprocess.run(["qemu-img", "compare", "-f", "raw", "-F", "qcow2", before, img(tag, "top")],

@@ -371,12 +371,41 @@ unsafe impl Send for Image {}
 // SAFETY: as above.
 unsafe impl Sync for Image {}
 
+/// How long dropping an image waits for `rbd_close` (which waits for the requests in
+/// flight: with an OSD down, as long as the OSD stays down).
+pub const CLOSE_LIMIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// An image handle on its way to `rbd_close` on another thread.
+struct Closing(ImageT);
+
+// SAFETY: librbd allows rbd_close from any thread; the handle moves to the closing
+// thread and nothing else uses it after.
+unsafe impl Send for Closing {}
+
 impl Drop for Image {
+    /// Closes on a thread of its own and waits for it at most [`CLOSE_LIMIT`]: past that
+    /// the caller (a loop, or the daemon's stop) goes on and the close finishes whenever
+    /// the cluster answers, or never if the process exits first.
     fn drop(&mut self) {
-        let api = self.api;
-        // SAFETY: opened by us, closed once; rbd_close waits for requests in flight, whose
-        // buffers their completion states still own.
-        unsafe { (api.rbd_close)(self.img) };
+        let (api, img, cluster) = (self.api, Closing(self.img), self._cluster.clone());
+        let (tx, rx) = std::sync::mpsc::channel();
+        let close = move || {
+            let img = img;
+            // SAFETY: opened by us, closed once (this handle is not used again); rbd_close
+            // waits for requests in flight, whose buffers their completion states own.
+            unsafe { (api.rbd_close)(img.0) };
+            drop(cluster);
+            let _ = tx.send(());
+        };
+        let spawned = std::thread::Builder::new()
+            .name("rbd-close".into())
+            .spawn(close);
+        if spawned.is_err() || rx.recv_timeout(CLOSE_LIMIT).is_err() {
+            tracing::warn!(
+                "an rbd image did not close within {CLOSE_LIMIT:?} (requests still waiting \
+                 for the cluster); going on without it"
+            );
+        }
     }
 }
 
