@@ -12,8 +12,14 @@ daemons then run the job's I/O (mirror only: qsd 10.0 aborts in
 bdrv_insert_node when block-stream, block-commit or blockdev-backup starts on a node
 moved this way).
 
-    python3 scripts/bench_jobs.py [--polled] [--iothread] [--jobs mirror,stream]
-                                  [--media disk,tmpfs] [STORD_BINARY] > results/jobs/jobs-DATE.md
+With `--export-load`, the mirror's source is exported over NBD from an IoThread and fio
+(nbd engine, 4k random writes, QD16, 5 s) writes through it, once alone and once while a
+mirror of it runs (the mirror stays busy copying what fio dirties): the IOPS each time,
+and the drop the job causes, beside qsd's.
+
+    python3 scripts/bench_jobs.py [--polled] [--iothread] [--export-load]
+                                  [--jobs mirror,stream] [--media disk,tmpfs]
+                                  [STORD_BINARY] > results/jobs/jobs-DATE.md
 """
 
 import argparse
@@ -188,6 +194,58 @@ def run(binary, tag, setup, polled, iothread):
     return elapsed, lat
 
 
+def fio_iops(sock):
+    out = common.fio("--name=l", "--ioengine=nbd", f"--uri=nbd+unix:///src?socket={sock}",
+                     "--rw=randwrite", "--bs=4k", "--iodepth=16", "--time_based",
+                     "--runtime=5", f"--size={SIZE}")
+    return out["jobs"][0]["write"]["iops"]
+
+
+def export_load(binary, tag, setup, with_job):
+    """fio's IOPS through an NBD export of the source, with or without a mirror of it."""
+    args, (cmd, cmd_args) = setup.prepare()
+    sock = common.path(f"{tag}-exp.sock")
+    args += ["--object", "iothread,id=io0", "--nbd-server",
+             f"addr.type=unix,addr.path={sock}", "--export",
+             "type=nbd,id=e,node-name=src,name=src,writable=on,iothread=io0"]
+    d = common.Daemon(args, binary=binary, tag=tag)
+    try:
+        q = d.qmp()
+        if with_job:
+            common.ok(q.cmd_raw(cmd, cmd_args))
+        iops = fio_iops(sock)
+        if with_job:
+            common.ok(q.cmd_raw("job-cancel", {"id": "j"}))
+            common.wait_event(q, "BLOCK_JOB_CANCELLED", timeout=60)
+        q.close()
+    finally:
+        d.stop()
+    return iops
+
+
+def export_load_table(a, daemons):
+    print("\n## NBD export under a mirror: fio randwrite 4k QD16, 5 s\n")
+    print("| medium | daemon | alone IOPS | during the mirror IOPS | kept |")
+    print("|---|---|---|---|---:|")
+    for medium in a.media.split(","):
+        where = MEDIA[medium]
+        os.makedirs(where, exist_ok=True)
+        setup = Setup("mirror", where, medium == "disk")
+        try:
+            res = {t: ([], []) for _, t in daemons}
+            for _ in range(REPS):
+                for binary, tag in daemons:
+                    res[tag][0].append(export_load(binary, tag, setup, False))
+                    res[tag][1].append(export_load(binary, tag, setup, True))
+            for _, tag in daemons:
+                alone, busy = res[tag]
+                kept = statistics.median(busy) / statistics.median(alone)
+                print(f"| {medium} | {tag} | {', '.join(f'{x:.0f}' for x in alone)} | "
+                      f"{', '.join(f'{x:.0f}' for x in busy)} | {kept:.2f} |", flush=True)
+        finally:
+            setup.cleanup()
+
+
 def pct(v, p):
     v = sorted(v)
     return v[min(len(v) - 1, int(len(v) * p))] if v else float("nan")
@@ -197,6 +255,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--polled", action="store_true")
     ap.add_argument("--iothread", action="store_true")
+    ap.add_argument("--export-load", action="store_true")
     ap.add_argument("--jobs", default="mirror,stream,commit,backup")
     ap.add_argument("--media", default="disk,tmpfs")
     ap.add_argument("stord", nargs="?", default="stord")
@@ -204,6 +263,9 @@ def main():
     os.environ["STORD_TEST_DIR"] = tempfile.mkdtemp()
     common.WORKDIR = os.environ["STORD_TEST_DIR"]
     daemons = (("qemu-storage-daemon", "qsd"), (a.stord, "stord"))
+    if a.export_load:
+        export_load_table(a, daemons)
+        return
     print("# Block job speed: 1 GiB of data, stord beside qsd\n")
     print(f"{REPS} runs per daemon, alternating; time from the command to "
           "BLOCK_JOB_COMPLETED (a mirror completed once ready); every result "
