@@ -245,6 +245,40 @@ fn libblkio_round_trips_data_with_qsd_too() {
     round_trip(true, 2, false);
 }
 
+/// block_resize of the node behind the export while a libblkio client is connected: the
+/// client sees the new capacity (libblkio reads it from the config space each time it is
+/// asked, and the config space follows the node) and writes past the old end. stord only:
+/// qemu-storage-daemon 10.0 does not answer block_resize while a libblkio client is
+/// connected to the export (its config-change notice waits for the client).
+#[test]
+fn libblkio_sees_the_export_grow_after_block_resize() {
+    let dir = tmpdir("blkio-resize");
+    let img = dir.join("disk.img");
+    std::fs::File::create(&img).unwrap().set_len(IMAGE).unwrap();
+    let sock = dir.join("vhost.sock");
+    let peer = Peer::start(false, &dir, &img, &sock, ",writable=on,iothread=io0", 1);
+    let mut c = connect(&sock, 1, false);
+    assert_eq!(c.blkio.get_u64("capacity").unwrap(), IMAGE);
+    let mut q = RawQmp::connect(&dir.join("qmp.sock"));
+    let r = q.send(&format!(
+        r#"{{"execute":"block_resize","arguments":{{"node-name":"disk","size":{}}}}}"#,
+        2 * IMAGE
+    ));
+    assert!(r.get("return").is_some(), "{r}");
+    assert_eq!(c.blkio.get_u64("capacity").unwrap(), 2 * IMAGE);
+    // SAFETY: the region is mapped for SPAN bytes while `c` lives; no request is in flight.
+    unsafe { std::ptr::write_bytes(c.region.addr as *mut u8, 0x7e, 4096) };
+    let at = IMAGE + 4096;
+    assert_eq!(one(&mut c.queues[0], true, at, c.region.addr, 4096), 0);
+    drop(c);
+    peer.stop();
+    let image = std::fs::read(&img).unwrap();
+    assert_eq!(image.len() as u64, 2 * IMAGE);
+    assert!(image[at as usize..at as usize + 4096]
+        .iter()
+        .all(|&b| b == 0x7e));
+}
+
 #[test]
 fn libblkio_sees_a_read_only_export_as_read_only() {
     let dir = tmpdir("blkio-ro");
