@@ -99,8 +99,36 @@ where
         .map_err(|_| io::Error::other("the open thread panicked"))?
 }
 
+/// Closes running on threads of their own (a node's close past its bound, an rbd image's
+/// `rbd_close`): while any runs, the process must not run its exit handlers (see
+/// [`closes_pending`]).
+static CLOSES_PENDING: AtomicU64 = AtomicU64::new(0);
+
+/// A close running on a thread of its own; counted until dropped.
+pub(crate) struct PendingClose(());
+
+impl PendingClose {
+    pub(crate) fn new() -> Self {
+        CLOSES_PENDING.fetch_add(1, Relaxed);
+        PendingClose(())
+    }
+}
+
+impl Drop for PendingClose {
+    fn drop(&mut self) {
+        CLOSES_PENDING.fetch_sub(1, Relaxed);
+    }
+}
+
+/// Closes still running on threads of their own (storage that does not answer): the
+/// process leaves without exit handlers while there are any.
+pub fn closes_pending() -> u64 {
+    CLOSES_PENDING.load(Relaxed)
+}
+
 /// As [`block_on_helper`], waiting at most `limit`: None if the helper had not finished by
-/// then (it goes on by itself; what it holds is released when it ends).
+/// then (it goes on by itself, counted in [`closes_pending`]; what it holds is released
+/// when it ends).
 pub fn block_on_helper_within<T, F>(
     limit: std::time::Duration,
     make: impl FnOnce() -> F + Send + 'static,
@@ -113,6 +141,7 @@ where
     let spawned = std::thread::Builder::new()
         .name("stord-close".into())
         .spawn(move || {
+            let _pending = PendingClose::new();
             let r = stord_aio::AioContext::new(Default::default()).map(|ctx| ctx.block_on(make()));
             let _ = tx.send(r);
         });

@@ -107,8 +107,10 @@ impl Parents for ExportParents {
 
 /// The thread that serves `node` now: where a job's copies run.
 fn home_of(me: &Weak<RefCell<State>>, node: &Arc<BlockNode>) -> Home {
+    // The state may be borrowed by a command that waits on the loop meanwhile: then the
+    // copy runs on the main loop this once.
     me.upgrade()
-        .and_then(|s| s.borrow().iothread_serving(node))
+        .and_then(|s| s.try_borrow().ok()?.iothread_serving(node))
         .map_or(Home::Main, Home::IoThread)
 }
 

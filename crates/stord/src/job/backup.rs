@@ -198,6 +198,11 @@ async fn copy_all(
         while let Some(r) = ops.try_next() {
             settle(b, job, r)?;
         }
+        // A job pauses with nothing in flight (QEMU's backup waits for its block-copy).
+        while job.pausing() {
+            let Some(r) = ops.next().await else { break };
+            settle(b, job, r)?;
+        }
         let copied = b.copy.copied();
         job.ratelimit_processed(copied.saturating_sub(counted));
         counted = copied;
@@ -207,7 +212,8 @@ async fn copy_all(
             return Ok(false);
         }
         let busy = ops.load().0;
-        let next = if busy < IN_FLIGHT {
+        let most = if job.limited() { 1 } else { IN_FLIGHT };
+        let next = if busy < most {
             b.copy.next(offset)
         } else {
             None

@@ -255,10 +255,11 @@ impl Mirror {
         (self.buf_size / MAX_IN_FLIGHT as u64).max(MAX_IO_BYTES)
     }
 
-    /// Whether another operation of `len` bytes may start beside those in flight.
-    fn has_room(&self, ops: &InFlight<Copied>) -> bool {
+    /// Whether another operation may start beside those in flight (one at a time under
+    /// a speed limit).
+    fn has_room(&self, job: &Job, ops: &InFlight<Copied>) -> bool {
         let (n, bytes) = ops.load();
-        n == 0 || (n < MAX_IN_FLIGHT && bytes + self.op_bytes() <= self.buf_size)
+        n == 0 || (!job.limited() && n < MAX_IN_FLIGHT && bytes + self.op_bytes() <= self.buf_size)
     }
 
     /// Starts copying `[offset, offset + len)` on the source's thread.
@@ -348,6 +349,11 @@ impl Mirror {
             while let Some(done) = ops.try_next() {
                 self.settle(job, t, done).await?;
             }
+            // A job pauses with nothing in flight (QEMU's mirror_pause).
+            while job.pausing() {
+                let Some(done) = ops.next().await else { break };
+                self.settle(job, t, done).await?;
+            }
             job.progress_grow(self.active.take_synced());
             job.set_remaining(t.count() + ops.load().1);
             job.ratelimit().await;
@@ -355,7 +361,7 @@ impl Mirror {
                 job.progress_grow(self.active.take_synced());
                 return Ok(false);
             }
-            if !self.has_room(ops) {
+            if !self.has_room(job, ops) {
                 if let Some(done) = ops.next().await {
                     self.settle(job, t, done).await?;
                 }
@@ -364,7 +370,6 @@ impl Mirror {
             match t.take_dirty(cursor, self.op_bytes()) {
                 Some((offset, len)) => {
                     cursor = offset + len;
-                    job.ratelimit_processed(len);
                     self.start(ops, offset, len);
                 }
                 None if ops.load().0 > 0 => {
@@ -386,7 +391,12 @@ impl Mirror {
     /// the policy says now, and the policy applied.
     async fn settle(&self, job: &Rc<Job>, t: &DirtyBitmap, done: Copied) -> Result<(), String> {
         match done.result {
-            Ok(_) => job.progress_add(done.len),
+            // The limit counts what was copied (zeroes and skipped runs are free, as
+            // QEMU counts them).
+            Ok(copied) => {
+                job.progress_add(done.len);
+                job.ratelimit_processed(copied);
+            }
             Err((e, read)) => {
                 t.mark(done.offset, done.len);
                 self.on_copy_error(job, e, read).await?;
@@ -422,7 +432,7 @@ impl Mirror {
         let ops = InFlight::new();
         let mut failed = None;
         loop {
-            let next = if failed.is_none() && self.has_room(&ops) {
+            let next = if failed.is_none() && self.has_room(job, &ops) {
                 t.take_dirty(0, self.op_bytes())
             } else {
                 None

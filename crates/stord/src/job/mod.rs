@@ -411,6 +411,17 @@ impl Job {
         self.progress.set((c, c + remaining));
     }
 
+    /// Whether the job is to pause at its next pause point (and is not cancelled).
+    pub fn pausing(&self) -> bool {
+        self.pause_count.get() > 0 && !self.cancelled.get()
+    }
+
+    /// Whether a speed limit is set: a job with copies in flight then runs one at a time,
+    /// as QEMU's limited jobs do, so the limit holds from the first byte.
+    pub fn limited(&self) -> bool {
+        self.speed.get() > 0
+    }
+
     /// Whether the job was cancelled (it stops at its next step, changing nothing).
     pub fn is_cancelled(&self) -> bool {
         self.cancelled.get()
@@ -563,9 +574,13 @@ impl Job {
             }),
         );
         if action == ErrorAction::Stop {
-            // As a user's pause (the user resumes it), with the failure in io-status.
-            self.user_paused.set(true);
-            self.pause_count.set(self.pause_count.get() + 1);
+            // As a user's pause (the user resumes it), with the failure in io-status; once,
+            // however many copies in flight fail (QEMU's block_job_error_action), so one
+            // resume resumes it.
+            if !self.user_paused.get() {
+                self.user_paused.set(true);
+                self.pause_count.set(self.pause_count.get() + 1);
+            }
             self.io_failed.set(true);
         }
         action
@@ -608,16 +623,18 @@ impl Job {
             while let Some(done) = ops.try_next() {
                 self.settle_chunk(done, on_error, &mut again, &mut ignored)?;
             }
+            // A job pauses with nothing in flight (QEMU's mirror_pause waits for its I/O):
+            // what fails meanwhile is handled before it parks.
+            while self.pausing() {
+                let Some(done) = ops.next().await else { break };
+                self.settle_chunk(done, on_error, &mut again, &mut ignored)?;
+            }
             self.ratelimit().await;
             if self.is_cancelled() {
                 return Ok(false);
             }
             let busy = ops.load().0;
-            let most = if self.speed.get() > 0 {
-                1
-            } else {
-                CHUNKS_IN_FLIGHT
-            };
+            let most = if self.limited() { 1 } else { CHUNKS_IN_FLIGHT };
             let work = if busy >= most {
                 None
             } else if let Some(w) = again.pop() {
@@ -1147,6 +1164,47 @@ mod tests {
             "{d:?}"
         );
         assert_eq!(RateLimit::new(0).delay(u64::MAX / 2), Duration::ZERO);
+    }
+
+    #[test]
+    fn copies_that_fail_together_under_stop_pause_the_job_once() {
+        let ctx = stord_aio::AioContext::new(Default::default()).unwrap();
+        let events = Events::default();
+        let jobs = Jobs::default();
+        // A job that stays running until cancelled.
+        jobs.start(
+            "s",
+            "create",
+            JobOptions::plain(true, true),
+            &events,
+            |job| async move {
+                while !job.is_cancelled() {
+                    job.sleep(Duration::from_millis(1)).await;
+                }
+                Ok(None)
+            },
+        )
+        .unwrap();
+        ctx.block_on(async { stord_aio::yield_now().await });
+        let job = jobs.get("s").unwrap();
+        let full = std::io::Error::from_raw_os_error(libc::ENOSPC);
+        for _ in 0..3 {
+            assert_eq!(
+                job.error_action(OnError::Stop, false, &full),
+                ErrorAction::Stop
+            );
+        }
+        assert!(job.pausing());
+        // One resume resumes it, as QEMU's; a second finds nothing paused.
+        jobs.resume(&job).unwrap();
+        assert!(!job.pausing());
+        assert!(matches!(jobs.resume(&job), Err(JobError::NotPaused)));
+        jobs.cancel(&job, true).unwrap();
+        ctx.block_on(async {
+            for _ in 0..20 {
+                stord_aio::sleep(Duration::from_millis(1)).await;
+            }
+        });
     }
 
     #[test]

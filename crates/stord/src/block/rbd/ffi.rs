@@ -387,20 +387,32 @@ impl Drop for Image {
     /// the caller (a loop, or the daemon's stop) goes on and the close finishes whenever
     /// the cluster answers, or never if the process exits first.
     fn drop(&mut self) {
-        let (api, img, cluster) = (self.api, Closing(self.img), self._cluster.clone());
-        let (tx, rx) = std::sync::mpsc::channel();
-        let close = move || {
-            let img = img;
-            // SAFETY: opened by us, closed once (this handle is not used again); rbd_close
-            // waits for requests in flight, whose buffers their completion states own.
-            unsafe { (api.rbd_close)(img.0) };
-            drop(cluster);
-            let _ = tx.send(());
+        let api = self.api;
+        let img = Arc::new(Mutex::new(Some(Closing(self.img))));
+        let close = move |img: &Mutex<Option<Closing>>| {
+            if let Some(h) = img.lock().unwrap_or_else(|e| e.into_inner()).take() {
+                // SAFETY: opened by us, closed once (taken out of the Option, never used
+                // again); rbd_close waits for requests in flight, whose buffers their
+                // completion states own.
+                unsafe { (api.rbd_close)(h.0) };
+            }
         };
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (theirs, cluster) = (img.clone(), self._cluster.clone());
         let spawned = std::thread::Builder::new()
             .name("rbd-close".into())
-            .spawn(close);
-        if spawned.is_err() || rx.recv_timeout(CLOSE_LIMIT).is_err() {
+            .spawn(move || {
+                let _pending = crate::block::PendingClose::new();
+                close(&theirs);
+                drop(cluster);
+                let _ = tx.send(());
+            });
+        if spawned.is_err() {
+            // No thread to close on: close here.
+            close(&img);
+            return;
+        }
+        if rx.recv_timeout(CLOSE_LIMIT).is_err() {
             tracing::warn!(
                 "an rbd image did not close within {CLOSE_LIMIT:?} (requests still waiting \
                  for the cluster); going on without it"
