@@ -791,13 +791,13 @@ impl State {
         if let Some(home) = node.home() {
             return self.iothread(&home).cloned();
         }
-        let exports: Vec<_> = self
-            .exports
-            .values()
-            .filter(|e| Arc::ptr_eq(&e.node(), node))
-            .collect();
+        let serves = |r: &Remote| {
+            self.exports
+                .values()
+                .any(|e| Arc::ptr_eq(&e.node(), node) && e.runs_on(r))
+        };
         self.iothreads()
-            .find(|(_, r)| exports.iter().any(|e| e.runs_on(r)))
+            .find(|(_, r)| serves(r))
             .map(|(_, r)| r.clone())
     }
 

@@ -195,12 +195,7 @@ async fn copy_all(
     let mut offset = 0;
     let mut counted = b.copy.copied();
     loop {
-        while let Some(r) = ops.try_next() {
-            settle(b, job, r)?;
-        }
-        // A job pauses with nothing in flight (QEMU's backup waits for its block-copy).
-        while job.pausing() {
-            let Some(r) = ops.next().await else { break };
+        while let Some(r) = ops.next_to_settle(job.pausing()).await {
             settle(b, job, r)?;
         }
         let copied = b.copy.copied();

@@ -6,8 +6,8 @@
 
 use std::sync::Arc;
 
-use super::{ChunkCopy, CopyJob, Holds, OnError};
-use crate::block::{request_buf, BlockNode};
+use super::{copy_range, ChunkCopy, CopyError, CopyJob, Holds, OnError, Runs};
+use crate::block::BlockNode;
 
 /// How much one step copies at most (QEMU's COMMIT_BUFFER_SIZE).
 const CHUNK: u64 = 512 << 10;
@@ -39,26 +39,15 @@ pub struct CommitChunk {
 impl ChunkCopy for CommitChunk {
     /// Copies into base what an image above it holds in `[offset, offset + len)`, run by
     /// run: the bytes copied.
-    async fn copy(&self, offset: u64, len: u64) -> Result<u64, (std::io::Error, bool)> {
-        let end = offset + len;
-        let mut at = offset;
+    async fn copy(&self, offset: u64, len: u64) -> Result<u64, CopyError> {
+        let mut runs = Runs::new(&self.top, offset, offset + len);
         let mut copied = 0;
-        while at < end {
-            let (n, depth) = self
-                .top
-                .driver()
-                .allocation_depth(at, end - at)
-                .await
-                .map_err(|e| (e, true))?;
-            let n = n.clamp(1, end - at);
+        while let Some(run) = runs.next().await {
+            let (at, n, depth) = run?;
             if depth != 0 && depth < self.base_depth {
-                let (r, buf) = self.top.read(at, request_buf(n as usize)).await;
-                r.map_err(|e| (e, true))?;
-                let (r, _) = self.base.write(at, buf, false).await;
-                r.map_err(|e| (e, false))?;
+                copy_range(&self.top, &self.base, at, n).await?;
                 copied += n;
             }
-            at += n;
         }
         Ok(copied)
     }

@@ -164,6 +164,17 @@ impl<T: Send + 'static> InFlight<T> {
         self.lock().done.pop_front()
     }
 
+    /// What a job settles before its next step: a result waiting now; with `drain` (the
+    /// job is about to pause, and a job pauses with nothing in flight, as QEMU's
+    /// mirror_pause waits for its I/O) the next to finish, until none is in flight.
+    pub async fn next_to_settle(&self, drain: bool) -> Option<T> {
+        if drain {
+            self.next().await
+        } else {
+            self.try_next()
+        }
+    }
+
     /// The next result: waits for an operation to finish; None if none is in flight and
     /// none is waiting.
     pub async fn next(&self) -> Option<T> {

@@ -20,13 +20,13 @@ use std::time::Duration;
 
 use super::home::{stopped, Home, InFlight};
 use super::write_blocking::{MirrorType, WriteBlocking};
-use super::{ErrorAction, Finish, Holds, Job, OnError};
+use super::{copy_range, CopyError, ErrorAction, Finish, Holds, Job, OnError, Runs};
 use crate::block::blocker::JobAttachment;
 use crate::block::dirty_bitmap::DirtyBitmap;
 use crate::block::hook::HookOn;
 use crate::block::link::{Hold, NodeLink};
 use crate::block::perm::{Claim, Perm};
-use crate::block::{request_buf, BlockNode};
+use crate::block::BlockNode;
 
 /// Copy operations in flight at most (QEMU's MAX_IN_FLIGHT).
 pub const MAX_IN_FLIGHT: usize = 16;
@@ -148,7 +148,7 @@ struct Copier {
 struct Copied {
     offset: u64,
     len: u64,
-    result: Result<u64, (std::io::Error, bool)>,
+    result: Result<u64, CopyError>,
 }
 
 impl Copier {
@@ -162,21 +162,15 @@ impl Copier {
 
     /// Brings `[offset, offset + len)` of the target in step with the source: the bytes
     /// copied, or the error with whether it was the source's.
-    async fn copy(&self, offset: u64, len: u64) -> Result<u64, (std::io::Error, bool)> {
+    async fn copy(&self, offset: u64, len: u64) -> Result<u64, CopyError> {
         let end = (offset + len).min(self.source.size());
         // Against write-blocking writes and other copies of these granules: the data
         // read here lands before theirs.
         let _held = self.active.hold_copy(offset, end - offset).await;
-        let mut at = offset;
+        let mut runs = Runs::new(&self.source, offset, end);
         let mut copied = 0;
-        while at < end {
-            let (n, depth) = self
-                .source
-                .driver()
-                .allocation_depth(at, end - at)
-                .await
-                .map_err(|e| (e, true))?;
-            let n = n.clamp(1, end - at);
+        while let Some(run) = runs.next().await {
+            let (at, n, depth) = run?;
             match self.action(depth) {
                 Action::Skip => {}
                 Action::Zero => self
@@ -185,14 +179,10 @@ impl Copier {
                     .await
                     .map_err(|e| (e, false))?,
                 Action::Copy => {
-                    let (r, buf) = self.source.read(at, request_buf(n as usize)).await;
-                    r.map_err(|e| (e, true))?;
-                    let (r, _) = self.target.write(at, buf, false).await;
-                    r.map_err(|e| (e, false))?;
+                    copy_range(&self.source, &self.target, at, n).await?;
                     copied += n;
                 }
             }
-            at += n;
         }
         Ok(copied)
     }
@@ -346,12 +336,7 @@ impl Mirror {
     ) -> Result<bool, String> {
         let mut cursor = 0;
         loop {
-            while let Some(done) = ops.try_next() {
-                self.settle(job, t, done).await?;
-            }
-            // A job pauses with nothing in flight (QEMU's mirror_pause).
-            while job.pausing() {
-                let Some(done) = ops.next().await else { break };
+            while let Some(done) = ops.next_to_settle(job.pausing()).await {
                 self.settle(job, t, done).await?;
             }
             job.progress_grow(self.active.take_synced());

@@ -207,7 +207,7 @@ pub type Finish = Option<Pin<Box<dyn Future<Output = Result<(), String>>>>>;
 pub trait ChunkCopy: Clone + Send + 'static {
     /// Handles `[offset, offset + len)`: the bytes it copied (what the speed limit counts),
     /// or the error with whether reading failed.
-    async fn copy(&self, offset: u64, len: u64) -> Result<u64, (std::io::Error, bool)>;
+    async fn copy(&self, offset: u64, len: u64) -> Result<u64, CopyError>;
 }
 
 /// A job that copies chunk by chunk (stream, commit), run by [`run_copy`].
@@ -229,6 +229,59 @@ pub trait CopyJob: 'static {
     fn chunk(&self) -> Self::Chunk;
     /// The graph change at finalize (QEMU's prepare).
     async fn finish(&self) -> Result<(), String>;
+}
+
+/// A copy's failure, with whether it was reading (QEMU's `on-source-error` against
+/// `on-target-error`, and a stream's copy-on-read).
+pub type CopyError = (std::io::Error, bool);
+
+/// The allocation runs of `[offset, end)` in a node's chain, in order: what a copying
+/// job walks to decide, run by run, what to copy, zero or skip.
+pub struct Runs<'a> {
+    node: &'a crate::block::BlockNode,
+    at: u64,
+    end: u64,
+}
+
+impl<'a> Runs<'a> {
+    pub fn new(node: &'a crate::block::BlockNode, offset: u64, end: u64) -> Self {
+        Runs {
+            node,
+            at: offset,
+            end,
+        }
+    }
+
+    /// The next run's start, length and allocation depth (see
+    /// `BlockDriver::allocation_depth`); None at the end. Not finding it is a read error.
+    pub async fn next(&mut self) -> Option<Result<(u64, u64, u32), CopyError>> {
+        if self.at >= self.end {
+            return None;
+        }
+        let at = self.at;
+        let found = self.node.driver().allocation_depth(at, self.end - at).await;
+        Some(match found {
+            Ok((n, depth)) => {
+                let n = n.clamp(1, self.end - at);
+                self.at += n;
+                Ok((at, n, depth))
+            }
+            Err(e) => Err((e, true)),
+        })
+    }
+}
+
+/// Copies `[at, at + n)` of `from` to `to` through a request buffer.
+pub async fn copy_range(
+    from: &crate::block::BlockNode,
+    to: &crate::block::BlockNode,
+    at: u64,
+    n: u64,
+) -> Result<(), CopyError> {
+    let (r, buf) = from.read(at, crate::block::request_buf(n as usize)).await;
+    r.map_err(|e| (e, true))?;
+    let (r, _) = to.write(at, buf, false).await;
+    r.map_err(|e| (e, false))
 }
 
 /// Runs a copying job chunk by chunk on the thread `home` names; at finalize its graph
@@ -260,7 +313,7 @@ pub async fn run_copy<T: CopyJob>(
 const CHUNKS_IN_FLIGHT: usize = 8;
 
 /// A finished chunk: its range and what [`ChunkCopy::copy`] said.
-type ChunkDone = (u64, u64, Result<u64, (std::io::Error, bool)>);
+type ChunkDone = (u64, u64, Result<u64, CopyError>);
 
 /// What a block job holds on the graph while it lasts.
 pub struct Holds {
@@ -620,13 +673,7 @@ impl Job {
         let mut again: Vec<(u64, u64)> = Vec::new();
         let mut ignored = None;
         loop {
-            while let Some(done) = ops.try_next() {
-                self.settle_chunk(done, on_error, &mut again, &mut ignored)?;
-            }
-            // A job pauses with nothing in flight (QEMU's mirror_pause waits for its I/O):
-            // what fails meanwhile is handled before it parks.
-            while self.pausing() {
-                let Some(done) = ops.next().await else { break };
+            while let Some(done) = ops.next_to_settle(self.pausing()).await {
                 self.settle_chunk(done, on_error, &mut again, &mut ignored)?;
             }
             self.ratelimit().await;

@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use super::{ChunkCopy, CopyJob, Holds, OnError};
+use super::{ChunkCopy, CopyError, CopyJob, Holds, OnError, Runs};
 use crate::block::BlockNode;
 
 /// How much one step looks at (QEMU's STREAM_CHUNK).
@@ -36,18 +36,11 @@ pub struct StreamChunk {
 impl ChunkCopy for StreamChunk {
     /// Copies what lies between top and base in `[offset, offset + len)`, run by run: the
     /// bytes copied.
-    async fn copy(&self, offset: u64, len: u64) -> Result<u64, (std::io::Error, bool)> {
-        let end = offset + len;
-        let mut at = offset;
+    async fn copy(&self, offset: u64, len: u64) -> Result<u64, CopyError> {
+        let mut runs = Runs::new(&self.top, offset, offset + len);
         let mut copied = 0;
-        while at < end {
-            let (n, depth) = self
-                .top
-                .driver()
-                .allocation_depth(at, end - at)
-                .await
-                .map_err(|e| (e, true))?;
-            let n = n.clamp(1, end - at);
+        while let Some(run) = runs.next().await {
+            let (at, n, depth) = run?;
             if depth >= 2 && self.base_depth.is_none_or(|b| depth < b) {
                 // A failed copy-on-read counts as a read error, as QEMU reports it.
                 self.top
@@ -57,7 +50,6 @@ impl ChunkCopy for StreamChunk {
                     .map_err(|e| (e, true))?;
                 copied += n;
             }
-            at += n;
         }
         Ok(copied)
     }
