@@ -66,6 +66,65 @@ pub fn accept(listener: RawFd) -> io::Result<std::os::fd::OwnedFd> {
     Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
 }
 
+/// Peeks at the start of the next message on a Unix stream socket without taking it
+/// (recvmsg(2) with MSG_PEEK): fills `buf` with what has arrived, blocking until something
+/// has. With `want_fd`, also returns a duplicate of the first descriptor passed with the
+/// message (the kernel installs copies on a peek; any others are closed here), while the
+/// reader that takes the message still gets the originals. Without it, passed
+/// descriptors are not installed at all.
+pub fn peek_message(
+    fd: RawFd,
+    buf: &mut [u8],
+    want_fd: bool,
+) -> io::Result<(usize, Option<std::os::fd::OwnedFd>)> {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    const MAX_FDS: usize = 8;
+    // u64 elements keep the control buffer aligned for cmsghdr.
+    let mut control = [0u64; 8 + MAX_FDS];
+    let mut iov = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    // SAFETY: an all-zero msghdr is valid (no name, no control).
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    if want_fd {
+        msg.msg_control = control.as_mut_ptr().cast();
+        msg.msg_controllen = std::mem::size_of_val(&control);
+    }
+    // SAFETY: `msg` points at `iov` (covering `buf`) and at `control`, all alive for the
+    // call; the kernel writes at most the lengths given.
+    let n = unsafe { libc::recvmsg(fd, &mut msg, libc::MSG_PEEK | libc::MSG_CMSG_CLOEXEC) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let mut first = None;
+    if want_fd {
+        // SAFETY: the CMSG_* walk stays within `msg.msg_controllen`, which the kernel set
+        // to what it wrote into `control`; SCM_RIGHTS data is an array of descriptors,
+        // new in this process and owned by nobody else.
+        unsafe {
+            let mut c = libc::CMSG_FIRSTHDR(&msg);
+            while !c.is_null() {
+                if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
+                    let data = libc::CMSG_DATA(c).cast::<libc::c_int>();
+                    let count = ((*c).cmsg_len as usize - libc::CMSG_LEN(0) as usize)
+                        / std::mem::size_of::<libc::c_int>();
+                    for i in 0..count {
+                        let fd = OwnedFd::from_raw_fd(data.add(i).read_unaligned());
+                        if first.is_none() {
+                            first = Some(fd);
+                        }
+                    }
+                }
+                c = libc::CMSG_NXTHDR(&msg, c);
+            }
+        }
+    }
+    Ok((n as usize, first))
+}
+
 /// shutdown(2) both directions; errors are ignored (the peer may be gone).
 pub fn shutdown(fd: RawFd) {
     // SAFETY: plain syscall; no pointers.
@@ -352,4 +411,58 @@ pub fn exit_now(code: i32) -> ! {
     let _ = std::io::stdout().flush();
     // SAFETY: _exit ends the process; nothing runs after it.
     unsafe { libc::_exit(code) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Read;
+    use std::os::fd::AsRawFd;
+    use std::os::unix::net::UnixStream;
+
+    /// Sends `data` with `fd` attached (SCM_RIGHTS).
+    fn send_with_fd(sock: &UnixStream, data: &[u8], fd: RawFd) {
+        let mut control = [0u64; 4];
+        let mut iov = libc::iovec {
+            iov_base: data.as_ptr() as *mut _,
+            iov_len: data.len(),
+        };
+        // SAFETY: msghdr points at live `iov`, `data` and `control`; the CMSG_* macros stay
+        // within `control`, which has room for one descriptor.
+        unsafe {
+            let mut msg: libc::msghdr = std::mem::zeroed();
+            msg.msg_iov = &mut iov;
+            msg.msg_iovlen = 1;
+            msg.msg_control = control.as_mut_ptr().cast();
+            msg.msg_controllen = libc::CMSG_SPACE(4) as usize;
+            let c = libc::CMSG_FIRSTHDR(&msg);
+            (*c).cmsg_level = libc::SOL_SOCKET;
+            (*c).cmsg_type = libc::SCM_RIGHTS;
+            (*c).cmsg_len = libc::CMSG_LEN(4) as usize;
+            libc::CMSG_DATA(c).cast::<libc::c_int>().write_unaligned(fd);
+            assert_eq!(libc::sendmsg(sock.as_raw_fd(), &msg, 0), data.len() as isize);
+        }
+    }
+
+    #[test]
+    fn a_peek_leaves_the_message_and_can_copy_its_descriptor() {
+        let (a, mut b) = UnixStream::pair().unwrap();
+        let (passed, mut other_end) = UnixStream::pair().unwrap();
+        send_with_fd(&a, b"hello", passed.as_raw_fd());
+        let mut buf = [0u8; 3];
+        let (n, fd) = peek_message(b.as_raw_fd(), &mut buf, false).unwrap();
+        assert_eq!((n, &buf, fd.is_none()), (3, b"hel", true));
+        let (n, fd) = peek_message(b.as_raw_fd(), &mut buf, true).unwrap();
+        assert_eq!(n, 3);
+        // The copy reaches the same socket.
+        let mut copy = UnixStream::from(fd.expect("a descriptor"));
+        std::io::Write::write_all(&mut copy, b"x").unwrap();
+        let mut got = [0u8; 1];
+        other_end.read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"x");
+        // The message is still there for the real reader.
+        let mut all = [0u8; 5];
+        b.read_exact(&mut all).unwrap();
+        assert_eq!(&all, b"hello");
+    }
 }

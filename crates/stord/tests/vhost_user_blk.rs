@@ -6,7 +6,7 @@
 
 mod common;
 
-use std::io::{Read, Write};
+use std::io::{BufRead, Read, Write};
 use std::os::unix::fs::MetadataExt;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -39,6 +39,12 @@ fn guest_dir() -> PathBuf {
 /// Boots the guest against `sock` with `queues` queues, runs tests/guest/`script`.sh, and
 /// returns its console output.
 fn boot(sock: &Path, queues: u16, script: &str) -> String {
+    boot_with(sock, queues, script, |_| {})
+}
+
+/// As [`boot`], calling `on_line` with each console line as it comes (so the host can act
+/// when the guest says it is ready).
+fn boot_with(sock: &Path, queues: u16, script: &str, mut on_line: impl FnMut(&str)) -> String {
     let g = guest_dir();
     let mut child = Command::new("qemu-system-x86_64")
         .args([
@@ -73,17 +79,37 @@ fn boot(sock: &Path, queues: u16, script: &str) -> String {
         .stderr(Stdio::piped())
         .spawn()
         .expect("spawn qemu-system-x86_64");
-    let deadline = Instant::now() + Duration::from_secs(240);
-    while child.try_wait().unwrap().is_none() {
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            break;
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    let reader = std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
         }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let _ = child.wait();
+    });
+    let deadline = Instant::now() + Duration::from_secs(240);
     let mut out = String::new();
-    let _ = child.stdout.take().unwrap().read_to_string(&mut out);
+    loop {
+        match rx.recv_timeout(Duration::from_millis(50)) {
+            Ok(line) => {
+                on_line(&line);
+                out.push_str(&line);
+                out.push('\n');
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                if Instant::now() > deadline {
+                    let _ = child.kill();
+                    break;
+                }
+            }
+        }
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    let _ = reader.join();
     let mut err = String::new();
     let _ = child.stderr.take().unwrap().read_to_string(&mut err);
     format!("{out}\n{err}")
@@ -167,6 +193,7 @@ fn start_peer(
         "vhost-user-blk,id=vu0,node-name=disk,addr.type=unix,addr.path={}{export_extra}",
         sock.display()
     ));
+    args.extend(monitor_args(&dir.join("qmp.sock")));
     if qsd {
         let child = Command::new("qemu-storage-daemon")
             .args(&args)
@@ -175,7 +202,7 @@ fn start_peer(
             .spawn()
             .expect("spawn qemu-storage-daemon");
         let start = Instant::now();
-        while !sock.exists() {
+        while !sock.exists() || !dir.join("qmp.sock").exists() {
             assert!(
                 start.elapsed() < Duration::from_secs(10),
                 "qsd did not listen"
@@ -184,7 +211,6 @@ fn start_peer(
         }
         Peer::Qsd(child)
     } else {
-        args.extend(monitor_args(&dir.join("qmp.sock")));
         Peer::Stord(Stord::start(dir, &args))
     }
 }
@@ -210,6 +236,54 @@ impl Peer {
             }
         }
     }
+}
+
+/// The guest runs tests/guest/resize.sh: when it says it is waiting, the host grows the
+/// 64 MiB disk to 96 MiB with `block_resize`; the guest must see the new capacity (the
+/// device told its frontend, which told the guest) and write and read past the old end.
+fn resize(qsd: bool) {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let who = if qsd { "qsd" } else { "stord" };
+    let dir = tmpdir(&format!("vub-resize-{who}"));
+    let img = filled_image(&dir);
+    let sock = dir.join("vhost.sock");
+    let peer = start_peer(qsd, &dir, &img, &sock, ",writable=on", 0);
+    let mut resized = None;
+    let out = boot_with(&sock, 1, "resize", |line| {
+        if line.contains("GUEST-RESIZE-NOW") && resized.is_none() {
+            let mut q = RawQmp::connect(&dir.join("qmp.sock"));
+            resized = Some(q.send(
+                r#"{"execute":"block_resize","arguments":{"node-name":"disk","size":100663296}}"#,
+            ));
+        }
+    });
+    let stderr = peer.stop();
+    assert_eq!(
+        resized.as_ref().map(|r| r.get("return").is_some()),
+        Some(true),
+        "{who}: block_resize: {resized:?}\n{out}"
+    );
+    assert!(passed(&out), "{who}: guest failed:\n{out}\n{stderr}");
+    assert_eq!(field(&out, "SECTORS"), Some("131072"));
+    assert_eq!(field(&out, "SECTORS-AFTER"), Some("196608"), "{who}");
+    let wrote = field(&out, "WROTE").expect("WROTE");
+    assert_eq!(field(&out, "READ"), Some(wrote), "{who}: read back differs");
+    // Written at 80 MiB, past the old end.
+    assert_eq!(
+        sha256_of_range(&img, 1280, 16),
+        wrote,
+        "{who}: not in the image"
+    );
+}
+
+#[test]
+fn guest_sees_block_resize() {
+    resize(false);
+}
+
+#[test]
+fn qsd_passes_the_same_resize_test() {
+    resize(true);
 }
 
 /// The read-write scenario: pattern written with O_DIRECT and read back in the guest, the

@@ -478,7 +478,12 @@ impl State {
         let r = crate::block::block_on_helper(move || async move { n.resize(size).await });
         drop(claim);
         match r {
-            Ok(Ok(())) => Ok(()),
+            Ok(Ok(())) => {
+                for e in self.exports.values() {
+                    e.resized();
+                }
+                Ok(())
+            }
             Ok(Err(e)) | Err(e) => Err(DaemonError::Invalid(e.to_string())),
         }
     }

@@ -62,6 +62,9 @@ pub trait Export {
     fn poll_drained(&self, cx: &mut Context<'_>) -> Poll<()>;
     /// Logs what it served (at shutdown, through tracing).
     fn log_statistics(&self) {}
+    /// A node was resized (maybe its node, maybe one under it): an export whose clients
+    /// can be told of a new size tells them (QEMU's BlockDevOps resize_cb).
+    fn resized(&self) {}
 }
 
 /// Why an export could not be added: the export layer's error. The texts name the option

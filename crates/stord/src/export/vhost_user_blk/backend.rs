@@ -386,7 +386,8 @@ impl VhostUserBackendReqHandlerMut for BlkBackend {
             | VhostUserProtocolFeatures::CONFIG
             | VhostUserProtocolFeatures::REPLY_ACK
             | VhostUserProtocolFeatures::INFLIGHT_SHMFD
-            | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS)
+            | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
+            | VhostUserProtocolFeatures::BACKEND_REQ)
     }
 
     fn set_protocol_features(&mut self, features: u64) -> VuResult<()> {
@@ -429,6 +430,8 @@ impl VhostUserBackendReqHandlerMut for BlkBackend {
         self.dev.set_config(offset, buf).map_err(fail)
     }
 
+    /// The channel itself is taken before this message reaches the handler (see
+    /// `backend_channel_in_next_message`): vhost's `Backend` cannot send a config change.
     fn set_backend_req_fd(&mut self, _backend: Backend) {}
 
     fn set_gpu_socket(&mut self, _gpu_backend: GpuBackend) -> VuResult<()> {

@@ -1,8 +1,12 @@
 //! What the guest sees of the disk: virtio-blk feature bits, the config space, and the
 //! per-export state every queue shares ([`BlkDevice`]).
 
+use std::io::Write;
+use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+
+use vhost::vhost_user::message::BackendReq;
 
 use virtio_bindings::virtio_blk::*;
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
@@ -79,6 +83,26 @@ pub struct BlkDevice {
     pub serving: std::sync::atomic::AtomicUsize,
     /// Woken when a frontend's connection has ended (its queues stopped).
     pub drain: crate::export::DrainSignal,
+    /// The frontend's backend-request channel, if it set one up.
+    config_channel: Mutex<Option<ConfigChannel>>,
+}
+
+/// A vhost-user header with no body: the request code, the flags (protocol version 1, no
+/// reply asked: a frontend answers only when NEED_REPLY is set), the body's size 0.
+fn config_change_message() -> [u8; 12] {
+    let code: u32 = BackendReq::CONFIG_CHANGE_MSG.into();
+    let mut m = [0u8; 12];
+    m[0..4].copy_from_slice(&code.to_le_bytes());
+    m[4..8].copy_from_slice(&1u32.to_le_bytes());
+    m
+}
+
+/// The channel on which the device speaks first (`VHOST_USER_PROTOCOL_F_BACKEND_REQ`),
+/// used here only to say the config space changed, and the capacity the frontend last
+/// heard of.
+struct ConfigChannel {
+    sock: UnixStream,
+    sectors: u64,
 }
 
 impl BlkDevice {
@@ -99,6 +123,62 @@ impl BlkDevice {
             requests: (0..num_queues).map(|_| AtomicU64::new(0)).collect(),
             serving: Default::default(),
             drain: Default::default(),
+            config_channel: Mutex::new(None),
+        }
+    }
+
+    fn sectors(&self) -> u64 {
+        self.link.current().size() / 512
+    }
+
+    /// The frontend connected gave its backend-request channel (`SET_BACKEND_REQ_FD`), or
+    /// the connection ended (`None`).
+    pub fn set_config_channel(&self, sock: Option<UnixStream>) {
+        let channel = sock.and_then(|sock| {
+            // Never let a frontend that does not read its channel block the main loop.
+            sock.set_nonblocking(true).ok()?;
+            Some(ConfigChannel {
+                sock,
+                sectors: self.sectors(),
+            })
+        });
+        *self
+            .config_channel
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = channel;
+    }
+
+    /// The node may have changed size. If the capacity differs from what the frontend
+    /// last read, tells it the config space changed (`CONFIG_CHANGE_MSG`, as QEMU's
+    /// vu_blk_exp_resize does), so it reads the config again and tells its guest. Returns
+    /// whether a message went out. Frontends without the channel (libblkio) read the
+    /// config space anew when asked, and it follows the node.
+    pub fn announce_capacity(&self) -> bool {
+        let mut channel = self
+            .config_channel
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let Some(c) = channel.as_mut() else {
+            return false;
+        };
+        let sectors = self.sectors();
+        if sectors == c.sectors {
+            return false;
+        }
+        match (&c.sock).write(&config_change_message()) {
+            Ok(12) => {
+                c.sectors = sectors;
+                true
+            }
+            r => {
+                tracing::warn!(
+                    "vhost-user-blk {}: cannot tell the frontend of the new capacity ({r:?}); \
+                     it sees the old size until it reads the config space again",
+                    self.id
+                );
+                *channel = None;
+                false
+            }
         }
     }
 
@@ -125,7 +205,7 @@ impl BlkDevice {
     /// as the frontend asks for; bytes past our fields read as zero.
     pub fn config(&self, offset: u32, size: u32, queue_size: u16) -> Vec<u8> {
         let mut c = [0u8; 96];
-        let sectors = self.link.current().size() / 512;
+        let sectors = self.sectors();
         c[0..8].copy_from_slice(&sectors.to_le_bytes());
         // size_max (8): 0, no limit on a segment's size.
         let seg_max = u32::from(queue_size.max(4)) - 2;

@@ -28,6 +28,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use stord_aio::{Interest, Remote};
+use vhost::vhost_user::message::FrontendReq;
 use vhost::vhost_user::{BackendReqHandler, Error as VuError};
 
 use crate::accept::Acceptor;
@@ -317,6 +318,9 @@ impl Export for VhostUserBlkExport {
         let serving = || self.dev.serving.load(std::sync::atomic::Ordering::SeqCst);
         self.dev.drain.poll(cx, || serving() == 0)
     }
+    fn resized(&self) {
+        self.dev.announce_capacity();
+    }
     fn log_statistics(&self) {
         tracing::info!(
             "vhost-user-blk export {}: requests per queue {:?}",
@@ -447,12 +451,19 @@ fn serve(stream: UnixStream, dev: Arc<BlkDevice>, remotes: Vec<Remote>) {
         remotes,
         fault,
     )));
+    // The handler owns the socket, and the descriptor stays valid as long as it lives.
+    let control_fd = stream.as_raw_fd();
     let mut handler = BackendReqHandler::from_stream(stream, backend.clone());
     // A frontend that sends refused requests in a loop gets one log line a second.
     let refused_log = crate::log::RateLimit::new(Duration::from_secs(1));
     loop {
+        let channel = backend_channel_in_next_message(control_fd);
         match handler.handle_request() {
-            Ok(()) => {}
+            Ok(()) => {
+                if let Some(sock) = channel {
+                    dev.set_config_channel(Some(sock));
+                }
+            }
             Err(VuError::ReqHandlerError(e)) => {
                 if let Some(n) = refused_log.allow() {
                     tracing::warn!(
@@ -471,5 +482,21 @@ fn serve(stream: UnixStream, dev: Arc<BlkDevice>, remotes: Vec<Remote>) {
             }
         }
     }
+    dev.set_config_channel(None);
     backend.lock().unwrap_or_else(|e| e.into_inner()).stop_all();
+}
+
+/// The backend-request channel the next message carries, if it is `SET_BACKEND_REQ_FD`.
+/// The vhost crate hands that socket only to a `Backend` that cannot send
+/// `CONFIG_CHANGE_MSG`, so the message is peeked at first and its descriptor duplicated.
+/// Blocks until the next message starts arriving; one more syscall per control message.
+fn backend_channel_in_next_message(fd: std::os::fd::RawFd) -> Option<UnixStream> {
+    let mut hdr = [0u8; 4];
+    let (n, _) = crate::sys::peek_message(fd, &mut hdr, false).ok()?;
+    let set_backend_req_fd: u32 = FrontendReq::SET_BACKEND_REQ_FD.into();
+    if n < hdr.len() || u32::from_le_bytes(hdr) != set_backend_req_fd {
+        return None;
+    }
+    let (_, passed) = crate::sys::peek_message(fd, &mut hdr, true).ok()?;
+    Some(UnixStream::from(passed?))
 }
