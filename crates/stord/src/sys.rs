@@ -440,7 +440,10 @@ mod tests {
             (*c).cmsg_type = libc::SCM_RIGHTS;
             (*c).cmsg_len = libc::CMSG_LEN(4) as usize;
             libc::CMSG_DATA(c).cast::<libc::c_int>().write_unaligned(fd);
-            assert_eq!(libc::sendmsg(sock.as_raw_fd(), &msg, 0), data.len() as isize);
+            assert_eq!(
+                libc::sendmsg(sock.as_raw_fd(), &msg, 0),
+                data.len() as isize
+            );
         }
     }
 

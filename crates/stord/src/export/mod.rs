@@ -14,6 +14,7 @@ pub mod fuse;
 #[doc(hidden)]
 pub mod fuzz_loop;
 pub mod nbd;
+pub mod vduse_blk;
 pub mod vhost_user_blk;
 
 use std::collections::BTreeMap;
@@ -214,6 +215,19 @@ pub const EXPORT_TYPES: &[ExportType] = &[
                        [,writable=on|off][,num-queues=<n>][,logical-block-size=<n>]\n\
                        [,iothread=<id> | ,iothread.0=<id>...]",
             about: "a node as a virtual machine's virtio disk (vhost-user-blk)",
+        },
+    },
+    ExportType {
+        name: "vduse-blk",
+        create: vduse_blk::create,
+        supports_inactive: false,
+        help: Help {
+            synopsis: "name=<vduse name>\n\
+                       [,writable=on|off][,num-queues=<n>][,queue-size=<n>]\n\
+                       [,logical-block-size=<n>][,serial=<str>]\n\
+                       [,iothread=<id> | ,iothread.0=<id>...]",
+            about: "a node as a virtio-blk device of the host kernel (VDUSE;\n\
+                    attach it with `vdpa dev add name <name> mgmtdev vduse`)",
         },
     },
 ];

@@ -20,7 +20,7 @@ use super::device::GuestFault;
 
 use super::device::{BlkDevice, MAX_QUEUE_SIZE, VHOST_USER_F_PROTOCOL_FEATURES};
 use super::inflight::InflightRegion;
-use super::vring::{VringHandle, VringStart};
+use super::vring::{Interrupt, VringHandle, VringStart};
 
 /// How long GET_VRING_BASE waits for a queue's requests in flight.
 const DRAIN_LIMIT: Duration = Duration::from_secs(30);
@@ -256,7 +256,8 @@ impl BlkBackend {
             queue: q,
             mem: guest,
             kick,
-            call: v.call.clone(),
+            call: v.call.clone().map(|c| c as Arc<dyn Interrupt>),
+            lazy: None,
             dev: self.dev.clone(),
             inflight: self.inflight.clone(),
             fault: self.fault.clone(),
@@ -371,7 +372,7 @@ impl VhostUserBackendReqHandlerMut for BlkBackend {
         let v = self.vring(u32::from(index))?;
         v.call = fd.map(Arc::new);
         if let Some(h) = &v.running {
-            h.set_call(v.call.clone());
+            h.set_call(v.call.clone().map(|c| c as Arc<dyn Interrupt>));
         }
         Ok(())
     }

@@ -34,8 +34,8 @@ pub const MAX_QUEUE_SIZE: u16 = 1024;
 pub struct GuestFault {
     /// Raised by the SIGBUS handler.
     pub flag: Arc<std::sync::atomic::AtomicBool>,
-    /// The connection, to close.
-    sock: std::os::unix::net::UnixStream,
+    /// The connection, to close (none for a device with no connection: VDUSE).
+    sock: Option<std::os::unix::net::UnixStream>,
     reported: std::sync::atomic::AtomicBool,
 }
 
@@ -43,7 +43,16 @@ impl GuestFault {
     pub fn new(sock: std::os::unix::net::UnixStream) -> Self {
         Self {
             flag: Arc::default(),
-            sock,
+            sock: Some(sock),
+            reported: Default::default(),
+        }
+    }
+
+    /// For memory the daemon maps itself from a kernel device (VDUSE): never raised.
+    pub fn detached() -> Self {
+        Self {
+            flag: Arc::default(),
+            sock: None,
             reported: Default::default(),
         }
     }
@@ -59,15 +68,19 @@ impl GuestFault {
                 "vhost-user-blk {dev}: the frontend's memory vanished under the device (its \
                  file was truncated); closing that connection"
             );
-            let _ = self.sock.shutdown(std::net::Shutdown::Both);
+            if let Some(sock) = &self.sock {
+                let _ = sock.shutdown(std::net::Shutdown::Both);
+            }
         }
         true
     }
 }
 
 pub struct BlkDevice {
-    /// Block-export id (also the disk's serial number, as GET_ID returns).
+    /// Block-export id.
     pub id: String,
+    /// The disk's serial number, as GET_ID returns (the export id unless set).
+    pub serial: String,
     /// The node served (a pivot may move it).
     pub link: Arc<NodeLink>,
     pub writable: bool,
@@ -114,6 +127,7 @@ impl BlkDevice {
         num_queues: u16,
     ) -> Self {
         Self {
+            serial: id.clone(),
             id,
             link: NodeLink::new(node),
             writable,

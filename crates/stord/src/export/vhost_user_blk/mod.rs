@@ -12,13 +12,13 @@
 //! nothing) until the first has gone.
 
 mod backend;
-mod device;
+pub(crate) mod device;
 #[cfg(any(test, fuzzing))]
 #[doc(hidden)]
 pub mod fuzz;
 mod inflight;
 mod request;
-mod vring;
+pub(crate) mod vring;
 
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};

@@ -45,6 +45,22 @@ impl Chain {
         Ok(c)
     }
 
+    /// The first address of a segment that `mem` does not map, if any.
+    pub fn unmapped(&self, mem: &vm_memory::GuestMemoryMmap) -> Option<u64> {
+        use vm_memory::GuestMemoryRegion;
+        self.out.iter().chain(self.inn.iter()).find_map(|s| {
+            let len = (s.len as usize).max(1);
+            if mem.check_range(GuestAddress(s.addr), len) {
+                return None;
+            }
+            // The start, or the first byte past the region that holds it.
+            Some(match mem.find_region(GuestAddress(s.addr)) {
+                Some(r) => r.last_addr().0 + 1,
+                None => s.addr,
+            })
+        })
+    }
+
     /// Appends the next descriptor of the chain.
     pub fn push(&mut self, d: Descriptor) -> Result<(), String> {
         let s = Segment {
@@ -330,8 +346,8 @@ async fn run(dev: &BlkDevice, mem: &Arc<GuestMemoryMmap>, chain: &Chain) -> Resu
         }
         VIRTIO_BLK_T_GET_ID => {
             let mut id = [0u8; VIRTIO_BLK_ID_BYTES as usize];
-            let n = dev.id.len().min(id.len());
-            id[..n].copy_from_slice(&dev.id.as_bytes()[..n]);
+            let n = dev.serial.len().min(id.len());
+            id[..n].copy_from_slice(&dev.serial.as_bytes()[..n]);
             let n = (chain.data_in_len() as usize).min(id.len());
             if !scatter(mem, &chain.inn, &id[..n]) {
                 return Err(malformed("id buffer outside guest memory"));

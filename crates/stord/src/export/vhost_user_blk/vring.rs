@@ -42,13 +42,33 @@ use super::request::{self, Chain};
 /// still runs when it is the only one).
 pub const MAX_QUEUE_BYTES: usize = 64 << 20;
 
+/// How a queue interrupts its driver: a call eventfd (vhost-user) or an ioctl (VDUSE).
+pub trait Interrupt: Send + Sync {
+    fn raise(&self);
+}
+
+impl Interrupt for File {
+    fn raise(&self) {
+        let _ = (&*self).write(&1u64.to_ne_bytes());
+    }
+}
+
+/// Memory that is mapped piece by piece as the driver hands it out (VDUSE's IOVA space)
+/// instead of all up front (a vhost-user memory table).
+pub trait LazyMemory: Send + Sync {
+    /// Memory that also maps `addr`, or None if nothing does.
+    fn map(&self, addr: u64) -> Option<Arc<GuestMemoryMmap>>;
+}
+
 /// Everything needed to start a queue on its IoThread (all Send).
 pub struct VringStart {
     pub index: u16,
     pub queue: Queue,
     pub mem: Arc<GuestMemoryMmap>,
+    /// Maps what `mem` lacks, when a chain points there.
+    pub lazy: Option<Arc<dyn LazyMemory>>,
     pub kick: File,
-    pub call: Option<Arc<File>>,
+    pub call: Option<Arc<dyn Interrupt>>,
     pub dev: Arc<BlkDevice>,
     pub inflight: Option<Arc<super::inflight::InflightRegion>>,
     pub enabled: bool,
@@ -128,11 +148,20 @@ impl VringHandle {
     }
 
     /// Replaces the call eventfd.
-    pub fn set_call(&self, call: Option<Arc<File>>) {
+    pub fn set_call(&self, call: Option<Arc<dyn Interrupt>>) {
         let id = self.id;
         run_on(&self.remote, move || {
             with_vring(id, |v| *v.call.borrow_mut() = call)
         });
+    }
+
+    /// The next avail index the queue will take (VDUSE's GET_VQ_STATE).
+    pub fn next_avail(&self) -> Option<u16> {
+        let id = self.id;
+        run_on(&self.remote, move || {
+            with_vring(id, |v| v.queue.borrow().next_avail())
+        })
+        .flatten()
     }
 
     /// Replaces guest memory (a new memory table while running).
@@ -201,8 +230,9 @@ pub struct Vring {
     index: u16,
     queue: RefCell<Queue>,
     mem: RefCell<Arc<GuestMemoryMmap>>,
+    lazy: Option<Arc<dyn LazyMemory>>,
     kick: File,
-    call: RefCell<Option<Arc<File>>>,
+    call: RefCell<Option<Arc<dyn Interrupt>>>,
     dev: Arc<BlkDevice>,
     inflight: Option<InflightQueue>,
     /// Completions were published since the guest was last signalled (`flush_bh` signals).
@@ -279,6 +309,7 @@ impl Vring {
             index: s.index,
             queue: RefCell::new(s.queue),
             mem: RefCell::new(s.mem),
+            lazy: s.lazy,
             kick: s.kick,
             call: RefCell::new(s.call),
             dev: s.dev,
@@ -442,11 +473,7 @@ impl Vring {
             q.taken(head);
         }
         self.dev.requests[self.index as usize].fetch_add(1, Ordering::Relaxed);
-        let mem = self.mem.borrow().clone();
-        let chain = {
-            let q = self.queue.borrow();
-            walk_chain(&mem, GuestAddress(q.desc_table()), q.size(), head)
-        };
+        let chain = self.chain(head);
         self.in_flight.set(self.in_flight.get() + 1);
         let mut waiting = self.waiting.borrow_mut();
         if waiting.is_empty() && self.admits(&chain) {
@@ -455,6 +482,34 @@ impl Vring {
         } else {
             waiting.push_back((head, chain));
         }
+    }
+
+    /// The chain at `head`, with every address it names mapped: with lazy memory, what is
+    /// missing is mapped (a few times at most: each mapping covers a whole IOTLB range).
+    fn chain(&self, head: u16) -> Result<Chain, String> {
+        for _ in 0..8 {
+            let mem = self.mem.borrow().clone();
+            let chain = {
+                let q = self.queue.borrow();
+                walk_chain(&mem, GuestAddress(q.desc_table()), q.size(), head)
+            };
+            let Some(lazy) = &self.lazy else {
+                return chain.map_err(|e| e.to_string());
+            };
+            let missing = match &chain {
+                Err(WalkError { at: Some(at), .. }) => *at,
+                Err(e) => return Err(e.to_string()),
+                Ok(c) => match c.unmapped(&mem) {
+                    None => return chain.map_err(|e| e.to_string()),
+                    Some(at) => at,
+                },
+            };
+            match lazy.map(missing) {
+                Some(m) => *self.mem.borrow_mut() = m,
+                None => return Err(format!("address {missing:#x} is not mapped")),
+            }
+        }
+        Err("chain spans too many unmapped ranges".into())
     }
 
     fn cost(chain: &Result<Chain, String>) -> usize {
@@ -575,7 +630,7 @@ impl Vring {
     /// Interrupts the driver (writes the call eventfd).
     fn call(&self) {
         if let Some(call) = &*self.call.borrow() {
-            let _ = (&**call).write(&1u64.to_ne_bytes());
+            call.raise();
             self.stats.calls.add(1);
             self.stats
                 .used_to_call_ns
@@ -604,6 +659,34 @@ impl Vring {
     }
 }
 
+/// Why a chain could not be read; `at`, when a descriptor's address is not mapped.
+#[derive(Debug)]
+pub struct WalkError {
+    pub what: String,
+    pub at: Option<u64>,
+}
+
+impl std::fmt::Display for WalkError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.what)
+    }
+}
+
+impl From<String> for WalkError {
+    fn from(what: String) -> Self {
+        WalkError { what, at: None }
+    }
+}
+
+impl From<&str> for WalkError {
+    fn from(what: &str) -> Self {
+        WalkError {
+            what: what.into(),
+            at: None,
+        }
+    }
+}
+
 /// Reads the descriptor chain starting at `head` (following one indirect table), with the
 /// checks the virtio spec asks of a device: indices in range, no loops, a sane total length.
 pub fn walk_chain(
@@ -611,7 +694,7 @@ pub fn walk_chain(
     table: GuestAddress,
     size: u16,
     head: u16,
-) -> Result<Chain, String> {
+) -> Result<Chain, WalkError> {
     let mut chain = Chain::default();
     let (mut table, mut size) = (table, size);
     let mut next = head;
@@ -620,7 +703,7 @@ pub fn walk_chain(
     let mut total: u64 = 0;
     loop {
         if next >= size {
-            return Err(format!("descriptor index {next} beyond table of {size}"));
+            return Err(format!("descriptor index {next} beyond table of {size}").into());
         }
         if budget == 0 {
             return Err("descriptor chain loops".into());
@@ -630,15 +713,16 @@ pub fn walk_chain(
             .0
             .checked_add(16 * u64::from(next))
             .ok_or_else(|| format!("descriptor {next} beyond the address space"))?;
-        let d: Descriptor = mem
-            .read_obj(GuestAddress(at))
-            .map_err(|e| format!("descriptor {next} unreadable: {e}"))?;
+        let d: Descriptor = mem.read_obj(GuestAddress(at)).map_err(|e| WalkError {
+            what: format!("descriptor {next} unreadable: {e}"),
+            at: Some(at),
+        })?;
         if d.flags() & VRING_DESC_F_INDIRECT as u16 != 0 {
             if indirect || chain.out.len() + chain.inn.len() > 0 {
                 return Err("indirect table not at the head of the chain".into());
             }
             if !d.len().is_multiple_of(16) || d.len() == 0 || d.len() / 16 > u32::from(u16::MAX) {
-                return Err(format!("indirect table of {} bytes", d.len()));
+                return Err(format!("indirect table of {} bytes", d.len()).into());
             }
             indirect = true;
             table = d.addr();
@@ -697,6 +781,7 @@ mod tests {
         put(&mem, 0, 5, Descriptor::new(0x1000, 16, n, 4));
         assert!(walk_chain(&mem, GuestAddress(0), 8, 4)
             .unwrap_err()
+            .what
             .contains("loops"));
         // Out of range.
         put(&mem, 0, 6, Descriptor::new(0x1000, 16, n, 9));

@@ -1,0 +1,120 @@
+//! The driver's IOVA space as the daemon sees it: ranges the kernel hands out through
+//! VDUSE_IOTLB_GET_FD, each mapped once (shared, with the access the kernel grants), kept
+//! until the kernel says they are gone (UPDATE_IOTLB) or the device resets. A queue asks
+//! for what its chains point at ([`LazyMemory`]); the kernel sets up its bounce buffer
+//! only at the first DMA mapping, so nothing can be mapped ahead of time but the rings.
+
+use std::sync::{Arc, Mutex};
+
+use vm_memory::{FileOffset, GuestAddress, GuestMemoryMmap, GuestRegionMmap, MmapRegion};
+
+use super::uapi;
+use crate::export::vhost_user_blk::vring::LazyMemory;
+
+struct Range {
+    start: u64,
+    last: u64,
+    region: Arc<GuestRegionMmap>,
+}
+
+#[derive(Default)]
+struct Map {
+    ranges: Vec<Range>,
+    mem: Arc<GuestMemoryMmap>,
+}
+
+/// The mapped part of one device's IOVA space.
+pub struct IovaMemory {
+    device: Arc<uapi::Device>,
+    map: Mutex<Map>,
+}
+
+impl IovaMemory {
+    pub fn new(device: Arc<uapi::Device>) -> Self {
+        Self {
+            device,
+            map: Mutex::default(),
+        }
+    }
+
+    /// Maps the range holding `iova` unless it is mapped.
+    fn add(&self, map: &mut Map, iova: u64) -> Result<(), String> {
+        if map.ranges.iter().any(|r| r.start <= iova && iova <= r.last) {
+            return Ok(());
+        }
+        let (e, file) = self
+            .device
+            .iotlb_fd(iova)
+            .map_err(|err| format!("IOVA {iova:#x} is not mapped by the kernel: {err}"))?;
+        let size = e
+            .last
+            .checked_sub(e.start)
+            .and_then(|n| usize::try_from(n + 1).ok())
+            .ok_or_else(|| format!("bad IOTLB entry {e:?}"))?;
+        let mut prot = 0;
+        if e.perm & uapi::ACCESS_RO != 0 {
+            prot |= libc::PROT_READ;
+        }
+        if e.perm & uapi::ACCESS_WO != 0 {
+            prot |= libc::PROT_WRITE;
+        }
+        let region = MmapRegion::build(
+            Some(FileOffset::new(file, e.offset)),
+            size,
+            prot,
+            libc::MAP_SHARED,
+        )
+        .map_err(|err| format!("cannot map IOVA {:#x}+{size:#x}: {err}", e.start))?;
+        let region = GuestRegionMmap::new(region, GuestAddress(e.start))
+            .ok_or_else(|| format!("IOTLB entry {e:?} overflows"))?;
+        map.ranges.push(Range {
+            start: e.start,
+            last: e.last,
+            region: Arc::new(region),
+        });
+        Self::rebuild(map)
+    }
+
+    fn rebuild(map: &mut Map) -> Result<(), String> {
+        map.ranges.sort_by_key(|r| r.start);
+        map.mem = Arc::new(
+            GuestMemoryMmap::from_arc_regions(
+                map.ranges.iter().map(|r| r.region.clone()).collect(),
+            )
+            .map_err(|e| format!("IOTLB ranges overlap: {e}"))?,
+        );
+        Ok(())
+    }
+
+    /// Maps every range holding one of `iovas` (a queue's rings before it starts).
+    pub fn ensure(&self, iovas: &[u64]) -> Result<Arc<GuestMemoryMmap>, String> {
+        let mut map = self.map.lock().unwrap_or_else(|e| e.into_inner());
+        for &iova in iovas {
+            self.add(&mut map, iova)?;
+        }
+        Ok(map.mem.clone())
+    }
+
+    /// The kernel took back [start, last]: ranges inside it are unmapped (once requests
+    /// using them let go). Returns the memory left.
+    pub fn remove(&self, start: u64, last: u64) -> Arc<GuestMemoryMmap> {
+        let mut map = self.map.lock().unwrap_or_else(|e| e.into_inner());
+        map.ranges.retain(|r| r.last < start || r.start > last);
+        // The ranges left did not overlap before, and do not now.
+        let _ = Self::rebuild(&mut map);
+        map.mem.clone()
+    }
+}
+
+impl LazyMemory for IovaMemory {
+    fn map(&self, addr: u64) -> Option<Arc<GuestMemoryMmap>> {
+        let mut map = self.map.lock().unwrap_or_else(|e| e.into_inner());
+        match self.add(&mut map, addr) {
+            Ok(()) => Some(map.mem.clone()),
+            Err(e) => {
+                tracing::warn!("vduse-blk: {e}");
+                None
+            }
+        }
+    }
+}

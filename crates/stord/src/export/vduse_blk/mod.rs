@@ -1,0 +1,515 @@
+//! The vduse-blk export: a node as a virtio-blk device of the host kernel itself (VDUSE),
+//! which `vdpa dev add ... mgmtdev vduse` turns into a /dev/vdX for containers and
+//! processes, no virtual machine involved.
+//!
+//! The device is created through /dev/vduse/control. A control thread reads the kernel's
+//! messages from /dev/vduse/<name> (they are rare and may wait for queues to drain, as
+//! vhost-user's control messages do): SET_STATUS starts the queues at DRIVER_OK and stops
+//! them at reset, GET_VQ_STATE answers the next avail index, UPDATE_IOTLB unmaps what the
+//! kernel took back. The queues run on IoThreads with the same ring and request code as
+//! vhost-user-blk ([`vring`](super::vhost_user_blk::vring)): a kick eventfd the kernel
+//! signals, the avail index as a poll handler; interrupts are an ioctl. Their memory is
+//! the driver's IOVA space, mapped range by range as chains point into it ([`memory`]).
+//! As qsd, a device that already exists is taken over (a restarted daemon reconnects),
+//! and one still attached to the vDPA bus when the export goes stays for the next.
+
+mod memory;
+mod uapi;
+
+use std::fs::File;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use stord_aio::Remote;
+use virtio_bindings::virtio_blk::{VIRTIO_BLK_F_CONFIG_WCE, VIRTIO_BLK_F_MQ};
+use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
+use virtio_queue::{Queue, QueueT};
+
+use super::vhost_user_blk::device::{BlkDevice, GuestFault, VHOST_USER_F_PROTOCOL_FEATURES};
+use super::vhost_user_blk::vring::{Interrupt, LazyMemory, VringHandle, VringStart};
+use crate::block::link::NodeLink;
+use crate::cli::keyval::KeyVal;
+use crate::export::{Export, ExportEnv, ExportError};
+use memory::IovaMemory;
+
+/// VIRTIO_F_ACCESS_PLATFORM: the kernel refuses a VDUSE device without it.
+const VIRTIO_F_ACCESS_PLATFORM: u32 = 33;
+/// VIRTIO_CONFIG_S_DRIVER_OK.
+const DRIVER_OK: u8 = 4;
+/// The size of `struct virtio_blk_config` QEMU hands the kernel.
+const CONFIG_SIZE: u32 = 96;
+/// How long a reset waits for a queue's requests.
+const DRAIN_LIMIT: Duration = Duration::from_secs(30);
+
+/// Options of `--export type=vduse-blk`.
+pub struct VduseBlkOptions {
+    pub id: String,
+    pub node_name: String,
+    /// The VDUSE device name (/dev/vduse/<name>, `vdpa dev add name <name>`).
+    pub name: String,
+    pub writable: bool,
+    pub writethrough: bool,
+    pub num_queues: u16,
+    pub queue_size: u16,
+    pub logical_block_size: u32,
+    pub serial: String,
+    pub iothreads: Vec<String>,
+}
+
+impl VduseBlkOptions {
+    /// Parses the options after `type=vduse-blk`, with QEMU's checks and texts.
+    pub fn from_opts(kv: &mut KeyVal) -> Result<Self, ExportError> {
+        let id = kv.take_required("id")?;
+        let node_name = kv.take_required("node-name")?;
+        let name = kv.take_required("name")?;
+        let writable = kv.take_bool("writable", false)?;
+        let writethrough = kv.take_bool("writethrough", false)?;
+        let _ = kv.take_bool("fixed-iothread", false)?;
+        let num_queues = kv.take_u64_in("num-queues", false, 0..=u64::from(u16::MAX))?;
+        let num_queues = match num_queues {
+            None => 1,
+            Some(0) => return Err("num-queues must be greater than 0".to_string().into()),
+            Some(n) => n as u16,
+        };
+        let queue_size = match kv.take_u64_in("queue-size", false, 0..=u64::from(u16::MAX))? {
+            None => 256,
+            Some(n) if n > 2 && n <= 1024 && n.is_power_of_two() => n as u16,
+            Some(_) => return Err("queue-size is invalid".to_string().into()),
+        };
+        let logical_block_size = match kv.take_u64("logical-block-size", true)? {
+            None => 512,
+            Some(n) if (512..=2 << 20).contains(&n) && n.is_power_of_two() => n as u32,
+            Some(_) => {
+                return Err(
+                    "parameter logical-block-size must be a power of 2 between 512 \
+                            and 2097152"
+                        .to_string()
+                        .into(),
+                )
+            }
+        };
+        let serial = kv.take("serial").unwrap_or_default();
+        let iothreads = kv.take_list("iothread");
+        Ok(Self {
+            id,
+            node_name,
+            name,
+            writable,
+            writethrough,
+            num_queues,
+            queue_size,
+            logical_block_size,
+            serial,
+            iothreads,
+        })
+    }
+}
+
+/// `--export type=vduse-blk` / `block-export-add`.
+pub fn create(env: &ExportEnv<'_>, mut kv: KeyVal) -> Result<Box<dyn Export>, ExportError> {
+    let opts = VduseBlkOptions::from_opts(&mut kv)?;
+    let what = kv.what.clone();
+    kv.finish()?;
+    let node = env.node(&what, &opts.node_name)?;
+    env.check_claim(&what, &format!("vduse:{}", opts.name))?;
+    let mut remotes = env.remotes(&what, &opts.iothreads)?;
+    if remotes.is_empty() {
+        remotes.push(stord_aio::current_remote().ok_or_else(|| format!("{what}: no event loop"))?);
+    }
+    let mut dev = BlkDevice::new(
+        opts.id.clone(),
+        node,
+        opts.writable,
+        opts.logical_block_size,
+        opts.num_queues,
+    );
+    dev.serial = opts.serial.clone();
+    dev.writeback.store(!opts.writethrough, Ordering::Relaxed);
+    let dev = Arc::new(dev);
+    Ok(Box::new(
+        VduseBlkExport::start(opts, dev, remotes)
+            .map_err(|e| format!("{what}: failed to create vduse device: {e}"))?,
+    ))
+}
+
+/// A VDUSE device being served.
+pub struct VduseBlkExport {
+    id: String,
+    name: String,
+    writable: bool,
+    dev: Arc<BlkDevice>,
+    /// Taken at drop: it must be closed before the device can be destroyed.
+    device: Option<Arc<uapi::Device>>,
+    control: uapi::Control,
+    remotes: Vec<Remote>,
+    /// Written to stop the control thread.
+    stop: File,
+    thread: Option<JoinHandle<()>>,
+    stopping: bool,
+}
+
+/// The virtio feature bits the device offers: vhost-user-blk's, less what VDUSE refuses
+/// (a writable cache switch) or has no use for, plus ACCESS_PLATFORM, which it requires.
+fn features(dev: &BlkDevice) -> u64 {
+    let mut f =
+        dev.features() & !(1 << VHOST_USER_F_PROTOCOL_FEATURES) & !(1 << VIRTIO_BLK_F_CONFIG_WCE);
+    if dev.num_queues == 1 {
+        f &= !(1 << VIRTIO_BLK_F_MQ);
+    }
+    f | (1 << VIRTIO_F_ACCESS_PLATFORM)
+}
+
+impl VduseBlkExport {
+    fn start(
+        opts: VduseBlkOptions,
+        dev: Arc<BlkDevice>,
+        remotes: Vec<Remote>,
+    ) -> Result<Self, String> {
+        let control = uapi::Control::open().map_err(|e| format!("/dev/vduse/control: {e}"))?;
+        let config = dev.config(0, CONFIG_SIZE, opts.queue_size);
+        let header = uapi::dev_config(&opts.name, features(&dev), u32::from(opts.num_queues))
+            .map_err(|_| format!("invalid device name '{}'", opts.name))?;
+        match control.create(header, &config) {
+            Ok(()) => {}
+            // A device left by an earlier daemon: taken over as it is (as qsd does).
+            Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {}
+            Err(e) => return Err(e.to_string()),
+        }
+        let device = match uapi::Device::open(&opts.name) {
+            Ok(d) => Arc::new(d),
+            Err(e) => {
+                let _ = control.destroy(&opts.name);
+                return Err(format!("/dev/vduse/{}: {e}", opts.name));
+            }
+        };
+        for i in 0..u32::from(opts.num_queues) {
+            device
+                .vq_setup(i, opts.queue_size)
+                .map_err(|e| format!("queue {i}: {e}"))?;
+        }
+        let stop = File::from(stord_aio::sys::eventfd().map_err(|e| e.to_string())?);
+        let stop_rx = stop.try_clone().map_err(|e| e.to_string())?;
+        dev.serving.fetch_add(1, Ordering::SeqCst);
+        let thread = {
+            let (dev, device, remotes) = (dev.clone(), device.clone(), remotes.clone());
+            let queue_size = opts.queue_size;
+            std::thread::Builder::new()
+                .name(format!("vduse-{}", opts.id))
+                .spawn(move || {
+                    let mut c = Controller::new(dev.clone(), device, remotes, queue_size);
+                    // A device taken over may be running already.
+                    c.start_queues();
+                    c.serve(&stop_rx);
+                    c.stop_queues();
+                    dev.serving.fetch_sub(1, Ordering::SeqCst);
+                    dev.drain.wake();
+                })
+        };
+        let thread = match thread {
+            Ok(t) => t,
+            Err(e) => {
+                dev.serving.fetch_sub(1, Ordering::SeqCst);
+                return Err(format!("cannot start a control thread: {e}"));
+            }
+        };
+        Ok(Self {
+            id: opts.id,
+            name: opts.name,
+            writable: opts.writable,
+            dev,
+            device: Some(device),
+            control,
+            remotes,
+            stop,
+            thread: Some(thread),
+            stopping: false,
+        })
+    }
+
+    fn halt(&mut self) {
+        if !std::mem::replace(&mut self.stopping, true) {
+            use std::io::Write;
+            let _ = (&self.stop).write(&1u64.to_ne_bytes());
+        }
+    }
+}
+
+impl Export for VduseBlkExport {
+    fn id(&self) -> &str {
+        &self.id
+    }
+    fn kind(&self) -> &'static str {
+        "vduse-blk"
+    }
+    fn writable(&self) -> bool {
+        self.writable
+    }
+    fn link(&self) -> &Arc<NodeLink> {
+        &self.dev.link
+    }
+    fn runs_on(&self, thread: &Remote) -> bool {
+        self.remotes
+            .iter()
+            .any(|r| r.thread_id() == thread.thread_id())
+    }
+    fn claim(&self) -> Option<String> {
+        Some(format!("vduse:{}", self.name))
+    }
+    fn in_use(&self) -> bool {
+        false
+    }
+    fn shutting_down(&self) -> bool {
+        self.stopping
+    }
+    fn describe(&self, out: &mut serde_json::Map<String, serde_json::Value>) {
+        let requests: Vec<u64> = self
+            .dev
+            .requests
+            .iter()
+            .map(|r| r.load(Ordering::Relaxed))
+            .collect();
+        out.insert("x-queue-requests".into(), requests.into());
+    }
+    fn begin_stop(&mut self) {
+        self.halt();
+    }
+    fn poll_drained(&self, cx: &mut Context<'_>) -> Poll<()> {
+        let serving = || self.dev.serving.load(Ordering::SeqCst);
+        self.dev.drain.poll(cx, || serving() == 0)
+    }
+    /// The new capacity goes into the config space, with a config interrupt (as QEMU's
+    /// vduse_blk_resize).
+    fn resized(&self) {
+        let sectors = self.dev.link.current().size() / 512;
+        let Some(device) = &self.device else { return };
+        if let Err(e) = device.set_config(0, &sectors.to_le_bytes()) {
+            tracing::warn!(
+                "vduse-blk {}: cannot tell the driver of the new size: {e}",
+                self.id
+            );
+        }
+    }
+}
+
+impl Drop for VduseBlkExport {
+    fn drop(&mut self) {
+        self.halt();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        // The device can only go once nothing has it open: our descriptor first. While it
+        // is attached to the vDPA bus the kernel keeps it (EBUSY), for the next daemon to
+        // take over, as qsd leaves it.
+        drop(self.device.take());
+        match self.control.destroy(&self.name) {
+            Ok(()) => {}
+            Err(e) if e.raw_os_error() == Some(libc::EBUSY) => tracing::info!(
+                "vduse-blk {}: device {} is still attached; it stays until `vdpa dev del`",
+                self.id,
+                self.name
+            ),
+            Err(e) => tracing::warn!("vduse-blk {}: cannot destroy {}: {e}", self.id, self.name),
+        }
+    }
+}
+
+/// A queue's interrupt: VDUSE_VQ_INJECT_IRQ.
+struct Irq {
+    device: Arc<uapi::Device>,
+    index: u32,
+}
+
+impl Interrupt for Irq {
+    fn raise(&self) {
+        let _ = self.device.vq_irq(self.index);
+    }
+}
+
+/// The control thread's state: the device's queues and memory.
+struct Controller {
+    dev: Arc<BlkDevice>,
+    device: Arc<uapi::Device>,
+    remotes: Vec<Remote>,
+    queue_size: u16,
+    memory: Arc<IovaMemory>,
+    running: Vec<Option<VringHandle>>,
+    /// Next avail index of each stopped queue.
+    bases: Vec<u16>,
+}
+
+impl Controller {
+    fn new(
+        dev: Arc<BlkDevice>,
+        device: Arc<uapi::Device>,
+        remotes: Vec<Remote>,
+        queue_size: u16,
+    ) -> Self {
+        let n = dev.num_queues as usize;
+        Self {
+            memory: Arc::new(IovaMemory::new(device.clone())),
+            dev,
+            device,
+            remotes,
+            queue_size,
+            running: (0..n).map(|_| None).collect(),
+            bases: vec![0; n],
+        }
+    }
+
+    /// Reads and answers the kernel's messages until `stop` is written.
+    fn serve(&mut self, stop: &File) {
+        use std::io::{Read, Write};
+        loop {
+            match uapi::wait_readable(&self.device.0, stop) {
+                Ok((_, true)) => return,
+                Ok((true, false)) => {}
+                Ok((false, false)) => continue,
+                Err(e) => {
+                    tracing::warn!("vduse-blk {}: {e}", self.dev.id);
+                    return;
+                }
+            }
+            let mut req = uapi::Request([0; 152]);
+            match (&self.device.0).read(&mut req.0) {
+                Ok(152) => {}
+                Ok(n) => {
+                    tracing::warn!("vduse-blk {}: short message of {n} bytes", self.dev.id);
+                    continue;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+                Err(e) => {
+                    tracing::warn!("vduse-blk {}: reading the device: {e}", self.dev.id);
+                    return;
+                }
+            }
+            let reply = self.handle(&req);
+            if let Err(e) = (&self.device.0).write(&reply) {
+                tracing::warn!("vduse-blk {}: answering the kernel: {e}", self.dev.id);
+            }
+        }
+    }
+
+    fn handle(&mut self, req: &uapi::Request) -> [u8; 152] {
+        match req.kind() {
+            uapi::REQ_GET_VQ_STATE => {
+                let i = req.vq_index();
+                let avail = match self.running.get(i as usize) {
+                    Some(Some(h)) => h.next_avail(),
+                    Some(None) => self.bases.get(i as usize).copied(),
+                    None => None,
+                };
+                match avail {
+                    Some(a) => uapi::response(req.id(), true, Some((i, a))),
+                    None => uapi::response(req.id(), false, None),
+                }
+            }
+            uapi::REQ_SET_STATUS => {
+                let status = req.status();
+                if status & DRIVER_OK != 0 {
+                    self.start_queues();
+                } else if status == 0 {
+                    self.stop_queues();
+                    self.bases.iter_mut().for_each(|b| *b = 0);
+                    self.memory.remove(0, u64::MAX);
+                }
+                uapi::response(req.id(), true, None)
+            }
+            uapi::REQ_UPDATE_IOTLB => {
+                let (start, last) = req.iova_range();
+                let mem = self.memory.remove(start, last);
+                for h in self.running.iter().flatten() {
+                    h.set_mem(mem.clone());
+                }
+                uapi::response(req.id(), true, None)
+            }
+            _ => uapi::response(req.id(), false, None),
+        }
+    }
+
+    /// Starts every queue the driver made ready and that is not running.
+    fn start_queues(&mut self) {
+        let features = match self.device.features() {
+            Ok(f) => f,
+            Err(e) => {
+                tracing::warn!("vduse-blk {}: {e}", self.dev.id);
+                return;
+            }
+        };
+        for i in 0..self.running.len() {
+            if self.running[i].is_some() {
+                continue;
+            }
+            match self.start_queue(i, features) {
+                Ok(h) => self.running[i] = h,
+                Err(e) => tracing::warn!("vduse-blk {}: queue {i}: {e}", self.dev.id),
+            }
+        }
+    }
+
+    fn start_queue(&self, i: usize, features: u64) -> Result<Option<VringHandle>, String> {
+        let info = self.device.vq_info(i as u32).map_err(|e| e.to_string())?;
+        if info.ready == 0 {
+            return Ok(None);
+        }
+        let mem = self
+            .memory
+            .ensure(&[info.desc_addr, info.driver_addr, info.device_addr])?;
+        let mut q = Queue::new(self.queue_size).map_err(|e| e.to_string())?;
+        q.set_size(info.num as u16);
+        let (d, a, u) = (info.desc_addr, info.driver_addr, info.device_addr);
+        q.set_desc_table_address(Some(d as u32), Some((d >> 32) as u32));
+        q.set_avail_ring_address(Some(a as u32), Some((a >> 32) as u32));
+        q.set_used_ring_address(Some(u as u32), Some((u >> 32) as u32));
+        q.set_event_idx(features & (1 << VIRTIO_RING_F_EVENT_IDX) != 0);
+        let used = q
+            .used_idx(&*mem, Ordering::Acquire)
+            .map_err(|e| e.to_string())?;
+        // A fresh queue starts where the kernel says; one a restarted daemon takes over
+        // goes on from what was completed (requests taken and not completed are lost).
+        let base = if info.avail_index != 0 {
+            info.avail_index
+        } else {
+            used.0.max(self.bases[i])
+        };
+        q.set_next_avail(base);
+        q.set_next_used(used.0);
+        q.set_ready(true);
+        if !q.is_valid(&*mem) {
+            return Err(format!("size {} or ring addresses invalid", info.num));
+        }
+        let kick = File::from(stord_aio::sys::eventfd().map_err(|e| e.to_string())?);
+        self.device
+            .vq_kickfd(i as u32, &kick)
+            .map_err(|e| format!("kick eventfd: {e}"))?;
+        let start = VringStart {
+            index: i as u16,
+            queue: q,
+            mem,
+            lazy: Some(self.memory.clone() as Arc<dyn LazyMemory>),
+            kick,
+            call: Some(Arc::new(Irq {
+                device: self.device.clone(),
+                index: i as u32,
+            })),
+            dev: self.dev.clone(),
+            inflight: None,
+            enabled: true,
+            fault: Arc::new(GuestFault::detached()),
+        };
+        let remote = self.remotes[i % self.remotes.len()].clone();
+        VringHandle::start(remote, start).map(Some)
+    }
+
+    /// Stops every running queue, its requests drained.
+    fn stop_queues(&mut self) {
+        for (i, h) in self.running.iter_mut().enumerate() {
+            if let Some(h) = h.take() {
+                self.bases[i] = h.stop(DRAIN_LIMIT);
+            }
+        }
+    }
+}

@@ -1,0 +1,137 @@
+//! The vduse-blk export in a guest whose kernel has VDUSE: QEMU (TCG) boots Debian's 6.12
+//! kernel with an initramfs that carries stord, qemu-storage-daemon, iproute2's `vdpa` and
+//! util-linux's `blkdiscard` (scripts/build-guest.sh). The daemon runs inside the guest and
+//! serves a null and a file node as VDUSE devices; tests/guest/vduse.sh attaches them and
+//! checks reads, writes, flush, discard, write-zeroes, a daemon killed and restarted (it
+//! takes the devices over), and an export removed while its device is open. The same
+//! script runs against qsd, and each step must come out the same.
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// Builds the kernel and an initramfs carrying the daemons and tools.
+fn guest() -> PathBuf {
+    let which = |p: &str| {
+        let out = Command::new("sh")
+            .args(["-c", &format!("command -v {p}")])
+            .output()
+            .expect("sh");
+        let path = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        assert!(!path.is_empty(), "{p} is not installed");
+        path
+    };
+    let st = Command::new(repo().join("scripts/build-guest.sh"))
+        .arg("vduse")
+        .arg(env!("CARGO_BIN_EXE_stord"))
+        .arg(which("qemu-storage-daemon"))
+        .arg(which("vdpa"))
+        .arg("/usr/sbin/blkdiscard")
+        .stdout(Stdio::null())
+        .status()
+        .expect("run scripts/build-guest.sh");
+    assert!(st.success(), "scripts/build-guest.sh failed");
+    repo().join("target/guest")
+}
+
+/// Boots the guest with `daemon` and returns its console output.
+fn boot(g: &Path, daemon: &str) -> String {
+    let mut child = Command::new("qemu-system-x86_64")
+        .args(["-machine", "q35", "-smp", "2", "-m", "512"])
+        .args([
+            "-nographic",
+            "-no-reboot",
+            "-nodefaults",
+            "-serial",
+            "stdio",
+        ])
+        .args(["-kernel", &g.join("vmlinuz").display().to_string()])
+        .args(["-initrd", &g.join("initrd-vduse").display().to_string()])
+        .args([
+            "-append",
+            &format!("console=ttyS0 quiet panic=-1 stord.script=vduse stord.daemon={daemon}"),
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn qemu-system-x86_64");
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let _ = child.wait();
+    let mut out = String::new();
+    let _ = child.stdout.take().unwrap().read_to_string(&mut out);
+    let mut err = String::new();
+    let _ = child.stderr.take().unwrap().read_to_string(&mut err);
+    format!("{out}\n{err}")
+}
+
+/// The guest's `GUEST-<key> value` lines, in order, without the start and end markers.
+fn steps(out: &str) -> Vec<String> {
+    out.lines()
+        .filter_map(|l| l.find("GUEST-").map(|i| l[i..].trim().to_string()))
+        .filter(|l| !l.starts_with("GUEST-START") && !l.starts_with("GUEST-END"))
+        .collect()
+}
+
+fn field<'a>(steps: &'a [String], key: &str) -> Option<&'a str> {
+    let tag = format!("GUEST-{key} ");
+    steps
+        .iter()
+        .find_map(|l| l.strip_prefix(&tag))
+        .map(str::trim)
+}
+
+#[test]
+fn vduse_blk_serves_a_guest_kernel_as_qsd_does() {
+    let g = guest();
+    let stord = boot(&g, "stord");
+    let s = steps(&stord);
+    let expect = [
+        ("CREATED", "control vd0 vd1"),
+        ("NULL", "131072 ro=1"),
+        ("NULL-READ", "zeroes"),
+        ("NULL-WRITE", "refused"),
+        ("FILE", "131072 ro=0 queues=2"),
+        ("READBACK", "same"),
+        ("IN-FILE", "same"),
+        ("DISCARDED", "zeroes"),
+        ("ZEROED", "zeroes"),
+        ("RECONNECTED", "same"),
+        ("EXPORT-DELETED", "e1"),
+        ("OTHER-SERVED", "zeroes"),
+        ("DETACHED", "vdb"),
+        ("EXIT", "0"),
+        ("STDERR", "0"),
+    ];
+    for (key, want) in expect {
+        assert_eq!(field(&s, key), Some(want), "stord, step {key}:\n{stord}");
+    }
+    assert!(s.iter().any(|l| l == "GUEST-PASS"), "stord:\n{stord}");
+    // Both devices offer discard and write-zeroes (their limits are each daemon's own).
+    let limits = field(&s, "LIMITS").unwrap_or_default();
+    assert!(
+        !limits.contains("=0 ") && !limits.ends_with("=0"),
+        "stord: {limits}"
+    );
+
+    let qsd = boot(&g, "qemu-storage-daemon");
+    let q = steps(&qsd);
+    let same = |l: &String| !l.starts_with("GUEST-LIMITS");
+    assert_eq!(
+        s.iter().filter(|l| same(l)).collect::<Vec<_>>(),
+        q.iter().filter(|l| same(l)).collect::<Vec<_>>(),
+        "stord and qsd differ:\n--- stord\n{stord}\n--- qsd\n{qsd}"
+    );
+}
