@@ -58,6 +58,22 @@ start
 want=$(dd if=/tmp/p bs=1M skip=2 count=2 2>/dev/null | sha256sum)
 [ "$(dd if=$f bs=1M skip=3 count=2 iflag=direct 2>/dev/null | sha256sum)" = "$want" ] &&
     echo "GUEST-RECONNECTED same"
+# Killed again with writes in flight: the next daemon replays what the last one took and
+# did not complete (its in-flight log), so the writer finishes and the data is all there.
+dd if=/dev/urandom of=/tmp/q bs=1M count=24 2>/dev/null
+dd if=/tmp/q of=$f bs=4k seek=2048 oflag=direct 2>/dev/null &
+w=$!
+sleep 0.3
+kill -0 $w 2>/dev/null && echo "GUEST-INFO writing when killed"
+kill -9 $pid
+wait $pid || true
+start
+for i in $(seq 600); do kill -0 $w 2>/dev/null || break; sleep 0.1; done
+if kill -0 $w 2>/dev/null; then echo "GUEST-WRITER hung"; kill $w; else
+    wait $w && echo "GUEST-WRITER done"
+fi
+[ "$(dd if=$f bs=64k skip=128 count=384 iflag=direct 2>/dev/null | sha256sum)" = "$(sha256sum < /tmp/q)" ] &&
+    echo "GUEST-REPLAYED same"
 # The export goes while the device is open: the command succeeds, the other export serves
 # on, and the device can then be detached.
 exec 3<$f

@@ -3,7 +3,12 @@
 //! until the kernel says they are gone (UPDATE_IOTLB) or the device resets. A queue asks
 //! for what its chains point at ([`LazyMemory`]); the kernel sets up its bounce buffer
 //! only at the first DMA mapping, so nothing can be mapped ahead of time but the rings.
+//!
+//! A page of the bounce buffer the kernel never allocated raises SIGBUS when touched. Each
+//! range is watched ([`crate::guest_fault`]): such a fault raises [`IovaMemory::fault`]
+//! instead of killing the daemon, and the queues stop until the driver resets the device.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use vm_memory::{FileOffset, GuestAddress, GuestMemoryMmap, GuestRegionMmap, MmapRegion};
@@ -14,6 +19,7 @@ use crate::export::vhost_user_blk::vring::LazyMemory;
 struct Range {
     start: u64,
     last: u64,
+    watch: Option<crate::guest_fault::Watch>,
     region: Arc<GuestRegionMmap>,
 }
 
@@ -21,12 +27,17 @@ struct Range {
 struct Map {
     ranges: Vec<Range>,
     mem: Arc<GuestMemoryMmap>,
+    /// Ranges unmapped from `ranges` that requests in flight may still use, watched until
+    /// the last of those lets go. (The watch first: it goes before the mapping does.)
+    retired: Vec<(Option<crate::guest_fault::Watch>, Arc<GuestRegionMmap>)>,
 }
 
 /// The mapped part of one device's IOVA space.
 pub struct IovaMemory {
     device: Arc<uapi::Device>,
     map: Mutex<Map>,
+    /// Raised by a SIGBUS in a mapped range.
+    pub fault: Arc<AtomicBool>,
 }
 
 impl IovaMemory {
@@ -34,6 +45,7 @@ impl IovaMemory {
         Self {
             device,
             map: Mutex::default(),
+            fault: Arc::default(),
         }
     }
 
@@ -67,9 +79,11 @@ impl IovaMemory {
         .map_err(|err| format!("cannot map IOVA {:#x}+{size:#x}: {err}", e.start))?;
         let region = GuestRegionMmap::new(region, GuestAddress(e.start))
             .ok_or_else(|| format!("IOTLB entry {e:?} overflows"))?;
+        let watch = crate::guest_fault::watch(region.as_ptr() as usize, size, &self.fault);
         map.ranges.push(Range {
             start: e.start,
             last: e.last,
+            watch,
             region: Arc::new(region),
         });
         Self::rebuild(map)
@@ -99,10 +113,23 @@ impl IovaMemory {
     /// using them let go). Returns the memory left.
     pub fn remove(&self, start: u64, last: u64) -> Arc<GuestMemoryMmap> {
         let mut map = self.map.lock().unwrap_or_else(|e| e.into_inner());
-        map.ranges.retain(|r| r.last < start || r.start > last);
+        let (gone, kept) = std::mem::take(&mut map.ranges)
+            .into_iter()
+            .partition(|r| r.last >= start && r.start <= last);
+        map.ranges = kept;
+        let gone: Vec<Range> = gone;
+        map.retired
+            .extend(gone.into_iter().map(|r| (r.watch, r.region)));
         // The ranges left did not overlap before, and do not now.
         let _ = Self::rebuild(&mut map);
+        map.retired.retain(|(_, r)| Arc::strong_count(r) > 1);
         map.mem.clone()
+    }
+
+    /// The device was reset: everything is unmapped and a fault is forgotten.
+    pub fn reset(&self) {
+        self.remove(0, u64::MAX);
+        self.fault.store(false, Ordering::SeqCst);
     }
 }
 

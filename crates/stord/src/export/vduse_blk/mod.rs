@@ -29,6 +29,7 @@ use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
 use virtio_queue::{Queue, QueueT};
 
 use super::vhost_user_blk::device::{BlkDevice, GuestFault, VHOST_USER_F_PROTOCOL_FEATURES};
+use super::vhost_user_blk::inflight::{InflightQueue, InflightRegion};
 use super::vhost_user_blk::vring::{Interrupt, LazyMemory, VringHandle, VringStart};
 use crate::block::link::NodeLink;
 use crate::cli::keyval::KeyVal;
@@ -172,12 +173,17 @@ impl VduseBlkExport {
         let config = dev.config(0, CONFIG_SIZE, opts.queue_size);
         let header = uapi::dev_config(&opts.name, features(&dev), u32::from(opts.num_queues))
             .map_err(|_| format!("invalid device name '{}'", opts.name))?;
-        match control.create(header, &config) {
-            Ok(()) => {}
+        let fresh = match control.create(header, &config) {
+            Ok(()) => true,
             // A device left by an earlier daemon: taken over as it is (as qsd does).
-            Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {}
+            Err(e) if e.raw_os_error() == Some(libc::EEXIST) => false,
             Err(e) => return Err(e.to_string()),
-        }
+        };
+        // Which requests are in flight, kept where the next daemon finds them.
+        let log = log_path(&opts.name);
+        let inflight = InflightRegion::in_file(&log, opts.num_queues, opts.queue_size, fresh)
+            .map_err(|e| format!("{}: {e}", log.display()))?;
+        let inflight = Arc::new(inflight);
         let device = match uapi::Device::open(&opts.name) {
             Ok(d) => Arc::new(d),
             Err(e) => {
@@ -199,7 +205,7 @@ impl VduseBlkExport {
             std::thread::Builder::new()
                 .name(format!("vduse-{}", opts.id))
                 .spawn(move || {
-                    let mut c = Controller::new(dev.clone(), device, remotes, queue_size);
+                    let mut c = Controller::new(dev.clone(), device, remotes, queue_size, inflight);
                     // A device taken over may be running already.
                     c.start_queues();
                     c.serve(&stop_rx);
@@ -305,7 +311,9 @@ impl Drop for VduseBlkExport {
         // take over, as qsd leaves it.
         drop(self.device.take());
         match self.control.destroy(&self.name) {
-            Ok(()) => {}
+            Ok(()) => {
+                let _ = std::fs::remove_file(log_path(&self.name));
+            }
             Err(e) if e.raw_os_error() == Some(libc::EBUSY) => tracing::info!(
                 "vduse-blk {}: device {} is still attached; it stays until `vdpa dev del`",
                 self.id,
@@ -314,6 +322,12 @@ impl Drop for VduseBlkExport {
             Err(e) => tracing::warn!("vduse-blk {}: cannot destroy {}: {e}", self.id, self.name),
         }
     }
+}
+
+/// Where device `name`'s in-flight log lives (qsd keeps its own, in another format, at
+/// $TMPDIR/vduse-blk-<name>).
+fn log_path(name: &str) -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("stord-vduse-{name}"))
 }
 
 /// A queue's interrupt: VDUSE_VQ_INJECT_IRQ.
@@ -335,6 +349,7 @@ struct Controller {
     remotes: Vec<Remote>,
     queue_size: u16,
     memory: Arc<IovaMemory>,
+    inflight: Arc<InflightRegion>,
     running: Vec<Option<VringHandle>>,
     /// Next avail index of each stopped queue.
     bases: Vec<u16>,
@@ -346,10 +361,12 @@ impl Controller {
         device: Arc<uapi::Device>,
         remotes: Vec<Remote>,
         queue_size: u16,
+        inflight: Arc<InflightRegion>,
     ) -> Self {
         let n = dev.num_queues as usize;
         Self {
             memory: Arc::new(IovaMemory::new(device.clone())),
+            inflight,
             dev,
             device,
             remotes,
@@ -414,7 +431,8 @@ impl Controller {
                 } else if status == 0 {
                     self.stop_queues();
                     self.bases.iter_mut().for_each(|b| *b = 0);
-                    self.memory.remove(0, u64::MAX);
+                    self.memory.reset();
+                    self.inflight.clear();
                 }
                 uapi::response(req.id(), true, None)
             }
@@ -468,13 +486,12 @@ impl Controller {
         let used = q
             .used_idx(&*mem, Ordering::Acquire)
             .map_err(|e| e.to_string())?;
-        // A fresh queue starts where the kernel says; one a restarted daemon takes over
-        // goes on from what was completed (requests taken and not completed are lost).
-        let base = if info.avail_index != 0 {
-            info.avail_index
-        } else {
-            used.0.max(self.bases[i])
-        };
+        // Nobody tells a device that is taken over how far the last daemon got: it took
+        // every request up to what the used ring shows plus those still in flight in the
+        // log, which the queue resubmits (libvduse does the same).
+        let pending =
+            InflightQueue::new(self.inflight.clone(), i as u16).map_or(0, |q| q.pending(used.0));
+        let base = used.0.wrapping_add(pending);
         q.set_next_avail(base);
         q.set_next_used(used.0);
         q.set_ready(true);
@@ -496,9 +513,9 @@ impl Controller {
                 index: i as u32,
             })),
             dev: self.dev.clone(),
-            inflight: None,
+            inflight: Some(self.inflight.clone()),
             enabled: true,
-            fault: Arc::new(GuestFault::detached()),
+            fault: Arc::new(GuestFault::with_flag(self.memory.fault.clone())),
         };
         let remote = self.remotes[i % self.remotes.len()].clone();
         VringHandle::start(remote, start).map(Some)

@@ -48,10 +48,11 @@ impl GuestFault {
         }
     }
 
-    /// For memory the daemon maps itself from a kernel device (VDUSE): never raised.
-    pub fn detached() -> Self {
+    /// For memory mapped from a kernel device (VDUSE), raised through `flag`: the queues
+    /// stop, and there is no connection to close.
+    pub fn with_flag(flag: Arc<AtomicBool>) -> Self {
         Self {
-            flag: Arc::default(),
+            flag,
             sock: None,
             reported: Default::default(),
         }
@@ -64,10 +65,17 @@ impl GuestFault {
             return false;
         }
         if !self.reported.swap(true, SeqCst) {
-            tracing::warn!(
-                "vhost-user-blk {dev}: the frontend's memory vanished under the device (its \
-                 file was truncated); closing that connection"
-            );
+            if self.sock.is_some() {
+                tracing::warn!(
+                    "vhost-user-blk {dev}: the frontend's memory vanished under the device \
+                     (its file was truncated); closing that connection"
+                );
+            } else {
+                tracing::warn!(
+                    "vduse-blk {dev}: a driver buffer was not backed by memory (SIGBUS); the \
+                     queues stop until the driver resets the device"
+                );
+            }
             if let Some(sock) = &self.sock {
                 let _ = sock.shutdown(std::net::Shutdown::Both);
             }

@@ -66,6 +66,36 @@ impl InflightRegion {
         })
     }
 
+    /// Opens (or creates) a region kept in a file of its own, for a device whose state
+    /// outlives the daemon (VDUSE). `fresh`: start from zero whatever the file holds.
+    pub fn in_file(
+        path: &std::path::Path,
+        num_queues: u16,
+        queue_size: u16,
+        fresh: bool,
+    ) -> std::io::Result<Self> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let size = (queue_area(queue_size) * num_queues as usize) as u64;
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o600)
+            .open(path)?;
+        if fresh || file.metadata()?.len() != size {
+            file.set_len(0)?;
+            file.set_len(size)?;
+        }
+        Self::map(file, 0, size, num_queues, queue_size)
+    }
+
+    /// Forgets every queue's state (the device was reset).
+    pub fn clear(&self) {
+        let _ = self.file.set_len(0);
+        let _ = self.file.set_len(self.size());
+    }
+
     /// The fd to hand to the frontend.
     pub fn file(&self) -> &File {
         &self.file
@@ -156,6 +186,19 @@ impl InflightQueue {
         resubmit
     }
 
+    /// How many requests an earlier daemon took and did not complete, as
+    /// [`start`](Self::start) would resubmit them (changing nothing): with the used index,
+    /// where the avail ring is to be taken up again when no frontend says (VDUSE).
+    pub fn pending(&self, used_idx_in_ring: u16) -> u16 {
+        if self.get::<u16>(8) != VERSION || self.get::<u16>(10) != self.size {
+            return 0;
+        }
+        let settled = (self.get::<u16>(14) != used_idx_in_ring).then(|| self.get::<u16>(12));
+        (0..self.size)
+            .filter(|&h| Some(h) != settled && self.get::<u8>(Self::entry(h)) == 1)
+            .count() as u16
+    }
+
     /// The request at `head` was taken from the avail ring.
     pub fn taken(&self, head: u16) {
         if head >= self.size {
@@ -218,6 +261,26 @@ mod tests {
         q.completing(3);
         let q2 = InflightQueue::new(r, 0).unwrap();
         assert_eq!(q2.start(1), vec![1]);
+    }
+
+    #[test]
+    fn pending_counts_what_start_would_resubmit() {
+        let r = Arc::new(InflightRegion::create(1, 8).unwrap());
+        let q = InflightQueue::new(r.clone(), 0).unwrap();
+        assert_eq!(q.pending(0), 0);
+        q.start(0);
+        q.taken(3);
+        q.taken(1);
+        q.taken(6);
+        q.completing(6);
+        q.completed(6, 1);
+        q.completing(3);
+        // The used ring shows 3 completed too: 1 is the only one left.
+        let q2 = InflightQueue::new(r.clone(), 0).unwrap();
+        assert_eq!(q2.pending(2), 1);
+        assert_eq!(q2.start(2), vec![1]);
+        r.clear();
+        assert_eq!(InflightQueue::new(r, 0).unwrap().pending(2), 0);
     }
 
     #[test]

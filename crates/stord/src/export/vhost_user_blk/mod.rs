@@ -16,7 +16,7 @@ pub(crate) mod device;
 #[cfg(any(test, fuzzing))]
 #[doc(hidden)]
 pub mod fuzz;
-mod inflight;
+pub(crate) mod inflight;
 mod request;
 pub(crate) mod vring;
 
