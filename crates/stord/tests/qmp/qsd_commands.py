@@ -4,6 +4,8 @@ event equal.
 - nbd-server-add / nbd-server-remove (the NBD exports of libvirt before
   block-export-add): refused without a server, an export named after its device, a
   read-only node quietly exported read-only, what nbdinfo sees, removal and its errors.
+- block-export-add of a vduse-blk export: its option checks and the error when the
+  device cannot be created (no /dev/vduse on the host).
 - block-set-write-threshold: the first write ending past the threshold (a guest offset
   on the format node) raises BLOCK_WRITE_THRESHOLD once with the amount exceeded, and
   the threshold is cleared; on the protocol node, qcow2's own writes to its file trip it
@@ -80,6 +82,15 @@ def flow(binary, tag):
         c("block-export-add", type="nbd", id="live", **{"node-name": "disk"}, name="live",
           writable=True)
         live = f"nbd+unix:///live?socket={sock}"
+
+        # vduse-blk's checks, in qsd's order and words; this host has no /dev/vduse, so a
+        # valid export fails to create its device (the guest test in vduse.rs serves one).
+        vd = {"type": "vduse-blk", "id": "vd", "node-name": "disk", "name": "vd0"}
+        for bad in ({"num-queues": 0}, {"queue-size": 3}, {"queue-size": 2048},
+                    {"logical-block-size": 1000}, {"writable": True, "node-name": "ro"},
+                    {"name": None}, {}):
+            args = {k: v for k, v in {**vd, **bad}.items() if v is not None}
+            c("block-export-add", **args)
 
         # Write threshold on the format node: guest offsets.
         c("block-set-write-threshold", **{"node-name": "nowhere", "write-threshold": 1})

@@ -65,7 +65,9 @@ impl VduseBlkOptions {
     pub fn from_opts(kv: &mut KeyVal) -> Result<Self, ExportError> {
         let id = kv.take_required("id")?;
         let node_name = kv.take_required("node-name")?;
-        let name = kv.take_required("name")?;
+        let name = kv
+            .take("name")
+            .ok_or_else(|| "Parameter 'name' is missing".to_string())?;
         let writable = kv.take_bool("writable", false)?;
         let writethrough = kv.take_bool("writethrough", false)?;
         let _ = kv.take_bool("fixed-iothread", false)?;
@@ -115,6 +117,11 @@ pub fn create(env: &ExportEnv<'_>, mut kv: KeyVal) -> Result<Box<dyn Export>, Ex
     let what = kv.what.clone();
     kv.finish()?;
     let node = env.node(&what, &opts.node_name)?;
+    if opts.writable && node.is_read_only() {
+        return Err("Cannot export read-only node as writable"
+            .to_string()
+            .into());
+    }
     env.check_claim(&what, &format!("vduse:{}", opts.name))?;
     let mut remotes = env.remotes(&what, &opts.iothreads)?;
     if remotes.is_empty() {
@@ -130,10 +137,12 @@ pub fn create(env: &ExportEnv<'_>, mut kv: KeyVal) -> Result<Box<dyn Export>, Ex
     dev.serial = opts.serial.clone();
     dev.writeback.store(!opts.writethrough, Ordering::Relaxed);
     let dev = Arc::new(dev);
-    Ok(Box::new(
-        VduseBlkExport::start(opts, dev, remotes)
-            .map_err(|e| format!("{what}: failed to create vduse device: {e}"))?,
-    ))
+    // QMP gets qsd's text; the cause goes to the log, as libvduse prints it.
+    let export = VduseBlkExport::start(opts, dev, remotes).map_err(|e| {
+        tracing::error!("{what}: vduse-blk: {e}");
+        "failed to create vduse device".to_string()
+    })?;
+    Ok(Box::new(export))
 }
 
 /// A VDUSE device being served.
