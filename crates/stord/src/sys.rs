@@ -125,6 +125,12 @@ pub fn peek_message(
     Ok((n as usize, first))
 }
 
+/// The effective user id.
+pub fn euid() -> u32 {
+    // SAFETY: geteuid takes nothing and cannot fail.
+    unsafe { libc::geteuid() }
+}
+
 /// shutdown(2) both directions; errors are ignored (the peer may be gone).
 pub fn shutdown(fd: RawFd) {
     // SAFETY: plain syscall; no pointers.

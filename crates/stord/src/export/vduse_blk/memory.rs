@@ -19,6 +19,8 @@ use crate::export::vhost_user_blk::vring::LazyMemory;
 struct Range {
     start: u64,
     last: u64,
+    /// The kernel granted write access.
+    writable: bool,
     watch: Option<crate::guest_fault::Watch>,
     region: Arc<GuestRegionMmap>,
 }
@@ -38,6 +40,9 @@ pub struct IovaMemory {
     map: Mutex<Map>,
     /// Raised by a SIGBUS in a mapped range.
     pub fault: Arc<AtomicBool>,
+    /// Some mapped range is read-only (never with virtio_vdpa): only then does checking a
+    /// device-writable buffer take the lock.
+    read_only: AtomicBool,
 }
 
 impl IovaMemory {
@@ -46,6 +51,7 @@ impl IovaMemory {
             device,
             map: Mutex::default(),
             fault: Arc::default(),
+            read_only: AtomicBool::new(false),
         }
     }
 
@@ -80,13 +86,26 @@ impl IovaMemory {
         let region = GuestRegionMmap::new(region, GuestAddress(e.start))
             .ok_or_else(|| format!("IOTLB entry {e:?} overflows"))?;
         let watch = crate::guest_fault::watch(region.as_ptr() as usize, size, &self.fault);
+        let writable = e.perm & uapi::ACCESS_WO != 0;
+        let region = Arc::new(region);
         map.ranges.push(Range {
             start: e.start,
             last: e.last,
+            writable,
             watch,
-            region: Arc::new(region),
+            region: region.clone(),
         });
-        Self::rebuild(map)
+        if let Err(err) = Self::rebuild(map) {
+            // Not kept (nothing used it; its watch goes before its mapping): the address
+            // stays unmapped and the memory as it was.
+            map.ranges.retain(|r| !Arc::ptr_eq(&r.region, &region));
+            let _ = Self::rebuild(map);
+            return Err(err);
+        }
+        if !writable {
+            self.read_only.store(true, Ordering::Relaxed);
+        }
+        Ok(())
     }
 
     fn rebuild(map: &mut Map) -> Result<(), String> {
@@ -134,6 +153,26 @@ impl IovaMemory {
 }
 
 impl LazyMemory for IovaMemory {
+    fn writable(&self, addr: u64, len: u64) -> bool {
+        if !self.read_only.load(Ordering::Relaxed) {
+            return true;
+        }
+        let map = self.map.lock().unwrap_or_else(|e| e.into_inner());
+        let last = addr.saturating_add(len.max(1) - 1);
+        // Every byte in a writable range (ranges do not overlap; gaps fail).
+        let mut at = addr;
+        while at <= last {
+            match map.ranges.iter().find(|r| r.start <= at && at <= r.last) {
+                Some(r) if r.writable => match r.last.checked_add(1) {
+                    Some(next) => at = next,
+                    None => return true,
+                },
+                _ => return false,
+            }
+        }
+        true
+    }
+
     fn map(&self, addr: u64) -> Option<Arc<GuestMemoryMmap>> {
         let mut map = self.map.lock().unwrap_or_else(|e| e.into_inner());
         match self.add(&mut map, addr) {

@@ -42,8 +42,10 @@ const VIRTIO_F_ACCESS_PLATFORM: u32 = 33;
 const DRIVER_OK: u8 = 4;
 /// The size of `struct virtio_blk_config` QEMU hands the kernel.
 const CONFIG_SIZE: u32 = 96;
-/// How long a reset waits for a queue's requests.
-const DRAIN_LIMIT: Duration = Duration::from_secs(30);
+/// How long a reset waits for the queues' requests, all together.
+const DRAIN_LIMIT: Duration = Duration::from_secs(10);
+/// The most entries a queue may have (QEMU's VIRTQUEUE_MAX_SIZE).
+const MAX_QUEUE_SIZE: u16 = 1024;
 
 /// Options of `--export type=vduse-blk`.
 pub struct VduseBlkOptions {
@@ -134,6 +136,7 @@ pub fn create(env: &ExportEnv<'_>, mut kv: KeyVal) -> Result<Box<dyn Export>, Ex
         opts.logical_block_size,
         opts.num_queues,
     );
+    dev.kind = "vduse-blk";
     dev.serial = opts.serial.clone();
     dev.writeback.store(!opts.writethrough, Ordering::Relaxed);
     let dev = Arc::new(dev);
@@ -188,46 +191,15 @@ impl VduseBlkExport {
             Err(e) if e.raw_os_error() == Some(libc::EEXIST) => false,
             Err(e) => return Err(e.to_string()),
         };
-        // Which requests are in flight, kept where the next daemon finds them.
-        let log = log_path(&opts.name);
-        let inflight = InflightRegion::in_file(&log, opts.num_queues, opts.queue_size, fresh)
-            .map_err(|e| format!("{}: {e}", log.display()))?;
-        let inflight = Arc::new(inflight);
-        let device = match uapi::Device::open(&opts.name) {
-            Ok(d) => Arc::new(d),
+        let started = Self::serve_device(&opts, &dev, &remotes, fresh);
+        let (device, stop, thread) = match started {
+            Ok(s) => s,
             Err(e) => {
-                let _ = control.destroy(&opts.name);
-                return Err(format!("/dev/vduse/{}: {e}", opts.name));
-            }
-        };
-        for i in 0..u32::from(opts.num_queues) {
-            device
-                .vq_setup(i, opts.queue_size)
-                .map_err(|e| format!("queue {i}: {e}"))?;
-        }
-        let stop = File::from(stord_aio::sys::eventfd().map_err(|e| e.to_string())?);
-        let stop_rx = stop.try_clone().map_err(|e| e.to_string())?;
-        dev.serving.fetch_add(1, Ordering::SeqCst);
-        let thread = {
-            let (dev, device, remotes) = (dev.clone(), device.clone(), remotes.clone());
-            let queue_size = opts.queue_size;
-            std::thread::Builder::new()
-                .name(format!("vduse-{}", opts.id))
-                .spawn(move || {
-                    let mut c = Controller::new(dev.clone(), device, remotes, queue_size, inflight);
-                    // A device taken over may be running already.
-                    c.start_queues();
-                    c.serve(&stop_rx);
-                    c.stop_queues();
-                    dev.serving.fetch_sub(1, Ordering::SeqCst);
-                    dev.drain.wake();
-                })
-        };
-        let thread = match thread {
-            Ok(t) => t,
-            Err(e) => {
-                dev.serving.fetch_sub(1, Ordering::SeqCst);
-                return Err(format!("cannot start a control thread: {e}"));
+                // A device made here goes again (the next attempt would take it over).
+                if fresh {
+                    let _ = control.destroy(&opts.name);
+                }
+                return Err(e);
             }
         };
         Ok(Self {
@@ -242,6 +214,64 @@ impl VduseBlkExport {
             thread: Some(thread),
             stopping: false,
         })
+    }
+
+    /// Opens the device and starts its control thread: the device, the thread's stop
+    /// eventfd and the thread.
+    fn serve_device(
+        opts: &VduseBlkOptions,
+        dev: &Arc<BlkDevice>,
+        remotes: &[Remote],
+        fresh: bool,
+    ) -> Result<(Arc<uapi::Device>, File, JoinHandle<()>), String> {
+        // Which requests are in flight, kept where the next daemon finds them.
+        let log = log_path(&opts.name);
+        let inflight = InflightRegion::in_file(&log, opts.num_queues, opts.queue_size, fresh)
+            .map_err(|e| format!("{}: {e}", log.display()))?;
+        let device =
+            uapi::Device::open(&opts.name).map_err(|e| format!("/dev/vduse/{}: {e}", opts.name))?;
+        for i in 0..u32::from(opts.num_queues) {
+            match device.vq_setup(i, opts.queue_size) {
+                Ok(()) => {}
+                // A device taken over keeps what it was made with.
+                Err(_) if !fresh => {}
+                Err(e) => return Err(format!("queue {i}: {e}")),
+            }
+        }
+        if !fresh {
+            // The node's size now, if it changed while nobody served the device.
+            let sectors = dev.link.current().size() / 512;
+            let _ = device.set_config(0, &sectors.to_le_bytes());
+        }
+        let device = Arc::new(device);
+        let stop = File::from(stord_aio::sys::eventfd().map_err(|e| e.to_string())?);
+        let stop_rx = stop.try_clone().map_err(|e| e.to_string())?;
+        dev.serving.fetch_add(1, Ordering::SeqCst);
+        let mut c = Controller::new(
+            dev.clone(),
+            device.clone(),
+            remotes.to_vec(),
+            opts.queue_size,
+            Arc::new(inflight),
+        );
+        let d = dev.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("vduse-{}", opts.id))
+            .spawn(move || {
+                // A device taken over may be running already.
+                c.take_over();
+                c.serve(&stop_rx);
+                c.stop_queues();
+                d.serving.fetch_sub(1, Ordering::SeqCst);
+                d.drain.wake();
+            });
+        match thread {
+            Ok(t) => Ok((device, stop, t)),
+            Err(e) => {
+                dev.serving.fetch_sub(1, Ordering::SeqCst);
+                Err(format!("cannot start a control thread: {e}"))
+            }
+        }
     }
 
     fn halt(&mut self) {
@@ -300,7 +330,16 @@ impl Export for VduseBlkExport {
     fn resized(&self) {
         let sectors = self.dev.link.current().size() / 512;
         let Some(device) = &self.device else { return };
-        if let Err(e) = device.set_config(0, &sectors.to_le_bytes()) {
+        // Before DRIVER_OK there is nobody to interrupt (EINVAL): the driver reads the
+        // config when it starts.
+        let told =
+            device
+                .set_config(0, &sectors.to_le_bytes())
+                .and_then(|()| match device.config_irq() {
+                    Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(()),
+                    r => r,
+                });
+        if let Err(e) = told {
             tracing::warn!(
                 "vduse-blk {}: cannot tell the driver of the new size: {e}",
                 self.id
@@ -360,6 +399,8 @@ struct Controller {
     memory: Arc<IovaMemory>,
     inflight: Arc<InflightRegion>,
     running: Vec<Option<VringHandle>>,
+    /// The ring addresses of each running queue (mapped again after UPDATE_IOTLB).
+    rings: Vec<Option<[u64; 3]>>,
     /// Next avail index of each stopped queue.
     bases: Vec<u16>,
 }
@@ -381,6 +422,7 @@ impl Controller {
             remotes,
             queue_size,
             running: (0..n).map(|_| None).collect(),
+            rings: vec![None; n],
             bases: vec![0; n],
         }
     }
@@ -389,14 +431,18 @@ impl Controller {
     fn serve(&mut self, stop: &File) {
         use std::io::{Read, Write};
         loop {
-            match uapi::wait_readable(&self.device.0, stop) {
-                Ok((_, true)) => return,
-                Ok((true, false)) => {}
-                Ok((false, false)) => continue,
+            let ready = match uapi::wait(&self.device, stop) {
+                Ok(r) => r,
                 Err(e) => {
                     tracing::warn!("vduse-blk {}: {e}", self.dev.id);
                     return;
                 }
+            };
+            if ready.other {
+                return;
+            }
+            if ready.broken && !ready.message {
+                return self.broken(stop);
             }
             let mut req = uapi::Request([0; 152]);
             match (&self.device.0).read(&mut req.0) {
@@ -409,12 +455,31 @@ impl Controller {
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
                 Err(e) => {
                     tracing::warn!("vduse-blk {}: reading the device: {e}", self.dev.id);
-                    return;
+                    return self.broken(stop);
                 }
             }
             let reply = self.handle(&req);
             if let Err(e) = (&self.device.0).write(&reply) {
                 tracing::warn!("vduse-blk {}: answering the kernel: {e}", self.dev.id);
+            }
+        }
+    }
+
+    /// The kernel gave up on the device (a reply came later than its msg_timeout): it
+    /// sends nothing more and refuses every ioctl. The queues stop; the export waits to be
+    /// removed (the device must be deleted and created again).
+    fn broken(&mut self, stop: &File) {
+        tracing::error!(
+            "vduse-blk {}: the kernel marked the device broken; remove the export and detach \
+             the device (vdpa dev del) to create it again",
+            self.dev.id
+        );
+        self.stop_queues();
+        loop {
+            match uapi::wait_one(stop) {
+                Ok(true) => return,
+                Ok(false) => {}
+                Err(_) => return,
             }
         }
     }
@@ -435,19 +500,32 @@ impl Controller {
             }
             uapi::REQ_SET_STATUS => {
                 let status = req.status();
+                let mut ok = true;
                 if status & DRIVER_OK != 0 {
-                    self.start_queues();
+                    // A queue that cannot be served fails the status change, so the
+                    // driver does not wait on it forever.
+                    ok = self.start_queues();
                 } else if status == 0 {
                     self.stop_queues();
                     self.bases.iter_mut().for_each(|b| *b = 0);
                     self.memory.reset();
                     self.inflight.clear();
                 }
-                uapi::response(req.id(), true, None)
+                uapi::response(req.id(), ok, None)
             }
             uapi::REQ_UPDATE_IOTLB => {
                 let (start, last) = req.iova_range();
-                let mem = self.memory.remove(start, last);
+                self.memory.remove(start, last);
+                // The rings the running queues use are mapped again at once (the kernel
+                // takes back everything, rings included); data ranges come back lazily.
+                let rings: Vec<u64> = self.rings.iter().flatten().flatten().copied().collect();
+                let mem = match self.memory.ensure(&rings) {
+                    Ok(m) => m,
+                    Err(e) => {
+                        tracing::warn!("vduse-blk {}: {e}", self.dev.id);
+                        self.memory.ensure(&[]).unwrap_or_default()
+                    }
+                };
                 for h in self.running.iter().flatten() {
                     h.set_mem(mem.clone());
                 }
@@ -457,36 +535,70 @@ impl Controller {
         }
     }
 
-    /// Starts every queue the driver made ready and that is not running.
-    fn start_queues(&mut self) {
+    /// A device taken over may be running: its ready queues start at once, and each gets
+    /// an interrupt, for completions the last daemon published and did not signal.
+    fn take_over(&mut self) {
+        self.start_queues();
+        for (i, h) in self.running.iter().enumerate() {
+            if h.is_some() {
+                let _ = self.device.vq_irq(i as u32);
+            }
+        }
+    }
+
+    /// Starts every queue the driver made ready and that is not running; false if one
+    /// of them could not start.
+    fn start_queues(&mut self) -> bool {
         let features = match self.device.features() {
             Ok(f) => f,
             Err(e) => {
                 tracing::warn!("vduse-blk {}: {e}", self.dev.id);
-                return;
+                return false;
             }
         };
+        let mut ok = true;
         for i in 0..self.running.len() {
             if self.running[i].is_some() {
                 continue;
             }
             match self.start_queue(i, features) {
-                Ok(h) => self.running[i] = h,
-                Err(e) => tracing::warn!("vduse-blk {}: queue {i}: {e}", self.dev.id),
+                Ok(Some((h, rings))) => {
+                    self.running[i] = Some(h);
+                    self.rings[i] = Some(rings);
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::warn!("vduse-blk {}: queue {i}: {e}", self.dev.id);
+                    ok = false;
+                }
             }
         }
+        ok
     }
 
-    fn start_queue(&self, i: usize, features: u64) -> Result<Option<VringHandle>, String> {
+    /// Starts queue `i` if the driver made it ready: its handle and ring addresses.
+    fn start_queue(
+        &self,
+        i: usize,
+        features: u64,
+    ) -> Result<Option<(VringHandle, [u64; 3])>, String> {
         let info = self.device.vq_info(i as u32).map_err(|e| e.to_string())?;
         if info.ready == 0 {
             return Ok(None);
         }
-        let mem = self
-            .memory
-            .ensure(&[info.desc_addr, info.driver_addr, info.device_addr])?;
-        let mut q = Queue::new(self.queue_size).map_err(|e| e.to_string())?;
-        q.set_size(info.num as u16);
+        // The log tracks heads below the queue size it was made for; a device taken over
+        // that was made with larger queues needs the same queue-size.
+        if info.num > u32::from(self.queue_size) {
+            return Err(format!(
+                "the device's queues hold {} entries: use queue-size={}",
+                info.num, info.num
+            ));
+        }
+        let rings = [info.desc_addr, info.driver_addr, info.device_addr];
+        let mem = self.memory.ensure(&rings)?;
+        let mut q = Queue::new(MAX_QUEUE_SIZE).map_err(|e| e.to_string())?;
+        q.try_set_size(info.num as u16)
+            .map_err(|e| format!("queue size {}: {e}", info.num))?;
         let (d, a, u) = (info.desc_addr, info.driver_addr, info.device_addr);
         q.set_desc_table_address(Some(d as u32), Some((d >> 32) as u32));
         q.set_avail_ring_address(Some(a as u32), Some((a >> 32) as u32));
@@ -527,14 +639,19 @@ impl Controller {
             fault: Arc::new(GuestFault::with_flag(self.memory.fault.clone())),
         };
         let remote = self.remotes[i % self.remotes.len()].clone();
-        VringHandle::start(remote, start).map(Some)
+        VringHandle::start(remote, start).map(|h| Some((h, rings)))
     }
 
-    /// Stops every running queue, its requests drained.
+    /// Stops every running queue, its requests drained within one deadline for all, well
+    /// inside the kernel's wait for our reply (msg_timeout, 30 s by default), past which
+    /// it breaks the device for good.
     fn stop_queues(&mut self) {
+        let deadline = std::time::Instant::now() + DRAIN_LIMIT;
         for (i, h) in self.running.iter_mut().enumerate() {
+            self.rings[i] = None;
             if let Some(h) = h.take() {
-                self.bases[i] = h.stop(DRAIN_LIMIT);
+                let left = deadline.saturating_duration_since(std::time::Instant::now());
+                self.bases[i] = h.stop(left.max(Duration::from_millis(1)));
             }
         }
     }

@@ -191,11 +191,15 @@ pub fn dev_config(name: &str, features: u64, queues: u32) -> io::Result<DevConfi
 pub struct Device(pub File);
 
 impl Device {
+    /// Opens the device non-blocking: a broken device reports POLLERR and would leave a
+    /// blocking read waiting forever.
     pub fn open(name: &str) -> io::Result<Device> {
+        use std::os::unix::fs::OpenOptionsExt;
         name_bytes(name)?;
         let f = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
+            .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
             .open(format!("/dev/vduse/{name}"))?;
         Ok(Device(f))
     }
@@ -261,10 +265,14 @@ impl Device {
         // that nothing else owns.
         let fd = unsafe { ioctl_ptr(&self.0, IOTLB_GET_FD, &mut e) }?;
         // SAFETY: see above.
-        Ok((e, File::from(unsafe { OwnedFd::from_raw_fd(fd) })))
+        let file = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
+        // The kernel does not make it close-on-exec.
+        // SAFETY: plain fcntl on the descriptor just made.
+        check(unsafe { libc::fcntl(file.as_raw_fd(), libc::F_SETFD, libc::FD_CLOEXEC) })?;
+        Ok((e, file))
     }
 
-    /// Replaces `config` at `offset` of the config space and interrupts the driver.
+    /// Replaces `config` at `offset` of the config space.
     pub fn set_config(&self, offset: u32, config: &[u8]) -> io::Result<()> {
         let mut d = ConfigData {
             offset,
@@ -277,14 +285,45 @@ impl Device {
         d.buffer[..config.len()].copy_from_slice(config);
         // SAFETY: DEV_SET_CONFIG reads the header and `length` bytes after it, all in `d`.
         unsafe { ioctl_ptr(&self.0, DEV_SET_CONFIG, &mut d) }?;
+        Ok(())
+    }
+
+    /// Tells the driver the config space changed (EINVAL before DRIVER_OK).
+    pub fn config_irq(&self) -> io::Result<()> {
         // SAFETY: DEV_INJECT_CONFIG_IRQ takes no argument.
         check(unsafe { libc::ioctl(self.0.as_raw_fd(), DEV_INJECT_CONFIG_IRQ as _, 0) })?;
         Ok(())
     }
 }
 
-/// Waits until `a` or `b` is readable (or hung up); returns which are.
-pub fn wait_readable(a: &impl AsRawFd, b: &impl AsRawFd) -> io::Result<(bool, bool)> {
+/// What [`wait`] found.
+pub struct Ready {
+    /// The device has a message to read.
+    pub message: bool,
+    /// The device is broken (a reply came too late): it never sends anything again.
+    pub broken: bool,
+    /// The other descriptor is readable.
+    pub other: bool,
+}
+
+/// Waits until `device` has a message or is broken, or `other` is readable.
+pub fn wait(device: &Device, other: &impl AsRawFd) -> io::Result<Ready> {
+    let (a, b) = poll2(&device.0, other)?;
+    Ok(Ready {
+        message: a & libc::POLLIN != 0,
+        broken: a & (libc::POLLERR | libc::POLLHUP) != 0,
+        other: b != 0,
+    })
+}
+
+/// Waits until `fd` is readable; false if the wait was cut short.
+pub fn wait_one(fd: &impl AsRawFd) -> io::Result<bool> {
+    let (a, _) = poll2(fd, fd)?;
+    Ok(a != 0)
+}
+
+/// Waits until `a` or `b` is readable (or hung up or failed); returns their revents.
+fn poll2(a: &impl AsRawFd, b: &impl AsRawFd) -> io::Result<(i16, i16)> {
     let mut fds = [
         libc::pollfd {
             fd: a.as_raw_fd(),
@@ -301,7 +340,7 @@ pub fn wait_readable(a: &impl AsRawFd, b: &impl AsRawFd) -> io::Result<(bool, bo
         // SAFETY: `fds` is a live array of two pollfd.
         let r = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
         if r >= 0 {
-            return Ok((fds[0].revents != 0, fds[1].revents != 0));
+            return Ok((fds[0].revents, fds[1].revents));
         }
         let e = io::Error::last_os_error();
         if e.kind() != io::ErrorKind::Interrupted {

@@ -85,6 +85,8 @@ impl GuestFault {
 }
 
 pub struct BlkDevice {
+    /// The export type, for log lines (`vhost-user-blk`, `vduse-blk`).
+    pub kind: &'static str,
     /// Block-export id.
     pub id: String,
     /// The disk's serial number, as GET_ID returns (the export id unless set).
@@ -135,6 +137,7 @@ impl BlkDevice {
         num_queues: u16,
     ) -> Self {
         Self {
+            kind: "vhost-user-blk",
             serial: id.clone(),
             id,
             link: NodeLink::new(node),

@@ -74,26 +74,43 @@ impl InflightRegion {
         queue_size: u16,
         fresh: bool,
     ) -> std::io::Result<Self> {
-        use std::os::unix::fs::OpenOptionsExt;
+        use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
         let size = (queue_area(queue_size) * num_queues as usize) as u64;
+        // The daemon may run as root in a shared $TMPDIR: never through a symlink, and
+        // only a regular file of our own that nobody else may write.
         let file = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
             .create(true)
             .truncate(false)
             .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
             .open(path)?;
-        if fresh || file.metadata()?.len() != size {
+        let meta = file.metadata()?;
+        if !meta.is_file() || meta.uid() != crate::sys::euid() || meta.mode() & 0o022 != 0 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::PermissionDenied,
+                "not a regular file of ours that only we may write",
+            ));
+        }
+        if fresh || meta.len() != size {
             file.set_len(0)?;
             file.set_len(size)?;
         }
         Self::map(file, 0, size, num_queues, queue_size)
     }
 
-    /// Forgets every queue's state (the device was reset).
+    /// Forgets every queue's state (the device was reset), through the mapping: the
+    /// file keeps its size, so nothing that still maps it can fault.
     pub fn clear(&self) {
-        let _ = self.file.set_len(0);
-        let _ = self.file.set_len(self.size());
+        let zeroes = [0u8; 4096];
+        let slice = self.map.as_volatile_slice();
+        let mut at = 0;
+        while at < slice.len() {
+            let n = zeroes.len().min(slice.len() - at);
+            let _ = slice.write_slice(&zeroes[..n], at);
+            at += n;
+        }
     }
 
     /// The fd to hand to the frontend.

@@ -53,11 +53,16 @@ impl Chain {
             if mem.check_range(GuestAddress(s.addr), len) {
                 return None;
             }
-            // The start, or the first byte past the region that holds it.
-            Some(match mem.find_region(GuestAddress(s.addr)) {
-                Some(r) => r.last_addr().0 + 1,
-                None => s.addr,
-            })
+            // Region by region to the first byte no region holds.
+            let end = s.addr.saturating_add(len as u64);
+            let mut at = s.addr;
+            while at < end {
+                match mem.find_region(GuestAddress(at)) {
+                    Some(r) => at = r.last_addr().0.checked_add(1)?,
+                    None => return Some(at),
+                }
+            }
+            None
         })
     }
 
@@ -211,7 +216,7 @@ fn guest_iov(
 pub async fn execute(dev: &BlkDevice, mem: &Arc<GuestMemoryMmap>, chain: &Chain) -> u32 {
     let in_len = chain.in_len();
     let Some(last) = chain.inn.last().copied().filter(|s| s.len > 0) else {
-        tracing::warn!("vhost-user-blk {}: request without a status byte", dev.id);
+        tracing::warn!("{} {}: request without a status byte", dev.kind, dev.id);
         return 0;
     };
     // The last byte of the last segment; a segment that wraps past the top of the address
@@ -222,10 +227,7 @@ pub async fn execute(dev: &BlkDevice, mem: &Arc<GuestMemoryMmap>, chain: &Chain)
         .checked_add(u64::from(last.len) - 1)
         .map(GuestAddress)
     else {
-        tracing::warn!(
-            "vhost-user-blk {}: status byte outside guest memory",
-            dev.id
-        );
+        tracing::warn!("{} {}: status byte outside guest memory", dev.kind, dev.id);
         return 0;
     };
     let (status, written) = match run(dev, mem, chain).await {
@@ -233,16 +235,13 @@ pub async fn execute(dev: &BlkDevice, mem: &Arc<GuestMemoryMmap>, chain: &Chain)
         Err(Failure::Unsupported) => (VIRTIO_BLK_S_UNSUPP, 0),
         Err(Failure::Io(why)) => {
             if let Some(why) = why {
-                tracing::warn!("vhost-user-blk {}: {why}", dev.id);
+                tracing::warn!("{} {}: {why}", dev.kind, dev.id);
             }
             (VIRTIO_BLK_S_IOERR, 0)
         }
     };
     if mem.write_obj(status as u8, status_addr).is_err() {
-        tracing::warn!(
-            "vhost-user-blk {}: status byte outside guest memory",
-            dev.id
-        );
+        tracing::warn!("{} {}: status byte outside guest memory", dev.kind, dev.id);
         return 0;
     }
     (written + 1).min(in_len) as u32
@@ -404,6 +403,27 @@ mod tests {
             0
         };
         Descriptor::new(addr, len, flags, 0)
+    }
+
+    #[test]
+    fn unmapped_finds_the_first_byte_no_region_holds() {
+        let mem = GuestMemoryMmap::<()>::from_ranges(&[
+            (GuestAddress(0), 0x1000),
+            (GuestAddress(0x1000), 0x1000),
+            (GuestAddress(0x4000), 0x1000),
+        ])
+        .unwrap();
+        let c = Chain::from_descriptors([desc(0x100, 0x100, false)]).unwrap();
+        assert_eq!(c.unmapped(&mem), None);
+        // Across two adjacent regions into the gap.
+        let c = Chain::from_descriptors([desc(0x800, 0x2000, false)]).unwrap();
+        assert_eq!(c.unmapped(&mem), Some(0x2000));
+        // A later segment, starting in the gap.
+        let c = Chain::from_descriptors([desc(0, 16, false), desc(0x3000, 512, true)]).unwrap();
+        assert_eq!(c.unmapped(&mem), Some(0x3000));
+        // Mapped end to end across two regions.
+        let c = Chain::from_descriptors([desc(0x800, 0x1000, true)]).unwrap();
+        assert_eq!(c.unmapped(&mem), None);
     }
 
     #[test]

@@ -58,6 +58,8 @@ impl Interrupt for File {
 pub trait LazyMemory: Send + Sync {
     /// Memory that also maps `addr`, or None if nothing does.
     fn map(&self, addr: u64) -> Option<Arc<GuestMemoryMmap>>;
+    /// Whether the device may write `[addr, addr + len)` (mapped ranges may be read-only).
+    fn writable(&self, addr: u64, len: u64) -> bool;
 }
 
 /// Everything needed to start a queue on its IoThread (all Send).
@@ -362,8 +364,10 @@ impl Vring {
             None => Vec::new(),
         };
         if !resubmit.is_empty() {
-            tracing::warn!(
-                "vhost-user-blk {}: queue {} resubmits {} requests left in flight",
+            // A restarted daemon picking up where the last one was: expected, not a fault.
+            tracing::info!(
+                "{} {}: queue {} resubmits {} requests left in flight",
+                v.dev.kind,
                 v.dev.id,
                 v.index,
                 resubmit.len()
@@ -439,7 +443,8 @@ impl Vring {
                     Ok(it) => heads.extend(it.map(|c| c.head_index())),
                     Err(e) => {
                         tracing::warn!(
-                            "vhost-user-blk {}: queue {} is broken ({e}); it stops until the device is reset",
+                            "{} {}: queue {} is broken ({e}); it stops until the device is reset",
+                            self.dev.kind,
                             self.dev.id,
                             self.index
                         );
@@ -485,9 +490,12 @@ impl Vring {
     }
 
     /// The chain at `head`, with every address it names mapped: with lazy memory, what is
-    /// missing is mapped (a few times at most: each mapping covers a whole IOTLB range).
+    /// missing is mapped, one IOTLB range at a time, and buffers the device writes must
+    /// lie in writable ranges.
     fn chain(&self, head: u16) -> Result<Chain, String> {
-        for _ in 0..8 {
+        // Each pass maps one more range; a chain of (at most) a ring's worth of
+        // descriptors cannot need more than that many, and then some for its table.
+        for _ in 0..usize::from(self.queue.borrow().size()) + 4 {
             let mem = self.mem.borrow().clone();
             let chain = {
                 let q = self.queue.borrow();
@@ -500,7 +508,14 @@ impl Vring {
                 Err(WalkError { at: Some(at), .. }) => *at,
                 Err(e) => return Err(e.to_string()),
                 Ok(c) => match c.unmapped(&mem) {
-                    None => return chain.map_err(|e| e.to_string()),
+                    None if c
+                        .inn
+                        .iter()
+                        .all(|s| lazy.writable(s.addr, u64::from(s.len))) =>
+                    {
+                        return chain.map_err(|e| e.to_string())
+                    }
+                    None => return Err("device-writable buffer in read-only memory".into()),
                     Some(at) => at,
                 },
             };
@@ -535,7 +550,8 @@ impl Vring {
                 Ok(chain) => request::execute(&v.dev, &mem, &chain).await,
                 Err(e) => {
                     tracing::warn!(
-                        "vhost-user-blk {}: queue {}: bad descriptor chain at head {head}: {e}",
+                        "{} {}: queue {}: bad descriptor chain at head {head}: {e}",
+                        v.dev.kind,
                         v.dev.id,
                         v.index
                     );
@@ -602,7 +618,8 @@ impl Vring {
                     }
                 }
                 Err(e) => tracing::warn!(
-                    "vhost-user-blk {}: queue {}: cannot complete head {head}: {e}",
+                    "{} {}: queue {}: cannot complete head {head}: {e}",
+                    self.dev.kind,
                     self.dev.id,
                     self.index
                 ),
