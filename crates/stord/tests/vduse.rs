@@ -114,6 +114,7 @@ fn vduse_blk_serves_a_guest_kernel_as_qsd_does() {
         ("EXPORT-DELETED", "e1"),
         ("OTHER-SERVED", "zeroes"),
         ("DETACHED", "vdb"),
+        ("DETACHED-SERVED", "vd0"),
         ("EXIT", "0"),
         ("STDERR", "0"),
     ];
@@ -131,10 +132,26 @@ fn vduse_blk_serves_a_guest_kernel_as_qsd_does() {
     let qsd = boot(&g, "qemu-storage-daemon");
     let q = steps(&qsd);
     // Limits are each daemon's own; whether the kill caught the writer is timing.
-    let same = |l: &String| !l.starts_with("GUEST-LIMITS") && !l.starts_with("GUEST-INFO");
+    let same = |l: &&String| !l.starts_with("GUEST-LIMITS") && !l.starts_with("GUEST-INFO");
+    let (s, q): (Vec<&String>, Vec<&String>) = (
+        s.iter().filter(same).collect(),
+        q.iter().filter(same).collect(),
+    );
+    // Every step up to the export removed while open must be qsd's. The teardown after it
+    // (detaching a served device, SIGTERM) once hung in qsd 10.0 under CI load: there
+    // stord's own values above are the check, and a qsd that differs is reported.
+    let cut = |v: &[&String]| {
+        v.iter()
+            .position(|l| l.starts_with("GUEST-DETACHED "))
+            .map_or(v.len(), |i| i + 1)
+    };
+    let (sc, qc) = (cut(&s), cut(&q));
     assert_eq!(
-        s.iter().filter(|l| same(l)).collect::<Vec<_>>(),
-        q.iter().filter(|l| same(l)).collect::<Vec<_>>(),
+        s[..sc],
+        q[..qc],
         "stord and qsd differ:\n--- stord\n{stord}\n--- qsd\n{qsd}"
     );
+    if s[sc..] != q[qc..] {
+        eprintln!("qsd's teardown differs from stord's (not held against stord):\n{qsd}");
+    }
 }

@@ -86,10 +86,17 @@ exec 3<&-
 echo 1 > /sys/class/vduse/vd1/msg_timeout
 vdpa dev del vd1 || true
 [ -z "$(ls /sys/block | grep "^$fb\$")" ] && echo "GUEST-DETACHED $fb"
-# Detached while served, then the daemon stops.
-vdpa dev del vd0
+# Detached while served, then the daemon stops (each step bounded, so a hang shows as
+# such instead of stalling the guest).
+timeout 30 vdpa dev del vd0 && echo "GUEST-DETACHED-SERVED vd0" || echo "GUEST-DETACHED-SERVED timeout"
 kill $pid
-wait $pid && echo "GUEST-EXIT 0" || echo "GUEST-EXIT $?"
+for i in $(seq 300); do kill -0 $pid 2>/dev/null || break; sleep 0.1; done
+if kill -0 $pid 2>/dev/null; then
+    echo "GUEST-EXIT hung"
+    kill -9 $pid
+else
+    wait $pid && echo "GUEST-EXIT 0" || echo "GUEST-EXIT $?"
+fi
 echo "GUEST-LEFT $(ls /dev/vduse | tr '\n' ' ')"
 echo "GUEST-STDERR $(wc -c < /tmp/daemon.err)"
 cat /tmp/daemon.err
