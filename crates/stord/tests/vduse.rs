@@ -6,17 +6,13 @@
 //! takes the devices over), and an export removed while its device is open. The same
 //! script runs against qsd, and each step must come out the same.
 
-use std::io::Read;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+mod common;
 
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
+use std::process::Command;
+use std::time::Duration;
 
 /// Builds the kernel and an initramfs carrying the daemons and tools.
-fn guest() -> PathBuf {
+fn build_guest() {
     let which = |p: &str| {
         let out = Command::new("sh")
             .args(["-c", &format!("command -v {p}")])
@@ -26,55 +22,28 @@ fn guest() -> PathBuf {
         assert!(!path.is_empty(), "{p} is not installed");
         path
     };
-    let st = Command::new(repo().join("scripts/build-guest.sh"))
-        .arg("vduse")
-        .arg(env!("CARGO_BIN_EXE_stord"))
-        .arg(which("qemu-storage-daemon"))
-        .arg(which("vdpa"))
-        .arg("/usr/sbin/blkdiscard")
-        .stdout(Stdio::null())
-        .status()
-        .expect("run scripts/build-guest.sh");
-    assert!(st.success(), "scripts/build-guest.sh failed");
-    repo().join("target/guest")
+    common::guest::build(&[
+        "vduse",
+        env!("CARGO_BIN_EXE_stord"),
+        &which("qemu-storage-daemon"),
+        &which("vdpa"),
+        "/usr/sbin/blkdiscard",
+    ]);
 }
 
 /// Boots the guest with `daemon` and returns its console output.
-fn boot(g: &Path, daemon: &str) -> String {
-    let mut child = Command::new("qemu-system-x86_64")
-        .args(["-machine", "q35", "-smp", "2", "-m", "512"])
-        .args([
-            "-nographic",
-            "-no-reboot",
-            "-nodefaults",
-            "-serial",
-            "stdio",
-        ])
-        .args(["-kernel", &g.join("vmlinuz").display().to_string()])
-        .args(["-initrd", &g.join("initrd-vduse").display().to_string()])
-        .args([
-            "-append",
-            &format!("console=ttyS0 quiet panic=-1 stord.script=vduse stord.daemon={daemon}"),
-        ])
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn qemu-system-x86_64");
-    let deadline = Instant::now() + Duration::from_secs(300);
-    while child.try_wait().unwrap().is_none() {
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    let _ = child.wait();
-    let mut out = String::new();
-    let _ = child.stdout.take().unwrap().read_to_string(&mut out);
-    let mut err = String::new();
-    let _ = child.stderr.take().unwrap().read_to_string(&mut err);
-    format!("{out}\n{err}")
+fn boot(daemon: &str) -> String {
+    let machine: Vec<String> = ["-machine", "q35", "-smp", "2", "-m", "512"]
+        .iter()
+        .map(|a| a.to_string())
+        .collect();
+    common::guest::boot(
+        &machine,
+        "initrd-vduse",
+        &format!("stord.script=vduse stord.daemon={daemon}"),
+        Duration::from_secs(300),
+        |_| {},
+    )
 }
 
 /// The guest's `GUEST-<key> value` lines, in order, without the start and end markers.
@@ -95,8 +64,8 @@ fn field<'a>(steps: &'a [String], key: &str) -> Option<&'a str> {
 
 #[test]
 fn vduse_blk_serves_a_guest_kernel_as_qsd_does() {
-    let g = guest();
-    let stord = boot(&g, "stord");
+    build_guest();
+    let stord = boot("stord");
     let s = steps(&stord);
     let expect = [
         ("CREATED", "control vd0 vd1"),
@@ -129,7 +98,7 @@ fn vduse_blk_serves_a_guest_kernel_as_qsd_does() {
         "stord: {limits}"
     );
 
-    let qsd = boot(&g, "qemu-storage-daemon");
+    let qsd = boot("qemu-storage-daemon");
     let q = steps(&qsd);
     // Limits are each daemon's own; whether the kill caught the writer is timing.
     let same = |l: &&String| !l.starts_with("GUEST-LIMITS") && !l.starts_with("GUEST-INFO");

@@ -6,7 +6,7 @@
 
 mod common;
 
-use std::io::{BufRead, Read, Write};
+use std::io::{Read, Write};
 use std::os::unix::fs::MetadataExt;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -21,19 +21,9 @@ use common::{run_ok, tmpdir, Stord};
 static SERIAL: Mutex<()> = Mutex::new(());
 static BUILD: Once = Once::new();
 
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
 /// Builds the guest kernel + initramfs (once per test binary).
-fn guest_dir() -> PathBuf {
-    BUILD.call_once(|| {
-        let st = Command::new(repo().join("scripts/build-guest.sh"))
-            .status()
-            .expect("run scripts/build-guest.sh");
-        assert!(st.success(), "scripts/build-guest.sh failed");
-    });
-    repo().join("target/guest")
+fn build_guest() {
+    BUILD.call_once(|| common::guest::build(&[]));
 }
 
 /// Boots the guest against `sock` with `queues` queues, runs tests/guest/`script`.sh, and
@@ -44,75 +34,32 @@ fn boot(sock: &Path, queues: u16, script: &str) -> String {
 
 /// As [`boot`], calling `on_line` with each console line as it comes (so the host can act
 /// when the guest says it is ready).
-fn boot_with(sock: &Path, queues: u16, script: &str, mut on_line: impl FnMut(&str)) -> String {
-    let g = guest_dir();
-    let mut child = Command::new("qemu-system-x86_64")
-        .args([
-            "-machine",
-            "q35,memory-backend=mem",
-            "-smp",
-            "2",
-            "-m",
-            "256",
-        ])
-        .args(["-object", "memory-backend-memfd,id=mem,size=256M,share=on"])
-        .args(["-chardev", &format!("socket,id=c,path={}", sock.display())])
-        .args([
-            "-device",
-            &format!("vhost-user-blk-pci,chardev=c,num-queues={queues}"),
-        ])
-        .args([
-            "-nographic",
-            "-no-reboot",
-            "-nodefaults",
-            "-serial",
-            "stdio",
-        ])
-        .args(["-kernel", &g.join("vmlinuz").display().to_string()])
-        .args(["-initrd", &g.join("initrd").display().to_string()])
-        .args([
-            "-append",
-            &format!("console=ttyS0 quiet panic=-1 stord.script={script}"),
-        ])
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn qemu-system-x86_64");
-    let stdout = child.stdout.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel::<String>();
-    let reader = std::thread::spawn(move || {
-        for line in std::io::BufReader::new(stdout).lines() {
-            let Ok(line) = line else { break };
-            if tx.send(line).is_err() {
-                break;
-            }
-        }
-    });
-    let deadline = Instant::now() + Duration::from_secs(240);
-    let mut out = String::new();
-    loop {
-        match rx.recv_timeout(Duration::from_millis(50)) {
-            Ok(line) => {
-                on_line(&line);
-                out.push_str(&line);
-                out.push('\n');
-            }
-            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
-            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
-                if Instant::now() > deadline {
-                    let _ = child.kill();
-                    break;
-                }
-            }
-        }
-    }
-    let _ = child.kill();
-    let _ = child.wait();
-    let _ = reader.join();
-    let mut err = String::new();
-    let _ = child.stderr.take().unwrap().read_to_string(&mut err);
-    format!("{out}\n{err}")
+fn boot_with(sock: &Path, queues: u16, script: &str, on_line: impl FnMut(&str)) -> String {
+    build_guest();
+    let machine: Vec<String> = [
+        "-machine",
+        "q35,memory-backend=mem",
+        "-smp",
+        "2",
+        "-m",
+        "256",
+        "-object",
+        "memory-backend-memfd,id=mem,size=256M,share=on",
+        "-chardev",
+        &format!("socket,id=c,path={}", sock.display()),
+        "-device",
+        &format!("vhost-user-blk-pci,chardev=c,num-queues={queues}"),
+    ]
+    .iter()
+    .map(|a| a.to_string())
+    .collect();
+    common::guest::boot(
+        &machine,
+        "initrd",
+        &format!("stord.script={script}"),
+        Duration::from_secs(240),
+        on_line,
+    )
 }
 
 /// The value of the guest's `GUEST-<key> value` line.

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod crash;
+pub mod guest;
 pub mod rawnbd;
 pub mod rawqmp;
 

@@ -301,20 +301,13 @@ impl Export for VduseBlkExport {
         self.stopping
     }
     fn describe(&self, out: &mut serde_json::Map<String, serde_json::Value>) {
-        let requests: Vec<u64> = self
-            .dev
-            .requests
-            .iter()
-            .map(|r| r.load(Ordering::Relaxed))
-            .collect();
-        out.insert("x-queue-requests".into(), requests.into());
+        out.insert("x-queue-requests".into(), self.dev.queue_requests().into());
     }
     fn begin_stop(&mut self) {
         self.halt();
     }
     fn poll_drained(&self, cx: &mut Context<'_>) -> Poll<()> {
-        let serving = || self.dev.serving.load(Ordering::SeqCst);
-        self.dev.drain.poll(cx, || serving() == 0)
+        self.dev.poll_drained(cx)
     }
     /// The new capacity goes into the config space, with a config interrupt (as QEMU's
     /// vduse_blk_resize).

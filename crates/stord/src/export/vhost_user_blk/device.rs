@@ -152,6 +152,20 @@ impl BlkDevice {
         }
     }
 
+    /// Requests served per queue (query-block-exports' `x-queue-requests`).
+    pub fn queue_requests(&self) -> Vec<u64> {
+        self.requests
+            .iter()
+            .map(|r| r.load(Ordering::Relaxed))
+            .collect()
+    }
+
+    /// Ready once no control thread serves the device any more (`Export::poll_drained`).
+    pub fn poll_drained(&self, cx: &mut std::task::Context<'_>) -> std::task::Poll<()> {
+        self.drain
+            .poll(cx, || self.serving.load(Ordering::SeqCst) == 0)
+    }
+
     fn sectors(&self) -> u64 {
         self.link.current().size() / 512
     }

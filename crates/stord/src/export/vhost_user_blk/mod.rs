@@ -203,11 +203,7 @@ impl VhostUserBlkExport {
 
     /// Requests served per queue.
     pub fn queue_requests(&self) -> Vec<u64> {
-        self.dev
-            .requests
-            .iter()
-            .map(|r| r.load(std::sync::atomic::Ordering::Relaxed))
-            .collect()
+        self.dev.queue_requests()
     }
 
     /// Whether a frontend is connected.
@@ -315,8 +311,7 @@ impl Export for VhostUserBlkExport {
         self.halt();
     }
     fn poll_drained(&self, cx: &mut Context<'_>) -> Poll<()> {
-        let serving = || self.dev.serving.load(std::sync::atomic::Ordering::SeqCst);
-        self.dev.drain.poll(cx, || serving() == 0)
+        self.dev.poll_drained(cx)
     }
     fn resized(&self) {
         self.dev.announce_capacity();
