@@ -626,9 +626,6 @@ impl Inner {
             Some(0)
         };
 
-        // The end-of-iteration batch: one io_uring_enter for everything queued.
-        self.reactor.borrow_mut().flush();
-
         let mut ready = std::mem::take(&mut *self.ready.borrow_mut());
         ready.clear();
         let window = if timeout == Some(0) {
@@ -639,6 +636,12 @@ impl Inner {
             // No storage completion can come: polling for one only burns the CPU.
             self.policy.borrow().window_ns_without(STORAGE_ID)
         };
+        if window > 0 {
+            // What the last iteration queued goes out before the spin, so the device and
+            // the peers work while the loop polls. Without a window the wait below submits
+            // it in the same io_uring_enter that waits (one system call, not two).
+            self.reactor.borrow_mut().flush();
+        }
         let mut polled_ns = 0;
         let mut events = std::mem::take(&mut *self.events.borrow_mut());
         let mut reaped = Reaped::default();
@@ -751,6 +754,7 @@ impl Inner {
             AioStats::add(&stats.eventfd_wakeups, 1);
         }
         AioStats::add(&stats.completions, completions as u64);
+        AioStats::add(&stats.ring_enters, self.reactor.borrow_mut().take_enters());
         stats.completions_per_iteration.record(completions as u64);
 
         // Dispatch. None of this counts as polling time. One call per fd: two reaps in one

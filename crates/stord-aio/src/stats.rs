@@ -94,6 +94,7 @@ pub struct AioStats {
     pub(crate) eventfd_writes: AtomicU64,
     pub(crate) eventfd_writes_avoided: AtomicU64,
     pub(crate) completions: AtomicU64,
+    pub(crate) ring_enters: AtomicU64,
     pub(crate) completions_per_iteration: Histogram,
     pub(crate) windows: Mutex<Vec<HandlerWindow>>,
     pub(crate) window_ns: AtomicU64,
@@ -134,6 +135,8 @@ pub struct StatsSnapshot {
     pub eventfd_writes_avoided: u64,
     /// Completions (CQEs or ready events) reaped in total.
     pub completions: u64,
+    /// io_uring_enter system calls (submitting, waiting, or both at once).
+    pub ring_enters: u64,
     /// Histogram of completions reaped per iteration (power-of-two buckets, see [`Histogram`]).
     pub completions_per_iteration: Vec<u64>,
     /// Current polling window per handler.
@@ -161,6 +164,7 @@ impl AioStats {
             eventfd_writes: self.eventfd_writes.load(Relaxed),
             eventfd_writes_avoided: self.eventfd_writes_avoided.load(Relaxed),
             completions: self.completions.load(Relaxed),
+            ring_enters: self.ring_enters.load(Relaxed),
             completions_per_iteration: self.completions_per_iteration.snapshot(),
             windows: self
                 .windows

@@ -619,3 +619,30 @@ fn a_cancelled_storage_operation_does_not_teach_the_peers_window() {
         "a cancellation taught the peers' window: {w:?}"
     );
 }
+
+/// A loop that is going to sleep submits what it queued in the same io_uring_enter that
+/// waits: one system call per request at queue depth 1, not a submit and then a wait.
+#[test]
+fn a_sleeping_loop_submits_and_waits_in_one_enter() {
+    use stord_aio::op;
+
+    let _serial = serial();
+    let params = PollParams {
+        policy: PolicyKind::Off,
+        ..PollParams::default()
+    };
+    let ctx = AioContext::new(opts("enters", ReactorKind::IoUring, params)).unwrap();
+    const N: u64 = 200;
+    let before = ctx.stats().ring_enters;
+    ctx.block_on(async {
+        for _ in 0..N {
+            op::timeout(Duration::from_micros(50)).await.unwrap();
+        }
+    });
+    let enters = ctx.stats().ring_enters - before;
+    assert!(enters >= N, "{enters} enters for {N} waits: not counted");
+    assert!(
+        enters <= N + N / 10,
+        "{enters} io_uring_enter calls for {N} waits on queued operations"
+    );
+}

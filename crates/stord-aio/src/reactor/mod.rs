@@ -197,6 +197,14 @@ impl Reactor {
         }
     }
 
+    /// io_uring_enter calls since the last time this was asked (0 for epoll).
+    pub(crate) fn take_enters(&mut self) -> u64 {
+        match self {
+            Reactor::Uring(r) => r.take_enters(),
+            _ => 0,
+        }
+    }
+
     /// Submits queued work (the end-of-iteration batch).
     pub(crate) fn flush(&mut self) {
         if let Reactor::Uring(r) = self {

@@ -49,6 +49,8 @@ pub(crate) struct UringReactor {
     fds: HashMap<Key, FdWatch>,
     /// Storage operations submitted whose completion has not been reaped.
     storage_owed: usize,
+    /// io_uring_enter calls not yet counted in the context's statistics.
+    enters: u64,
     /// Fallback wait timeout (no EXT_ARG): the kernel reads it when the SQE is submitted.
     timeout_ts: Box<types::Timespec>,
 }
@@ -105,6 +107,7 @@ impl UringReactor {
                         ops: Slab::default(),
                         fds: HashMap::new(),
                         storage_owed: 0,
+                        enters: 0,
                         timeout_ts: Box::new(types::Timespec::new()),
                     };
                     r.arm_notifier();
@@ -135,6 +138,7 @@ impl UringReactor {
                 return;
             }
             // SQ full: submit what is there (we are the owning thread) and retry.
+            self.enters += 1;
             let _ = self.ring.submit();
         }
     }
@@ -165,6 +169,11 @@ impl UringReactor {
         self.peek() || self.sq_pending()
     }
 
+    /// io_uring_enter calls since the last time this was asked.
+    pub(crate) fn take_enters(&mut self) -> u64 {
+        std::mem::take(&mut self.enters)
+    }
+
     /// Whether a storage operation's completion is still to come.
     pub(crate) fn storage_owed(&self) -> bool {
         self.storage_owed > 0
@@ -172,16 +181,20 @@ impl UringReactor {
 
     pub(crate) fn flush(&mut self) {
         if self.sq_pending() {
+            self.enters += 1;
             let _ = self.ring.submit();
         }
     }
 
     pub(crate) fn wait(&mut self, timeout_ns: Option<u64>, out: &mut Vec<Event>) -> Reaped {
+        let enters_before = self.enters;
+        self.enters += 1;
         let res = match timeout_ns {
             Some(0) => {
                 if self.sq_pending() || self.taskrun() {
                     self.ring.submit()
                 } else {
+                    self.enters = enters_before;
                     Ok(0)
                 }
             }

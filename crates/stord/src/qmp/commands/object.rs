@@ -122,6 +122,7 @@ fn stats(r: &Remote) -> Value {
         "eventfd-writes": s.eventfd_writes,
         "eventfd-writes-avoided": s.eventfd_writes_avoided,
         "completions": s.completions,
+        "ring-enters": s.ring_enters,
         "completions-per-iteration": s.completions_per_iteration,
         "window-ns": s.window_ns,
         "windows": s.windows.iter().map(|w| json!({ "name": w.name, "ns": w.ns })).collect::<Vec<_>>(),
