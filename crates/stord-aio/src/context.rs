@@ -101,6 +101,8 @@ pub(crate) struct Inner {
     poll_started: Cell<bool>,
     /// `poll-yield-ns` in force.
     yield_ns: Cell<u64>,
+    /// When the last iteration started (the policy weighs whole iterations).
+    last_start: Cell<u64>,
 
     events: RefCell<Vec<Event>>,
     ready: RefCell<Vec<HandlerId>>,
@@ -219,6 +221,7 @@ impl AioContext {
             policy: RefCell::new(policy),
             poll_started: Cell::new(false),
             yield_ns: Cell::new(opts.poll.yield_ns),
+            last_start: Cell::new(0),
             events: RefCell::default(),
             ready: RefCell::default(),
             windows: RefCell::default(),
@@ -620,6 +623,12 @@ impl Inner {
         let stats = &self.shared.stats;
         AioStats::add(&stats.iterations, 1);
         let start = now_ns();
+        let last_start = self.last_start.replace(start);
+        let elapsed_ns = if last_start == 0 {
+            0
+        } else {
+            start - last_start
+        };
         let mut timeout = if blocking && !self.has_immediate_work() {
             self.timer_timeout(start)
         } else {
@@ -714,6 +723,7 @@ impl Inner {
             completions,
             storage,
             peer,
+            ops,
             notified: notifier_fired,
         } = reaped;
         if self.shared.notifier.peek() || notifier_fired {
@@ -792,12 +802,20 @@ impl Inner {
             }
         }
 
+        let cpu_ns = self
+            .policy
+            .borrow()
+            .wants_cpu_ns()
+            .then(crate::sys::thread_cpu_ns);
         self.policy.borrow_mut().adjust(&Observation {
             block_ns,
             slept_ns,
             events: &ready,
             polled_ns,
             work,
+            served: ops as u64,
+            elapsed_ns,
+            cpu_ns,
         });
         *self.ready.borrow_mut() = ready;
         self.publish_windows();

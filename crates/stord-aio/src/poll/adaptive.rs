@@ -12,7 +12,20 @@
 //! - polling: classic's per-handler windows (QEMU's `adjust_polling_time`; the ring's
 //!   peers and its storage completions are separate handlers) for an epoch of
 //!   [`EPOCH`] iterations, which pays when its events waited less than the baseline by
-//!   at least the time it spun.
+//!   at least the time it spun (latency bought at no more than its price), or when the
+//!   epochs since the rest served requests faster than resting did, by [`FASTER`] or more,
+//!   for no more of the thread's CPU time per request than the rate they gained.
+//!
+//! The second test is for a loop that is the bottleneck: with many requests in flight on a
+//! fast device a sleep costs the loop a wake-up per batch, and polling that only shaves
+//! each wait by less than it spins still gets more requests through per second. Where a
+//! client sets the pace (a rate-limited load, a slow client) polling cannot raise the
+//! rate, so only the first test can make it poll; and a gain that costs more CPU per
+//! request than it adds in rate (spinning through a whole slow device's wait at QD1) does
+//! not pay either. Requests are counted as completed operations (storage and peer I/O),
+//! not as ready handlers, which take one request or a batch depending on how long the
+//! loop slept; CPU time is the thread's own clock, read only at the ends of a rest or an
+//! epoch, so a sleep's kernel path counts against resting as it should.
 //!
 //! An epoch that pays is followed by another (every [`REFRESH`] epochs a short rest takes
 //! the baseline again, as the workload may have changed); one that does not starts a rest
@@ -33,6 +46,21 @@ pub const FIRST_REST: u32 = 256;
 pub const MAX_REST: u32 = 1 << 18;
 /// Paying epochs between two refreshes of the baseline.
 pub const REFRESH: u32 = 64;
+/// How much faster than resting (requests served per second) polling must go to pay on
+/// its rate: 1/8, above the spread of a steady load over a few epochs.
+pub const FASTER: (u128, u128) = (9, 8);
+/// Requests per iteration a rest must have served for the rate test to apply: a loop that
+/// woke to one request at a time is not the bottleneck, whatever the rates say (on this
+/// machine's disk at QD1, rests interleaved with polling ran slower than a loop that
+/// only rests, and the rate test polled for less throughput at 1.4 times the CPU).
+pub const BATCHED: (u128, u128) = (3, 2);
+/// Requests the polling and its baseline must each have served for their rates to be
+/// weighed.
+pub const MIN_SERVED: u64 = EPOCH as u64;
+/// The first epochs after a rest, which go on while their rate is not below the baseline's
+/// (an epoch serves a hundred requests or so, too few to show a gain of [`FASTER`] on its
+/// own): from then on the rate is weighed over all the epochs since the rest.
+pub const TRIAL: u32 = 4;
 
 /// What the policy is doing and what it has measured.
 #[derive(Debug, Clone, Default)]
@@ -42,6 +70,13 @@ struct Ledger {
     rest: u32,
     rest_waited: u64,
     rest_events: u64,
+    /// Resting: the time its iterations took, the requests they served and the thread's
+    /// CPU time they cost (known once the rest is over).
+    rest_elapsed: u64,
+    rest_served: u64,
+    rest_cpu: Option<u64>,
+    /// Resting: its iterations with events.
+    rest_iterations: u64,
     /// The rest after the next failed epoch.
     next_rest: u32,
     /// Polling: this epoch's iterations with events, their waits, events and spin.
@@ -49,6 +84,17 @@ struct Ledger {
     waited: u64,
     events: u64,
     spent: u64,
+    /// Polling: this epoch's time and requests served.
+    elapsed: u64,
+    served: u64,
+    /// Polling: the epochs since the rest, with their time, requests and CPU time (None
+    /// once a reading was missed).
+    streak: u32,
+    streak_elapsed: u64,
+    streak_served: u64,
+    streak_cpu: Option<u64>,
+    /// The thread's CPU time when the current rest or epoch began.
+    mark: Option<u64>,
     /// Paying epochs since the last baseline.
     paid: u32,
 }
@@ -69,22 +115,86 @@ impl Ledger {
         baseline - i128::from(self.waited)
     }
 
+    /// Whether the epochs since the rest served requests faster than the baseline by
+    /// `margin` (numerator, denominator), for no more CPU time per request than the
+    /// baseline's times the rate they gained.
+    fn rate_pays(&self, margin: (u128, u128)) -> bool {
+        let (Some(cpu), Some(rest_cpu)) = (self.streak_cpu, self.rest_cpu) else {
+            return false;
+        };
+        if self.streak_served < MIN_SERVED || self.rest_served < MIN_SERVED {
+            return false;
+        }
+        // Only a loop that woke to batches (several requests in flight) can be the
+        // bottleneck; with one at a time the latency test has already weighed it.
+        let (b_num, b_den) = BATCHED;
+        if u128::from(self.rest_served) * b_den < u128::from(self.rest_iterations) * b_num {
+            return false;
+        }
+        let (served, elapsed) = (
+            u128::from(self.streak_served),
+            u128::from(self.streak_elapsed),
+        );
+        let (rest_served, rest_elapsed) =
+            (u128::from(self.rest_served), u128::from(self.rest_elapsed));
+        let (num, den) = margin;
+        let faster = served * rest_elapsed * den >= rest_served * elapsed * num;
+        // cpu / served <= (served / elapsed) / (rest_served / rest_elapsed)
+        //                 * rest_cpu / rest_served
+        let worth_it = u128::from(cpu) * elapsed * rest_served * rest_served
+            <= served * served * rest_elapsed * u128::from(rest_cpu);
+        faster && worth_it
+    }
+
+    /// Whether the next iteration may end a rest or an epoch: then it weighs CPU time.
+    fn wants_cpu_ns(&self) -> bool {
+        self.mark.is_none()
+            || (!self.polling && self.rest <= 1)
+            || (self.polling && self.iterations + 1 >= EPOCH)
+    }
+
+    /// One iteration's length (the previous one's: see `Observation::elapsed_ns`) and the
+    /// requests it served, whether or not it had events.
+    fn pace(&mut self, elapsed_ns: u64, served: u64) {
+        if self.polling {
+            self.elapsed = self.elapsed.saturating_add(elapsed_ns);
+            self.served += served;
+        } else {
+            self.rest_elapsed = self.rest_elapsed.saturating_add(elapsed_ns);
+            self.rest_served += served;
+        }
+    }
+
+    /// The CPU time since the mark, and a new mark at `cpu_ns`.
+    fn lap(&mut self, cpu_ns: Option<u64>) -> Option<u64> {
+        let since = match (self.mark, cpu_ns) {
+            (Some(m), Some(c)) => Some(c.saturating_sub(m)),
+            _ => None,
+        };
+        self.mark = cpu_ns;
+        since
+    }
+
     /// Starts a rest of `iterations`, with a fresh baseline.
     fn rest(&mut self, iterations: u32) {
         *self = Self {
             rest: iterations,
             next_rest: self.next_rest,
+            mark: self.mark,
             ..Self::default()
         };
     }
 
-    /// One iteration whose `events` waited `block_ns` in all, `spun_ns` of it polling.
-    fn record(&mut self, block_ns: u64, events: u64, spun_ns: u64) {
+    /// One iteration whose `events` waited `block_ns` in all, `spun_ns` of it polling;
+    /// `cpu_ns` is the thread's CPU time at its end, if it was read.
+    fn record(&mut self, block_ns: u64, events: u64, spun_ns: u64, cpu_ns: Option<u64>) {
         if !self.polling {
             self.rest_waited = self.rest_waited.saturating_add(block_ns);
             self.rest_events += events;
+            self.rest_iterations += 1;
             self.rest -= 1;
             if self.rest == 0 {
+                self.rest_cpu = self.lap(cpu_ns);
                 self.polling = true;
             }
             return;
@@ -94,13 +204,25 @@ impl Ledger {
         self.events += events;
         self.spent = self.spent.saturating_add(spun_ns);
         if self.iterations >= EPOCH {
-            self.settle();
+            let cpu = self.lap(cpu_ns);
+            self.settle(cpu);
         }
     }
 
-    /// Closes an epoch of polling.
-    fn settle(&mut self) {
-        if self.saved() >= i128::from(self.spent) {
+    /// Closes an epoch of polling that cost `cpu`.
+    fn settle(&mut self, cpu: Option<u64>) {
+        self.streak += 1;
+        self.streak_elapsed = self.streak_elapsed.saturating_add(self.elapsed);
+        self.streak_served += self.served;
+        self.streak_cpu = match (self.streak, self.streak_cpu, cpu) {
+            (1, _, c) => c,
+            (_, Some(s), Some(c)) => Some(s.saturating_add(c)),
+            _ => None,
+        };
+        let pays = self.saved() >= i128::from(self.spent)
+            || self.rate_pays(FASTER)
+            || (self.streak < TRIAL && self.rate_pays((1, 1)));
+        if pays {
             self.next_rest = FIRST_REST;
             self.paid += 1;
             if self.paid >= REFRESH {
@@ -110,6 +232,8 @@ impl Ledger {
                 self.waited = 0;
                 self.events = 0;
                 self.spent = 0;
+                self.elapsed = 0;
+                self.served = 0;
             }
         } else {
             let rest = self.next_rest;
@@ -164,12 +288,21 @@ impl PollPolicy for Adaptive {
             0
         }
     }
+    fn wants_cpu_ns(&self) -> bool {
+        self.ledger.wants_cpu_ns()
+    }
     fn adjust(&mut self, obs: &Observation<'_>) {
         // A timeout brought nothing to weigh; nor does polling with no window grown yet.
         let idle_epoch = self.ledger.polling && self.windows.window_ns() == 0;
+        if !idle_epoch {
+            self.ledger.pace(obs.elapsed_ns, obs.served);
+        }
+        if self.ledger.mark.is_none() {
+            self.ledger.mark = obs.cpu_ns;
+        }
         if !obs.events.is_empty() && !idle_epoch {
             self.ledger
-                .record(obs.block_ns, obs.work.max(1), obs.polled_ns);
+                .record(obs.block_ns, obs.work.max(1), obs.polled_ns, obs.cpu_ns);
         }
         self.windows.adjust(obs);
     }
@@ -185,11 +318,18 @@ mod tests {
 
     /// What a sleep adds to a wait in these simulations.
     const WAKE: u64 = 10_000;
+    /// What serving an event takes, in the simulated loops that wait for their own
+    /// requests (a client that sends the next when the last is answered).
+    const SERVICE: u64 = 2_000;
+    /// The CPU time a sleep and its wake-up cost the loop (the kernel's path).
+    const WAKE_CPU: u64 = 5_000;
 
     struct Loop {
         p: Adaptive,
         polled: u64,
         iterations: u64,
+        /// The loop's CPU time so far.
+        cpu: u64,
     }
 
     impl Loop {
@@ -201,6 +341,7 @@ mod tests {
                 p,
                 polled: 0,
                 iterations: 0,
+                cpu: 0,
             }
         }
 
@@ -227,12 +368,16 @@ mod tests {
             if polled_ns > 0 {
                 self.polled += 1;
             }
+            self.cpu += polled_ns + SERVICE + if poll_hit { 0 } else { WAKE_CPU };
             self.p.adjust(&Observation {
                 block_ns,
                 slept_ns: (!poll_hit).then_some(block_ns - polled_ns),
                 events: &[id],
                 polled_ns,
                 work: 1,
+                served: 1,
+                elapsed_ns: block_ns + SERVICE,
+                cpu_ns: Some(self.cpu),
             });
         }
 
@@ -324,6 +469,140 @@ mod tests {
         assert!(l.polled_share() > 0.9);
     }
 
+    /// A loop that is the bottleneck (many requests in flight on a fast device): polling
+    /// catches the next completion after `spin` and serves it in `serve`; a sleep wakes
+    /// WAKE after a completion to a batch of `batch`, and after a wake-up the loop spends
+    /// `cold` more (the kernel's way back and cold caches).
+    struct Bottleneck {
+        p: Adaptive,
+        spin: u64,
+        serve: u64,
+        batch: u64,
+        cold: u64,
+        cpu: u64,
+    }
+
+    impl Bottleneck {
+        fn new(spin: u64, serve: u64, batch: u64, cold: u64) -> Self {
+            Self {
+                p: new_policy(),
+                spin,
+                serve,
+                batch,
+                cold,
+                cpu: 0,
+            }
+        }
+
+        /// One iteration; whether it polled.
+        fn step(&mut self) -> bool {
+            let window = self.p.window_ns();
+            let polled = window >= self.spin;
+            let (block, slept, spun, served, busy) = if polled {
+                (self.spin, None, self.spin, 1, self.spin + self.serve)
+            } else {
+                let block = 2_000 + WAKE;
+                let busy = window + self.batch * self.serve + self.cold;
+                (block, Some(block - window), window, self.batch, busy)
+            };
+            self.cpu += busy;
+            self.p.adjust(&Observation {
+                block_ns: block,
+                slept_ns: slept,
+                events: &[1],
+                polled_ns: spun,
+                work: served,
+                served,
+                elapsed_ns: block + busy - spun,
+                cpu_ns: Some(self.cpu),
+            });
+            polled
+        }
+
+        /// Iterations that polled, of the second `n` of `2 * n`.
+        fn polled(&mut self, n: usize) -> usize {
+            for _ in 0..n {
+                self.step();
+            }
+            (0..n).filter(|_| self.step()).count()
+        }
+    }
+
+    fn new_policy() -> Adaptive {
+        let mut p = Adaptive::new(&PollParams::default());
+        p.add_handler(0);
+        p.add_handler(1);
+        p
+    }
+
+    #[test]
+    fn a_loop_that_is_the_bottleneck_polls_when_it_serves_faster() {
+        // Asleep, the loop gets a batch of 8 completions 12 µs after it waits and serves
+        // them in 32 µs: 5.5 µs and 4 µs of CPU a request. Polling catches each after
+        // 1 µs: 4 µs a request, all of it CPU, at 1.4 times the rate. Per event the wait
+        // only drops from 1.5 to 1 µs, less than the spin: the latency test alone rests.
+        let polled = Bottleneck::new(1_000, 3_000, 8, 8_000).polled(100_000);
+        assert!(polled > 90_000, "polled {polled} of 100000");
+    }
+
+    #[test]
+    fn a_rate_gain_that_costs_more_cpu_than_it_adds_does_not_pay() {
+        // The same loop where a wake-up costs little: asleep it serves 8 in 24 µs after a
+        // 12 µs wait (4.5 µs and 3 µs of CPU a request); polling gains 1.125 times the
+        // rate for 1.33 times the CPU a request.
+        let polled = Bottleneck::new(1_000, 3_000, 8, 0).polled(100_000);
+        assert!(polled < 1_000, "polled {polled} of 100000");
+    }
+
+    #[test]
+    fn one_request_at_a_time_is_left_to_the_latency_test() {
+        // Asleep, the loop wakes to one completion 12 µs after it waits; polling catches it
+        // after 8 µs, saving less than it spins. The rates and CPU would say poll (a slow
+        // way back from each sleep), but with one request in flight the loop is not the
+        // bottleneck, and on a VM the rests between epochs measured slower than resting
+        // alone: only the latency test decides.
+        let polled = Bottleneck::new(8_000, 3_000, 1, 8_000).polled(100_000);
+        assert!(polled < 1_000, "polled {polled} of 100000");
+    }
+
+    #[test]
+    fn a_client_that_sets_the_pace_keeps_the_loop_resting() {
+        // A rate-limited client: a request every 30 µs (± 6 µs), whatever the loop does.
+        // Polling spins until it comes, sleeping wakes to it; either way the loop serves
+        // one per 30 µs, so polling buys nothing, whatever the noise in the rate.
+        let mut p = new_policy();
+        let mut seed = 0x2545_f491_4f6c_dd1d_u64;
+        let (mut cpu, mut polled) = (0, 0);
+        for i in 0..200_000 {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            let period = 24_000 + seed % 12_000;
+            let wait = period - SERVICE;
+            let window = p.window_ns();
+            let hit = window >= wait;
+            cpu += if hit {
+                period
+            } else {
+                window + SERVICE + WAKE_CPU
+            };
+            p.adjust(&Observation {
+                block_ns: wait,
+                slept_ns: (!hit).then_some(wait - window.min(wait)),
+                events: &[0],
+                polled_ns: if hit { wait } else { window.min(wait) },
+                work: 1,
+                served: 1,
+                elapsed_ns: period,
+                cpu_ns: Some(cpu),
+            });
+            if i >= 100_000 && window > 0 {
+                polled += 1;
+            }
+        }
+        assert!(polled < 1_000, "polled {polled} of 100000");
+    }
+
     #[test]
     fn max_zero_disables() {
         let mut p = Adaptive::new(&PollParams {
@@ -338,6 +617,9 @@ mod tests {
                 events: &[0],
                 polled_ns: 0,
                 work: 1,
+                served: 0,
+                elapsed_ns: 0,
+                cpu_ns: None,
             });
         }
         assert_eq!(p.window_ns(), 0);

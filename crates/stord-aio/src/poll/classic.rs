@@ -115,6 +115,9 @@ mod tests {
             events,
             polled_ns: 0,
             work: 1,
+            served: 0,
+            elapsed_ns: 0,
+            cpu_ns: None,
         });
         p.window_ns()
     }

@@ -82,6 +82,9 @@ mod tests {
             events: &[],
             polled_ns: 0,
             work: 1,
+            served: 0,
+            elapsed_ns: 0,
+            cpu_ns: None,
         });
         p.window_ns()
     }
@@ -93,6 +96,9 @@ mod tests {
             events: &[0],
             polled_ns: 0,
             work: 1,
+            served: 0,
+            elapsed_ns: 0,
+            cpu_ns: None,
         });
         p.window_ns()
     }

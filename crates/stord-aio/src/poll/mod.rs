@@ -208,6 +208,17 @@ pub struct Observation<'a> {
     pub polled_ns: u64,
     /// Completions reaped and user handlers ready: the work this wait brought.
     pub work: u64,
+    /// Operations that completed (storage and peer I/O, not fd readiness): requests
+    /// served, counted alike whether the loop polled or slept (a ready handler may take
+    /// one request or many, depending on how long the loop waited).
+    pub served: u64,
+    /// The previous iteration's whole length, wait and dispatch: with `served`, the rate
+    /// at which the loop gets through its work.
+    pub elapsed_ns: u64,
+    /// The thread's CPU time now (user and system, the kernel's sleep and wake-up path
+    /// included), read only when the policy asked for it
+    /// ([`PollPolicy::wants_cpu_ns`]): it costs a system call.
+    pub cpu_ns: Option<u64>,
 }
 
 /// A polling policy. One instance per context; handlers are announced as they come and go.
@@ -228,6 +239,10 @@ pub trait PollPolicy: Send {
     fn window_ns_without(&self, quiet: HandlerId) -> u64 {
         let _ = quiet;
         self.window_ns()
+    }
+    /// Whether the next observation should carry the thread's CPU time.
+    fn wants_cpu_ns(&self) -> bool {
+        false
     }
     /// Learns from one iteration.
     fn adjust(&mut self, obs: &Observation<'_>);

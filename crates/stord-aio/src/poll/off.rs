@@ -35,6 +35,9 @@ mod tests {
                 events: &[0],
                 polled_ns: 0,
                 work: 1,
+                served: 0,
+                elapsed_ns: 0,
+                cpu_ns: None,
             });
             assert_eq!(p.window_ns(), 0);
         }

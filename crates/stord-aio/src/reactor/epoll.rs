@@ -101,6 +101,7 @@ impl EpollReactor {
             completions: n,
             storage: 0,
             peer,
+            ops: 0,
             notified,
         }
     }

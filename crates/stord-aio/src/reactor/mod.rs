@@ -115,6 +115,9 @@ pub(crate) struct Reaped {
     /// Of those, completions of other operations and fd readiness: the peers' side.
     /// (Cancellations, timeouts and the notifier count in neither.)
     pub(crate) peer: usize,
+    /// Operations that completed (storage or peer; not fd readiness, timeouts or
+    /// cancellations): requests served.
+    pub(crate) ops: usize,
     /// Whether the notifier fired.
     pub(crate) notified: bool,
 }
@@ -126,6 +129,7 @@ impl Reaped {
             completions: self.completions + other.completions,
             storage: self.storage + other.storage,
             peer: self.peer + other.peer,
+            ops: self.ops + other.ops,
             notified: self.notified || other.notified,
         }
     }

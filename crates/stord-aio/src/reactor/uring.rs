@@ -230,6 +230,7 @@ impl UringReactor {
         let mut n = 0;
         let mut storage = 0;
         let mut peer = 0;
+        let mut ops = 0;
         let mut notified = false;
         let mut rearm = Vec::new();
         {
@@ -240,6 +241,7 @@ impl UringReactor {
                 let (tag, key) = Key::from_token(cqe.user_data());
                 match tag {
                     TAG_OP | TAG_OP_STORAGE => {
+                        ops += 1;
                         if tag == TAG_OP_STORAGE {
                             storage += 1;
                             self.storage_owed = self.storage_owed.saturating_sub(1);
@@ -284,6 +286,7 @@ impl UringReactor {
             completions: n,
             storage,
             peer,
+            ops,
             notified,
         }
     }
