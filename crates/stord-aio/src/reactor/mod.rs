@@ -115,8 +115,9 @@ pub(crate) struct Reaped {
     /// Of those, completions of other operations and fd readiness: the peers' side.
     /// (Cancellations, timeouts and the notifier count in neither.)
     pub(crate) peer: usize,
-    /// Operations that completed (storage or peer; not fd readiness, timeouts or
-    /// cancellations): requests served.
+    /// Operations that completed (storage or peer, including the loop's own ring timeouts
+    /// and cancelled operations; not fd readiness): about the requests served. Always 0 on
+    /// epoll, where operations complete inline or by readiness.
     pub(crate) ops: usize,
     /// Whether the notifier fired.
     pub(crate) notified: bool,
