@@ -723,7 +723,6 @@ impl Inner {
             completions,
             storage,
             peer,
-            ops,
             notified: notifier_fired,
         } = reaped;
         if self.shared.notifier.peek() || notifier_fired {
@@ -813,7 +812,8 @@ impl Inner {
             events: &ready,
             polled_ns,
             work,
-            served: ops as u64,
+            // Operations that completed: the ring's completions less fd readiness.
+            served: ((storage + peer) as u64).saturating_sub(fd_events),
             elapsed_ns,
             cpu_ns,
         });

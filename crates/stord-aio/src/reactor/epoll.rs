@@ -101,7 +101,6 @@ impl EpollReactor {
             completions: n,
             storage: 0,
             peer,
-            ops: 0,
             notified,
         }
     }

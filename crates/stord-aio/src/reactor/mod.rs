@@ -115,10 +115,6 @@ pub(crate) struct Reaped {
     /// Of those, completions of other operations and fd readiness: the peers' side.
     /// (Cancellations, timeouts and the notifier count in neither.)
     pub(crate) peer: usize,
-    /// Operations that completed (storage or peer, including the loop's own ring timeouts
-    /// and cancelled operations; not fd readiness): about the requests served. Always 0 on
-    /// epoll, where operations complete inline or by readiness.
-    pub(crate) ops: usize,
     /// Whether the notifier fired.
     pub(crate) notified: bool,
 }
@@ -130,7 +126,6 @@ impl Reaped {
             completions: self.completions + other.completions,
             storage: self.storage + other.storage,
             peer: self.peer + other.peer,
-            ops: self.ops + other.ops,
             notified: self.notified || other.notified,
         }
     }
