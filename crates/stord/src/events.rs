@@ -115,6 +115,8 @@ pub struct EventPoster {
 }
 
 impl EventPoster {
+    /// Emits on the loop that made the poster, soon: posted through its queue, behind
+    /// whatever this thread posted or woke there before.
     pub fn emit(&self, name: &'static str, data: Value) {
         self.main.call(move || {
             POSTED_TO.with(|e| {
@@ -123,6 +125,19 @@ impl EventPoster {
                 }
             })
         });
+    }
+
+    /// Emits now when called on the loop that made the poster (in order with what that
+    /// loop emits itself), else as [`emit`](Self::emit).
+    pub fn emit_here_or_post(&self, name: &'static str, data: Value) {
+        if !self.main.is_current() {
+            return self.emit(name, data);
+        }
+        POSTED_TO.with(|e| {
+            if let Some(e) = &*e.borrow() {
+                e.emit(name, data);
+            }
+        })
     }
 }
 

@@ -4,7 +4,7 @@
 
 use std::cell::RefCell;
 use std::future::Future;
-use std::rc::{Rc, Weak};
+use std::rc::Weak;
 use std::sync::Arc;
 
 use super::{invalid, DaemonError, State};
@@ -503,7 +503,7 @@ impl State {
         kind: &'static str,
         (auto_finalize, auto_dismiss): (bool, bool),
         completable: bool,
-        work: impl FnOnce(Rc<Job>) -> F,
+        work: impl FnOnce(Arc<Job>) -> F,
     ) -> Result<(), DaemonError>
     where
         F: Future<Output = Result<Finish, String>> + 'static,

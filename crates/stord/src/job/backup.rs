@@ -14,7 +14,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::home::{stopped, Home, InFlight};
+use super::home::{stopped, Home, InFlight, Stay, Step};
 use super::{ErrorAction, Finish, Holds, Job, OnError};
 use crate::block::blocker::JobAttachment;
 use crate::block::copy_before_write::{CopyBeforeWrite, CopyError};
@@ -151,13 +151,9 @@ impl Backup {
 }
 
 /// Runs a backup: what is to be copied is copied (or, with `sync=none`, the job waits to
-/// be cancelled); at finalize the bitmap is synced, then the hooks go. The copies run on
-/// the thread `home` names, [`IN_FLIGHT`] at a time.
-pub async fn run(
-    mut b: Backup,
-    job: std::rc::Rc<Job>,
-    home: impl Fn() -> Home,
-) -> Result<Finish, String> {
+/// be cancelled); at finalize the bitmap is synced, then the hooks go. The copying loop
+/// runs on the thread `home` names ([`Home::drive`]), [`IN_FLIGHT`] copies at a time.
+pub async fn run(mut b: Backup, job: Arc<Job>, home: impl Fn() -> Home) -> Result<Finish, String> {
     b.progress(&job);
     if b.sync == Sync::None {
         while !job.is_cancelled() {
@@ -166,10 +162,7 @@ pub async fn run(
         }
         return Ok(None);
     }
-    let ops = InFlight::new();
-    let r = copy_all(&b, &job, &home, &ops).await;
-    // Whatever ended the loop, nothing it started is left running.
-    ops.drain().await;
+    let r = copy_all(&b, &job, &home).await;
     b.progress(&job);
     if !r? {
         return Ok(None);
@@ -183,73 +176,131 @@ pub async fn run(
     })))
 }
 
-/// Copies what is still to be copied, chunks in order from the start; a chunk found again
-/// behind the cursor (a failed copy, to be tried again) waits until those in flight are
-/// done. True once all is copied, false if cancelled.
-async fn copy_all(
-    b: &Backup,
-    job: &Job,
-    home: &impl Fn() -> Home,
-    ops: &InFlight<Result<(), CopyError>>,
-) -> Result<bool, String> {
-    let mut offset = 0;
-    let mut counted = b.copy.copied();
+/// What the copying loop needs, sent to the thread it runs on.
+#[derive(Clone)]
+struct Copying {
+    copy: Arc<CopyBeforeWrite>,
+    on_source_error: OnError,
+    on_target_error: OnError,
+}
+
+/// Where the copying loop is, carried to the next thread when the source moves.
+#[derive(Clone, Copy)]
+struct At {
+    /// Where the next chunk is looked for.
+    offset: u64,
+    /// Bytes counted against the speed limit so far.
+    counted: u64,
+}
+
+/// Copies what is still to be copied on the thread that serves the source, following it
+/// when it moves. True once all is copied, false if cancelled.
+async fn copy_all(b: &Backup, job: &Arc<Job>, home: &impl Fn() -> Home) -> Result<bool, String> {
+    let c = Copying {
+        copy: b.copy.clone(),
+        on_source_error: b.on_source_error,
+        on_target_error: b.on_target_error,
+    };
+    let mut at = At {
+        offset: 0,
+        counted: b.copy.copied(),
+    };
     loop {
-        while let Some(r) = ops.next_to_settle(job.pausing()).await {
-            settle(b, job, r)?;
-        }
-        let copied = b.copy.copied();
-        job.ratelimit_processed(copied.saturating_sub(counted));
-        counted = copied;
-        b.progress(job);
-        job.ratelimit().await;
-        if job.is_cancelled() {
-            return Ok(false);
-        }
-        let busy = ops.load().0;
-        let most = if job.limited() { 1 } else { IN_FLIGHT };
-        let next = if busy < most {
-            b.copy.next(offset)
-        } else {
-            None
-        };
-        match next {
-            Some(at) if at >= offset => {
-                offset = at + CHUNK;
-                let copy = b.copy.clone();
-                let lost = Err(CopyError {
-                    error: stopped(),
-                    read: false,
-                });
-                ops.start(&home(), CHUNK, lost, move || async move {
-                    copy.copy(at, CHUNK).await
-                });
-            }
-            Some(_) if busy == 0 => offset = 0,
-            None if busy == 0 => return Ok(true),
-            _ => {
-                if let Some(r) = ops.next().await {
-                    settle(b, job, r)?;
-                }
-            }
+        let here = home();
+        let (job, c, there) = (job.clone(), c.clone(), here.clone());
+        let stay = Stay::new(&c.copy.source);
+        let lost = Err(stopped().to_string());
+        let step = here
+            .drive(lost, move || async move {
+                let ops = InFlight::new();
+                let r = c.copy_loop(&job, &mut at, &stay, &there, &ops).await;
+                // Whatever ended the loop, nothing it started is left running.
+                ops.drain().await;
+                r.map(|step| match step {
+                    Step::Done(all) => Step::Done(all),
+                    Step::Moved(()) => Step::Moved(at),
+                })
+            })
+            .await?;
+        match step {
+            Step::Done(all) => return Ok(all),
+            Step::Moved(moved) => at = moved,
         }
     }
 }
 
-/// A finished copy: a failure as `on-source-error` / `on-target-error` say (stop pauses
-/// the job, and what failed is copied again once resumed; ignore tries it again at once,
-/// as QEMU's backup_loop does).
-fn settle(b: &Backup, job: &Job, r: Result<(), CopyError>) -> Result<(), String> {
-    let Err(e) = r else {
-        return Ok(());
-    };
-    let policy = if e.read {
-        b.on_source_error
-    } else {
-        b.on_target_error
-    };
-    if job.error_action(policy, e.read, &e.error) == ErrorAction::Report {
-        return Err(crate::block::os_text(&e.error));
+impl Copying {
+    /// Chunks in order from the start; a chunk found again behind the cursor (a failed
+    /// copy, to be tried again) waits until those in flight are done. Done(true) once all
+    /// is copied, Done(false) if cancelled; Moved once the source moved and nothing is in
+    /// flight.
+    async fn copy_loop(
+        &self,
+        job: &Job,
+        at: &mut At,
+        stay: &Stay,
+        here: &Home,
+        ops: &InFlight<Result<(), CopyError>>,
+    ) -> Result<Step<bool, ()>, String> {
+        loop {
+            while let Some(r) = ops.next_to_settle(job.pausing()).await {
+                self.settle(job, r)?;
+            }
+            let copied = self.copy.copied();
+            job.ratelimit_processed(copied.saturating_sub(at.counted));
+            at.counted = copied;
+            job.set_progress(copied, copied + self.copy.remaining());
+            job.ratelimit().await;
+            if job.is_cancelled() {
+                return Ok(Step::Done(false));
+            }
+            let busy = ops.load().0;
+            let most = if job.limited() { 1 } else { IN_FLIGHT };
+            let moved = stay.moved();
+            let next = if busy < most && !moved {
+                self.copy.next(at.offset)
+            } else {
+                None
+            };
+            match next {
+                Some(chunk) if chunk >= at.offset => {
+                    at.offset = chunk + CHUNK;
+                    let copy = self.copy.clone();
+                    let lost = Err(CopyError {
+                        error: stopped(),
+                        read: false,
+                    });
+                    ops.start(here, CHUNK, lost, move || async move {
+                        copy.copy(chunk, CHUNK).await
+                    });
+                }
+                Some(_) if busy == 0 => at.offset = 0,
+                None if busy == 0 && moved => return Ok(Step::Moved(())),
+                None if busy == 0 => return Ok(Step::Done(true)),
+                _ => {
+                    if let Some(r) = ops.next().await {
+                        self.settle(job, r)?;
+                    }
+                }
+            }
+        }
     }
-    Ok(())
+
+    /// A finished copy: a failure as `on-source-error` / `on-target-error` say (stop
+    /// pauses the job, and what failed is copied again once resumed; ignore tries it again
+    /// at once, as QEMU's backup_loop does).
+    fn settle(&self, job: &Job, r: Result<(), CopyError>) -> Result<(), String> {
+        let Err(e) = r else {
+            return Ok(());
+        };
+        let policy = if e.read {
+            self.on_source_error
+        } else {
+            self.on_target_error
+        };
+        if job.error_action(policy, e.read, &e.error) == ErrorAction::Report {
+            return Err(crate::block::os_text(&e.error));
+        }
+        Ok(())
+    }
 }

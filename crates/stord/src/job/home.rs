@@ -2,11 +2,12 @@
 //!
 //! QEMU runs a block job's coroutines in the AioContext of the node it copies from, so a
 //! job on a node that an IoThread serves does its I/O there and not beside the monitor.
-//! Here the job's task (its states, verbs and events) stays on the main loop, and each
-//! copy operation runs as a task on the node's [`Home`]: the IoThread whose exports serve
-//! the node (or that it was moved to), through that thread's ring. The main loop hands
-//! out an operation and takes its result back, once per operation (a MiB or so), so a
-//! busy monitor delays the job by that hand-over, not by each request.
+//! Here a job's copying loop runs as a task on the node's [`Home`] ([`Home::drive`]): the
+//! IoThread whose exports serve the node (or that it was moved to), and so do its copy
+//! operations, through that thread's ring. The main loop starts the job, takes the verbs
+//! (which reach the loop through the job's shared state and waker) and runs what changes
+//! the graph before and after; a busy monitor does not hold the copy. A node moved to
+//! another IoThread takes the loop along at its next step ([`Stay`]).
 //!
 //! [`InFlight`] keeps the operations a job has started: how many and how many bytes (the
 //! job's limits, QEMU's mirror `MAX_IN_FLIGHT` and `buf-size`), and their results as they
@@ -57,6 +58,59 @@ impl Home {
         ops.start(self, 0, Err(stopped()), make);
         ops.next().await.unwrap_or_else(|| Err(stopped()))
     }
+}
+
+impl Home {
+    /// Runs a job's loop, the future `make` builds, as a task on this thread (QEMU's job
+    /// coroutine in its node's AioContext), and waits for what it returns: `lost` if the
+    /// thread stops first. The result travels back through the waiting loop's queue,
+    /// behind the events the loop posted there, so they go out before the job concludes.
+    pub async fn drive<T, F, Fut>(&self, lost: T, make: F) -> T
+    where
+        T: Send + 'static,
+        F: FnOnce() -> Fut + Send + 'static,
+        Fut: Future<Output = T> + 'static,
+    {
+        let ops = InFlight::new();
+        ops.start(self, 0, lost, move || async move {
+            // Where jobs' loops ran, in the loop's statistics (`x-stats`).
+            stord_aio::with_current_context(|l| l.counter("job.loops").add(1));
+            make().await
+        });
+        match ops.next().await {
+            Some(r) => r,
+            None => unreachable!("a started operation gives a result or its lost one"),
+        }
+    }
+}
+
+/// Whether a job's node was moved to another IoThread since its loop started there: the
+/// loop then stops starting copies, settles those in flight and hands back its place, to
+/// go on where the node went.
+pub struct Stay {
+    node: std::sync::Arc<crate::block::BlockNode>,
+    home: Option<String>,
+}
+
+impl Stay {
+    pub fn new(node: &std::sync::Arc<crate::block::BlockNode>) -> Self {
+        Stay {
+            node: node.clone(),
+            home: node.home(),
+        }
+    }
+
+    pub fn moved(&self) -> bool {
+        self.node.home() != self.home
+    }
+}
+
+/// How a job's loop on its node's thread ended.
+pub enum Step<T, S> {
+    /// The loop's own end.
+    Done(T),
+    /// The node moved: the loop goes on from `S` on its new thread.
+    Moved(S),
 }
 
 /// What an operation whose thread stopped before it finished failed with.
@@ -243,6 +297,62 @@ mod tests {
         t.stop();
         let r = ctx.block_on(async move { home.run(|| async { Ok::<_, io::Error>(1) }).await });
         assert_eq!(r.unwrap_err().to_string(), "the IoThread stopped");
+    }
+
+    #[derive(Default)]
+    struct Seen(std::cell::RefCell<Vec<serde_json::Value>>);
+    impl crate::events::EventSink for Seen {
+        fn deliver(&self, e: &serde_json::Value) {
+            self.0.borrow_mut().push(e["data"]["n"].clone());
+        }
+        fn listening(&self) -> bool {
+            true
+        }
+        fn flushed(&self) -> bool {
+            true
+        }
+    }
+
+    #[test]
+    fn a_loop_driven_on_an_iothread_has_its_events_out_before_its_result_is_back() {
+        let ctx = AioContext::new(AioContextOptions::default()).unwrap();
+        let mut t = IoThread::spawn(AioContextOptions::default()).unwrap();
+        let events = crate::events::Events::default();
+        let seen = std::rc::Rc::new(Seen::default());
+        let sink: std::rc::Rc<dyn crate::events::EventSink> = seen.clone();
+        events.subscribe(std::rc::Rc::downgrade(&sink));
+        let poster = events.poster().unwrap();
+        let home = Home::IoThread(t.remote().clone());
+        let main = std::thread::current().id();
+        let seen2 = seen.clone();
+        let (ran_on, seen_then) = ctx.block_on(async move {
+            let ran_on = home
+                .drive(main, move || async move {
+                    for n in 0..200 {
+                        poster
+                            .emit_here_or_post("JOB_STATUS_CHANGE", serde_json::json!({ "n": n }));
+                        if n % 50 == 0 {
+                            stord_aio::yield_now().await;
+                        }
+                    }
+                    std::thread::current().id()
+                })
+                .await;
+            (ran_on, seen2.0.borrow().len())
+        });
+        assert_ne!(ran_on, main, "the loop ran on the IoThread");
+        assert_eq!(
+            seen_then, 200,
+            "every event was out when the result came back"
+        );
+        let order: Vec<u64> = seen
+            .0
+            .borrow()
+            .iter()
+            .map(|v| v.as_u64().unwrap())
+            .collect();
+        assert_eq!(order, (0..200).collect::<Vec<u64>>());
+        t.stop();
     }
 
     #[test]

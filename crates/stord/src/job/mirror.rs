@@ -14,11 +14,10 @@
 //! Operations on overlapping granules wait for each other, so the copy that read the
 //! newer data lands last.
 
-use std::rc::Rc;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::home::{stopped, Home, InFlight};
+use super::home::{stopped, Home, InFlight, Stay, Step};
 use super::write_blocking::{MirrorType, WriteBlocking};
 use super::{copy_range, CopyError, ErrorAction, Finish, Holds, Job, OnError, Runs};
 use crate::block::blocker::JobAttachment;
@@ -188,23 +187,47 @@ impl Copier {
     }
 }
 
-impl Mirror {
+/// What the mirror's loop needs, sent to the thread that serves the source.
+#[derive(Clone)]
+struct Looper {
+    copier: Copier,
+    /// The tracker bitmap: what is still to be copied.
+    dirty: Arc<DirtyBitmap>,
+    granularity: u64,
+    buf_size: u64,
+    target_start: TargetStart,
+    on_source_error: OnError,
+    on_target_error: OnError,
+}
+
+/// Where the mirror's loop is, carried to the next thread when the source moves.
+#[derive(Clone, Copy, Default)]
+struct At {
+    /// The first pass's marks are made.
+    marked: bool,
+    /// Where the next dirty run is looked for.
+    cursor: u64,
+}
+
+impl Looper {
     /// Marks what the first pass copies.
-    async fn mark_initial(&self, t: &DirtyBitmap) -> Result<(), String> {
-        let size = self.source.size();
-        let wanted = |depth: u32| match self.scope {
+    async fn mark_initial(&self) -> Result<(), String> {
+        let (source, target, t) = (&self.copier.source, &self.copier.target, &self.dirty);
+        let size = source.size();
+        let scope = self.copier.scope;
+        let wanted = |depth: u32| match scope {
             Scope::Full => depth >= 1,
             Scope::Top => depth == 1,
             Scope::None => false,
             Scope::AboveBase(b) => depth >= 1 && depth < b,
         };
-        match self.scope {
+        match scope {
             Scope::None => return Ok(()),
             Scope::Full => {
                 let zeroed = match self.target_start {
                     TargetStart::Unknown => false,
                     TargetStart::ReadsZero => true,
-                    TargetStart::ZeroFirst => self.target.write_zeroes(0, size, true).await.is_ok(),
+                    TargetStart::ZeroFirst => target.write_zeroes(0, size, true).await.is_ok(),
                 };
                 if !zeroed {
                     t.set_granules(0, size.div_ceil(self.granularity));
@@ -215,8 +238,7 @@ impl Mirror {
         }
         let mut at = 0;
         while at < size {
-            let (n, depth) = self
-                .source
+            let (n, depth) = source
                 .driver()
                 .allocation_depth(at, (size - at).min(1 << 30))
                 .await
@@ -228,16 +250,6 @@ impl Mirror {
             at += n;
         }
         Ok(())
-    }
-
-    fn copier(&self) -> Copier {
-        Copier {
-            source: self.source.clone(),
-            target: self.target.clone(),
-            scope: self.scope,
-            unmap: self.unmap,
-            active: self.active.clone(),
-        }
     }
 
     /// The most one operation copies (QEMU's max_io_bytes).
@@ -252,16 +264,15 @@ impl Mirror {
         n == 0 || (!job.limited() && n < MAX_IN_FLIGHT && bytes + self.op_bytes() <= self.buf_size)
     }
 
-    /// Starts copying `[offset, offset + len)` on the source's thread.
-    fn start(&self, ops: &InFlight<Copied>, offset: u64, len: u64) {
-        let home = self.parents.home_of(&self.source);
-        let c = self.copier();
+    /// Starts copying `[offset, offset + len)` on `here` (the loop's own thread).
+    fn start(&self, ops: &InFlight<Copied>, here: &Home, offset: u64, len: u64) {
+        let c = self.copier.clone();
         let lost = Copied {
             offset,
             len,
             result: Err((stopped(), false)),
         };
-        ops.start(&home, len, lost, move || async move {
+        ops.start(here, len, lost, move || async move {
             // Where the job's copies ran, in the loop's statistics (`x-stats`).
             stord_aio::with_current_context(|l| l.counter("job.copies").add(1));
             let result = c.copy(offset, len).await;
@@ -276,8 +287,8 @@ impl Mirror {
 
 /// Runs a mirror job: the whole source marked dirty, copied until the job is told to
 /// complete (or cancelled once ready), then the last writes in step and the pivot at
-/// finalize.
-pub async fn run(m: Mirror, job: Rc<Job>) -> Result<Finish, String> {
+/// finalize. The copying runs on the source's thread ([`Home::drive`]).
+pub async fn run(m: Mirror, job: Arc<Job>) -> Result<Finish, String> {
     m.fit_target().await?;
     let bitmap = DirtyBitmap::tracker(job.id(), m.granularity, m.source.size())
         .map_err(|e| e.to_string())?;
@@ -289,16 +300,34 @@ pub async fn run(m: Mirror, job: Rc<Job>) -> Result<Finish, String> {
     m.active.set_tracker(tracker.bitmap.clone());
     if !matches!(m.scope, Scope::AboveBase(_)) {
         // A mirror's copy mode can change; an active commit's cannot (QEMU's drivers).
-        job.set_type(Rc::new(MirrorType(m.active.clone())));
+        job.set_type(Arc::new(MirrorType(m.active.clone())));
     }
-    m.mark_initial(&tracker.bitmap).await?;
-    if !m.copy_until_told(&job, &tracker.bitmap).await? {
+    let l = m.looper(&tracker.bitmap);
+    if !m.copy_until_told(&job, &l).await? {
         return Ok(None);
     }
-    m.finish_in_step(&job, tracker).await
+    m.finish_in_step(&job, &l, tracker).await
 }
 
 impl Mirror {
+    fn looper(&self, dirty: &Arc<DirtyBitmap>) -> Looper {
+        Looper {
+            copier: Copier {
+                source: self.source.clone(),
+                target: self.target.clone(),
+                scope: self.scope,
+                unmap: self.unmap,
+                active: self.active.clone(),
+            },
+            dirty: dirty.clone(),
+            granularity: self.granularity,
+            buf_size: self.buf_size,
+            target_start: self.target_start,
+            on_source_error: self.on_source_error,
+            on_target_error: self.on_target_error,
+        }
+    }
+
     /// The target's size against the source's: a commit's base grows to it first, as
     /// QEMU's mirror_run does; otherwise they must be equal (QEMU finds this once the job
     /// runs: the job fails, not the command).
@@ -314,58 +343,91 @@ impl Mirror {
         Ok(())
     }
 
-    /// Copies what is dirty, then waits in ready, until the job is told to complete or
-    /// cancelled softly (true) or cancelled (false). Whatever ends it, the operations it
-    /// started have finished when it returns.
-    async fn copy_until_told(&self, job: &Rc<Job>, t: &DirtyBitmap) -> Result<bool, String> {
-        let ops = InFlight::new();
-        let r = self.copy_loop(job, t, &ops).await;
-        for done in ops.drain().await {
-            if done.result.is_err() {
-                t.mark(done.offset, done.len);
+    /// The first pass marked, then copies what is dirty and waits in ready, on the
+    /// source's thread (following it when it moves), until the job is told to complete
+    /// or cancelled softly (true) or cancelled (false). Whatever ends it, the operations
+    /// it started have finished when it returns.
+    async fn copy_until_told(&self, job: &Arc<Job>, l: &Looper) -> Result<bool, String> {
+        let mut at = At::default();
+        loop {
+            let here = self.parents.home_of(&self.source);
+            let (job, l, there) = (job.clone(), l.clone(), here.clone());
+            let stay = Stay::new(&self.source);
+            let lost = Err(stopped().to_string());
+            let step = here
+                .drive(lost, move || async move {
+                    if !at.marked {
+                        l.mark_initial().await?;
+                        at.marked = true;
+                    }
+                    let ops = InFlight::new();
+                    let r = l.copy_loop(&job, &mut at.cursor, &stay, &there, &ops).await;
+                    for done in ops.drain().await {
+                        if done.result.is_err() {
+                            l.dirty.mark(done.offset, done.len);
+                        }
+                    }
+                    r.map(|step| match step {
+                        Step::Done(told) => Step::Done(told),
+                        Step::Moved(()) => Step::Moved(at),
+                    })
+                })
+                .await?;
+            match step {
+                Step::Done(told) => return Ok(told),
+                Step::Moved(moved) => at = moved,
             }
         }
-        r
     }
+}
 
+impl Looper {
     async fn copy_loop(
         &self,
-        job: &Rc<Job>,
-        t: &DirtyBitmap,
+        job: &Job,
+        cursor: &mut u64,
+        stay: &Stay,
+        here: &Home,
         ops: &InFlight<Copied>,
-    ) -> Result<bool, String> {
-        let mut cursor = 0;
+    ) -> Result<Step<bool, ()>, String> {
+        let t = &self.dirty;
+        let active = &self.copier.active;
         loop {
             while let Some(done) = ops.next_to_settle(job.pausing()).await {
-                self.settle(job, t, done).await?;
+                self.settle(job, done).await?;
             }
-            job.progress_grow(self.active.take_synced());
+            job.progress_grow(active.take_synced());
             job.set_remaining(t.count() + ops.load().1);
             job.ratelimit().await;
             if job.is_cancelled() {
-                job.progress_grow(self.active.take_synced());
-                return Ok(false);
+                job.progress_grow(active.take_synced());
+                return Ok(Step::Done(false));
             }
-            if !self.has_room(job, ops) {
-                if let Some(done) = ops.next().await {
-                    self.settle(job, t, done).await?;
+            let moved = stay.moved();
+            if moved || !self.has_room(job, ops) {
+                match ops.next().await {
+                    Some(done) => self.settle(job, done).await?,
+                    None if moved => return Ok(Step::Moved(())),
+                    None => {}
                 }
                 continue;
             }
-            match t.take_dirty(cursor, self.op_bytes()) {
+            match t.take_dirty(*cursor, self.op_bytes()) {
                 Some((offset, len)) => {
-                    cursor = offset + len;
-                    self.start(ops, offset, len);
+                    *cursor = offset + len;
+                    self.start(ops, here, offset, len);
                 }
                 None if ops.load().0 > 0 => {
                     if let Some(done) = ops.next().await {
-                        self.settle(job, t, done).await?;
+                        self.settle(job, done).await?;
                     }
                 }
-                None if job.complete_requested() || job.soft_cancelled() => return Ok(true),
+                None if job.complete_requested() || job.soft_cancelled() => {
+                    return Ok(Step::Done(true))
+                }
                 None => {
                     job.set_ready();
-                    self.active.went_ready();
+                    active.went_ready();
                     job.sleep(IDLE).await;
                 }
             }
@@ -374,7 +436,7 @@ impl Mirror {
 
     /// Counts a finished operation; a failed one is marked to be copied again, whatever
     /// the policy says now, and the policy applied.
-    async fn settle(&self, job: &Rc<Job>, t: &DirtyBitmap, done: Copied) -> Result<(), String> {
+    async fn settle(&self, job: &Job, done: Copied) -> Result<(), String> {
         match done.result {
             // The limit counts what was copied (zeroes and skipped runs are free, as
             // QEMU counts them).
@@ -383,7 +445,7 @@ impl Mirror {
                 job.ratelimit_processed(copied);
             }
             Err((e, read)) => {
-                t.mark(done.offset, done.len);
+                self.dirty.mark(done.offset, done.len);
                 self.on_copy_error(job, e, read).await?;
             }
         }
@@ -391,12 +453,7 @@ impl Mirror {
     }
 
     /// What a failed copy does, as `on-source-error` / `on-target-error` say.
-    async fn on_copy_error(
-        &self,
-        job: &Rc<Job>,
-        e: std::io::Error,
-        read: bool,
-    ) -> Result<(), String> {
+    async fn on_copy_error(&self, job: &Job, e: std::io::Error, read: bool) -> Result<(), String> {
         let on = if read {
             self.on_source_error
         } else {
@@ -413,7 +470,8 @@ impl Mirror {
     /// Copies what is still dirty while the exports are held: operations in flight as
     /// in the copy loop; the first error fails the job (what failed stays marked: the
     /// exports stay on the source, and the record stays true while the job lasts).
-    async fn copy_rest(&self, job: &Rc<Job>, t: &DirtyBitmap) -> Result<(), String> {
+    async fn copy_rest(&self, job: &Job, here: &Home) -> Result<(), String> {
+        let t = &self.dirty;
         let ops = InFlight::new();
         let mut failed = None;
         loop {
@@ -423,7 +481,7 @@ impl Mirror {
                 None
             };
             if let Some((offset, len)) = next {
-                self.start(&ops, offset, len);
+                self.start(&ops, here, offset, len);
                 continue;
             }
             // Nothing more to start: the next to finish, until none is left.
@@ -443,17 +501,31 @@ impl Mirror {
             None => Ok(()),
         }
     }
+}
 
+impl Mirror {
     /// In step: the exports on the source wait at their door while the last writes are
-    /// copied; they stay held until the graph change at finalize (QEMU's drained
-    /// section), which moves them to the target if the job was told to complete.
-    async fn finish_in_step(self, job: &Rc<Job>, tracker: Tracker) -> Result<Finish, String> {
-        let t = &tracker.bitmap;
+    /// copied (on the source's thread); they stay held until the graph change at
+    /// finalize (QEMU's drained section), which moves them to the target if the job was
+    /// told to complete.
+    async fn finish_in_step(
+        self,
+        job: &Arc<Job>,
+        l: &Looper,
+        tracker: Tracker,
+    ) -> Result<Finish, String> {
         let mut held: Vec<Hold> = Vec::new();
         for link in self.parents.links_on(&self.source) {
             held.push(link.hold().await);
         }
-        self.copy_rest(job, t).await?;
+        let here = self.parents.home_of(&self.source);
+        let (job2, l, there) = (job.clone(), l.clone(), here.clone());
+        let lost = Err(stopped().to_string());
+        here.drive(
+            lost,
+            move || async move { l.copy_rest(&job2, &there).await },
+        )
+        .await?;
         job.set_remaining(0);
         self.target.flush().await.map_err(|e| e.to_string())?;
         let pivot = job.complete_requested() && !job.soft_cancelled();

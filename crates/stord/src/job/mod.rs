@@ -1,8 +1,10 @@
 //! Jobs: long operations that outlive the command that started them, with QEMU's states,
 //! verbs and events.
 //!
-//! A job is a task on the main loop; the copies of mirror and backup run on the thread
-//! that serves their node ([`home`]), several at once. Every state change is announced
+//! A job is a task on the main loop, which takes its verbs and changes the graph before
+//! and after; the copying loop of mirror, backup, stream and commit, and its copies,
+//! several at once, run on the thread that serves their node ([`home`]), sharing the
+//! job's state with the main loop. Every state change is announced
 //! as JOB_STATUS_CHANGE, in QEMU's order: created, running
 //! (paused and back, ready and standby for jobs that wait to be completed), then on
 //! success waiting, pending, concluded; on failure or cancel aborting, concluded; and null
@@ -21,17 +23,20 @@ pub mod mirror;
 pub mod stream;
 pub mod write_blocking;
 
-use std::cell::{Cell, RefCell};
+use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::pin::Pin;
 use std::rc::Rc;
+use std::sync::atomic::Ordering::SeqCst;
+use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Poll, Waker};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use crate::events::Events;
+use crate::events::{EventPoster, Events};
 
 /// Jobs the daemon keeps at once (concluded ones stay until dismissed): a limit on what
 /// clients can make it hold.
@@ -288,13 +293,14 @@ pub async fn copy_range(
 /// change, then its holds (the claims and blockers it owns) go and `after` runs.
 pub async fn run_copy<T: CopyJob>(
     t: T,
-    job: Rc<Job>,
+    job: Arc<Job>,
     home: impl Fn() -> home::Home,
     after: impl FnOnce() + 'static,
 ) -> Result<Finish, String> {
     t.prepare().await?;
+    let span = (t.bytes(), T::CHUNK);
     if !job
-        .run_chunks(t.bytes(), T::CHUNK, t.on_error(), &t.chunk(), &home)
+        .run_chunks(span, t.on_error(), &t.chunk(), t.node(), &home)
         .await?
     {
         return Ok(None);
@@ -314,6 +320,30 @@ const CHUNKS_IN_FLIGHT: usize = 8;
 
 /// A finished chunk: its range and what [`ChunkCopy::copy`] said.
 type ChunkDone = (u64, u64, Result<u64, CopyError>);
+
+/// Where a copying job's chunk loop is: what it carries from one thread to the next when
+/// its node moves.
+#[derive(Default)]
+struct ChunksAt {
+    /// The start of the first chunk not started yet.
+    next: u64,
+    /// Chunks to copy again (failed under `on-error=stop`).
+    again: Vec<(u64, u64)>,
+    /// The first error ignored (`on-error=ignore`): the job fails with it at the end.
+    ignored: Option<std::io::Error>,
+    cancelled: bool,
+}
+
+impl ChunksAt {
+    /// How the loop ended: Ok(false) cancelled.
+    fn finish(self) -> Result<bool, String> {
+        match self.ignored {
+            _ if self.cancelled => Ok(false),
+            Some(e) => Err(e.to_string()),
+            None => Ok(true),
+        }
+    }
+}
 
 /// What a block job holds on the graph while it lasts.
 pub struct Holds {
@@ -374,62 +404,82 @@ impl RateLimit {
 
 /// What a job type adds to the common verbs (QEMU's BlockJobDriver `change` and
 /// `query`): a mirror's copy mode.
-pub trait JobType {
+pub trait JobType: Send + Sync {
     /// `block-job-change` with this type's options.
     fn change(&self, options: &serde_json::Map<String, Value>) -> Result<(), String>;
     /// The members query-block-jobs shows for this type.
     fn query(&self, into: &mut serde_json::Map<String, Value>);
 }
 
-/// One job.
+/// Pause requests: the job pauses at its next pause point while `count` is above zero.
+#[derive(Default, Clone, Copy)]
+struct Pause {
+    /// Pause requests: the user's (or an error's stop, one between them).
+    count: u32,
+    /// Paused by `job-pause` or an error's stop (the user resumes it).
+    user: bool,
+}
+
+/// One job. Its verbs and queries run on the main loop, its copying loop on the thread
+/// that serves its node ([`home`]), so its state is shared: atomics and short locks, and
+/// the events it raises away from the main loop are posted there in order.
 pub struct Job {
     id: String,
     /// QEMU's JobType name (`create`, `stream`, `commit`).
     kind: &'static str,
     /// A block job: BLOCK_JOB_* events, `query-block-jobs`, the `block-job-*` verbs.
     block: bool,
-    status: Cell<JobStatus>,
+    status: Mutex<JobStatus>,
     /// (current, total) progress.
-    progress: Cell<(u64, u64)>,
-    error: RefCell<Option<String>>,
+    progress: Mutex<(u64, u64)>,
+    error: Mutex<Option<String>>,
     auto_finalize: bool,
     auto_dismiss: bool,
-    events: Events,
+    events: EventPoster,
     /// `job-finalize` was given (auto-finalize off).
-    finalized: Cell<bool>,
-    speed: Cell<u64>,
-    limit: Cell<RateLimit>,
-    /// Pause requests (the user's and an error's stop); the job pauses at its next pause
-    /// point while this is above zero.
-    pause_count: Cell<u32>,
-    user_paused: Cell<bool>,
-    cancelled: Cell<bool>,
-    force_cancel: Cell<bool>,
+    finalized: AtomicBool,
+    speed: AtomicU64,
+    limit: Mutex<RateLimit>,
+    pause: Mutex<Pause>,
+    cancelled: AtomicBool,
+    force_cancel: AtomicBool,
     /// A ready job was cancelled without force: it ends as completed, its graph change
     /// left undone (QEMU's mirror_cancel).
-    soft_cancelled: Cell<bool>,
+    soft_cancelled: AtomicBool,
     /// `job-complete` was accepted (jobs that wait in ready).
-    complete_requested: Cell<bool>,
+    complete_requested: AtomicBool,
     /// Whether the job can be completed (it waits in ready for it).
     completable: bool,
     /// The last I/O error stopped the job (`io-status`).
-    io_failed: Cell<bool>,
+    io_failed: AtomicBool,
     /// Asleep or waiting (not `busy`).
-    idle: Cell<bool>,
+    idle: AtomicBool,
     /// A verb happened: a sleeping job wakes to look.
-    kicked: Cell<bool>,
+    kicked: AtomicBool,
     /// The job's task, parked.
-    waker: RefCell<Option<Waker>>,
+    waker: Mutex<Option<Waker>>,
     /// What the job's type adds (set by the work as it starts).
-    ext: RefCell<Option<Rc<dyn JobType>>>,
+    ext: Mutex<Option<Arc<dyn JobType>>>,
+}
+
+/// Locks `m`, whatever a panic elsewhere left in it (the job's state stays readable).
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl Job {
+    fn status(&self) -> JobStatus {
+        *lock(&self.status)
+    }
+
+    /// Announced under the status lock, so the events of two threads' changes go out in
+    /// the order the changes were made.
     fn set(&self, s: JobStatus) {
-        if self.status.replace(s) == s {
+        let mut status = lock(&self.status);
+        if std::mem::replace(&mut *status, s) == s {
             return;
         }
-        self.events.emit(
+        self.events.emit_here_or_post(
             "JOB_STATUS_CHANGE",
             json!({ "status": s.name(), "id": self.id }),
         );
@@ -442,57 +492,63 @@ impl Job {
 
     /// Sets the progress shown by query-jobs.
     pub fn set_progress(&self, current: u64, total: u64) {
-        self.progress.set((current, total));
+        *lock(&self.progress) = (current, total);
     }
 
     /// Adds `n` bytes to the progress made.
     pub fn progress_add(&self, n: u64) {
-        let (c, t) = self.progress.get();
-        self.progress.set((c + n, t.max(c + n)));
+        let mut p = lock(&self.progress);
+        let (c, t) = *p;
+        *p = (c + n, t.max(c + n));
     }
 
     /// `n` more bytes to do, and done (QEMU's job_progress_increase_remaining then
     /// job_progress_update).
     pub fn progress_grow(&self, n: u64) {
-        let (c, t) = self.progress.get();
-        self.progress.set((c + n, t + n));
+        let mut p = lock(&self.progress);
+        let (c, t) = *p;
+        *p = (c + n, t + n);
     }
 
     /// Sets the total so that `remaining` bytes are left.
     pub fn set_remaining(&self, remaining: u64) {
-        let (c, _) = self.progress.get();
-        self.progress.set((c, c + remaining));
+        let mut p = lock(&self.progress);
+        p.1 = p.0 + remaining;
+    }
+
+    fn pause_count(&self) -> u32 {
+        lock(&self.pause).count
     }
 
     /// Whether the job is to pause at its next pause point (and is not cancelled).
     pub fn pausing(&self) -> bool {
-        self.pause_count.get() > 0 && !self.cancelled.get()
+        self.pause_count() > 0 && !self.is_cancelled()
     }
 
     /// Whether a speed limit is set: a job with copies in flight then runs one at a time,
     /// as QEMU's limited jobs do, so the limit holds from the first byte.
     pub fn limited(&self) -> bool {
-        self.speed.get() > 0
+        self.speed.load(SeqCst) > 0
     }
 
     /// Whether the job was cancelled (it stops at its next step, changing nothing).
     pub fn is_cancelled(&self) -> bool {
-        self.cancelled.get()
+        self.cancelled.load(SeqCst)
     }
 
     /// Whether `job-complete` was accepted.
     pub fn complete_requested(&self) -> bool {
-        self.complete_requested.get()
+        self.complete_requested.load(SeqCst)
     }
 
     /// Whether a ready job was cancelled without force (it stops in step, unchanged).
     pub fn soft_cancelled(&self) -> bool {
-        self.soft_cancelled.get()
+        self.soft_cancelled.load(SeqCst)
     }
 
     /// Whether the job is ready (or in standby, paused while ready).
     pub fn is_ready(&self) -> bool {
-        matches!(self.status.get(), JobStatus::Ready | JobStatus::Standby)
+        matches!(self.status(), JobStatus::Ready | JobStatus::Standby)
     }
 
     /// The job's copy is in step: ready (once), BLOCK_JOB_READY announced.
@@ -504,80 +560,77 @@ impl Job {
         self.block_event("BLOCK_JOB_READY", None);
     }
 
+    /// A verb happened: the job's task looks again (from any thread).
     fn wake(&self) {
-        self.kicked.set(true);
-        if let Some(w) = self.waker.borrow_mut().take() {
+        self.kicked.store(true, SeqCst);
+        if let Some(w) = lock(&self.waker).take() {
             w.wake();
         }
     }
 
-    /// Waits (idle) until `cond` holds; every verb re-checks it.
+    /// Waits (idle) until `cond` holds; every verb re-checks it. The waker is left before
+    /// `cond` is read, so a verb on another thread between the two is not missed.
     async fn wait_until(&self, cond: impl Fn() -> bool) {
-        self.idle.set(true);
+        self.idle.store(true, SeqCst);
         std::future::poll_fn(|cx| {
+            *lock(&self.waker) = Some(cx.waker().clone());
             if cond() {
                 return Poll::Ready(());
             }
-            *self.waker.borrow_mut() = Some(cx.waker().clone());
             Poll::Pending
         })
         .await;
-        self.idle.set(false);
+        self.idle.store(false, SeqCst);
     }
 
     /// Where a pause takes effect: paused (standby when ready) until resumed or
     /// cancelled, then back to the state before.
     pub async fn pause_point(&self) {
-        if self.pause_count.get() == 0 || self.cancelled.get() {
+        if !self.pausing() {
             return;
         }
-        let before = self.status.get();
+        let before = self.status();
         self.set(if before == JobStatus::Ready {
             JobStatus::Standby
         } else {
             JobStatus::Paused
         });
-        self.wait_until(|| self.pause_count.get() == 0 || self.cancelled.get())
-            .await;
-        self.io_failed.set(false);
+        self.wait_until(|| !self.pausing()).await;
+        self.io_failed.store(false, SeqCst);
         self.set(before);
     }
 
     /// Sleeps `d` (a verb cuts it short), then a pause point.
     pub async fn sleep(&self, d: Duration) {
-        if self.cancelled.get() {
+        if self.is_cancelled() {
             return;
         }
-        if self.pause_count.get() == 0 {
-            self.kicked.set(false);
-            self.idle.set(true);
+        if self.pause_count() == 0 {
+            self.kicked.store(false, SeqCst);
+            self.idle.store(true, SeqCst);
             let mut s = std::pin::pin!(stord_aio::sleep(d));
             std::future::poll_fn(|cx| {
-                if self.kicked.get() || s.as_mut().poll(cx).is_ready() {
+                *lock(&self.waker) = Some(cx.waker().clone());
+                if self.kicked.load(SeqCst) || s.as_mut().poll(cx).is_ready() {
                     return Poll::Ready(());
                 }
-                *self.waker.borrow_mut() = Some(cx.waker().clone());
                 Poll::Pending
             })
             .await;
-            self.idle.set(false);
+            self.idle.store(false, SeqCst);
         }
         self.pause_point().await;
     }
 
     /// Counts `n` bytes against the speed limit.
     pub fn ratelimit_processed(&self, n: u64) {
-        let mut l = self.limit.get();
-        l.delay(n);
-        self.limit.set(l);
+        lock(&self.limit).delay(n);
     }
 
     /// Between steps: waits as long as the speed limit asks (yielding to the loop even
     /// when it asks nothing), then a pause point.
     pub async fn ratelimit(&self) {
-        let mut l = self.limit.get();
-        let d = l.delay(0);
-        self.limit.set(l);
+        let d = lock(&self.limit).delay(0);
         if d.is_zero() {
             stord_aio::yield_now().await;
             self.pause_point().await;
@@ -593,11 +646,11 @@ impl Job {
         self.block_event("BLOCK_JOB_READY", None);
         loop {
             self.pause_point().await;
-            if self.cancelled.get() || self.complete_requested.get() {
+            if self.is_cancelled() || self.complete_requested() {
                 return;
             }
             self.wait_until(|| {
-                self.cancelled.get() || self.complete_requested.get() || self.pause_count.get() > 0
+                self.is_cancelled() || self.complete_requested() || self.pause_count() > 0
             })
             .await;
         }
@@ -618,7 +671,7 @@ impl Job {
             ErrorAction::Ignore => "ignore",
             ErrorAction::Stop => "stop",
         };
-        self.events.emit(
+        self.events.emit_here_or_post(
             "BLOCK_JOB_ERROR",
             json!({
                 "device": self.id,
@@ -630,65 +683,88 @@ impl Job {
             // As a user's pause (the user resumes it), with the failure in io-status; once,
             // however many copies in flight fail (QEMU's block_job_error_action), so one
             // resume resumes it.
-            if !self.user_paused.get() {
-                self.user_paused.set(true);
-                self.pause_count.set(self.pause_count.get() + 1);
+            let mut p = lock(&self.pause);
+            if !p.user {
+                p.user = true;
+                p.count += 1;
             }
-            self.io_failed.set(true);
+            self.io_failed.store(true, SeqCst);
         }
         action
     }
 
     /// The loop of a copying job (stream, commit): `[0, len)` in chunks of `chunk` bytes,
-    /// handed to `c` on the thread `home` names, several at once. Between chunks the speed
-    /// limit, pause and cancel take effect; a failed chunk goes as `on_error` says (stop:
-    /// it is copied again once resumed). Ok(false) when cancelled; an ignored error fails
-    /// the job at the end, as QEMU leaves the graph then. Whatever ends it, the chunks it
-    /// started have finished when it returns.
+    /// handed to `c` several at once, on the thread `home` names (the loop too, and it
+    /// follows `node` to another IoThread). Between chunks the speed limit, pause and
+    /// cancel take effect; a failed chunk goes as `on_error` says (stop: it is copied
+    /// again once resumed). Ok(false) when cancelled; an ignored error fails the job at
+    /// the end, as QEMU leaves the graph then. Whatever ends it, the chunks it started
+    /// have finished when it returns.
     pub async fn run_chunks<C: ChunkCopy>(
-        &self,
-        len: u64,
-        chunk: u64,
+        self: &Arc<Self>,
+        (len, chunk): (u64, u64),
         on_error: OnError,
         c: &C,
+        node: &Arc<crate::block::BlockNode>,
         home: &dyn Fn() -> home::Home,
     ) -> Result<bool, String> {
         self.set_remaining(len);
-        let ops = home::InFlight::new();
-        let r = self.chunks_loop(len, chunk, on_error, c, home, &ops).await;
-        ops.drain().await;
-        r
+        let mut at = ChunksAt::default();
+        loop {
+            let here = home();
+            let (job, c, stay) = (self.clone(), c.clone(), home::Stay::new(node));
+            let lost = Err(home::stopped().to_string());
+            let there = here.clone();
+            let step = here
+                .drive(lost, move || async move {
+                    let ops = home::InFlight::new();
+                    let r = job
+                        .chunks_loop(&mut at, (len, chunk, on_error), &c, &stay, &there, &ops)
+                        .await;
+                    ops.drain().await;
+                    r.map(|done| match done {
+                        true => home::Step::Done(at.finish()),
+                        false => home::Step::Moved(at),
+                    })
+                })
+                .await?;
+            match step {
+                home::Step::Done(r) => return r,
+                home::Step::Moved(moved) => at = moved,
+            }
+        }
     }
 
+    /// Chunks until the end (true) or until `stay` says the node moved and nothing is in
+    /// flight (false); Err when the job fails. Cancelled: true, with `at.cancelled`.
     async fn chunks_loop<C: ChunkCopy>(
         &self,
-        len: u64,
-        chunk: u64,
-        on_error: OnError,
+        at: &mut ChunksAt,
+        (len, chunk, on_error): (u64, u64, OnError),
         c: &C,
-        home: &dyn Fn() -> home::Home,
+        stay: &home::Stay,
+        here: &home::Home,
         ops: &home::InFlight<ChunkDone>,
     ) -> Result<bool, String> {
-        let mut next = 0;
-        let mut again: Vec<(u64, u64)> = Vec::new();
-        let mut ignored = None;
         loop {
             while let Some(done) = ops.next_to_settle(self.pausing()).await {
-                self.settle_chunk(done, on_error, &mut again, &mut ignored)?;
+                self.settle_chunk(done, on_error, at)?;
             }
             self.ratelimit().await;
             if self.is_cancelled() {
-                return Ok(false);
+                at.cancelled = true;
+                return Ok(true);
             }
             let busy = ops.load().0;
             let most = if self.limited() { 1 } else { CHUNKS_IN_FLIGHT };
-            let work = if busy >= most {
+            let moved = stay.moved();
+            let work = if busy >= most || moved {
                 None
-            } else if let Some(w) = again.pop() {
+            } else if let Some(w) = at.again.pop() {
                 Some(w)
-            } else if next < len {
-                let w = (next, chunk.min(len - next));
-                next += w.1;
+            } else if at.next < len {
+                let w = (at.next, chunk.min(len - at.next));
+                at.next += w.1;
                 Some(w)
             } else {
                 None
@@ -697,21 +773,17 @@ impl Job {
                 Some((offset, n)) => {
                     let c = c.clone();
                     let lost = (offset, n, Err((home::stopped(), false)));
-                    ops.start(&home(), n, lost, move || async move {
+                    ops.start(here, n, lost, move || async move {
                         (offset, n, c.copy(offset, n).await)
                     });
                 }
-                None if busy == 0 => break,
+                None if busy == 0 => return Ok(!moved),
                 None => {
                     if let Some(done) = ops.next().await {
-                        self.settle_chunk(done, on_error, &mut again, &mut ignored)?;
+                        self.settle_chunk(done, on_error, at)?;
                     }
                 }
             }
-        }
-        match ignored {
-            Some(e) => Err(e.to_string()),
-            None => Ok(true),
         }
     }
 
@@ -720,8 +792,7 @@ impl Job {
         &self,
         (offset, n, r): ChunkDone,
         on_error: OnError,
-        again: &mut Vec<(u64, u64)>,
-        ignored: &mut Option<std::io::Error>,
+        at: &mut ChunksAt,
     ) -> Result<(), String> {
         match r {
             Ok(copied) => {
@@ -730,9 +801,9 @@ impl Job {
             }
             Err((e, read)) => match self.error_action(on_error, read, &e) {
                 // Paused now; the chunk is copied again once resumed.
-                ErrorAction::Stop => again.push((offset, n)),
+                ErrorAction::Stop => at.again.push((offset, n)),
                 ErrorAction::Ignore => {
-                    ignored.get_or_insert(e);
+                    at.ignored.get_or_insert(e);
                     self.progress_add(n);
                 }
                 ErrorAction::Report => return Err(e.to_string()),
@@ -741,76 +812,78 @@ impl Job {
         Ok(())
     }
 
-    fn block_event(&self, name: &str, error: Option<&str>) {
+    fn block_event(&self, name: &'static str, error: Option<&str>) {
         if !self.block {
             return;
         }
-        let (cur, total) = self.progress.get();
+        let (cur, total) = *lock(&self.progress);
         let mut data = json!({
             "type": self.kind,
             "device": self.id,
             "len": total,
             "offset": cur,
-            "speed": self.speed.get(),
+            "speed": self.speed.load(SeqCst),
         });
         if let Some(e) = error {
             data["error"] = e.into();
         }
-        self.events.emit(name, data);
+        self.events.emit_here_or_post(name, data);
     }
 
     fn check(&self, verb: Verb) -> Result<(), JobError> {
-        if verb.allowed(self.status.get()) {
+        let status = self.status();
+        if verb.allowed(status) {
             return Ok(());
         }
         Err(JobError::BadVerb {
             id: self.id.clone(),
-            state: self.status.get().name(),
+            state: status.name(),
             verb: verb.name(),
         })
     }
 
     fn info(&self) -> Value {
-        let (cur, total) = self.progress.get();
+        let (cur, total) = *lock(&self.progress);
         let mut v = json!({
             "id": self.id,
             "type": self.kind,
-            "status": self.status.get().name(),
+            "status": self.status().name(),
             "current-progress": cur,
             "total-progress": total,
         });
-        if let Some(e) = &*self.error.borrow() {
+        if let Some(e) = &*lock(&self.error) {
             v["error"] = e.clone().into();
         }
         v
     }
 
     /// Says what the job's type adds to the verbs and queries.
-    pub fn set_type(&self, t: Rc<dyn JobType>) {
-        *self.ext.borrow_mut() = Some(t);
+    pub fn set_type(&self, t: Arc<dyn JobType>) {
+        *lock(&self.ext) = Some(t);
     }
 
     fn block_info(&self) -> Value {
-        let (cur, total) = self.progress.get();
-        let s = self.status.get();
+        let (cur, total) = *lock(&self.progress);
+        let s = self.status();
         let mut v = json!({
             "type": self.kind,
             "device": self.id,
             "len": total,
             "offset": cur,
-            "busy": !self.idle.get(),
-            "paused": self.pause_count.get() > 0,
-            "speed": self.speed.get(),
-            "io-status": if self.io_failed.get() { "failed" } else { "ok" },
+            "busy": !self.idle.load(SeqCst),
+            "paused": self.pause_count() > 0,
+            "speed": self.speed.load(SeqCst),
+            "io-status": if self.io_failed.load(SeqCst) { "failed" } else { "ok" },
             "ready": matches!(s, JobStatus::Ready | JobStatus::Standby),
             "status": s.name(),
             "auto-finalize": self.auto_finalize,
             "auto-dismiss": self.auto_dismiss,
         });
-        if let Some(e) = &*self.error.borrow() {
+        if let Some(e) = &*lock(&self.error) {
             v["error"] = e.clone().into();
         }
-        if let (Some(t), Value::Object(m)) = (&*self.ext.borrow(), &mut v) {
+        let ext = lock(&self.ext).clone();
+        if let (Some(t), Value::Object(m)) = (ext, &mut v) {
             t.query(m);
         }
         v
@@ -820,7 +893,7 @@ impl Job {
 /// Every job, by id (main thread only); clones share the table.
 #[derive(Default, Clone)]
 pub struct Jobs {
-    map: Rc<RefCell<BTreeMap<String, Rc<Job>>>>,
+    map: Rc<RefCell<BTreeMap<String, Arc<Job>>>>,
     /// Creation order, for query-jobs (QEMU lists the newest first).
     order: Rc<RefCell<Vec<String>>>,
 }
@@ -878,41 +951,43 @@ impl Jobs {
         kind: &'static str,
         opts: JobOptions,
         events: &Events,
-        work: impl FnOnce(Rc<Job>) -> F,
+        work: impl FnOnce(Arc<Job>) -> F,
     ) -> Result<(), JobError>
     where
         F: Future<Output = Result<Finish, String>> + 'static,
     {
         self.check_new(id)?;
-        let job = Rc::new(Job {
+        let Some(poster) = events.poster() else {
+            return Err(JobError::Other("jobs run on a loop".into()));
+        };
+        let job = Arc::new(Job {
             id: id.into(),
             kind,
             block: opts.block,
-            status: Cell::new(JobStatus::Created),
-            progress: Cell::new((0, 0)),
-            error: RefCell::new(None),
+            status: Mutex::new(JobStatus::Created),
+            progress: Mutex::new((0, 0)),
+            error: Mutex::new(None),
             auto_finalize: opts.auto_finalize,
             auto_dismiss: opts.auto_dismiss,
-            events: events.clone(),
-            finalized: Cell::new(false),
-            speed: Cell::new(opts.speed),
-            limit: Cell::new(RateLimit::new(opts.speed)),
-            pause_count: Cell::new(0),
-            user_paused: Cell::new(false),
-            cancelled: Cell::new(false),
-            force_cancel: Cell::new(false),
-            soft_cancelled: Cell::new(false),
-            complete_requested: Cell::new(false),
+            events: poster,
+            finalized: AtomicBool::new(false),
+            speed: AtomicU64::new(opts.speed),
+            limit: Mutex::new(RateLimit::new(opts.speed)),
+            pause: Mutex::default(),
+            cancelled: AtomicBool::new(false),
+            force_cancel: AtomicBool::new(false),
+            soft_cancelled: AtomicBool::new(false),
+            complete_requested: AtomicBool::new(false),
             completable: opts.completable,
-            io_failed: Cell::new(false),
-            idle: Cell::new(false),
-            kicked: Cell::new(false),
-            waker: RefCell::new(None),
-            ext: RefCell::new(None),
+            io_failed: AtomicBool::new(false),
+            idle: AtomicBool::new(false),
+            kicked: AtomicBool::new(false),
+            waker: Mutex::new(None),
+            ext: Mutex::new(None),
         });
         self.map.borrow_mut().insert(id.into(), job.clone());
         self.order.borrow_mut().push(id.into());
-        job.events.emit(
+        events.emit(
             "JOB_STATUS_CHANGE",
             json!({ "status": "created", "id": job.id }),
         );
@@ -929,7 +1004,7 @@ impl Jobs {
             stord_aio::yield_now().await;
             // As QEMU's job_co_entry: a pause asked for before the start holds here.
             job.pause_point().await;
-            let r = if job.cancelled.get() {
+            let r = if job.is_cancelled() {
                 Ok(None)
             } else {
                 fut.await
@@ -945,9 +1020,9 @@ impl Jobs {
     }
 
     /// From the end of the work to concluded, in QEMU's order.
-    async fn conclude(job: &Rc<Job>, r: Result<Finish, String>) {
+    async fn conclude(job: &Arc<Job>, r: Result<Finish, String>) {
         let fail = |e: String, cancelled: bool| {
-            *job.error.borrow_mut() = Some(e.clone());
+            *lock(&job.error) = Some(e.clone());
             job.set(JobStatus::Aborting);
             if cancelled {
                 job.block_event("BLOCK_JOB_CANCELLED", None);
@@ -956,7 +1031,7 @@ impl Jobs {
             }
         };
         let finish = match r {
-            _ if job.cancelled.get() => {
+            _ if job.is_cancelled() => {
                 fail("Operation canceled".into(), true);
                 None
             }
@@ -971,15 +1046,15 @@ impl Jobs {
             job.set(JobStatus::Pending);
             if !job.auto_finalize {
                 if job.block {
-                    job.events.emit(
+                    job.events.emit_here_or_post(
                         "BLOCK_JOB_PENDING",
                         json!({ "type": job.kind, "id": job.id }),
                     );
                 }
-                job.wait_until(|| job.finalized.get() || job.cancelled.get())
+                job.wait_until(|| job.finalized.load(SeqCst) || job.is_cancelled())
                     .await;
             }
-            if job.cancelled.get() {
+            if job.is_cancelled() {
                 fail("Operation canceled".into(), true);
             } else {
                 match f {
@@ -994,12 +1069,12 @@ impl Jobs {
         job.set(JobStatus::Concluded);
     }
 
-    fn get(&self, id: &str) -> Result<Rc<Job>, JobError> {
+    fn get(&self, id: &str) -> Result<Arc<Job>, JobError> {
         self.map.borrow().get(id).cloned().ok_or(JobError::NotFound)
     }
 
     /// A block job by the id `block-job-*` commands call `device`.
-    pub fn get_block(&self, id: &str) -> Result<Rc<Job>, JobError> {
+    pub fn get_block(&self, id: &str) -> Result<Arc<Job>, JobError> {
         match self.map.borrow().get(id) {
             Some(j) if j.block => Ok(j.clone()),
             _ => Err(JobError::BlockJobNotFound(id.into())),
@@ -1007,7 +1082,7 @@ impl Jobs {
     }
 
     /// The job `id`, `block` ones looked up as `block-job-*` commands do.
-    pub fn find(&self, id: &str, block: bool) -> Result<Rc<Job>, JobError> {
+    pub fn find(&self, id: &str, block: bool) -> Result<Arc<Job>, JobError> {
         if block {
             self.get_block(id)
         } else {
@@ -1027,10 +1102,10 @@ impl Jobs {
     /// `job-finalize`: a job waiting in pending (auto-finalize off) concludes.
     pub fn finalize(&self, job: &Job) -> Result<(), JobError> {
         job.check(Verb::Finalize)?;
-        if job.finalized.replace(true) {
+        if job.finalized.swap(true, SeqCst) {
             return Err(JobError::BadVerb {
                 id: job.id.clone(),
-                state: job.status.get().name(),
+                state: job.status().name(),
                 verb: "finalize",
             });
         }
@@ -1041,23 +1116,34 @@ impl Jobs {
     /// `job-pause`: the job pauses at its next pause point.
     pub fn pause(&self, job: &Job) -> Result<(), JobError> {
         job.check(Verb::Pause)?;
-        if job.user_paused.get() {
-            return Err(JobError::AlreadyPaused);
+        {
+            let mut p = lock(&job.pause);
+            if p.user {
+                return Err(JobError::AlreadyPaused);
+            }
+            p.user = true;
+            p.count += 1;
         }
-        job.user_paused.set(true);
-        job.pause_count.set(job.pause_count.get() + 1);
         job.wake();
         Ok(())
     }
 
     /// `job-resume`.
     pub fn resume(&self, job: &Job) -> Result<(), JobError> {
-        if !job.user_paused.get() || job.pause_count.get() == 0 {
-            return Err(JobError::NotPaused);
+        {
+            let p = *lock(&job.pause);
+            if !p.user || p.count == 0 {
+                return Err(JobError::NotPaused);
+            }
         }
         job.check(Verb::Resume)?;
-        job.user_paused.set(false);
-        job.pause_count.set(job.pause_count.get() - 1);
+        {
+            let mut p = lock(&job.pause);
+            if p.user && p.count > 0 {
+                p.user = false;
+                p.count -= 1;
+            }
+        }
         job.wake();
         Ok(())
     }
@@ -1065,23 +1151,26 @@ impl Jobs {
     /// `job-cancel` (force) and `block-job-cancel`: a paused job is resumed to stop.
     pub fn cancel(&self, job: &Job, force: bool) -> Result<(), JobError> {
         job.check(Verb::Cancel)?;
-        if job.user_paused.replace(false) {
-            job.pause_count.set(job.pause_count.get().saturating_sub(1));
+        {
+            let mut p = lock(&job.pause);
+            if std::mem::replace(&mut p.user, false) {
+                p.count = p.count.saturating_sub(1);
+            }
         }
         if !force && job.completable && job.is_ready() {
-            job.soft_cancelled.set(true);
+            job.soft_cancelled.store(true, SeqCst);
             job.wake();
             return Ok(());
         }
-        job.cancelled.set(true);
-        job.force_cancel.set(job.force_cancel.get() | force);
+        job.cancelled.store(true, SeqCst);
+        job.force_cancel.fetch_or(force, SeqCst);
         job.wake();
         Ok(())
     }
 
     /// `block-job-cancel`: refused for a paused job unless forced, as QEMU.
     pub fn block_cancel(&self, job: &Job, force: bool) -> Result<(), JobError> {
-        if job.user_paused.get() && !force {
+        if lock(&job.pause).user && !force {
             return Err(JobError::Paused(job.id.clone()));
         }
         self.cancel(job, force)
@@ -1090,10 +1179,10 @@ impl Jobs {
     /// `job-complete`: a ready job finishes its work.
     pub fn complete(&self, job: &Job) -> Result<(), JobError> {
         job.check(Verb::Complete)?;
-        if job.pause_count.get() > 0 || job.cancelled.get() || !job.completable {
+        if job.pause_count() > 0 || job.is_cancelled() || !job.completable {
             return Err(JobError::CannotComplete(job.id.clone()));
         }
-        job.complete_requested.set(true);
+        job.complete_requested.store(true, SeqCst);
         job.wake();
         Ok(())
     }
@@ -1105,7 +1194,7 @@ impl Jobs {
         options: &serde_json::Map<String, Value>,
     ) -> Result<(), JobError> {
         job.check(Verb::Change)?;
-        let ext = job.ext.borrow().clone();
+        let ext = lock(&job.ext).clone();
         match ext {
             Some(t) => t.change(options).map_err(JobError::Other),
             None => Err(JobError::Other("Job type does not support change".into())),
@@ -1118,8 +1207,8 @@ impl Jobs {
         let Ok(speed) = u64::try_from(speed) else {
             return Err(JobError::Speed);
         };
-        let old = job.speed.replace(speed);
-        job.limit.set(RateLimit::new(speed));
+        let old = job.speed.swap(speed, SeqCst);
+        *lock(&job.limit) = RateLimit::new(speed);
         if speed == 0 || speed > old {
             // A job asleep for the old limit goes on now.
             job.wake();
@@ -1141,12 +1230,10 @@ impl Jobs {
             let Some(job) = newest else { return };
             let _ = self.cancel(&job, true);
             // The job finishes on this loop: look again shortly.
-            while job.status.get() != JobStatus::Concluded
-                && self.map.borrow().contains_key(&job.id)
-            {
+            while job.status() != JobStatus::Concluded && self.map.borrow().contains_key(&job.id) {
                 stord_aio::sleep(Duration::from_millis(1)).await;
             }
-            if job.status.get() == JobStatus::Concluded {
+            if job.status() == JobStatus::Concluded {
                 let _ = self.dismiss(&job);
             }
             self.map.borrow_mut().remove(&job.id);

@@ -218,9 +218,10 @@ def commit_flow(binary, tag):
     return out
 
 
-def copies(q):
-    """The job copy operations each IoThread ran (stord's x-stats), by IoThread id."""
-    return {t["id"]: t["x-stats"]["counters"].get("job.copies", 0)
+def copies(q, counter="job.copies"):
+    """The job copy operations (or with "job.loops", the jobs' copying loops) each
+    IoThread ran (stord's x-stats), by IoThread id."""
+    return {t["id"]: t["x-stats"]["counters"].get(counter, 0)
             for t in q.cmd_raw("query-iothreads")["return"]}
 
 
@@ -255,6 +256,11 @@ def iothread_flow(binary, tag):
             assert after["io1"] == before["io1"], (before, after)
         c("job-complete", id="a")
         wait_status(q, "a", "gone")
+        if stord:
+            # The job's loop itself ran there, not on the main loop: its copying until
+            # ready, then its last pass with the export held.
+            loops = copies(q, "job.loops")
+            assert loops["io0"] >= 2 and loops["io1"] == 0, loops
         out.append(("events a", job_events(q)))
         out.append(("exports a", served(q)))
         # The export now serves solo-a; solo has no user but the next job.
@@ -270,6 +276,8 @@ def iothread_flow(binary, tag):
         if stord:
             after = copies(q)
             assert after["io1"] - before["io1"] >= 10, (before, after)
+            # The loop followed the node to io1.
+            assert copies(q, "job.loops")["io1"] >= 1, copies(q, "job.loops")
         c("job-complete", id="b")
         wait_status(q, "b", "gone")
         out.append(("events b", job_events(q)))
