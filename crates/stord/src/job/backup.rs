@@ -14,7 +14,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::home::{stopped, Home, InFlight, Stay, Step};
+use super::home::{follow, stopped, Home, InFlight, Stay, Step};
 use super::{ErrorAction, Finish, Holds, Job, OnError};
 use crate::block::blocker::JobAttachment;
 use crate::block::copy_before_write::{CopyBeforeWrite, CopyError};
@@ -195,38 +195,28 @@ struct At {
 
 /// Copies what is still to be copied on the thread that serves the source, following it
 /// when it moves. True once all is copied, false if cancelled.
-async fn copy_all(b: &Backup, job: &Arc<Job>, home: &impl Fn() -> Home) -> Result<bool, String> {
+async fn copy_all(b: &Backup, job: &Arc<Job>, home: &dyn Fn() -> Home) -> Result<bool, String> {
     let c = Copying {
         copy: b.copy.clone(),
         on_source_error: b.on_source_error,
         on_target_error: b.on_target_error,
     };
-    let mut at = At {
+    let at = At {
         offset: 0,
         counted: b.copy.copied(),
     };
-    loop {
-        let here = home();
-        let (job, c, there) = (job.clone(), c.clone(), here.clone());
-        let stay = Stay::new(&c.copy.source);
-        let lost = Err(stopped().to_string());
-        let step = here
-            .drive(lost, move || async move {
-                let ops = InFlight::new();
-                let r = c.copy_loop(&job, &mut at, &stay, &there, &ops).await;
-                // Whatever ended the loop, nothing it started is left running.
-                ops.drain().await;
-                r.map(|step| match step {
-                    Step::Done(all) => Step::Done(all),
-                    Step::Moved(()) => Step::Moved(at),
-                })
-            })
-            .await?;
-        match step {
-            Step::Done(all) => return Ok(all),
-            Step::Moved(moved) => at = moved,
-        }
-    }
+    let job = job.clone();
+    let run = move |mut at: At, stay: Stay, here: Home| async move {
+        let ops = InFlight::new();
+        let r = c.copy_loop(&job, &mut at, &stay, &here, &ops).await;
+        // Whatever ended the loop, nothing it started is left running.
+        ops.drain().await;
+        r.map(|step| match step {
+            Step::Done(all) => Step::Done(all),
+            Step::Moved(()) => Step::Moved(at),
+        })
+    };
+    follow(&b.copy.source, home, at, run).await
 }
 
 impl Copying {
@@ -275,8 +265,8 @@ impl Copying {
                     });
                 }
                 Some(_) if busy == 0 => at.offset = 0,
-                None if busy == 0 && moved => return Ok(Step::Moved(())),
-                None if busy == 0 => return Ok(Step::Done(true)),
+                None if ops.is_empty() && moved => return Ok(Step::Moved(())),
+                None if ops.is_empty() => return Ok(Step::Done(true)),
                 _ => {
                     if let Some(r) = ops.next().await {
                         self.settle(job, r)?;

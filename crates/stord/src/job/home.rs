@@ -18,6 +18,8 @@ use std::collections::VecDeque;
 use std::future::Future;
 use std::io;
 use std::sync::{Arc, Mutex};
+
+use crate::block::BlockNode;
 use std::task::{Poll, Waker};
 
 use stord_aio::Remote;
@@ -64,7 +66,8 @@ impl Home {
     /// Runs a job's loop, the future `make` builds, as a task on this thread (QEMU's job
     /// coroutine in its node's AioContext), and waits for what it returns: `lost` if the
     /// thread stops first. The result travels back through the waiting loop's queue,
-    /// behind the events the loop posted there, so they go out before the job concludes.
+    /// behind the events the loop posted there, so they go out before the job concludes
+    /// (a result handed over in shared memory could be seen before them).
     pub async fn drive<T, F, Fut>(&self, lost: T, make: F) -> T
     where
         T: Send + 'static,
@@ -72,10 +75,18 @@ impl Home {
         Fut: Future<Output = T> + 'static,
     {
         let ops = InFlight::new();
-        ops.start(self, 0, lost, move || async move {
+        let mut slot = ops.slot(0, lost);
+        // The result is given back on the waiting loop, through its queue: anything the
+        // loop posted there before (its events) has run by then.
+        let back = stord_aio::with_current_context(|c| c.remote());
+        self.spawn(move || async move {
             // Where jobs' loops ran, in the loop's statistics (`x-stats`).
             stord_aio::with_current_context(|l| l.counter("job.loops").add(1));
-            make().await
+            let r = make().await;
+            match back {
+                Some(back) if !back.is_current() => back.call(move || slot.give(r)),
+                _ => slot.give(r),
+            }
         });
         match ops.next().await {
             Some(r) => r,
@@ -88,15 +99,21 @@ impl Home {
 /// loop then stops starting copies, settles those in flight and hands back its place, to
 /// go on where the node went.
 pub struct Stay {
-    node: std::sync::Arc<crate::block::BlockNode>,
+    node: Arc<BlockNode>,
     home: Option<String>,
 }
 
 impl Stay {
-    pub fn new(node: &std::sync::Arc<crate::block::BlockNode>) -> Self {
+    /// For a loop on `here`: a loop on the main loop while the node belongs to an
+    /// IoThread (its thread could not be looked up just then) counts as moved at once.
+    fn new(node: &Arc<BlockNode>, here: &Home) -> Self {
+        let home = match here {
+            Home::Main => None,
+            Home::IoThread(_) => node.home(),
+        };
         Stay {
             node: node.clone(),
-            home: node.home(),
+            home,
         }
     }
 
@@ -111,6 +128,45 @@ pub enum Step<T, S> {
     Done(T),
     /// The node moved: the loop goes on from `S` on its new thread.
     Moved(S),
+}
+
+/// Runs a job's loop (`run`, from its place `at`) on the thread that serves `node`
+/// ([`Home::drive`]), and again from where it stopped on the new thread each time the
+/// node moves. Err: the job fails (also when the loop's thread stopped under it).
+pub async fn follow<S, T, F, Fut>(
+    node: &Arc<BlockNode>,
+    home: &dyn Fn() -> Home,
+    mut at: S,
+    run: F,
+) -> Result<T, String>
+where
+    S: Send + 'static,
+    T: Send + 'static,
+    F: FnOnce(S, Stay, Home) -> Fut + Clone + Send + 'static,
+    Fut: Future<Output = Result<Step<T, S>, String>> + 'static,
+{
+    let mut looked = 0;
+    loop {
+        let here = home();
+        let mut stay = Stay::new(node, &here);
+        if stay.moved() {
+            // The node's thread could not be looked up now: look again shortly rather
+            // than settle on the main loop, for a second at most.
+            if looked < 100 {
+                looked += 1;
+                stord_aio::sleep(std::time::Duration::from_millis(10)).await;
+                continue;
+            }
+            stay.home = node.home();
+        }
+        looked = 0;
+        let (run, there) = (run.clone(), here.clone());
+        let lost = Err(stopped().to_string());
+        match here.drive(lost, move || run(at, stay, there)).await? {
+            Step::Done(t) => return Ok(t),
+            Step::Moved(moved) => at = moved,
+        }
+    }
 }
 
 /// What an operation whose thread stopped before it finished failed with.
@@ -197,20 +253,31 @@ impl<T: Send + 'static> InFlight<T> {
         F: FnOnce() -> Fut + Send + 'static,
         Fut: Future<Output = T> + 'static,
     {
+        let mut slot = self.slot(bytes, lost);
+        home.spawn(move || async move {
+            let r = make().await;
+            slot.give(r);
+        });
+    }
+
+    /// Counts one more operation of `bytes` in flight; its slot gives its result back.
+    fn slot(&self, bytes: u64, lost: T) -> Slot<T> {
         {
             let mut s = self.lock();
             s.ops += 1;
             s.bytes += bytes;
         }
-        let mut slot = Slot {
+        Slot {
             state: self.state.clone(),
             bytes,
             lost: Some(lost),
-        };
-        home.spawn(move || async move {
-            let r = make().await;
-            slot.give(r);
-        });
+        }
+    }
+
+    /// Nothing in flight and no result waiting to be taken.
+    pub fn is_empty(&self) -> bool {
+        let s = self.lock();
+        s.ops == 0 && s.done.is_empty()
     }
 
     /// A finished operation's result, if one is waiting.
@@ -353,6 +420,58 @@ mod tests {
             .collect();
         assert_eq!(order, (0..200).collect::<Vec<u64>>());
         t.stop();
+    }
+
+    #[test]
+    fn a_loop_follows_its_node_to_another_iothread_from_where_it_was() {
+        use std::thread::ThreadId;
+        let ctx = AioContext::new(AioContextOptions::default()).unwrap();
+        let mut t1 = IoThread::spawn(AioContextOptions::default()).unwrap();
+        let mut t2 = IoThread::spawn(AioContextOptions::default()).unwrap();
+        let (r1, r2) = (t1.remote().clone(), t2.remote().clone());
+        let node = crate::block::null::test_node("n");
+        node.set_home(Some("io1".into()));
+        let n = node.clone();
+        // The first look finds no thread (as when the daemon's state is busy): the loop
+        // waits for one rather than run on the main loop.
+        let looks = std::cell::Cell::new(0);
+        let home = move || {
+            looks.set(looks.get() + 1);
+            match n.home().as_deref() {
+                _ if looks.get() == 1 => Home::Main,
+                Some("io1") => Home::IoThread(r1.clone()),
+                Some(_) => Home::IoThread(r2.clone()),
+                None => Home::Main,
+            }
+        };
+        let moving = node.clone();
+        // Ten steps; at the fourth the node moves to io2.
+        let run = move |mut at: Vec<ThreadId>, stay: Stay, _here: Home| async move {
+            while at.len() < 10 {
+                if stay.moved() {
+                    return Ok(Step::Moved(at));
+                }
+                at.push(std::thread::current().id());
+                if at.len() == 4 {
+                    moving.set_home(Some("io2".into()));
+                }
+                stord_aio::yield_now().await;
+            }
+            Ok(Step::Done(at))
+        };
+        let ran_on = ctx
+            .block_on(async move { follow(&node, &home, Vec::new(), run).await })
+            .unwrap();
+        let main = std::thread::current().id();
+        assert_eq!(ran_on.len(), 10);
+        assert!(ran_on[..4].iter().all(|t| *t == ran_on[0]) && ran_on[0] != main);
+        assert!(ran_on[4..].iter().all(|t| *t == ran_on[4]) && ran_on[4] != main);
+        assert_ne!(
+            ran_on[0], ran_on[4],
+            "the loop went on on the node's new thread"
+        );
+        t1.stop();
+        t2.stop();
     }
 
     #[test]

@@ -17,7 +17,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::home::{stopped, Home, InFlight, Stay, Step};
+use super::home::{follow, stopped, Home, InFlight, Stay, Step};
 use super::write_blocking::{MirrorType, WriteBlocking};
 use super::{copy_range, CopyError, ErrorAction, Finish, Holds, Job, OnError, Runs};
 use crate::block::blocker::JobAttachment;
@@ -348,36 +348,26 @@ impl Mirror {
     /// or cancelled softly (true) or cancelled (false). Whatever ends it, the operations
     /// it started have finished when it returns.
     async fn copy_until_told(&self, job: &Arc<Job>, l: &Looper) -> Result<bool, String> {
-        let mut at = At::default();
-        loop {
-            let here = self.parents.home_of(&self.source);
-            let (job, l, there) = (job.clone(), l.clone(), here.clone());
-            let stay = Stay::new(&self.source);
-            let lost = Err(stopped().to_string());
-            let step = here
-                .drive(lost, move || async move {
-                    if !at.marked {
-                        l.mark_initial().await?;
-                        at.marked = true;
-                    }
-                    let ops = InFlight::new();
-                    let r = l.copy_loop(&job, &mut at.cursor, &stay, &there, &ops).await;
-                    for done in ops.drain().await {
-                        if done.result.is_err() {
-                            l.dirty.mark(done.offset, done.len);
-                        }
-                    }
-                    r.map(|step| match step {
-                        Step::Done(told) => Step::Done(told),
-                        Step::Moved(()) => Step::Moved(at),
-                    })
-                })
-                .await?;
-            match step {
-                Step::Done(told) => return Ok(told),
-                Step::Moved(moved) => at = moved,
+        let (job, l) = (job.clone(), l.clone());
+        let run = move |mut at: At, stay: Stay, here: Home| async move {
+            if !at.marked {
+                l.mark_initial().await?;
+                at.marked = true;
             }
-        }
+            let ops = InFlight::new();
+            let r = l.copy_loop(&job, &mut at.cursor, &stay, &here, &ops).await;
+            for done in ops.drain().await {
+                if done.result.is_err() {
+                    l.dirty.mark(done.offset, done.len);
+                }
+            }
+            r.map(|step| match step {
+                Step::Done(told) => Step::Done(told),
+                Step::Moved(()) => Step::Moved(at),
+            })
+        };
+        let home = || self.parents.home_of(&self.source);
+        follow(&self.source, &home, At::default(), run).await
     }
 }
 
@@ -417,7 +407,7 @@ impl Looper {
                     *cursor = offset + len;
                     self.start(ops, here, offset, len);
                 }
-                None if ops.load().0 > 0 => {
+                None if !ops.is_empty() => {
                     if let Some(done) = ops.next().await {
                         self.settle(job, done).await?;
                     }

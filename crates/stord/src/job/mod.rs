@@ -580,7 +580,7 @@ impl Job {
             Poll::Pending
         })
         .await;
-        self.idle.store(false, SeqCst);
+        self.unpark();
     }
 
     /// Where a pause takes effect: paused (standby when ready) until resumed or
@@ -602,24 +602,42 @@ impl Job {
 
     /// Sleeps `d` (a verb cuts it short), then a pause point.
     pub async fn sleep(&self, d: Duration) {
+        self.kicked.store(false, SeqCst);
+        self.nap(d).await;
+    }
+
+    /// Sleeps `d`, cut short by any verb since `kicked` was last cleared (a verb on the
+    /// main loop between the caller's look at the job and the sleep is not missed), then
+    /// a pause point.
+    async fn nap(&self, d: Duration) {
         if self.is_cancelled() {
             return;
         }
         if self.pause_count() == 0 {
-            self.kicked.store(false, SeqCst);
             self.idle.store(true, SeqCst);
             let mut s = std::pin::pin!(stord_aio::sleep(d));
             std::future::poll_fn(|cx| {
                 *lock(&self.waker) = Some(cx.waker().clone());
-                if self.kicked.load(SeqCst) || s.as_mut().poll(cx).is_ready() {
+                if self.kicked.load(SeqCst)
+                    || self.is_cancelled()
+                    || self.pause_count() > 0
+                    || s.as_mut().poll(cx).is_ready()
+                {
                     return Poll::Ready(());
                 }
                 Poll::Pending
             })
             .await;
-            self.idle.store(false, SeqCst);
+            self.unpark();
         }
         self.pause_point().await;
+    }
+
+    /// Done waiting: busy again, and the waker left for verbs goes (a verb later must not
+    /// wake this task when it waits on something else, such as its loop's result).
+    fn unpark(&self) {
+        self.idle.store(false, SeqCst);
+        lock(&self.waker).take();
     }
 
     /// Counts `n` bytes against the speed limit.
@@ -630,12 +648,14 @@ impl Job {
     /// Between steps: waits as long as the speed limit asks (yielding to the loop even
     /// when it asks nothing), then a pause point.
     pub async fn ratelimit(&self) {
+        // Before the delay is read: a speed change after it cuts the sleep short.
+        self.kicked.store(false, SeqCst);
         let d = lock(&self.limit).delay(0);
         if d.is_zero() {
             stord_aio::yield_now().await;
             self.pause_point().await;
         } else {
-            self.sleep(d).await;
+            self.nap(d).await;
         }
     }
 
@@ -671,6 +691,18 @@ impl Job {
             ErrorAction::Ignore => "ignore",
             ErrorAction::Stop => "stop",
         };
+        if action == ErrorAction::Stop {
+            // As a user's pause (the user resumes it), with the failure in io-status; once,
+            // however many copies in flight fail (QEMU's block_job_error_action), so one
+            // resume resumes it. Paused before the event goes: a client that resumes on
+            // seeing it finds the job paused.
+            let mut p = lock(&self.pause);
+            if !p.user {
+                p.user = true;
+                p.count += 1;
+            }
+            self.io_failed.store(true, SeqCst);
+        }
         self.events.emit_here_or_post(
             "BLOCK_JOB_ERROR",
             json!({
@@ -679,17 +711,6 @@ impl Job {
                 "action": name,
             }),
         );
-        if action == ErrorAction::Stop {
-            // As a user's pause (the user resumes it), with the failure in io-status; once,
-            // however many copies in flight fail (QEMU's block_job_error_action), so one
-            // resume resumes it.
-            let mut p = lock(&self.pause);
-            if !p.user {
-                p.user = true;
-                p.count += 1;
-            }
-            self.io_failed.store(true, SeqCst);
-        }
         action
     }
 
@@ -709,30 +730,19 @@ impl Job {
         home: &dyn Fn() -> home::Home,
     ) -> Result<bool, String> {
         self.set_remaining(len);
-        let mut at = ChunksAt::default();
-        loop {
-            let here = home();
-            let (job, c, stay) = (self.clone(), c.clone(), home::Stay::new(node));
-            let lost = Err(home::stopped().to_string());
-            let there = here.clone();
-            let step = here
-                .drive(lost, move || async move {
-                    let ops = home::InFlight::new();
-                    let r = job
-                        .chunks_loop(&mut at, (len, chunk, on_error), &c, &stay, &there, &ops)
-                        .await;
-                    ops.drain().await;
-                    r.map(|done| match done {
-                        true => home::Step::Done(at.finish()),
-                        false => home::Step::Moved(at),
-                    })
-                })
-                .await?;
-            match step {
-                home::Step::Done(r) => return r,
-                home::Step::Moved(moved) => at = moved,
-            }
-        }
+        let (job, c) = (self.clone(), c.clone());
+        let run = move |mut at: ChunksAt, stay: home::Stay, here: home::Home| async move {
+            let ops = home::InFlight::new();
+            let r = job
+                .chunks_loop(&mut at, (len, chunk, on_error), &c, &stay, &here, &ops)
+                .await;
+            ops.drain().await;
+            r.map(|done| match done {
+                true => home::Step::Done(at.finish()),
+                false => home::Step::Moved(at),
+            })
+        };
+        home::follow(node, home, ChunksAt::default(), run).await?
     }
 
     /// Chunks until the end (true) or until `stay` says the node moved and nothing is in
@@ -777,7 +787,7 @@ impl Job {
                         (offset, n, c.copy(offset, n).await)
                     });
                 }
-                None if busy == 0 => return Ok(!moved),
+                None if ops.is_empty() => return Ok(!moved),
                 None => {
                     if let Some(done) = ops.next().await {
                         self.settle_chunk(done, on_error, at)?;
