@@ -118,6 +118,11 @@ fn writes_read_back_as_qemu_io_writes_do() {
         "write -P 0x21 100k 8k",
         "write -P 0x22 20975616 4k",
         "write -P 0x23 40M 3M",
+        // New clusters then clusters written above: the first run from the request's
+        // buffer plan, the rest in place.
+        "write -P 0x26 39M 2M",
+        // Whole new clusters with FUA: the request's own buffer, then the metadata flushed.
+        "write -f -P 0x27 48M 1M",
         "write -P 0x24 66121728 8k",
         "write -z 200k 300k",
         "write -P 0x25 10485860 1000",

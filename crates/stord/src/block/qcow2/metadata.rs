@@ -202,12 +202,21 @@ impl Qcow2Driver {
     pub(super) async fn file_write(&self, offset: u64, data: &[u8]) -> io::Result<()> {
         let mut buf = request_buf(data.len());
         buf.copy_from_slice(data);
-        let (start, len) = (stord_aio::sys::now_ns(), data.len() as u64);
+        self.file_write_buf(offset, buf).await.0
+    }
+
+    /// Writes `buf` at `offset` of the file as it is (no copy), and gives it back.
+    pub(super) async fn file_write_buf(
+        &self,
+        offset: u64,
+        buf: crate::block::Buf,
+    ) -> (io::Result<()>, crate::block::Buf) {
+        let (start, len) = (stord_aio::sys::now_ns(), buf.len() as u64);
         self.file.note_write(offset, len);
-        let r = self.file.driver().write(offset, buf, false).await.0;
+        let (r, buf) = self.file.driver().write(offset, buf, false).await;
         self.file
             .count_direct(Op::Write, start, offset + len, len, r.is_ok());
-        r
+        (r, buf)
     }
 
     /// The L2 table at `l2_off`, read into the cache if it is not there.

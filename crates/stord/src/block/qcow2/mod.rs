@@ -506,6 +506,13 @@ pub struct Qcow2Driver {
 }
 
 /// Counts a request in `io_inflight` until dropped.
+/// Clusters a large write overwrites whole and that need new ones: what they mapped
+/// before, and the new host clusters, allocated and not mapped yet.
+struct WholeClusters {
+    olds: Vec<Mapping>,
+    hosts: Vec<u64>,
+}
+
 struct Inflight<'a>(&'a AtomicUsize);
 
 impl<'a> Inflight<'a> {
@@ -951,15 +958,25 @@ impl Qcow2Driver {
     /// sequential write into an empty image). Where the next position is, or None when
     /// fewer than two such clusters start at `pos`. The caller holds the guest range.
     async fn write_whole_clusters(&self, pos: u64, data: &[u8]) -> io::Result<Option<u64>> {
+        match self.plan_whole_clusters(pos, data.len() as u64).await? {
+            Some(plan) => self.settle_plan_copied(pos, plan, data).await.map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// The first half of [`write_whole_clusters`](Self::write_whole_clusters): the
+    /// clusters from `pos` that `len` bytes cover and that need new ones, with the new
+    /// ones allocated; None when fewer than two.
+    async fn plan_whole_clusters(&self, pos: u64, len: u64) -> io::Result<Option<WholeClusters>> {
         const MAX_RUN: usize = 256;
         let cs = self.cluster_size;
-        if pos != self.cluster_start(pos) || (data.len() as u64) < 2 * cs {
+        if pos != self.cluster_start(pos) || len < 2 * cs {
             return Ok(None);
         }
         let mut m = self.meta.lock().await;
         let mut olds = Vec::new();
         let mut p = pos;
-        while (p - pos + cs) as usize <= data.len() && olds.len() < MAX_RUN {
+        while p - pos + cs <= len && olds.len() < MAX_RUN {
             match self.lookup(&mut m, p).await? {
                 // In place, or a preallocated cluster of ours: the per-cluster path.
                 Mapping::Data { copied: true, .. }
@@ -986,7 +1003,89 @@ impl Qcow2Driver {
                 }
             }
         }
-        drop(m);
+        Ok(Some(WholeClusters { olds, hosts }))
+    }
+
+    /// The second half: once the data is written (`written`), the new clusters are
+    /// mapped and the old ones released; if it failed, the new ones are given back.
+    /// Where the next position is.
+    async fn settle_whole_clusters(
+        &self,
+        pos: u64,
+        plan: WholeClusters,
+        written: io::Result<()>,
+    ) -> io::Result<u64> {
+        let cs = self.cluster_size;
+        let mut m = self.meta.lock().await;
+        if let Err(e) = written {
+            // Nothing references the new clusters: give them back now.
+            for h in plan.hosts {
+                self.change_refcount(&mut m, h, -1).await?;
+            }
+            return Err(e);
+        }
+        let next = pos + plan.olds.len() as u64 * cs;
+        for (k, (old, host)) in plan.olds.into_iter().zip(plan.hosts).enumerate() {
+            self.set_l2(&mut m, pos + k as u64 * cs, host | COPIED)
+                .await?;
+            self.release(&mut m, old).await?;
+        }
+        Ok(next)
+    }
+
+    /// A write the in-place path did not take, with the request's own buffer: when it
+    /// covers whole clusters that all get new ones in one host run (a large write into
+    /// an empty image, a mirror's or a backup's target), the buffer goes to the file as it
+    /// is; otherwise as [`write_slow`](Self::write_slow), which copies what it writes.
+    async fn write_owned(&self, offset: u64, buf: Buf, fua: bool) -> (io::Result<()>, Buf) {
+        let cs = self.cluster_size;
+        let len = buf.len() as u64;
+        if offset != self.cluster_start(offset) || !len.is_multiple_of(cs) {
+            let r = self.write_slow(offset, &buf, fua).await;
+            return (r, buf);
+        }
+        let _lock = self.alloc_locks.lock(offset, offset + len).await;
+        let plan = match self.plan_whole_clusters(offset, len).await {
+            Ok(Some(plan)) => plan,
+            Ok(None) => {
+                let r = self.write_locked(offset, &buf, fua, false).await;
+                return (r, buf);
+            }
+            Err(e) => return (Err(e), buf),
+        };
+        let whole =
+            plan.hosts.len() as u64 * cs == len && plan.hosts.windows(2).all(|w| w[1] == w[0] + cs);
+        if !whole {
+            // Several runs, or only the first clusters: copied, as write_slow does.
+            let r = self.settle_plan_copied(offset, plan, &buf).await;
+            let r = match r {
+                Ok(next) if next < offset + len => {
+                    let rest = &buf[(next - offset) as usize..];
+                    self.write_locked(next, rest, fua, true).await
+                }
+                Ok(_) if fua => self.flush_impl().await,
+                r => r.map(|_| ()),
+            };
+            return (r, buf);
+        }
+        let (written, buf) = self.file_write_buf(plan.hosts[0], buf).await;
+        let r = match self.settle_whole_clusters(offset, plan, written).await {
+            Ok(_) if fua => self.flush_impl().await,
+            r => r.map(|_| ()),
+        };
+        (r, buf)
+    }
+
+    /// Writes a plan's clusters from copies of `data` (one request per host run), then
+    /// settles it.
+    async fn settle_plan_copied(
+        &self,
+        pos: u64,
+        plan: WholeClusters,
+        data: &[u8],
+    ) -> io::Result<u64> {
+        let cs = self.cluster_size;
+        let hosts = &plan.hosts;
         let mut r = Ok(());
         let mut i = 0;
         while i < hosts.len() && r.is_ok() {
@@ -998,20 +1097,7 @@ impl Qcow2Driver {
             r = self.file_write(hosts[i], bytes).await;
             i = j;
         }
-        let mut m = self.meta.lock().await;
-        if let Err(e) = r {
-            // Nothing references the new clusters: give them back now.
-            for h in hosts {
-                self.change_refcount(&mut m, h, -1).await?;
-            }
-            return Err(e);
-        }
-        for (k, (old, host)) in olds.into_iter().zip(hosts).enumerate() {
-            self.set_l2(&mut m, pos + k as u64 * cs, host | COPIED)
-                .await?;
-            self.release(&mut m, old).await?;
-        }
-        Ok(Some(p))
+        self.settle_whole_clusters(pos, plan, r).await
     }
 
     async fn write_slow(&self, offset: u64, data: &[u8], fua: bool) -> io::Result<()> {
@@ -1021,7 +1107,19 @@ impl Qcow2Driver {
             .alloc_locks
             .lock(self.cluster_start(offset), span_end)
             .await;
-        let mut allocated = false;
+        self.write_locked(offset, data, fua, false).await
+    }
+
+    /// [`write_slow`](Self::write_slow) with the guest range held; `allocated`: the
+    /// caller allocated clusters already (a FUA write then flushes the metadata too).
+    async fn write_locked(
+        &self,
+        offset: u64,
+        data: &[u8],
+        fua: bool,
+        mut allocated: bool,
+    ) -> io::Result<()> {
+        let end = offset + data.len() as u64;
         let mut pos = offset;
         while pos < end {
             if let Some(next) = self
@@ -1084,8 +1182,7 @@ impl Qcow2Driver {
             }
             Ok(None) => {}
         }
-        let r = self.write_slow(offset, &buf, fua).await;
-        (r, buf)
+        self.write_owned(offset, buf, fua).await
     }
 
     /// See [`BlockDriver::populate`]: each run of clusters this image does not allocate
@@ -1469,7 +1566,7 @@ impl BlockDriver for Qcow2Driver {
             crate::block::count_bounce();
             let mut buf = request_buf(iov.len());
             iov.copy_out(0, &mut buf);
-            let r = self.write_slow(offset, &buf, fua).await;
+            let (r, _) = self.write_owned(offset, buf, fua).await;
             (r, iov)
         })
     }
