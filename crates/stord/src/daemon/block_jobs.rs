@@ -85,7 +85,7 @@ impl Parents for ExportParents {
             .unwrap_or_default()
     }
 
-    fn home_of(&self, node: &Arc<BlockNode>) -> Home {
+    fn home_of(&self, node: &Arc<BlockNode>) -> Option<Home> {
         home_of(&self.0, node)
     }
 
@@ -105,18 +105,26 @@ impl Parents for ExportParents {
     }
 }
 
-/// The thread that serves `node` now: where a job's copies run.
-fn home_of(me: &Weak<RefCell<State>>, node: &Arc<BlockNode>) -> Home {
-    // The state may be borrowed by a command that waits on the loop meanwhile: then the
-    // copy runs on the main loop this once.
-    me.upgrade()
-        .and_then(|s| s.try_borrow().ok()?.iothread_serving(node))
-        .map_or(Home::Main, Home::IoThread)
+/// The thread that serves `node` now: where a job's loop and copies run. None when the
+/// daemon's state is in use by a command that waits on the loop meanwhile (look again).
+fn home_of(me: &Weak<RefCell<State>>, node: &Arc<BlockNode>) -> Option<Home> {
+    let Some(state) = me.upgrade() else {
+        return Some(Home::Main);
+    };
+    let state = state.try_borrow().ok()?;
+    Some(
+        state
+            .iothread_serving(node)
+            .map_or(Home::Main, Home::IoThread),
+    )
 }
 
-/// Asks, each time it is called, which thread serves `node` (a job's copies follow a node
+/// Asks, each time it is called, which thread serves `node` (a job's loop follows a node
 /// moved to another IoThread while the job runs).
-pub(super) fn home_finder(me: Weak<RefCell<State>>, node: Arc<BlockNode>) -> impl Fn() -> Home {
+pub(super) fn home_finder(
+    me: Weak<RefCell<State>>,
+    node: Arc<BlockNode>,
+) -> impl Fn() -> Option<Home> {
     move || home_of(&me, &node)
 }
 

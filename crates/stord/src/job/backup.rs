@@ -14,7 +14,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::home::{follow, stopped, Home, InFlight, Stay, Step};
+use super::home::{follow, stopped, FindHome, Home, InFlight, Stay, Step};
 use super::{ErrorAction, Finish, Holds, Job, OnError};
 use crate::block::blocker::JobAttachment;
 use crate::block::copy_before_write::{CopyBeforeWrite, CopyError};
@@ -153,7 +153,11 @@ impl Backup {
 /// Runs a backup: what is to be copied is copied (or, with `sync=none`, the job waits to
 /// be cancelled); at finalize the bitmap is synced, then the hooks go. The copying loop
 /// runs on the thread `home` names ([`Home::drive`]), [`IN_FLIGHT`] copies at a time.
-pub async fn run(mut b: Backup, job: Arc<Job>, home: impl Fn() -> Home) -> Result<Finish, String> {
+pub async fn run(
+    mut b: Backup,
+    job: Arc<Job>,
+    home: impl Fn() -> Option<Home>,
+) -> Result<Finish, String> {
     b.progress(&job);
     if b.sync == Sync::None {
         while !job.is_cancelled() {
@@ -195,7 +199,7 @@ struct At {
 
 /// Copies what is still to be copied on the thread that serves the source, following it
 /// when it moves. True once all is copied, false if cancelled.
-async fn copy_all(b: &Backup, job: &Arc<Job>, home: &dyn Fn() -> Home) -> Result<bool, String> {
+async fn copy_all(b: &Backup, job: &Arc<Job>, home: FindHome<'_>) -> Result<bool, String> {
     let c = Copying {
         copy: b.copy.clone(),
         on_source_error: b.on_source_error,

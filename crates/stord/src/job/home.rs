@@ -104,16 +104,10 @@ pub struct Stay {
 }
 
 impl Stay {
-    /// For a loop on `here`: a loop on the main loop while the node belongs to an
-    /// IoThread (its thread could not be looked up just then) counts as moved at once.
-    fn new(node: &Arc<BlockNode>, here: &Home) -> Self {
-        let home = match here {
-            Home::Main => None,
-            Home::IoThread(_) => node.home(),
-        };
+    fn new(node: &Arc<BlockNode>) -> Self {
         Stay {
             node: node.clone(),
-            home,
+            home: node.home(),
         }
     }
 
@@ -130,12 +124,16 @@ pub enum Step<T, S> {
     Moved(S),
 }
 
+/// Where a job's node is served now; None when that cannot be looked up just now (the
+/// daemon's state is in use by a command that waits).
+pub type FindHome<'a> = &'a dyn Fn() -> Option<Home>;
+
 /// Runs a job's loop (`run`, from its place `at`) on the thread that serves `node`
 /// ([`Home::drive`]), and again from where it stopped on the new thread each time the
 /// node moves. Err: the job fails (also when the loop's thread stopped under it).
 pub async fn follow<S, T, F, Fut>(
     node: &Arc<BlockNode>,
-    home: &dyn Fn() -> Home,
+    home: FindHome<'_>,
     mut at: S,
     run: F,
 ) -> Result<T, String>
@@ -147,19 +145,19 @@ where
 {
     let mut looked = 0;
     loop {
-        let here = home();
-        let mut stay = Stay::new(node, &here);
-        if stay.moved() {
-            // The node's thread could not be looked up now: look again shortly rather
-            // than settle on the main loop, for a second at most.
-            if looked < 100 {
+        let here = match home() {
+            Some(here) => here,
+            // Look again shortly rather than settle on the main loop, for a second at
+            // most.
+            None if looked < 100 => {
                 looked += 1;
                 stord_aio::sleep(std::time::Duration::from_millis(10)).await;
                 continue;
             }
-            stay.home = node.home();
-        }
+            None => Home::Main,
+        };
         looked = 0;
+        let stay = Stay::new(node);
         let (run, there) = (run.clone(), here.clone());
         let lost = Err(stopped().to_string());
         match here.drive(lost, move || run(at, stay, there)).await? {
@@ -437,12 +435,12 @@ mod tests {
         let looks = std::cell::Cell::new(0);
         let home = move || {
             looks.set(looks.get() + 1);
-            match n.home().as_deref() {
-                _ if looks.get() == 1 => Home::Main,
+            Some(match n.home().as_deref() {
+                _ if looks.get() == 1 => return None,
                 Some("io1") => Home::IoThread(r1.clone()),
                 Some(_) => Home::IoThread(r2.clone()),
                 None => Home::Main,
-            }
+            })
         };
         let moving = node.clone();
         // Ten steps; at the fourth the node moves to io2.

@@ -72,8 +72,9 @@ pub enum TargetStart {
 pub trait Parents {
     /// The links of the exports that serve `node` now.
     fn links_on(&self, node: &Arc<BlockNode>) -> Vec<Arc<NodeLink>>;
-    /// The thread that serves `node` now (where the job's copies run).
-    fn home_of(&self, node: &Arc<BlockNode>) -> Home;
+    /// The thread that serves `node` now (where the job's loop and copies run); None
+    /// when it cannot be looked up just now.
+    fn home_of(&self, node: &Arc<BlockNode>) -> Option<Home>;
     /// Points the exports on `from` whose links are `links` (those held) at `to`, their
     /// permissions moved with them (all or nothing).
     fn replace(
@@ -508,7 +509,7 @@ impl Mirror {
         for link in self.parents.links_on(&self.source) {
             held.push(link.hold().await);
         }
-        let here = self.parents.home_of(&self.source);
+        let here = self.parents.home_of(&self.source).unwrap_or_default();
         let (job2, l, there) = (job.clone(), l.clone(), here.clone());
         let lost = Err(stopped().to_string());
         here.drive(

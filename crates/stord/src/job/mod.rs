@@ -294,7 +294,7 @@ pub async fn copy_range(
 pub async fn run_copy<T: CopyJob>(
     t: T,
     job: Arc<Job>,
-    home: impl Fn() -> home::Home,
+    home: impl Fn() -> Option<home::Home>,
     after: impl FnOnce() + 'static,
 ) -> Result<Finish, String> {
     t.prepare().await?;
@@ -600,16 +600,10 @@ impl Job {
         self.set(before);
     }
 
-    /// Sleeps `d` (a verb cuts it short), then a pause point.
+    /// Sleeps `d`, then a pause point. Any verb since the last sleep or step
+    /// ([`ratelimit`](Self::ratelimit)) cuts it short, so a verb on the main loop between
+    /// the caller's look at the job and the sleep is not missed; the sleep takes it.
     pub async fn sleep(&self, d: Duration) {
-        self.kicked.store(false, SeqCst);
-        self.nap(d).await;
-    }
-
-    /// Sleeps `d`, cut short by any verb since `kicked` was last cleared (a verb on the
-    /// main loop between the caller's look at the job and the sleep is not missed), then
-    /// a pause point.
-    async fn nap(&self, d: Duration) {
         if self.is_cancelled() {
             return;
         }
@@ -628,6 +622,7 @@ impl Job {
                 Poll::Pending
             })
             .await;
+            self.kicked.store(false, SeqCst);
             self.unpark();
         }
         self.pause_point().await;
@@ -655,7 +650,7 @@ impl Job {
             stord_aio::yield_now().await;
             self.pause_point().await;
         } else {
-            self.nap(d).await;
+            self.sleep(d).await;
         }
     }
 
@@ -727,7 +722,7 @@ impl Job {
         on_error: OnError,
         c: &C,
         node: &Arc<crate::block::BlockNode>,
-        home: &dyn Fn() -> home::Home,
+        home: home::FindHome<'_>,
     ) -> Result<bool, String> {
         self.set_remaining(len);
         let (job, c) = (self.clone(), c.clone());
@@ -1349,6 +1344,47 @@ mod tests {
                 stord_aio::sleep(Duration::from_millis(1)).await;
             }
         });
+    }
+
+    #[test]
+    fn a_verb_between_the_jobs_look_and_its_sleep_cuts_the_sleep_short() {
+        let ctx = stord_aio::AioContext::new(Default::default()).unwrap();
+        let events = Events::default();
+        let jobs = Jobs::default();
+        let looked = Rc::new(std::cell::Cell::new(false));
+        let looked2 = looked.clone();
+        jobs.start(
+            "k",
+            "create",
+            JobOptions::plain(true, false),
+            &events,
+            move |job| async move {
+                job.ratelimit().await;
+                // The job has looked at its state; the verb lands before it sleeps.
+                looked2.set(true);
+                stord_aio::yield_now().await;
+                let t0 = Instant::now();
+                job.sleep(Duration::from_secs(2)).await;
+                match t0.elapsed() < Duration::from_secs(1) {
+                    true => Ok(None),
+                    false => Err("slept through the verb".into()),
+                }
+            },
+        )
+        .unwrap();
+        let job = jobs.get("k").unwrap();
+        let j = jobs.clone();
+        ctx.block_on(async move {
+            while !looked.get() {
+                stord_aio::yield_now().await;
+            }
+            j.set_speed(&job, 0).unwrap();
+            while job.status() != JobStatus::Concluded {
+                stord_aio::sleep(Duration::from_millis(1)).await;
+            }
+        });
+        assert_eq!(jobs.query()[0]["status"], "concluded");
+        assert_eq!(jobs.query()[0].get("error"), None, "{}", jobs.query());
     }
 
     #[test]

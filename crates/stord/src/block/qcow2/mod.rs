@@ -505,7 +505,6 @@ pub struct Qcow2Driver {
     cache: (usize, usize),
 }
 
-/// Counts a request in `io_inflight` until dropped.
 /// Clusters a large write overwrites whole and that need new ones: what they mapped
 /// before, and the new host clusters, allocated and not mapped yet.
 struct WholeClusters {
@@ -513,6 +512,7 @@ struct WholeClusters {
     hosts: Vec<u64>,
 }
 
+/// Counts a request in `io_inflight` until dropped.
 struct Inflight<'a>(&'a AtomicUsize);
 
 impl<'a> Inflight<'a> {
