@@ -219,28 +219,43 @@ impl Events {
     }
 }
 
+/// A sink that keeps what it is given, for tests.
+#[cfg(test)]
+#[derive(Default)]
+pub(crate) struct Recorder {
+    pub(crate) got: RefCell<Vec<Value>>,
+    pub(crate) listening: std::cell::Cell<bool>,
+}
+
+#[cfg(test)]
+impl Recorder {
+    /// A listening recorder subscribed to `events` (it leaves when dropped).
+    pub(crate) fn listen(events: &Events) -> Rc<Recorder> {
+        let r = Rc::new(Recorder::default());
+        r.listening.set(true);
+        events.subscribe(Rc::downgrade(&r) as Weak<dyn EventSink>);
+        r
+    }
+}
+
+#[cfg(test)]
+impl EventSink for Recorder {
+    fn deliver(&self, event: &Value) {
+        self.got.borrow_mut().push(event.clone());
+    }
+    fn listening(&self) -> bool {
+        self.listening.get()
+    }
+    fn flushed(&self) -> bool {
+        true
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::cell::Cell;
 
-    #[derive(Default)]
-    struct Sink {
-        got: RefCell<Vec<Value>>,
-        listening: Cell<bool>,
-    }
-
-    impl EventSink for Sink {
-        fn deliver(&self, event: &Value) {
-            self.got.borrow_mut().push(event.clone());
-        }
-        fn listening(&self) -> bool {
-            self.listening.get()
-        }
-        fn flushed(&self) -> bool {
-            true
-        }
-    }
+    type Sink = Recorder;
 
     #[test]
     fn only_listening_sinks_get_events_and_dropped_ones_leave() {

@@ -145,9 +145,14 @@ pub struct Backup {
 
 impl Backup {
     fn progress(&self, job: &Job) {
-        let done = self.copy.copied();
-        job.set_progress(done, done + self.copy.remaining());
+        progress(&self.copy, job);
     }
+}
+
+/// Shows what `copy` has copied and has left as the job's progress.
+fn progress(copy: &CopyBeforeWrite, job: &Job) {
+    let done = copy.copied();
+    job.set_progress(done, done + copy.remaining());
 }
 
 /// Runs a backup: what is to be copied is copied (or, with `sync=none`, the job waits to
@@ -243,7 +248,7 @@ impl Copying {
             let copied = self.copy.copied();
             job.ratelimit_processed(copied.saturating_sub(at.counted));
             at.counted = copied;
-            job.set_progress(copied, copied + self.copy.remaining());
+            progress(&self.copy, job);
             job.ratelimit().await;
             if job.is_cancelled() {
                 return Ok(Step::Done(false));

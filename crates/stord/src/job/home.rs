@@ -48,21 +48,6 @@ impl Home {
         }
     }
 
-    /// Runs one operation there and waits for its result (an error if the thread
-    /// stopped first).
-    pub async fn run<T, F, Fut>(&self, make: F) -> io::Result<T>
-    where
-        T: Send + 'static,
-        F: FnOnce() -> Fut + Send + 'static,
-        Fut: Future<Output = io::Result<T>> + 'static,
-    {
-        let ops = InFlight::new();
-        ops.start(self, 0, Err(stopped()), make);
-        ops.next().await.unwrap_or_else(|| Err(stopped()))
-    }
-}
-
-impl Home {
     /// Runs a job's loop, the future `make` builds, as a task on this thread (QEMU's job
     /// coroutine in its node's AioContext), and waits for what it returns: `lost` if the
     /// thread stops first. The result travels back through the waiting loop's queue,
@@ -360,22 +345,11 @@ mod tests {
         let mut t = IoThread::spawn(AioContextOptions::default()).unwrap();
         let home = Home::IoThread(t.remote().clone());
         t.stop();
-        let r = ctx.block_on(async move { home.run(|| async { Ok::<_, io::Error>(1) }).await });
+        let r = ctx.block_on(async move {
+            home.drive(Err(stopped()), || async { Ok::<_, io::Error>(1) })
+                .await
+        });
         assert_eq!(r.unwrap_err().to_string(), "the IoThread stopped");
-    }
-
-    #[derive(Default)]
-    struct Seen(std::cell::RefCell<Vec<serde_json::Value>>);
-    impl crate::events::EventSink for Seen {
-        fn deliver(&self, e: &serde_json::Value) {
-            self.0.borrow_mut().push(e["data"]["n"].clone());
-        }
-        fn listening(&self) -> bool {
-            true
-        }
-        fn flushed(&self) -> bool {
-            true
-        }
     }
 
     #[test]
@@ -383,9 +357,7 @@ mod tests {
         let ctx = AioContext::new(AioContextOptions::default()).unwrap();
         let mut t = IoThread::spawn(AioContextOptions::default()).unwrap();
         let events = crate::events::Events::default();
-        let seen = std::rc::Rc::new(Seen::default());
-        let sink: std::rc::Rc<dyn crate::events::EventSink> = seen.clone();
-        events.subscribe(std::rc::Rc::downgrade(&sink));
+        let seen = crate::events::Recorder::listen(&events);
         let poster = events.poster().unwrap();
         let home = Home::IoThread(t.remote().clone());
         let main = std::thread::current().id();
@@ -403,7 +375,7 @@ mod tests {
                     std::thread::current().id()
                 })
                 .await;
-            (ran_on, seen2.0.borrow().len())
+            (ran_on, seen2.got.borrow().len())
         });
         assert_ne!(ran_on, main, "the loop ran on the IoThread");
         assert_eq!(
@@ -411,10 +383,10 @@ mod tests {
             "every event was out when the result came back"
         );
         let order: Vec<u64> = seen
-            .0
+            .got
             .borrow()
             .iter()
-            .map(|v| v.as_u64().unwrap())
+            .map(|e| e["data"]["n"].as_u64().unwrap())
             .collect();
         assert_eq!(order, (0..200).collect::<Vec<u64>>());
         t.stop();

@@ -1272,26 +1272,6 @@ impl Jobs {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::events::EventSink;
-
-    #[derive(Default)]
-    struct Seen(RefCell<Vec<String>>);
-    impl EventSink for Seen {
-        fn deliver(&self, e: &Value) {
-            self.0.borrow_mut().push(format!(
-                "{}:{}",
-                e["data"]["id"].as_str().unwrap(),
-                e["data"]["status"].as_str().unwrap()
-            ));
-        }
-        fn listening(&self) -> bool {
-            true
-        }
-        fn flushed(&self) -> bool {
-            true
-        }
-    }
-
     #[test]
     fn the_rate_limit_holds_a_slice_quota_and_pushes_the_slice_out() {
         let mut l = RateLimit::new(10 << 20);
@@ -1400,9 +1380,7 @@ mod tests {
     fn states_follow_qemus_order_with_and_without_auto_finalize() {
         let ctx = stord_aio::AioContext::new(Default::default()).unwrap();
         let events = Events::default();
-        let seen = Rc::new(Seen::default());
-        let sink: Rc<dyn EventSink> = seen.clone();
-        events.subscribe(Rc::downgrade(&sink));
+        let seen = crate::events::Recorder::listen(&events);
         let jobs = Jobs::default();
         let manual = JobOptions::plain(false, true);
         jobs.start("a", "create", manual, &events, |_| async { Ok(None) })
@@ -1441,7 +1419,19 @@ mod tests {
             }
         });
         jobs.dismiss(&jobs.get("b").unwrap()).unwrap();
-        let got = seen.0.borrow().clone();
+        // Each status change as "id:status".
+        let got: Vec<String> = seen
+            .got
+            .borrow()
+            .iter()
+            .map(|e| {
+                format!(
+                    "{}:{}",
+                    e["data"]["id"].as_str().unwrap(),
+                    e["data"]["status"].as_str().unwrap()
+                )
+            })
+            .collect();
         let of = |id: &str| -> Vec<String> {
             got.iter()
                 .filter(|e| e.starts_with(&format!("{id}:")))
