@@ -276,3 +276,43 @@ fn fd_handlers_are_level_triggered_and_removable() {
         assert_eq!(calls.get(), 3, "{reactor}: removed handler was called");
     }
 }
+
+/// The io-wq workers the kernel started for rings this thread submitted to.
+fn my_io_workers() -> usize {
+    let name = format!("iou-wrk-{}", stord_aio::sys::gettid());
+    std::fs::read_dir("/proc/self/task")
+        .unwrap()
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .filter(|comm| comm.trim() == name)
+        .count()
+}
+
+#[test]
+fn an_operation_marked_in_worker_goes_to_the_kernels_workers() {
+    let path = temp_path("in-worker");
+    std::fs::write(&path, vec![0x5au8; 65536]).unwrap();
+    let f = std::fs::File::open(&path).unwrap();
+    let fd = f.as_raw_fd();
+    // Each read runs on a thread of its own, so the workers counted are its ring's alone.
+    let read = |punt: bool| {
+        std::thread::spawn(move || {
+            let c = ctx(ReactorKind::IoUring);
+            let (n, buf) = c.block_on(op::read(fd, vec![0u8; 4096], 8192).in_worker_if(punt));
+            assert_eq!(n.unwrap(), 4096);
+            assert!(buf.iter().all(|&b| b == 0x5a));
+            my_io_workers()
+        })
+        .join()
+        .unwrap()
+    };
+    // A read of cached pages is done inline, while the ring is entered...
+    assert_eq!(read(false), 0, "an unmarked cached read went to a worker");
+    // ...unless it is marked: then a worker does it.
+    assert!(read(true) >= 1, "a marked read was not handed to a worker");
+    // The epoll reactor does it synchronously, mark or not.
+    let c = ctx(ReactorKind::Epoll);
+    let (n, _) = c.block_on(op::read(fd, vec![0u8; 4096], 0).in_worker_if(true));
+    assert_eq!(n.unwrap(), 4096);
+    drop(f);
+    std::fs::remove_file(&path).unwrap();
+}

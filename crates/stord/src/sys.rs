@@ -349,6 +349,21 @@ pub fn direct_read(fd: RawFd, len: usize, offset: u64) -> i32 {
     unsafe { stord_aio::sys::blocking::pread(fd, buf.stable_mut_ptr(), len, offset) }
 }
 
+/// Whether reads of the file can be tried without blocking (the kernel's FMODE_NOWAIT):
+/// a one-byte RWF_NOWAIT read is refused with EOPNOTSUPP only when they cannot. tmpfs,
+/// for one, cannot. Any other answer (data, EAGAIN, EINVAL for O_DIRECT's alignment) means
+/// they can.
+pub fn reads_can_be_tried_nowait(fd: RawFd) -> bool {
+    let mut byte = [0u8; 1];
+    let iov = [libc::iovec {
+        iov_base: byte.as_mut_ptr().cast(),
+        iov_len: 1,
+    }];
+    // SAFETY: the iovec names `byte`, writable and alive for the call.
+    let r = unsafe { stord_aio::sys::blocking::preadv(fd, &iov, 0, libc::RWF_NOWAIT) };
+    r != -libc::EOPNOTSUPP
+}
+
 /// One byte of an open file description's OFD lock: takes a shared (read) lock at
 /// `offset` (`lock`), or drops it. Fails with EAGAIN/EACCES when another description
 /// holds a conflicting lock.
@@ -451,6 +466,31 @@ mod tests {
                 data.len() as isize
             );
         }
+    }
+
+    #[test]
+    fn tmpfs_reads_cannot_be_tried_nowait_and_ext4s_can() {
+        let probe = |dir: &str, direct: bool| {
+            let path = format!("{dir}/stord-nowait-probe-{}-{direct}", std::process::id());
+            std::fs::write(&path, vec![1u8; 8192]).unwrap();
+            let mut oo = std::fs::OpenOptions::new();
+            oo.read(true);
+            if direct {
+                std::os::unix::fs::OpenOptionsExt::custom_flags(&mut oo, libc::O_DIRECT);
+            }
+            let f = oo.open(&path).unwrap();
+            let r = reads_can_be_tried_nowait(f.as_raw_fd());
+            std::fs::remove_file(&path).unwrap();
+            r
+        };
+        // /dev/shm is tmpfs on this kind of machine: no FMODE_NOWAIT, with or without
+        // O_DIRECT. The build tree is on ext4, which has it (O_DIRECT's EINVAL for the
+        // unaligned byte is not a refusal).
+        assert!(!probe("/dev/shm", false));
+        assert!(!probe("/dev/shm", true));
+        let here = concat!(env!("CARGO_MANIFEST_DIR"), "/../../target");
+        assert!(probe(here, false));
+        assert!(probe(here, true));
     }
 
     #[test]

@@ -167,6 +167,42 @@ fn fio_verify_onto_an_overlay_then_qemu_img_check() {
 }
 
 #[test]
+fn fio_verify_on_tmpfs_where_reads_go_to_the_kernels_workers() {
+    // tmpfs reads cannot be tried without blocking, so the io_uring engine hands them to
+    // io-wq's workers at once (IOSQE_ASYNC): on that path too, what QEMU wrote reads back
+    // and what fio writes verifies, and the image stays clean.
+    let dir =
+        std::path::PathBuf::from(format!("/dev/shm/stord-qcow2-tmpfs-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let (_, top) = chain(&dir);
+    let reference = dir.join("ref.qcow2").display().to_string();
+    std::fs::copy(&top, &reference).unwrap();
+    let blockdev = format!(
+        "driver=qcow2,file.driver=file,file.filename={top},file.cache.direct=off,file.aio=io_uring"
+    );
+    let s = Stord::with_node(&dir, &blockdev, true);
+    // What QEMU wrote reads back first (reads only), then fio writes and verifies at QD16.
+    run_ok(
+        "qemu-img",
+        &[
+            "compare",
+            "-U",
+            "-f",
+            "raw",
+            "-F",
+            "qcow2",
+            &s.uri(),
+            &reference,
+        ],
+    );
+    fio_write_and_verify(&["--ioengine=nbd", &format!("--uri={}", s.uri())], "32M");
+    drop(s);
+    check_clean(&top);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
 fn kill_9_during_allocating_writes_loses_no_flushed_write() {
     const SIZE: u64 = 64 * MIB;
     let dir = tmpdir("qcow2-kill9");

@@ -73,6 +73,7 @@ pub struct Op<D: OpDesc> {
     desc: Option<D>,
     state: State,
     storage: bool,
+    sqe_flags: squeue::Flags,
     _not_send: PhantomData<Rc<()>>,
 }
 
@@ -86,6 +87,7 @@ impl<D: OpDesc> Op<D> {
             desc: Some(desc),
             state: State::Init,
             storage: false,
+            sqe_flags: squeue::Flags::empty(),
             _not_send: PhantomData,
         }
     }
@@ -102,6 +104,19 @@ impl<D: OpDesc> Op<D> {
     /// sides, such as a socket reader used by servers and by network block clients).
     pub fn on_storage_if(mut self, storage: bool) -> Self {
         self.storage = storage;
+        self
+    }
+
+    /// When `punt` is true, hands the operation to the kernel's io-wq workers at once
+    /// (IOSQE_ASYNC) instead of trying it inline first. For a file that cannot be tried
+    /// without blocking (no FMODE_NOWAIT: tmpfs) that is where it goes anyway; marked so,
+    /// it also lets io-wq start another worker when every worker is busy. Unmarked work
+    /// waits for a busy worker unless that worker blocks, and tmpfs copies never block, so
+    /// one worker would run every read and write of the ring one after another.
+    pub fn in_worker_if(mut self, punt: bool) -> Self {
+        if punt {
+            self.sqe_flags |= squeue::Flags::ASYNC;
+        }
         self
     }
 
@@ -126,7 +141,9 @@ impl<D: OpDesc> Future for Op<D> {
                     let mut reactor = ctx.reactor.borrow_mut();
                     match &mut *reactor {
                         Reactor::Uring(u) => {
-                            this.state = State::Uring(u.submit_op(desc.entry(), this.storage));
+                            this.state = State::Uring(
+                                u.submit_op(desc.entry().flags(this.sqe_flags), this.storage),
+                            );
                         }
                         Reactor::Epoll(ep) => match desc.run_blocking() {
                             Blocking::Done(res) => {

@@ -221,6 +221,9 @@ fn from_res(res: i32) -> io::Result<usize> {
 /// dispatch. Each engine keeps what it needs per IoThread in that IoThread's context
 /// (`AioContext::local`): a Linux AIO context, a worker pool; the ring is the loop's own.
 pub(crate) trait Engine: Send + Sync + 'static {
+    /// Learns what it needs of the file once it is open (before any request).
+    fn opened(&mut self, _fd: RawFd) {}
+
     /// One read or write of what `iov` shows at `offset`: the raw result (count or -errno).
     fn transfer(
         &self,
@@ -252,7 +255,7 @@ pub(crate) trait Engine: Send + Sync + 'static {
 /// Opens the file with the engine its `aio=` asks for.
 pub fn open(opts: FileOptions) -> io::Result<Box<dyn BlockDriver>> {
     Ok(match opts.aio {
-        AioMode::IoUring => Box::new(FileDriver::open(opts, uring::Uring)?),
+        AioMode::IoUring => Box::new(FileDriver::open(opts, uring::Uring::default())?),
         AioMode::Native => {
             let engine = linux_aio::Native(opts.native);
             Box::new(FileDriver::open(opts, engine)?)
@@ -263,7 +266,7 @@ pub fn open(opts: FileOptions) -> io::Result<Box<dyn BlockDriver>> {
 
 impl<E: Engine> FileDriver<E> {
     /// Opens the file.
-    pub fn open(opts: FileOptions, engine: E) -> io::Result<Self> {
+    pub fn open(opts: FileOptions, mut engine: E) -> io::Result<Self> {
         let mut oo = OpenOptions::new();
         oo.read(true).write(!opts.read_only);
         let mut flags = libc::O_CLOEXEC;
@@ -283,6 +286,7 @@ impl<E: Engine> FileDriver<E> {
             meta.len()
         };
         let fd: OwnedFd = file.into();
+        engine.opened(fd.as_raw_fd());
         let align = if opts.direct {
             probe_direct_alignment(fd.as_raw_fd(), size)
         } else {

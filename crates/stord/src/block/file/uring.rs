@@ -3,10 +3,11 @@
 //! The SQE is queued when the request's future is first polled and submitted with the rest
 //! of the loop iteration's batch, so many requests cost one io_uring_enter. Every
 //! operation is marked `on_storage`, so the loop's polling learns the device's latency
-//! apart from its clients' turnaround.
+//! apart from its clients' turnaround. Reads of a file that cannot be read without
+//! blocking (tmpfs) are handed to the kernel's workers at once.
 
 use std::io;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
 
 use stord_aio::op;
@@ -18,9 +19,22 @@ fn raw(r: io::Result<usize>) -> i32 {
 }
 
 /// The io_uring engine: requests, flushes and fallocate on the issuing IoThread's ring.
-pub(crate) struct Uring;
+#[derive(Default)]
+pub(crate) struct Uring {
+    /// The file's reads cannot be tried without blocking (tmpfs): they go to io-wq's
+    /// workers at once, so that a read finds a worker of its own rather than wait behind
+    /// the writes (see [`op::Op::in_worker_if`]). Writes stay unmarked: io-wq runs
+    /// buffered writes to one file one at a time anyway, and marked, each started a worker
+    /// that only waited its turn (16 of them for a mirror on /dev/shm, which then took
+    /// 0.65 s per GiB against 0.48 s with only the reads marked).
+    punt: bool,
+}
 
 impl super::Engine for Uring {
+    fn opened(&mut self, fd: RawFd) {
+        self.punt = !crate::sys::reads_can_be_tried_nowait(fd);
+    }
+
     async fn transfer(
         &self,
         fd: &Arc<OwnedFd>,
@@ -35,7 +49,10 @@ impl super::Engine for Uring {
             let (r, v) = op::write_iov(fd, iov, offset, flags).on_storage().await;
             (raw(r), v)
         } else {
-            let (r, v) = op::read_iov(fd, iov, offset).on_storage().await;
+            let (r, v) = op::read_iov(fd, iov, offset)
+                .on_storage()
+                .in_worker_if(self.punt)
+                .await;
             (raw(r), v)
         }
     }
