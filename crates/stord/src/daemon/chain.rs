@@ -202,6 +202,7 @@ impl State {
         for n in subtree {
             n.set_home(iothread.map(str::to_string));
         }
+        self.jobs.node_moved();
         Ok(())
     }
 

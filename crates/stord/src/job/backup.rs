@@ -214,10 +214,10 @@ async fn copy_all(b: &Backup, job: &Arc<Job>, home: FindHome<'_>) -> Result<bool
         offset: 0,
         counted: b.copy.copied(),
     };
-    let job = job.clone();
+    let looping = job.clone();
     let run = move |mut at: At, stay: Stay, here: Home| async move {
         let ops = InFlight::new();
-        let r = c.copy_loop(&job, &mut at, &stay, &here, &ops).await;
+        let r = c.copy_loop(&looping, &mut at, &stay, &here, &ops).await;
         // Whatever ended the loop, nothing it started is left running.
         ops.drain().await;
         r.map(|step| match step {
@@ -225,7 +225,7 @@ async fn copy_all(b: &Backup, job: &Arc<Job>, home: FindHome<'_>) -> Result<bool
             Step::Moved(()) => Step::Moved(at),
         })
     };
-    follow(&b.copy.source, home, at, run).await
+    follow(job, &b.copy.source, home, at, run).await
 }
 
 impl Copying {

@@ -20,6 +20,7 @@ use std::io;
 use std::sync::{Arc, Mutex};
 
 use crate::block::BlockNode;
+use crate::job::Job;
 use std::task::{Poll, Waker};
 
 use stord_aio::Remote;
@@ -83,6 +84,7 @@ impl Home {
 /// Whether a job's node was moved to another IoThread since its loop started there: the
 /// loop then stops starting copies, settles those in flight and hands back its place, to
 /// go on where the node went.
+#[derive(Clone)]
 pub struct Stay {
     node: Arc<BlockNode>,
     home: Option<String>,
@@ -113,10 +115,12 @@ pub enum Step<T, S> {
 /// daemon's state is in use by a command that waits).
 pub type FindHome<'a> = &'a dyn Fn() -> Option<Home>;
 
-/// Runs a job's loop (`run`, from its place `at`) on the thread that serves `node`
+/// Runs `job`'s loop (`run`, from its place `at`) on the thread that serves `node`
 /// ([`Home::drive`]), and again from where it stopped on the new thread each time the
-/// node moves. Err: the job fails (also when the loop's thread stopped under it).
+/// node moves (a paused loop too: its pause ends there and goes on on the new thread).
+/// Err: the job fails (also when the loop's thread stopped under it).
 pub async fn follow<S, T, F, Fut>(
+    job: &Job,
     node: &Arc<BlockNode>,
     home: FindHome<'_>,
     mut at: S,
@@ -143,9 +147,12 @@ where
         };
         looked = 0;
         let stay = Stay::new(node);
+        job.set_stay(Some(stay.clone()));
         let (run, there) = (run.clone(), here.clone());
         let lost = Err(stopped().to_string());
-        match here.drive(lost, move || run(at, stay, there)).await? {
+        let step = here.drive(lost, move || run(at, stay, there)).await;
+        job.set_stay(None);
+        match step? {
             Step::Done(t) => return Ok(t),
             Step::Moved(moved) => at = moved,
         }
@@ -309,6 +316,7 @@ impl<T: Send + 'static> InFlight<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::job::lock;
     use stord_aio::{AioContext, AioContextOptions, IoThread};
 
     #[test]
@@ -392,6 +400,47 @@ mod tests {
         t.stop();
     }
 
+    /// Runs `follow` in job `j` on this thread's loop, with the loop `run` makes for the
+    /// job, while `meanwhile` runs beside it: what `follow` gave.
+    fn follow_in_a_job<S, T, F, Fut>(
+        ctx: &AioContext,
+        jobs: &crate::job::Jobs,
+        events: &crate::events::Events,
+        node: &Arc<BlockNode>,
+        home: impl Fn() -> Option<Home> + 'static,
+        run: impl FnOnce(Arc<Job>) -> F + 'static,
+        meanwhile: impl Future<Output = ()> + 'static,
+    ) -> Result<T, String>
+    where
+        S: Default + Send + 'static,
+        T: Send + 'static,
+        F: FnOnce(S, Stay, Home) -> Fut + Clone + Send + 'static,
+        Fut: Future<Output = Result<Step<T, S>, String>> + 'static,
+    {
+        let got = std::rc::Rc::new(std::cell::RefCell::new(None));
+        let (g, node) = (got.clone(), node.clone());
+        jobs.start(
+            "j",
+            "create",
+            crate::job::JobOptions::plain(true, true),
+            events,
+            move |job| async move {
+                let r = follow(&job, &node, &home, S::default(), run(job.clone())).await;
+                *g.borrow_mut() = Some(r);
+                Ok(None)
+            },
+        )
+        .unwrap();
+        let g = got.clone();
+        ctx.block_on(async move {
+            meanwhile.await;
+            while g.borrow().is_none() {
+                stord_aio::sleep(std::time::Duration::from_millis(1)).await;
+            }
+        });
+        got.take().unwrap()
+    }
+
     #[test]
     fn a_loop_follows_its_node_to_another_iothread_from_where_it_was() {
         use std::thread::ThreadId;
@@ -429,9 +478,11 @@ mod tests {
             }
             Ok(Step::Done(at))
         };
-        let ran_on = ctx
-            .block_on(async move { follow(&node, &home, Vec::new(), run).await })
-            .unwrap();
+        let (jobs, events) = (
+            crate::job::Jobs::default(),
+            crate::events::Events::default(),
+        );
+        let ran_on = follow_in_a_job(&ctx, &jobs, &events, &node, home, |_| run, async {}).unwrap();
         let main = std::thread::current().id();
         assert_eq!(ran_on.len(), 10);
         assert!(ran_on[..4].iter().all(|t| *t == ran_on[0]) && ran_on[0] != main);
@@ -441,6 +492,135 @@ mod tests {
             "the loop went on on the node's new thread"
         );
         t1.stop();
+        t2.stop();
+    }
+
+    #[test]
+    fn a_paused_loop_follows_its_node_and_the_thread_it_left_can_go() {
+        paused_loop_moves(false);
+    }
+
+    #[test]
+    fn a_job_resumed_as_its_paused_loop_moves_runs_on() {
+        paused_loop_moves(true);
+    }
+
+    /// A job paused, its node moved from io1 to io2, then resumed: while its loop is
+    /// between the two threads (`in_transit`: as its next thread is looked up), or once
+    /// its loop is paused on io2 and io1 has stopped.
+    fn paused_loop_moves(in_transit: bool) {
+        use std::thread::ThreadId;
+        use std::time::Duration;
+        let ctx = AioContext::new(AioContextOptions::default()).unwrap();
+        let mut t1 = IoThread::spawn(AioContextOptions::default()).unwrap();
+        let mut t2 = IoThread::spawn(AioContextOptions::default()).unwrap();
+        let (r1, r2) = (t1.remote().clone(), t2.remote().clone());
+        let node = crate::block::null::test_node("n");
+        node.set_home(Some("io1".into()));
+        let n = node.clone();
+        let (jobs, events) = (
+            crate::job::Jobs::default(),
+            crate::events::Events::default(),
+        );
+        let resumer = jobs.clone();
+        let home = move || {
+            Some(match n.home().as_deref() {
+                Some("io1") => Home::IoThread(r1.clone()),
+                Some(_) => {
+                    if in_transit {
+                        let job = resumer.find("j", false).unwrap();
+                        let _ = resumer.resume(&job);
+                    }
+                    Home::IoThread(r2.clone())
+                }
+                None => Home::Main,
+            })
+        };
+        let seen = crate::events::Recorder::listen(&events);
+        let steps = Arc::new(Mutex::new(0usize));
+        let counted = steps.clone();
+        // Forty steps of 2 ms, each after a pause point.
+        let run = move |job: Arc<Job>| {
+            move |mut at: Vec<ThreadId>, stay: Stay, _here: Home| {
+                let counted = counted.clone();
+                async move {
+                    while at.len() < 40 {
+                        job.ratelimit().await;
+                        if stay.moved() {
+                            return Ok(Step::Moved(at));
+                        }
+                        at.push(std::thread::current().id());
+                        *counted.lock().unwrap() += 1;
+                        stord_aio::sleep(Duration::from_millis(2)).await;
+                    }
+                    Ok(Step::Done(at))
+                }
+            }
+        };
+        let step_count = move || *steps.lock().unwrap();
+        async fn until(cond: impl Fn() -> bool) {
+            let start = std::time::Instant::now();
+            while !cond() {
+                assert!(start.elapsed() < Duration::from_secs(10), "timed out");
+                stord_aio::sleep(Duration::from_millis(1)).await;
+            }
+        }
+        let (j, moving) = (jobs.clone(), node.clone());
+        let meanwhile = async move {
+            let jobs = j;
+            until(|| step_count() >= 5).await;
+            let job = jobs.find("j", false).unwrap();
+            jobs.pause(&job).unwrap();
+            until(|| job.status() == crate::job::JobStatus::Paused).await;
+            let paused_at = step_count();
+            // The node moves while the job is paused, and the thread it left goes.
+            moving.set_home(Some("io2".into()));
+            jobs.node_moved();
+            if in_transit {
+                return t1;
+            }
+            until(|| {
+                lock(&job.stay)
+                    .as_ref()
+                    .is_some_and(|s| s.home.as_deref() == Some("io2"))
+            })
+            .await;
+            t1.stop();
+            stord_aio::sleep(Duration::from_millis(20)).await;
+            assert_eq!(step_count(), paused_at, "a step ran while paused");
+            assert_eq!(job.status(), crate::job::JobStatus::Paused);
+            jobs.resume(&job).unwrap();
+            t1
+        };
+        let t1 = std::rc::Rc::new(std::cell::RefCell::new(None));
+        let keep = t1.clone();
+        let meanwhile = async move {
+            *keep.borrow_mut() = Some(meanwhile.await);
+        };
+        let ran_on = follow_in_a_job(&ctx, &jobs, &events, &node, home, run, meanwhile)
+            .expect("the job went on on the node's new thread");
+        if let Some(mut t1) = t1.take() {
+            t1.stop();
+        }
+        assert_eq!(ran_on.len(), 40);
+        let last = ran_on[39];
+        assert_ne!(ran_on[0], last, "the steps after the pause ran on io2");
+        assert!(ran_on.iter().all(|t| *t != std::thread::current().id()));
+        // One pause, one resume, as when nothing moved.
+        let states: Vec<String> = seen
+            .got
+            .borrow()
+            .iter()
+            .filter(|e| e["event"] == "JOB_STATUS_CHANGE")
+            .map(|e| e["data"]["status"].as_str().unwrap().to_string())
+            .collect();
+        let paused = states.iter().position(|s| s == "paused").unwrap();
+        assert_eq!(
+            states.iter().filter(|s| *s == "paused").count(),
+            1,
+            "{states:?}"
+        );
+        assert_eq!(states[paused + 1], "running", "{states:?}");
         t2.stop();
     }
 

@@ -349,14 +349,16 @@ impl Mirror {
     /// or cancelled softly (true) or cancelled (false). Whatever ends it, the operations
     /// it started have finished when it returns.
     async fn copy_until_told(&self, job: &Arc<Job>, l: &Looper) -> Result<bool, String> {
-        let (job, l) = (job.clone(), l.clone());
+        let (looping, l) = (job.clone(), l.clone());
         let run = move |mut at: At, stay: Stay, here: Home| async move {
             if !at.marked {
                 l.mark_initial().await?;
                 at.marked = true;
             }
             let ops = InFlight::new();
-            let r = l.copy_loop(&job, &mut at.cursor, &stay, &here, &ops).await;
+            let r = l
+                .copy_loop(&looping, &mut at.cursor, &stay, &here, &ops)
+                .await;
             for done in ops.drain().await {
                 if done.result.is_err() {
                     l.dirty.mark(done.offset, done.len);
@@ -368,7 +370,7 @@ impl Mirror {
             })
         };
         let home = || self.parents.home_of(&self.source);
-        follow(&self.source, &home, At::default(), run).await
+        follow(job, &self.source, &home, At::default(), run).await
     }
 }
 

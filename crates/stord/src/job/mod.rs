@@ -458,6 +458,12 @@ pub struct Job {
     kicked: AtomicBool,
     /// The job's task, parked.
     waker: Mutex<Option<Waker>>,
+    /// Where the job's loop runs now ([`home::follow`]): a pause there ends early when the
+    /// node moves, so the paused loop goes along rather than stay parked on a thread the
+    /// node left (and that may be deleted).
+    stay: Mutex<Option<home::Stay>>,
+    /// The state a pause left, kept while the paused loop moves to its node's new thread.
+    resume_to: Mutex<Option<JobStatus>>,
     /// What the job's type adds (set by the work as it starts).
     ext: Mutex<Option<Arc<dyn JobType>>>,
 }
@@ -584,20 +590,48 @@ impl Job {
     }
 
     /// Where a pause takes effect: paused (standby when ready) until resumed or
-    /// cancelled, then back to the state before.
+    /// cancelled, then back to the state before. A pause on a thread the job's node left
+    /// ends early, still paused: the loop moves and pauses on again there.
     pub async fn pause_point(&self) {
+        // Paused on the thread the node left: the state to go back to came along.
+        let kept = lock(&self.resume_to).take();
         if !self.pausing() {
+            if let Some(before) = kept {
+                self.unpause(before);
+            }
             return;
         }
-        let before = self.status();
-        self.set(if before == JobStatus::Ready {
-            JobStatus::Standby
-        } else {
-            JobStatus::Paused
-        });
-        self.wait_until(|| !self.pausing()).await;
+        let before = kept.unwrap_or_else(|| self.status());
+        if kept.is_none() {
+            self.set(if before == JobStatus::Ready {
+                JobStatus::Standby
+            } else {
+                JobStatus::Paused
+            });
+        }
+        self.wait_until(|| !self.pausing() || self.loop_moved())
+            .await;
+        if self.pausing() {
+            *lock(&self.resume_to) = Some(before);
+            return;
+        }
+        self.unpause(before);
+    }
+
+    /// Resumed: back to the state before the pause.
+    fn unpause(&self, before: JobStatus) {
         self.io_failed.store(false, SeqCst);
         self.set(before);
+    }
+
+    /// The job's loop now runs where `stay` says (None: it is not running).
+    pub(crate) fn set_stay(&self, stay: Option<home::Stay>) {
+        *lock(&self.stay) = stay;
+    }
+
+    /// Whether the node the job's loop runs for was moved to another thread.
+    fn loop_moved(&self) -> bool {
+        lock(&self.stay).as_ref().is_some_and(home::Stay::moved)
     }
 
     /// Sleeps `d`, then a pause point. Any verb since the last sleep or step
@@ -737,7 +771,7 @@ impl Job {
                 false => home::Step::Moved(at),
             })
         };
-        home::follow(node, home, ChunksAt::default(), run).await?
+        home::follow(self, node, home, ChunksAt::default(), run).await?
     }
 
     /// Chunks until the end (true) or until `stay` says the node moved and nothing is in
@@ -988,6 +1022,8 @@ impl Jobs {
             idle: AtomicBool::new(false),
             kicked: AtomicBool::new(false),
             waker: Mutex::new(None),
+            stay: Mutex::new(None),
+            resume_to: Mutex::new(None),
             ext: Mutex::new(None),
         });
         self.map.borrow_mut().insert(id.into(), job.clone());
@@ -1072,6 +1108,15 @@ impl Jobs {
             }
         }
         job.set(JobStatus::Concluded);
+    }
+
+    /// A node moved to another thread (x-blockdev-set-iothread): every job looks again,
+    /// so the loop of a job on it goes along, even paused (its pause ends on the thread
+    /// the node left and goes on on the new one).
+    pub fn node_moved(&self) {
+        for job in self.map.borrow().values() {
+            job.wake();
+        }
     }
 
     fn get(&self, id: &str) -> Result<Arc<Job>, JobError> {

@@ -226,12 +226,12 @@ def copies(q, counter="job.copies"):
 
 
 def iothread_flow(binary, tag):
-    for n in ("solo", "solo-a", "solo-b"):
+    for n in ("solo", "solo-a", "solo-b", "solo-c"):
         create(img(tag, n))
     qemu_io(img(tag, "solo"), "write -P 0x61 0 24M", "write -P 0x62 28M 2M")
     sock = common.path(f"mi-io-{tag}.sock")
     args = ["--object", "iothread,id=io0", "--object", "iothread,id=io1"]
-    args += node_args(tag, [("solo", None), ("solo-a", ""), ("solo-b", "")])
+    args += node_args(tag, [("solo", None), ("solo-a", ""), ("solo-b", ""), ("solo-c", "")])
     args += ["--nbd-server", f"addr.type=unix,addr.path={sock}",
              "--export", "type=nbd,id=e,node-name=solo,name=solo,iothread=io0"]
     d = common.Daemon(args, binary=binary, tag=tag)
@@ -281,6 +281,29 @@ def iothread_flow(binary, tag):
         c("job-complete", id="b")
         wait_status(q, "b", "gone")
         out.append(("events b", job_events(q)))
+        # A paused job's node moves back to io0: the job goes along, paused, and the
+        # thread it left can go (stord deletes io1; qsd keeps solo-b there).
+        c("blockdev-mirror", device="solo", target="solo-c", sync="full", speed=1 << 20,
+          **{"job-id": "c"})
+        time.sleep(0.3)
+        c("job-pause", id="c")
+        wait_status(q, "c", "paused")
+        loops = copies(q, "job.loops") if stord else None
+        c("x-blockdev-set-iothread", **{"node-name": "solo", "iothread": "io0",
+                                        "force": True})
+        if stord:
+            deadline = time.time() + 10
+            while copies(q, "job.loops")["io0"] == loops["io0"]:
+                assert time.time() < deadline, "the paused loop stayed on io1"
+                time.sleep(0.01)
+            common.ok(q.cmd_raw("object-del", {"id": "io1"}))
+        wait_status(q, "c", "paused")
+        c("job-resume", id="c")
+        c("block-job-set-speed", device="c", speed=0)
+        common.wait_event(q, "BLOCK_JOB_READY", timeout=30)
+        c("job-complete", id="c")
+        wait_status(q, "c", "gone")
+        out.append(("events c", job_events(q)))
         q.close()
     finally:
         d.stop()
@@ -312,7 +335,7 @@ def test():
     compare(commit_flow("qemu-storage-daemon", "qsd"), commit_flow(common.STORD, "stord"))
     check_and_compare(["cbase"])
     compare(iothread_flow("qemu-storage-daemon", "qsd"), iothread_flow(common.STORD, "stord"))
-    check_and_compare(["solo", "solo-a", "solo-b"])
+    check_and_compare(["solo", "solo-a", "solo-b", "solo-c"])
 
 
 if __name__ == "__main__":
