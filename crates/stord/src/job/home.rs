@@ -136,9 +136,9 @@ where
     loop {
         let here = match home() {
             Some(here) => here,
-            // Look again shortly rather than settle on the main loop, for a second at
-            // most.
-            None if looked < 100 => {
+            // Look again shortly rather than settle on the main loop: for a second at
+            // most, and not for a cancelled job (its loop only has to see the cancel).
+            None if looked < 100 && !job.is_cancelled() => {
                 looked += 1;
                 stord_aio::sleep(std::time::Duration::from_millis(10)).await;
                 continue;
@@ -493,6 +493,38 @@ mod tests {
         );
         t1.stop();
         t2.stop();
+    }
+
+    #[test]
+    fn a_job_cancelled_while_its_thread_cannot_be_looked_up_ends_at_once() {
+        use std::time::{Duration, Instant};
+        let ctx = AioContext::new(AioContextOptions::default()).unwrap();
+        let node = crate::block::null::test_node("n");
+        let (jobs, events) = (
+            crate::job::Jobs::default(),
+            crate::events::Events::default(),
+        );
+        let run = |job: Arc<Job>| {
+            move |(): (), _stay: Stay, _here: Home| async move {
+                while !job.is_cancelled() {
+                    job.ratelimit().await;
+                }
+                Ok(Step::Done(()))
+            }
+        };
+        let j = jobs.clone();
+        let meanwhile = async move {
+            stord_aio::sleep(Duration::from_millis(20)).await;
+            let job = j.find("j", false).unwrap();
+            j.cancel(&job, true).unwrap();
+        };
+        let start = Instant::now();
+        follow_in_a_job(&ctx, &jobs, &events, &node, || None, run, meanwhile).unwrap();
+        assert!(
+            start.elapsed() < Duration::from_millis(500),
+            "waited out the look-up: {:?}",
+            start.elapsed()
+        );
     }
 
     #[test]

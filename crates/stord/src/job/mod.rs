@@ -688,23 +688,6 @@ impl Job {
         }
     }
 
-    /// Ready: the job's copy is in step and it waits for `job-complete` (or a cancel),
-    /// pausing to standby on request meanwhile.
-    pub async fn ready_until_completed(&self) {
-        self.set(JobStatus::Ready);
-        self.block_event("BLOCK_JOB_READY", None);
-        loop {
-            self.pause_point().await;
-            if self.is_cancelled() || self.complete_requested() {
-                return;
-            }
-            self.wait_until(|| {
-                self.is_cancelled() || self.complete_requested() || self.pause_count() > 0
-            })
-            .await;
-        }
-    }
-
     /// What to do with a failed step under `on_error` (BLOCK_JOB_ERROR tells the user);
     /// with Stop the job is paused by the time this returns.
     pub fn error_action(&self, on_error: OnError, read: bool, e: &std::io::Error) -> ErrorAction {
