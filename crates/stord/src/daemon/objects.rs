@@ -291,7 +291,10 @@ impl State {
         };
         let remote = obj.remote().clone();
         let home_of_a_node = self.nodes.values().any(|n| n.home().as_deref() == Some(id));
-        if home_of_a_node || self.exports.values().any(|e| e.runs_on(&remote)) {
+        if home_of_a_node
+            || self.exports.values().any(|e| e.runs_on(&remote))
+            || self.jobs.loop_on(id)
+        {
             return Err(DaemonError::ObjectInUse(id.into()));
         }
         if let Some(mut obj) = self.iothreads.remove(id) {

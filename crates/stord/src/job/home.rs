@@ -17,6 +17,7 @@
 use std::collections::VecDeque;
 use std::future::Future;
 use std::io;
+use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
 use std::sync::{Arc, Mutex};
 
 use crate::block::BlockNode;
@@ -83,11 +84,13 @@ impl Home {
 
 /// Whether a job's node was moved to another IoThread since its loop started there: the
 /// loop then stops starting copies, settles those in flight and hands back its place, to
-/// go on where the node went.
+/// go on where the node went. Once seen, a move stays seen (the clones share it), even if
+/// the node comes straight back: the loop that saw it is on its way out.
 #[derive(Clone)]
 pub struct Stay {
     node: Arc<BlockNode>,
     home: Option<String>,
+    seen: Arc<AtomicBool>,
 }
 
 impl Stay {
@@ -95,11 +98,24 @@ impl Stay {
         Stay {
             node: node.clone(),
             home: node.home(),
+            seen: Arc::default(),
         }
     }
 
     pub fn moved(&self) -> bool {
-        self.node.home() != self.home
+        if self.seen.load(SeqCst) {
+            return true;
+        }
+        let moved = self.node.home() != self.home;
+        if moved {
+            self.seen.store(true, SeqCst);
+        }
+        moved
+    }
+
+    /// Whether the loop runs on IoThread `id` (the node's home when it started).
+    pub fn on(&self, id: &str) -> bool {
+        self.home.as_deref() == Some(id)
     }
 }
 
@@ -152,9 +168,17 @@ where
         let lost = Err(stopped().to_string());
         let step = here.drive(lost, move || run(at, stay, there)).await;
         job.set_stay(None);
-        match step? {
-            Step::Done(t) => return Ok(t),
-            Step::Moved(moved) => at = moved,
+        match step {
+            Ok(Step::Moved(moved)) => at = moved,
+            // Ended on the way (cancelled, or its thread stopped): a pause it carried is
+            // over.
+            ended => {
+                job.end_carried_pause();
+                return ended.map(|step| match step {
+                    Step::Done(t) => t,
+                    Step::Moved(_) => unreachable!("matched above"),
+                });
+            }
         }
     }
 }
@@ -432,9 +456,14 @@ mod tests {
         )
         .unwrap();
         let g = got.clone();
+        let start = std::time::Instant::now();
         ctx.block_on(async move {
             meanwhile.await;
             while g.borrow().is_none() {
+                assert!(
+                    start.elapsed() < std::time::Duration::from_secs(20),
+                    "never ended"
+                );
                 stord_aio::sleep(std::time::Duration::from_millis(1)).await;
             }
         });
@@ -496,6 +525,20 @@ mod tests {
     }
 
     #[test]
+    fn a_move_once_seen_stays_seen() {
+        let node = crate::block::null::test_node("n");
+        node.set_home(Some("io1".into()));
+        let stay = Stay::new(&node);
+        let kept = stay.clone();
+        assert!(!stay.moved() && stay.on("io1"));
+        node.set_home(Some("io2".into()));
+        assert!(stay.moved());
+        // Straight back: the loop that saw the move is already on its way out.
+        node.set_home(Some("io1".into()));
+        assert!(stay.moved() && kept.moved());
+    }
+
+    #[test]
     fn a_job_cancelled_while_its_thread_cannot_be_looked_up_ends_at_once() {
         use std::time::{Duration, Instant};
         let ctx = AioContext::new(AioContextOptions::default()).unwrap();
@@ -529,18 +572,34 @@ mod tests {
 
     #[test]
     fn a_paused_loop_follows_its_node_and_the_thread_it_left_can_go() {
-        paused_loop_moves(false);
+        paused_loop_moves(Then::ResumeOnIo2);
     }
 
     #[test]
     fn a_job_resumed_as_its_paused_loop_moves_runs_on() {
-        paused_loop_moves(true);
+        paused_loop_moves(Then::ResumeInTransit);
     }
 
-    /// A job paused, its node moved from io1 to io2, then resumed: while its loop is
-    /// between the two threads (`in_transit`: as its next thread is looked up), or once
-    /// its loop is paused on io2 and io1 has stopped.
-    fn paused_loop_moves(in_transit: bool) {
+    #[test]
+    fn a_job_cancelled_as_its_paused_loop_leaves_goes_through_running() {
+        paused_loop_moves(Then::CancelAsItLeaves);
+    }
+
+    /// What follows the move of a paused job's node from io1 to io2.
+    #[derive(Clone, Copy, PartialEq)]
+    enum Then {
+        /// Resumed once its loop is paused on io2 and io1 has stopped.
+        ResumeOnIo2,
+        /// Resumed while its loop is between the two threads (as its next thread is
+        /// looked up).
+        ResumeInTransit,
+        /// Cancelled as its loop, its pause ended by the move, is about to leave io1.
+        CancelAsItLeaves,
+    }
+
+    /// A job paused, its node moved from io1 to io2, then `then`.
+    fn paused_loop_moves(then: Then) {
+        let in_transit = then == Then::ResumeInTransit;
         use std::thread::ThreadId;
         use std::time::Duration;
         let ctx = AioContext::new(AioContextOptions::default()).unwrap();
@@ -578,6 +637,12 @@ mod tests {
                 async move {
                     while at.len() < 40 {
                         job.ratelimit().await;
+                        if then == Then::CancelAsItLeaves && lock(&job.resume_to).is_some() {
+                            job.cancel(true).unwrap();
+                        }
+                        if job.is_cancelled() {
+                            return Ok(Step::Done(at));
+                        }
                         if stay.moved() {
                             return Ok(Step::Moved(at));
                         }
@@ -608,7 +673,7 @@ mod tests {
             // The node moves while the job is paused, and the thread it left goes.
             moving.set_home(Some("io2".into()));
             jobs.node_moved();
-            if in_transit {
+            if then != Then::ResumeOnIo2 {
                 return t1;
             }
             until(|| {
@@ -634,18 +699,29 @@ mod tests {
         if let Some(mut t1) = t1.take() {
             t1.stop();
         }
+        let states = || -> Vec<String> {
+            seen.got
+                .borrow()
+                .iter()
+                .filter(|e| e["event"] == "JOB_STATUS_CHANGE")
+                .map(|e| e["data"]["status"].as_str().unwrap().to_string())
+                .collect()
+        };
+        if then == Then::CancelAsItLeaves {
+            // Paused, then running again before it ends, as a cancelled paused job does.
+            assert!(ran_on.len() < 40);
+            let states = states();
+            let paused = states.iter().position(|s| s == "paused").unwrap();
+            assert_eq!(states[paused + 1], "running", "{states:?}");
+            t2.stop();
+            return;
+        }
         assert_eq!(ran_on.len(), 40);
         let last = ran_on[39];
         assert_ne!(ran_on[0], last, "the steps after the pause ran on io2");
         assert!(ran_on.iter().all(|t| *t != std::thread::current().id()));
         // One pause, one resume, as when nothing moved.
-        let states: Vec<String> = seen
-            .got
-            .borrow()
-            .iter()
-            .filter(|e| e["event"] == "JOB_STATUS_CHANGE")
-            .map(|e| e["data"]["status"].as_str().unwrap().to_string())
-            .collect();
+        let states = states();
         let paused = states.iter().position(|s| s == "paused").unwrap();
         assert_eq!(
             states.iter().filter(|s| *s == "paused").count(),

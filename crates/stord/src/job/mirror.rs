@@ -351,7 +351,7 @@ impl Mirror {
     async fn copy_until_told(&self, job: &Arc<Job>, l: &Looper) -> Result<bool, String> {
         let (looping, l) = (job.clone(), l.clone());
         let run = move |mut at: At, stay: Stay, here: Home| async move {
-            if !at.marked {
+            if !at.marked && !looping.is_cancelled() {
                 l.mark_initial().await?;
                 at.marked = true;
             }

@@ -612,10 +612,41 @@ impl Job {
         self.wait_until(|| !self.pausing() || self.loop_moved())
             .await;
         if self.pausing() {
+            // Still paused (not busy) while the loop moves.
+            self.idle.store(true, SeqCst);
             *lock(&self.resume_to) = Some(before);
             return;
         }
         self.unpause(before);
+    }
+
+    /// The loop ended while it carried a pause to a new thread: back to the state before
+    /// it, as a resume would (a cancelled paused job goes through running, as QEMU's).
+    pub(crate) fn end_carried_pause(&self) {
+        if let Some(before) = lock(&self.resume_to).take() {
+            self.unpause(before);
+        }
+    }
+
+    /// `job-cancel`: a paused job is resumed to stop; a ready job that can be completed
+    /// and is not forced ends as completed, its graph change left undone.
+    fn cancel(&self, force: bool) -> Result<(), JobError> {
+        self.check(Verb::Cancel)?;
+        {
+            let mut p = lock(&self.pause);
+            if std::mem::replace(&mut p.user, false) {
+                p.count = p.count.saturating_sub(1);
+            }
+        }
+        if !force && self.completable && self.is_ready() {
+            self.soft_cancelled.store(true, SeqCst);
+            self.wake();
+            return Ok(());
+        }
+        self.cancelled.store(true, SeqCst);
+        self.force_cancel.fetch_or(force, SeqCst);
+        self.wake();
+        Ok(())
     }
 
     /// Resumed: back to the state before the pause.
@@ -1102,6 +1133,15 @@ impl Jobs {
         }
     }
 
+    /// Whether a job's loop runs on IoThread `id` now (until it has left, the thread is
+    /// in use even after the node moved away).
+    pub fn loop_on(&self, id: &str) -> bool {
+        self.map
+            .borrow()
+            .values()
+            .any(|job| lock(&job.stay).as_ref().is_some_and(|s| s.on(id)))
+    }
+
     fn get(&self, id: &str) -> Result<Arc<Job>, JobError> {
         self.map.borrow().get(id).cloned().ok_or(JobError::NotFound)
     }
@@ -1183,22 +1223,7 @@ impl Jobs {
 
     /// `job-cancel` (force) and `block-job-cancel`: a paused job is resumed to stop.
     pub fn cancel(&self, job: &Job, force: bool) -> Result<(), JobError> {
-        job.check(Verb::Cancel)?;
-        {
-            let mut p = lock(&job.pause);
-            if std::mem::replace(&mut p.user, false) {
-                p.count = p.count.saturating_sub(1);
-            }
-        }
-        if !force && job.completable && job.is_ready() {
-            job.soft_cancelled.store(true, SeqCst);
-            job.wake();
-            return Ok(());
-        }
-        job.cancelled.store(true, SeqCst);
-        job.force_cancel.fetch_or(force, SeqCst);
-        job.wake();
-        Ok(())
+        job.cancel(force)
     }
 
     /// `block-job-cancel`: refused for a paused job unless forced, as QEMU.
