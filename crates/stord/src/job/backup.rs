@@ -143,12 +143,6 @@ pub struct Backup {
     pub target_attached: JobAttachment,
 }
 
-impl Backup {
-    fn progress(&self, job: &Job) {
-        progress(&self.copy, job);
-    }
-}
-
 /// Shows what `copy` has copied and has left as the job's progress.
 fn progress(copy: &CopyBeforeWrite, job: &Job) {
     let done = copy.copied();
@@ -163,16 +157,16 @@ pub async fn run(
     job: Arc<Job>,
     home: impl Fn() -> Option<Home>,
 ) -> Result<Finish, String> {
-    b.progress(&job);
+    progress(&b.copy, &job);
     if b.sync == Sync::None {
         while !job.is_cancelled() {
             job.sleep(IDLE).await;
-            b.progress(&job);
+            progress(&b.copy, &job);
         }
         return Ok(None);
     }
     let r = copy_all(&b, &job, &home).await;
-    b.progress(&job);
+    progress(&b.copy, &job);
     if !r? {
         return Ok(None);
     }

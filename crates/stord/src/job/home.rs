@@ -168,18 +168,17 @@ where
         let lost = Err(stopped().to_string());
         let step = here.drive(lost, move || run(at, stay, there)).await;
         job.set_stay(None);
-        match step {
-            Ok(Step::Moved(moved)) => at = moved,
-            // Ended on the way (cancelled, or its thread stopped): a pause it carried is
-            // over.
-            ended => {
-                job.end_carried_pause();
-                return ended.map(|step| match step {
-                    Step::Done(t) => t,
-                    Step::Moved(_) => unreachable!("matched above"),
-                });
+        let ended = match step {
+            Ok(Step::Moved(moved)) => {
+                at = moved;
+                continue;
             }
-        }
+            Ok(Step::Done(t)) => Ok(t),
+            Err(e) => Err(e),
+        };
+        // Ended on the way (cancelled, or its thread stopped): a pause it carried is over.
+        job.end_carried_pause();
+        return ended;
     }
 }
 
@@ -470,27 +469,40 @@ mod tests {
         got.take().unwrap()
     }
 
-    #[test]
-    fn a_loop_follows_its_node_to_another_iothread_from_where_it_was() {
-        use std::thread::ThreadId;
+    /// A loop, two IoThreads, a node on the first ("io1"), and where the node is served
+    /// now: "io1" the first thread, any other name the second.
+    fn two_threads_and_a_node() -> (
+        AioContext,
+        IoThread,
+        IoThread,
+        Arc<BlockNode>,
+        impl Fn() -> Home + Clone,
+    ) {
         let ctx = AioContext::new(AioContextOptions::default()).unwrap();
-        let mut t1 = IoThread::spawn(AioContextOptions::default()).unwrap();
-        let mut t2 = IoThread::spawn(AioContextOptions::default()).unwrap();
+        let t1 = IoThread::spawn(AioContextOptions::default()).unwrap();
+        let t2 = IoThread::spawn(AioContextOptions::default()).unwrap();
         let (r1, r2) = (t1.remote().clone(), t2.remote().clone());
         let node = crate::block::null::test_node("n");
         node.set_home(Some("io1".into()));
         let n = node.clone();
+        let serving = move || match n.home().as_deref() {
+            Some("io1") => Home::IoThread(r1.clone()),
+            Some(_) => Home::IoThread(r2.clone()),
+            None => Home::Main,
+        };
+        (ctx, t1, t2, node, serving)
+    }
+
+    #[test]
+    fn a_loop_follows_its_node_to_another_iothread_from_where_it_was() {
+        use std::thread::ThreadId;
+        let (ctx, mut t1, mut t2, node, serving) = two_threads_and_a_node();
         // The first look finds no thread (as when the daemon's state is busy): the loop
         // waits for one rather than run on the main loop.
         let looks = std::cell::Cell::new(0);
         let home = move || {
             looks.set(looks.get() + 1);
-            Some(match n.home().as_deref() {
-                _ if looks.get() == 1 => return None,
-                Some("io1") => Home::IoThread(r1.clone()),
-                Some(_) => Home::IoThread(r2.clone()),
-                None => Home::Main,
-            })
+            (looks.get() > 1).then(&serving)
         };
         let moving = node.clone();
         // Ten steps; at the fourth the node moves to io2.
@@ -602,30 +614,18 @@ mod tests {
         let in_transit = then == Then::ResumeInTransit;
         use std::thread::ThreadId;
         use std::time::Duration;
-        let ctx = AioContext::new(AioContextOptions::default()).unwrap();
-        let mut t1 = IoThread::spawn(AioContextOptions::default()).unwrap();
-        let mut t2 = IoThread::spawn(AioContextOptions::default()).unwrap();
-        let (r1, r2) = (t1.remote().clone(), t2.remote().clone());
-        let node = crate::block::null::test_node("n");
-        node.set_home(Some("io1".into()));
-        let n = node.clone();
+        let (ctx, mut t1, mut t2, node, serving) = two_threads_and_a_node();
         let (jobs, events) = (
             crate::job::Jobs::default(),
             crate::events::Events::default(),
         );
-        let resumer = jobs.clone();
+        let (resumer, n) = (jobs.clone(), node.clone());
         let home = move || {
-            Some(match n.home().as_deref() {
-                Some("io1") => Home::IoThread(r1.clone()),
-                Some(_) => {
-                    if in_transit {
-                        let job = resumer.find("j", false).unwrap();
-                        let _ = resumer.resume(&job);
-                    }
-                    Home::IoThread(r2.clone())
-                }
-                None => Home::Main,
-            })
+            if in_transit && n.home().as_deref() == Some("io2") {
+                let job = resumer.find("j", false).unwrap();
+                let _ = resumer.resume(&job);
+            }
+            Some(serving())
         };
         let seen = crate::events::Recorder::listen(&events);
         let steps = Arc::new(Mutex::new(0usize));
@@ -646,6 +646,8 @@ mod tests {
                         if stay.moved() {
                             return Ok(Step::Moved(at));
                         }
+                        // A step runs only with the job shown running.
+                        assert_eq!(job.status(), crate::job::JobStatus::Running);
                         at.push(std::thread::current().id());
                         *counted.lock().unwrap() += 1;
                         stord_aio::sleep(Duration::from_millis(2)).await;

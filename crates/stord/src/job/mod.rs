@@ -593,14 +593,12 @@ impl Job {
     /// cancelled, then back to the state before. A pause on a thread the job's node left
     /// ends early, still paused: the loop moves and pauses on again there.
     pub async fn pause_point(&self) {
-        // Paused on the thread the node left: the state to go back to came along.
-        let kept = lock(&self.resume_to).take();
         if !self.pausing() {
-            if let Some(before) = kept {
-                self.unpause(before);
-            }
+            self.end_carried_pause();
             return;
         }
+        // Paused on the thread the node left: the state to go back to came along.
+        let kept = lock(&self.resume_to).take();
         let before = kept.unwrap_or_else(|| self.status());
         if kept.is_none() {
             self.set(if before == JobStatus::Ready {
@@ -620,8 +618,9 @@ impl Job {
         self.unpause(before);
     }
 
-    /// The loop ended while it carried a pause to a new thread: back to the state before
-    /// it, as a resume would (a cancelled paused job goes through running, as QEMU's).
+    /// A pause carried to a new thread is over (resumed or cancelled meanwhile, or the
+    /// loop ended): back to the state before it, as a resume would (a cancelled paused
+    /// job goes through running, as QEMU's).
     pub(crate) fn end_carried_pause(&self) {
         if let Some(before) = lock(&self.resume_to).take() {
             self.unpause(before);
