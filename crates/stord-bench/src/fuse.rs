@@ -6,8 +6,10 @@
 
 use std::path::Path;
 
-use crate::nbd::{bench_dir, prepare_image, which, Row, IMAGE_SIZE};
-use crate::peers::{process_cpu_ns, run_fio, stord_binary, FioResult};
+use crate::daemon_args::fuse_args;
+use crate::matrix::Row;
+use crate::media::{bench_dir, prepare_image, IMAGE_SIZE};
+use crate::peers::{process_cpu_ns, run_fio, stord_binary, which, FioResult, Mounted};
 
 /// Options of the FUSE benchmark.
 pub struct FuseOptions {
@@ -37,31 +39,6 @@ const WORKLOADS: [(&str, u32); 4] = [
     ("randwrite", 16),
 ];
 
-fn is_mounted(p: &Path) -> bool {
-    let needle = format!(" {} ", p.display());
-    std::fs::read_to_string("/proc/mounts")
-        .map(|m| m.lines().any(|l| l.contains(&needle)))
-        .unwrap_or(false)
-}
-
-/// A daemon with its FUSE export mounted; unmounted and stopped when dropped.
-pub(crate) struct Mounted {
-    pub child: std::process::Child,
-    mnt: std::path::PathBuf,
-}
-
-impl Drop for Mounted {
-    fn drop(&mut self) {
-        // SAFETY: kill(2) on our own child.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let _ = self.child.wait();
-        let start = std::time::Instant::now();
-        while is_mounted(&self.mnt) && start.elapsed().as_secs() < 5 {
-            std::thread::sleep(std::time::Duration::from_millis(10));
-        }
-    }
-}
-
 fn start(daemon: &str, backend: &str, img: &Path, mnt: &Path, threads: usize) -> Mounted {
     let node = match backend {
         "null" => format!("driver=null-co,node-name=disk,size={IMAGE_SIZE},read-zeroes=on"),
@@ -76,62 +53,8 @@ fn start(daemon: &str, backend: &str, img: &Path, mnt: &Path, threads: usize) ->
         which("qemu-storage-daemon")
     };
     let objects = (0..threads).map(|i| format!("iothread,id=io{i}")).collect();
-    start_with(&bin, objects, node, mnt, daemon == "stord-uring")
-}
-
-/// Starts `bin` with `--object` for each of `iothreads` (ids io0, io1, ...), the block
-/// node `node` (named "disk") and a FUSE export on `mnt` with one queue per IoThread;
-/// returns once the file is mounted.
-pub(crate) fn start_with(
-    bin: &Path,
-    iothreads: Vec<String>,
-    node: String,
-    mnt: &Path,
-    io_uring: bool,
-) -> Mounted {
-    std::fs::write(mnt, b"").expect("mountpoint");
-    let threads = iothreads.len();
-    let mut args: Vec<String> = Vec::new();
-    for obj in iothreads {
-        args.push("--object".into());
-        args.push(obj);
-    }
-    args.push("--blockdev".into());
-    args.push(node);
-    let mut export = format!(
-        "type=fuse,id=f0,node-name=disk,mountpoint={},writable=on",
-        mnt.display()
-    );
-    if threads == 1 {
-        export.push_str(",iothread=io0");
-    } else {
-        for i in 0..threads {
-            export.push_str(&format!(",iothread.{i}=io{i}"));
-        }
-    }
-    if io_uring {
-        export.push_str(",io-uring=on");
-    }
-    args.push("--export".into());
-    args.push(export);
-    let child = std::process::Command::new(bin)
-        .args(&args)
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .expect("start daemon");
-    let start = std::time::Instant::now();
-    while !is_mounted(mnt) {
-        assert!(
-            start.elapsed().as_secs() < 15,
-            "{} did not mount",
-            bin.display()
-        );
-        std::thread::sleep(std::time::Duration::from_millis(10));
-    }
-    Mounted {
-        child,
-        mnt: mnt.to_path_buf(),
-    }
+    let args = fuse_args(objects, node, mnt, daemon == "stord-uring");
+    Mounted::start(&bin, &args, mnt)
 }
 
 fn fio_args(rw: &str, qd: u32, runtime: u64, filename: &Path) -> Vec<String> {

@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use crate::nbd::{bench_dir, which};
-use crate::peers::{process_cpu_ns, stord_binary, Daemon};
+use crate::media::bench_dir;
+use crate::peers::{process_cpu_ns, stord_binary, which, Daemon};
 
 /// One daemon's idle cost.
 #[derive(Debug, Serialize)]

@@ -12,9 +12,10 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use crate::nbd::median;
+use crate::matrix::median;
+use crate::media::{Media, Paths};
 use crate::peers::FioResult;
-use crate::report::session::{Export, Measured, Media, Paths, Session, Timing, Workload};
+use crate::report::session::{Export, Measured, Session, Timing, Workload};
 
 pub struct LoadOptions {
     pub timing: Timing,

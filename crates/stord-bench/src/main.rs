@@ -35,16 +35,19 @@
 //! - `report-docs FILE.json`: regenerates the docs from an earlier report's JSON.
 
 mod aio;
-mod blkio_client;
+mod daemon_args;
 mod fuse;
 mod idle;
 mod load;
+mod matrix;
+mod media;
 mod nbd;
 mod peers;
 mod qmp;
 mod report;
 mod timeline;
 mod vhost;
+mod vhost_client;
 
 use std::path::PathBuf;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -129,10 +132,10 @@ fn write_rows(
     out: Option<PathBuf>,
     kind: &str,
     name: &str,
-    rows: &[nbd::Row],
+    rows: &[matrix::Row],
     mut doc: serde_json::Value,
 ) {
-    let table = nbd::markdown(rows);
+    let table = matrix::markdown(rows);
     println!("{table}");
     doc["benchmark"] = name.into();
     doc["rows"] = serde_json::to_value(rows).unwrap();

@@ -1,5 +1,6 @@
-//! Running the daemons under test (stord, qemu-storage-daemon, nbdkit) and fio, and
-//! measuring a daemon's CPU time.
+//! Finding and running the daemons under test (stord, qemu-storage-daemon, nbdkit): one
+//! listening on a socket, or with its FUSE export mounted; running fio; and measuring a
+//! daemon's CPU time.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -28,6 +29,20 @@ pub fn stord_binary() -> PathBuf {
             root.join("target/release/stord")
         })
         .clone()
+}
+
+/// The path of `cmd` (a daemon or tool the benchmarks run), or a panic naming the script
+/// that installs it.
+pub(crate) fn which(cmd: &str) -> PathBuf {
+    let out = Command::new("sh")
+        .args(["-c", &format!("command -v {cmd}")])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{cmd} not found: run scripts/install-deps.sh"
+    );
+    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
 }
 
 /// A daemon process that is killed when dropped.
@@ -106,6 +121,57 @@ impl Drop for Daemon {
         }
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+fn is_mounted(p: &Path) -> bool {
+    let needle = format!(" {} ", p.display());
+    std::fs::read_to_string("/proc/mounts")
+        .map(|m| m.lines().any(|l| l.contains(&needle)))
+        .unwrap_or(false)
+}
+
+/// A daemon with its FUSE export mounted; unmounted and stopped when dropped.
+pub(crate) struct Mounted {
+    pub child: Child,
+    mnt: PathBuf,
+}
+
+impl Mounted {
+    /// Starts `bin args` (whose FUSE export mounts on `mnt`, made here as an empty file);
+    /// returns once the file is mounted.
+    pub fn start(bin: &Path, args: &[String], mnt: &Path) -> Mounted {
+        std::fs::write(mnt, b"").expect("mountpoint");
+        let child = Command::new(bin)
+            .args(args)
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("start daemon");
+        let start = Instant::now();
+        while !is_mounted(mnt) {
+            assert!(
+                start.elapsed().as_secs() < 15,
+                "{} did not mount",
+                bin.display()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        Mounted {
+            child,
+            mnt: mnt.to_path_buf(),
+        }
+    }
+}
+
+impl Drop for Mounted {
+    fn drop(&mut self) {
+        // SAFETY: kill(2) on our own child.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let _ = self.child.wait();
+        let start = Instant::now();
+        while is_mounted(&self.mnt) && start.elapsed().as_secs() < 5 {
+            std::thread::sleep(Duration::from_millis(10));
+        }
     }
 }
 

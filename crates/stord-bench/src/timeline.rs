@@ -28,8 +28,9 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use crate::nbd::median;
-use crate::report::session::{Export, Media, Paths, Session, Timing, Workload};
+use crate::matrix::median;
+use crate::media::{Media, Paths};
+use crate::report::session::{Export, Session, Timing, Workload};
 
 pub struct TimelineOptions {
     pub exports: Vec<Export>,

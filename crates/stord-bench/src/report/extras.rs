@@ -10,7 +10,9 @@ use serde::Serialize;
 use serde_json::{json, Value};
 use stord_aio::{AioContextOptions, IoThread, PolicyKind, PollParams, ReactorKind};
 
-use super::session::{nbd_args, Paths, Running, Session, Timing, Workload};
+use super::session::{Running, Session, Timing, Workload};
+use crate::daemon_args::nbd_args;
+use crate::media::Paths;
 use crate::peers::Daemon;
 
 /// One point of a policy's load curve.

@@ -34,9 +34,10 @@ use serde_json::json;
 use stord_aio::{PolicyKind, ReactorKind};
 
 pub use session::{Export, Workload};
-use session::{Media, Running, Session, Timing};
+use session::{Running, Session, Timing};
 
-use crate::nbd::median;
+use crate::matrix::median;
+use crate::media::{Media, IMAGE_SIZE};
 use crate::peers::{repo_root, stord_binary, FioResult};
 
 /// Options of the report.
@@ -477,7 +478,7 @@ pub fn run(opts: &ReportOptions) -> PathBuf {
             "ramp_ms": t.ramp.as_millis() as u64,
             "reps": opts.reps,
             "quick": opts.quick,
-            "image_bytes": crate::nbd::IMAGE_SIZE,
+            "image_bytes": IMAGE_SIZE,
         },
         "matrix": matrix,
         "daemon_restarts": restarts,

@@ -3,13 +3,12 @@
 //! FUSE and on the image itself for the raw floor, our own frontend or libblkio for
 //! vhost-user-blk.
 
-use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use crate::fuse::{start_with as mount_fuse, Mounted};
-use crate::nbd::{bench_dir, prepare_image, which, FastDev, IMAGE_SIZE};
-use crate::peers::{stord_binary, try_run_fio, Daemon, FioResult, ProcStat, ProcUse};
-use crate::vhost::{drive_with, export_args as vhost_args, DriveSpec};
+use crate::daemon_args::{blockdev, fuse_args, nbd_args, qsd_style, vhost_args};
+use crate::media::{Paths, IMAGE_SIZE};
+use crate::peers::{try_run_fio, Daemon, FioResult, Mounted, ProcStat, ProcUse};
+use crate::vhost_client::{drive_with, DriveSpec};
 
 /// The exports a session can serve (vhost-user-blk once per client that drives it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -63,145 +62,6 @@ impl Workload {
 pub struct Timing {
     pub ramp: Duration,
     pub runtime: Duration,
-}
-
-/// Paths the sessions share.
-pub struct Paths {
-    pub img: PathBuf,
-    pub sock: PathBuf,
-    pub mnt: PathBuf,
-}
-
-/// The media sessions serve from: the 1 GiB image file under `results/tmp` (filled when a
-/// `file-*` backend is asked for) and the fast device (attached when `dev` is, detached
-/// when this is dropped).
-pub struct Media {
-    file: PathBuf,
-    fastdev: Option<FastDev>,
-}
-
-impl Media {
-    pub fn prepare(backends: &[&str]) -> Media {
-        let file = bench_dir().join("nbd-bench.img");
-        if backends.iter().any(|b| b.starts_with("file-")) {
-            prepare_image(&file);
-        }
-        let fastdev = backends.contains(&"dev").then(FastDev::attach);
-        Media { file, fastdev }
-    }
-
-    /// The paths of a session on `backend`, its socket and FUSE mountpoint named after
-    /// `tag` under `results/tmp`.
-    pub fn paths(&self, backend: &str, tag: &str) -> Paths {
-        let dir = bench_dir();
-        let img = match (backend, &self.fastdev) {
-            ("dev", Some(f)) => f.dev.clone(),
-            _ => self.file.clone(),
-        };
-        Paths {
-            img,
-            sock: dir.join(format!("{tag}.sock")),
-            mnt: dir.join(format!("{tag}-fuse-mnt")),
-        }
-    }
-}
-
-/// `--blockdev` for `backend`: null, file-<aio mode> with O_DIRECT, or `dev` (a block
-/// device, `img` being its path: the fast-device medium of [`crate::nbd::FastDev`]).
-pub fn blockdev(backend: &str, img: &Path) -> String {
-    if backend == "dev" {
-        return format!(
-            "driver=host_device,node-name=disk,filename={},aio=io_uring,cache.direct=on",
-            img.display()
-        );
-    }
-    if let Some(kind) = backend.strip_prefix("qcow2-") {
-        return format!(
-            "driver=qcow2,node-name=disk,file.driver=file,file.filename={},file.aio=io_uring,\
-             file.cache.direct=on",
-            qcow2_image(img, kind).display()
-        );
-    }
-    match backend.strip_prefix("file-") {
-        None => format!("driver=null-co,node-name=disk,size={IMAGE_SIZE},read-zeroes=on"),
-        Some(aio) => format!(
-            "driver=file,node-name=disk,filename={},aio={aio},cache.direct=on",
-            img.display()
-        ),
-    }
-}
-
-/// The qcow2 image of a `qcow2-KIND` backend, beside the raw one (`full`: every cluster
-/// allocated with the raw image's data; `empty`: nothing allocated).
-pub fn qcow2_image(img: &Path, kind: &str) -> PathBuf {
-    img.with_file_name(format!("nbd-bench-{kind}.qcow2"))
-}
-
-/// The binary and the `--object iothread` of a stord-POLICY, base-POLICY, qsd or qsd-poll0
-/// daemon. `base-POLICY` is an earlier stord build, named by `STORD_BENCH_BASELINE`, so a
-/// change can be measured before and after in one run.
-pub fn qsd_style(daemon: &str) -> (PathBuf, String) {
-    if let Some(policy) = daemon.strip_prefix("base-") {
-        let bin = std::env::var_os("STORD_BENCH_BASELINE")
-            .map(PathBuf::from)
-            .expect("base-POLICY needs STORD_BENCH_BASELINE=<an earlier stord binary>");
-        return (bin, format!("iothread,id=io0,poll-policy={policy}"));
-    }
-    match daemon.strip_prefix("stord-") {
-        // stord-POLICY, stord-POLICY:MAXNS for another poll-max-ns, and any more IoThread
-        // options after '+' (stord-classic+poll-yield-ns=0).
-        Some(spec) => {
-            let mut parts = spec.split('+');
-            let head = parts.next().unwrap_or(spec);
-            let (policy, max) = match head.split_once(':') {
-                Some((p, m)) => (p, format!(",poll-max-ns={m}")),
-                None => (head, String::new()),
-            };
-            let extra: String = parts.map(|o| format!(",{o}")).collect();
-            (
-                stord_binary(),
-                format!("iothread,id=io0,poll-policy={policy}{max}{extra}"),
-            )
-        }
-        None => {
-            let bin = which("qemu-storage-daemon");
-            match daemon {
-                "qsd" => (bin, "iothread,id=io0".into()),
-                "qsd-poll0" => (bin, "iothread,id=io0,poll-max-ns=0".into()),
-                other => panic!("unknown daemon {other}"),
-            }
-        }
-    }
-}
-
-/// Arguments that serve `backend` over NBD on `sock` (export name "disk"), and the URI.
-pub fn nbd_args(daemon: &str, backend: &str, p: &Paths) -> (PathBuf, Vec<String>, String) {
-    if daemon == "nbdkit" {
-        let mut args = vec!["-f".to_string(), "-U".into(), p.sock.display().to_string()];
-        match backend {
-            "null" => args.extend(["null".into(), "1G".into()]),
-            _ => args.extend([
-                "file".into(),
-                p.img.display().to_string(),
-                "cache=none".into(),
-            ]),
-        }
-        let uri = format!("nbd+unix:///?socket={}", p.sock.display());
-        return (which("nbdkit"), args, uri);
-    }
-    let (bin, iothread) = qsd_style(daemon);
-    let args = vec![
-        "--object".into(),
-        iothread,
-        "--blockdev".into(),
-        blockdev(backend, &p.img),
-        "--nbd-server".into(),
-        format!("addr.type=unix,addr.path={}", p.sock.display()),
-        "--export".into(),
-        "type=nbd,id=exp0,node-name=disk,name=disk,writable=on,iothread=io0".into(),
-    ];
-    let uri = format!("nbd+unix:///disk?socket={}", p.sock.display());
-    (bin, args, uri)
 }
 
 /// A running daemon (or none, for the raw floor).
@@ -313,13 +173,8 @@ impl Session {
             }
             Export::Fuse => {
                 let (bin, iothread) = qsd_style(daemon);
-                Running::Fuse(mount_fuse(
-                    &bin,
-                    vec![iothread],
-                    blockdev(backend, &p.img),
-                    &p.mnt,
-                    false,
-                ))
+                let args = fuse_args(vec![iothread], blockdev(backend, &p.img), &p.mnt, false);
+                Running::Fuse(Mounted::start(&bin, &args, &p.mnt))
             }
             Export::Vhost | Export::VhostBlkio | Export::VhostBlkioPoll => {
                 let (bin, iothread) = qsd_style(daemon);

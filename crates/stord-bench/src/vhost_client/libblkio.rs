@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 
 use blkio::{Blkio, Blkioq, Completion, ReqFlags};
 
+use super::spec::{think, DriveSpec};
 use crate::peers::FioResult;
-use crate::vhost::DriveSpec;
 
 /// Which kind of libblkio queue drives the load.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -168,7 +168,7 @@ fn run_queue(q: &mut Blkioq, buf: usize, capacity: u64, spec: &DriveSpec, seed: 
             if measure_start.is_some() {
                 lat_ns.push((now - started[slot]).as_nanos() as u64);
             }
-            crate::vhost::think(spec.think, spec.think_spin);
+            think(spec.think, spec.think_spin);
             free.push(slot);
         }
         in_flight -= n;
