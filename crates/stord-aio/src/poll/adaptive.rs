@@ -341,11 +341,8 @@ mod tests {
 
     impl Loop {
         fn new() -> Self {
-            let mut p = Adaptive::new(&PollParams::default());
-            p.add_handler(0);
-            p.add_handler(1);
             Self {
-                p,
+                p: new_policy(),
                 polled: 0,
                 iterations: 0,
                 cpu: 0,

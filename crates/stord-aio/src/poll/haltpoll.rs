@@ -66,42 +66,7 @@ impl PollPolicy for Haltpoll {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// QEMU's defaults (the rules' tests below use its 32768 maximum).
-    fn qemu() -> PollParams {
-        PollParams {
-            max_ns: super::super::QEMU_POLL_MAX_NS,
-            ..PollParams::default()
-        }
-    }
-
-    fn slept(p: &mut Haltpoll, ns: u64) -> u64 {
-        p.adjust(&Observation {
-            block_ns: ns,
-            slept_ns: Some(ns),
-            events: &[],
-            polled_ns: 0,
-            work: 1,
-            served: 0,
-            elapsed_ns: 0,
-            cpu_ns: None,
-        });
-        p.window_ns()
-    }
-
-    fn polled(p: &mut Haltpoll, ns: u64) -> u64 {
-        p.adjust(&Observation {
-            block_ns: ns,
-            slept_ns: None,
-            events: &[0],
-            polled_ns: 0,
-            work: 1,
-            served: 0,
-            elapsed_ns: 0,
-            cpu_ns: None,
-        });
-        p.window_ns()
-    }
+    use crate::poll::testing::{polled, qemu, slept};
 
     #[test]
     fn grows_from_grow_start_and_doubles_to_the_maximum() {

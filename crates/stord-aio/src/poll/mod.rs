@@ -4,7 +4,8 @@
 //! for work (`block_ns`, polling plus blocking, dispatch excluded), whether it really slept
 //! and for how long, and which poll handlers had events. The policy answers with the next
 //! polling window. Policies are pure state machines with no clock of their own, so tests
-//! drive them with synthetic waits and assert the exact window after each step.
+//! drive them with synthetic waits and assert the exact window after each step (the
+//! helpers that feed them are shared, in `testing`).
 //!
 //! One file per policy: [`off`], [`adaptive`] (the default: classic's windows, kept only
 //! where the waits they shorten outweigh the time they spin), [`classic`] (QEMU's
@@ -16,6 +17,8 @@ pub mod adaptive;
 pub mod classic;
 pub mod haltpoll;
 pub mod off;
+#[cfg(test)]
+mod testing;
 pub mod weighted;
 
 use std::fmt;

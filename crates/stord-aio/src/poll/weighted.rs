@@ -120,28 +120,7 @@ impl PollPolicy for Weighted {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// QEMU's defaults (the rules' tests below use its 32768 maximum).
-    fn qemu() -> PollParams {
-        PollParams {
-            max_ns: super::super::QEMU_POLL_MAX_NS,
-            ..PollParams::default()
-        }
-    }
-
-    fn step(p: &mut Weighted, block_ns: u64, events: &[HandlerId]) -> u64 {
-        p.adjust(&Observation {
-            block_ns,
-            slept_ns: None,
-            events,
-            polled_ns: 0,
-            work: 1,
-            served: 0,
-            elapsed_ns: 0,
-            cpu_ns: None,
-        });
-        p.window_ns()
-    }
+    use crate::poll::testing::{qemu, step};
 
     fn estimate(p: &Weighted, id: HandlerId) -> u64 {
         let mut w = Vec::new();
