@@ -5,9 +5,10 @@
 //! their bytes must live on the heap (or in static memory) at an address that does not
 //! change when the owning value is moved, and must stay valid until the value is dropped.
 
-use std::alloc::{self, Layout};
 use std::ops::{Deref, DerefMut};
 use std::ptr::NonNull;
+
+use crate::memory::{raw_alloc, raw_free, PAGE};
 
 /// A buffer the kernel may read from while an operation is in flight.
 ///
@@ -98,8 +99,8 @@ unsafe impl IoBuf for &'static [u8] {
 ///
 /// Two ways to get one: [`AlignedBuf::zeroed`] (fresh, all zero bytes) and
 /// [`AlignedBuf::from_pool`] (recycled through the calling thread's [pool](crate::pool):
-/// initialised, but holding whatever an earlier request left there). Capacities of
-/// [`MAP_MIN`] bytes and more are mapped straight from the kernel, so their memory goes
+/// initialised, but holding whatever an earlier request left there). Capacities of 1 MiB
+/// (`memory::MAP_MIN`) and more are mapped straight from the kernel, so their memory goes
 /// back to it the moment the buffer is freed rather than lingering in the allocator's heap.
 pub struct AlignedBuf {
     ptr: NonNull<u8>,
@@ -108,58 +109,6 @@ pub struct AlignedBuf {
     align: usize,
     /// Returned to the owning thread's pool on drop (if it has room).
     pooled: bool,
-}
-
-/// Capacity from which buffers are mmap'ed rather than taken from the allocator.
-pub const MAP_MIN: usize = 1 << 20;
-const PAGE: usize = 4096;
-
-fn mapped(cap: usize, align: usize) -> bool {
-    cap >= MAP_MIN && align <= PAGE
-}
-
-/// Allocates `cap` (> 0) zero bytes aligned to `align`.
-fn raw_alloc(cap: usize, align: usize) -> NonNull<u8> {
-    if mapped(cap, align) {
-        // SAFETY: an anonymous private mapping takes no pointer from us; the result is
-        // checked for MAP_FAILED before use. Mappings are page-aligned and zero-filled.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                cap,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        if p != libc::MAP_FAILED {
-            if let Some(p) = NonNull::new(p.cast::<u8>()) {
-                return p;
-            }
-        }
-        let layout = Layout::from_size_align(cap, align).expect("bad AlignedBuf layout");
-        alloc::handle_alloc_error(layout);
-    }
-    let layout = Layout::from_size_align(cap, align).expect("bad AlignedBuf layout");
-    // SAFETY: the layout has a non-zero size.
-    let p = unsafe { alloc::alloc_zeroed(layout) };
-    NonNull::new(p).unwrap_or_else(|| alloc::handle_alloc_error(layout))
-}
-
-/// Frees what [`raw_alloc`] returned for the same `cap` and `align`.
-///
-/// # Safety
-/// `ptr` must come from `raw_alloc(cap, align)` and not be used afterwards.
-pub(crate) unsafe fn raw_free(ptr: NonNull<u8>, cap: usize, align: usize) {
-    if mapped(cap, align) {
-        // SAFETY: the caller passes a mapping of exactly `cap` bytes made by raw_alloc.
-        unsafe { libc::munmap(ptr.as_ptr().cast(), cap) };
-        return;
-    }
-    let layout = Layout::from_size_align(cap, align).expect("layout");
-    // SAFETY: allocated by raw_alloc with this same layout (the caller's contract).
-    unsafe { alloc::dealloc(ptr.as_ptr(), layout) }
 }
 
 // SAFETY: AlignedBuf owns its allocation exclusively, like a Vec<u8>.

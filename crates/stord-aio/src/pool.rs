@@ -37,7 +37,7 @@ impl Drop for Pool {
             for p in list.drain(..) {
                 // SAFETY: every cached pointer came from raw_alloc(cap, 4096) for its class
                 // and is owned by the cache alone.
-                unsafe { crate::buf::raw_free(p, cap, MIN_CLASS) };
+                unsafe { crate::memory::raw_free(p, cap, MIN_CLASS) };
             }
         }
     }
