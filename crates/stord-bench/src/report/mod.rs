@@ -30,14 +30,14 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
-use serde_json::json;
+use serde_json::{json, Value};
 use stord_aio::{PolicyKind, ReactorKind};
 
 pub use session::{Export, Workload};
 use session::{Running, Session, Timing};
 
 use crate::matrix::median;
-use crate::media::{Media, IMAGE_SIZE};
+use crate::media::{Media, Paths, IMAGE_SIZE};
 use crate::peers::{repo_root, stord_binary, FioResult};
 
 /// Options of the report.
@@ -345,7 +345,59 @@ pub fn run(opts: &ReportOptions) -> PathBuf {
     install_deps();
     let stord = stord_binary();
     eprintln!("report: stord at {}", stord.display());
-    // The image file always (the extras use it), the fast device if an export runs on it.
+    let media = Media::prepare(&media_backends(opts));
+    let paths = media.paths("file-io_uring", "report");
+    let dev_paths = media.paths("dev", "report");
+    let t = opts.timing;
+    let run_s = (t.ramp + t.runtime).as_secs_f64() + 0.35;
+
+    let blocks = plan(opts);
+    let (est, steps) = estimate(&blocks, opts, run_s);
+    let mut prog = Progress::new(est, steps);
+    let started = Instant::now();
+
+    let mut matrix = MatrixRun {
+        opts,
+        prog: &mut prog,
+        run_s,
+        results: HashMap::new(),
+        order: Vec::new(),
+        restarts: HashMap::new(),
+    };
+    for block in blocks {
+        let block_paths = if block.backend == "dev" {
+            &dev_paths
+        } else {
+            &paths
+        };
+        matrix.run_block(&block, block_paths);
+    }
+    let (rows, restarts) = matrix.into_rows();
+    let mut doc = report_doc(opts, rows, restarts);
+
+    if opts.extras {
+        run_extras(&mut doc, &t, &paths, &mut prog, run_s);
+    }
+    let _ = std::fs::remove_file(&paths.sock);
+    let _ = std::fs::remove_file(&paths.mnt);
+
+    doc["duration_s"] = started.elapsed().as_secs_f64().into();
+    let path = write_report(opts, doc);
+    eprintln!(
+        "report: {} in {}, results in {}",
+        steps,
+        mmss(started.elapsed().as_secs_f64()),
+        path.display()
+    );
+    if opts.docs {
+        generate_docs(&path);
+    }
+    path
+}
+
+/// The media to prepare: the image file always (the extras use it), the fast device if an
+/// export runs on it.
+fn media_backends(opts: &ReportOptions) -> Vec<&'static str> {
     let mut media_backends = vec!["file-io_uring"];
     if opts
         .exports
@@ -354,13 +406,11 @@ pub fn run(opts: &ReportOptions) -> PathBuf {
     {
         media_backends.push("dev");
     }
-    let media = Media::prepare(&media_backends);
-    let paths = media.paths("file-io_uring", "report");
-    let dev_paths = media.paths("dev", "report");
-    let t = opts.timing;
-    let run_s = (t.ramp + t.runtime).as_secs_f64() + 0.35;
+    media_backends
+}
 
-    // The plan: the matrix, then the placement pass over the headline cases.
+/// The plan: the matrix, then the placement pass over the headline cases.
+fn plan(opts: &ReportOptions) -> Vec<Block> {
     let exports = opts.exports.clone();
     let all = opts.all_engines;
     let mut blocks: Vec<Block> = exports
@@ -387,6 +437,11 @@ pub fn run(opts: &ReportOptions) -> PathBuf {
                 pinned: true,
             }),
     );
+    blocks
+}
+
+/// The estimated seconds and the steps of the whole run, the extras included.
+fn estimate(blocks: &[Block], opts: &ReportOptions, run_s: f64) -> (f64, usize) {
     let matrix_runs: usize = blocks
         .iter()
         .map(|b| b.daemons.len() * b.workloads.len())
@@ -397,72 +452,96 @@ pub fn run(opts: &ReportOptions) -> PathBuf {
         est += 3.0 * 1.9 + 2.0 * run_s + 30.0 * run_s + 10.0 * 2.0 + 11.0;
         steps += 3 + 2 + CURVE_DAEMONS.len() * extras::THINKTIMES_US.len() + 10 + 1;
     }
-    let mut prog = Progress::new(est, steps);
-    let started = Instant::now();
+    (est, steps)
+}
 
-    let mut results: HashMap<CaseKey, Vec<RunResult>> = HashMap::new();
-    let mut restarts: HashMap<String, usize> = HashMap::new();
-    let mut order: Vec<CaseKey> = Vec::new();
-    for Block {
-        export,
-        backend,
-        daemons: names,
-        workloads: wls,
-        pinned,
-    } in blocks
-    {
-        let block_paths = if backend == "dev" { &dev_paths } else { &paths };
-        for rep in 0..opts.reps {
-            for &daemon in &names {
-                let mut s = if pinned {
-                    Session::start_pinned(export, backend, daemon, block_paths)
-                } else {
-                    Session::start(export, backend, daemon, block_paths)
-                };
-                for &wi in &wls {
-                    let w = &WORKLOADS[wi];
-                    prog.step(
-                        run_s,
-                        &format!(
-                            "{} {backend} {} {daemon}{} (rep {}/{})",
-                            export.name(),
-                            w.label(),
-                            if pinned { ", pinned" } else { "" },
-                            rep + 1,
-                            opts.reps
-                        ),
-                    );
-                    let (r, cpu_us, _) = s.run(w, &t, block_paths, &[]);
-                    let ios = r.iops * (t.ramp + t.runtime).as_secs_f64();
-                    let key = CaseKey {
-                        export,
-                        backend,
-                        workload: wi,
-                        daemon,
-                        pinned,
-                    };
-                    if !results.contains_key(&key) {
-                        order.push(key.clone());
-                    }
-                    results.entry(key).or_default().push(RunResult {
-                        fio: r,
-                        cpu_us_per_io: cpu_us.map(|c| c / ios.max(1.0)),
-                    });
-                }
-                if s.restarts > 0 {
-                    *restarts
-                        .entry(format!("{daemon} {} {backend}", export.name()))
-                        .or_insert(0) += s.restarts;
-                }
+/// The matrix as it runs: the repetitions of each case, in the order the cases were first
+/// run, and the daemons that had to be started again.
+struct MatrixRun<'a> {
+    opts: &'a ReportOptions,
+    prog: &'a mut Progress,
+    run_s: f64,
+    results: HashMap<CaseKey, Vec<RunResult>>,
+    order: Vec<CaseKey>,
+    restarts: HashMap<String, usize>,
+}
+
+impl MatrixRun<'_> {
+    /// Every repetition of `b`: its daemons in turn, each serving all its workloads.
+    fn run_block(&mut self, b: &Block, p: &Paths) {
+        for rep in 0..self.opts.reps {
+            for &daemon in &b.daemons {
+                self.daemon_turn(b, daemon, rep, p);
             }
         }
     }
-    let matrix: Vec<ReportRow> = order
-        .iter()
-        .map(|k| summarize(k, results.remove(k).unwrap_or_default()))
-        .collect();
 
-    let mut doc = json!({
+    /// One daemon, started fresh, through the block's workloads.
+    fn daemon_turn(&mut self, b: &Block, daemon: &'static str, rep: usize, p: &Paths) {
+        let (export, backend, pinned) = (b.export, b.backend, b.pinned);
+        let t = self.opts.timing;
+        let mut s = if pinned {
+            Session::start_pinned(export, backend, daemon, p)
+        } else {
+            Session::start(export, backend, daemon, p)
+        };
+        for &wi in &b.workloads {
+            let w = &WORKLOADS[wi];
+            self.prog.step(
+                self.run_s,
+                &format!(
+                    "{} {backend} {} {daemon}{} (rep {}/{})",
+                    export.name(),
+                    w.label(),
+                    if pinned { ", pinned" } else { "" },
+                    rep + 1,
+                    self.opts.reps
+                ),
+            );
+            let (r, cpu_us, _) = s.run(w, &t, p, &[]);
+            let ios = r.iops * (t.ramp + t.runtime).as_secs_f64();
+            let key = CaseKey {
+                export,
+                backend,
+                workload: wi,
+                daemon,
+                pinned,
+            };
+            if !self.results.contains_key(&key) {
+                self.order.push(key.clone());
+            }
+            self.results.entry(key).or_default().push(RunResult {
+                fio: r,
+                cpu_us_per_io: cpu_us.map(|c| c / ios.max(1.0)),
+            });
+        }
+        if s.restarts > 0 {
+            *self
+                .restarts
+                .entry(format!("{daemon} {} {backend}", export.name()))
+                .or_insert(0) += s.restarts;
+        }
+    }
+
+    /// The rows, in the order the cases ran, and the restarts per daemon.
+    fn into_rows(mut self) -> (Vec<ReportRow>, HashMap<String, usize>) {
+        let rows = self
+            .order
+            .iter()
+            .map(|k| summarize(k, self.results.remove(k).unwrap_or_default()))
+            .collect();
+        (rows, self.restarts)
+    }
+}
+
+/// The report's document: the machine, the parameters and the matrix.
+fn report_doc(
+    opts: &ReportOptions,
+    matrix: Vec<ReportRow>,
+    restarts: HashMap<String, usize>,
+) -> Value {
+    let t = opts.timing;
+    json!({
         "benchmark": "report",
         "command": "cargo run --release -p stord-bench -- report",
         "machine": {
@@ -482,65 +561,73 @@ pub fn run(opts: &ReportOptions) -> PathBuf {
         },
         "matrix": matrix,
         "daemon_restarts": restarts,
+    })
+}
+
+/// The extras, into `doc`: the poll window over time, linux-aio harvests, the offered load
+/// curves, the wake-up scenario and the idle cost.
+fn run_extras(doc: &mut Value, t: &Timing, paths: &Paths, prog: &mut Progress, run_s: f64) {
+    let policies = [
+        PolicyKind::Classic,
+        PolicyKind::Weighted,
+        PolicyKind::Haltpoll,
+    ];
+    for p in policies {
+        prog.step(1.9, &format!("poll window trace, {p}"));
+    }
+    doc["window_trace"] = extras::window_trace(&policies, ReactorKind::IoUring);
+
+    doc["harvest"] = extras::harvest(t, paths, || {
+        prog.step(run_s, "linux-aio completions per harvest")
     });
 
-    if opts.extras {
-        let policies = [
-            PolicyKind::Classic,
-            PolicyKind::Weighted,
-            PolicyKind::Haltpoll,
-        ];
-        for p in policies {
-            prog.step(1.9, &format!("poll window trace, {p}"));
-        }
-        doc["window_trace"] = extras::window_trace(&policies, ReactorKind::IoUring);
-
-        doc["harvest"] = extras::harvest(&t, &paths, || {
-            prog.step(run_s, "linux-aio completions per harvest")
-        });
-
-        let mut curves = Vec::new();
-        for d in CURVE_DAEMONS {
-            curves.extend(extras::curve(d, &t, &paths, || {
-                prog.step(run_s, &format!("offered load curve, {d}"))
-            }));
-        }
-        doc["curves"] = serde_json::to_value(curves).unwrap();
-
-        let mut secs: Vec<Vec<f64>> = vec![Vec::new(); WAKEUP.len()];
-        for rep in 0..2 {
-            for (i, (label, export, daemon)) in WAKEUP.iter().enumerate() {
-                prog.step(2.0, &format!("wake-up scenario, {label} (rep {})", rep + 1));
-                let s = Session::start(*export, "file-io_uring", daemon, &paths);
-                secs[i].push(match s.running {
-                    Running::Raw => wakeup::file(&paths.img),
-                    Running::Fuse(_) => wakeup::file(&paths.mnt),
-                    Running::Nbd(..) => wakeup::nbd(&paths.sock, "disk"),
-                    Running::Vhost(_) => unreachable!(),
-                });
-            }
-        }
-        doc["wakeup"] = WAKEUP
-            .iter()
-            .zip(secs)
-            .map(|((label, export, daemon), s)| {
-                json!({
-                    "target": label,
-                    "export": export.name(),
-                    "daemon": daemon,
-                    "median_s": median(s.clone()),
-                    "seconds": s,
-                })
-            })
-            .collect();
-
-        prog.step(11.0, "idle cost (10 s, all daemons side by side)");
-        doc["idle"] = serde_json::to_value(crate::idle::run(10)).unwrap();
+    let mut curves = Vec::new();
+    for d in CURVE_DAEMONS {
+        curves.extend(extras::curve(d, t, paths, || {
+            prog.step(run_s, &format!("offered load curve, {d}"))
+        }));
     }
-    let _ = std::fs::remove_file(&paths.sock);
-    let _ = std::fs::remove_file(&paths.mnt);
+    doc["curves"] = serde_json::to_value(curves).unwrap();
 
-    doc["duration_s"] = started.elapsed().as_secs_f64().into();
+    doc["wakeup"] = wakeup_scenario(paths, prog);
+
+    prog.step(11.0, "idle cost (10 s, all daemons side by side)");
+    doc["idle"] = serde_json::to_value(crate::idle::run(10)).unwrap();
+}
+
+/// The wake-up scenario on each of [`WAKEUP`], twice.
+fn wakeup_scenario(paths: &Paths, prog: &mut Progress) -> Value {
+    let mut secs: Vec<Vec<f64>> = vec![Vec::new(); WAKEUP.len()];
+    for rep in 0..2 {
+        for (i, (label, export, daemon)) in WAKEUP.iter().enumerate() {
+            prog.step(2.0, &format!("wake-up scenario, {label} (rep {})", rep + 1));
+            let s = Session::start(*export, "file-io_uring", daemon, paths);
+            secs[i].push(match s.running {
+                Running::Raw => wakeup::file(&paths.img),
+                Running::Fuse(_) => wakeup::file(&paths.mnt),
+                Running::Nbd(..) => wakeup::nbd(&paths.sock, "disk"),
+                Running::Vhost(_) => unreachable!(),
+            });
+        }
+    }
+    WAKEUP
+        .iter()
+        .zip(secs)
+        .map(|((label, export, daemon), s)| {
+            json!({
+                "target": label,
+                "export": export.name(),
+                "daemon": daemon,
+                "median_s": median(s.clone()),
+                "seconds": s,
+            })
+        })
+        .collect()
+}
+
+/// Writes `doc` (with the time and its own path) to `results/report/<time>.json`, or under
+/// `--out`; returns the path.
+fn write_report(opts: &ReportOptions, mut doc: Value) -> PathBuf {
     let out_dir = opts
         .out
         .clone()
@@ -560,15 +647,6 @@ pub fn run(opts: &ReportOptions) -> PathBuf {
         .to_string()
         .into();
     std::fs::write(&path, serde_json::to_string_pretty(&doc).unwrap()).expect("write results");
-    eprintln!(
-        "report: {} in {}, results in {}",
-        steps,
-        mmss(started.elapsed().as_secs_f64()),
-        path.display()
-    );
-    if opts.docs {
-        generate_docs(&path);
-    }
     path
 }
 
