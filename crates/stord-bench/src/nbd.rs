@@ -195,7 +195,13 @@ pub fn run(opts: &NbdOptions) -> Vec<Row> {
         * opts.reps
         * (opts.daemons.len()
             + usize::from(opts.backends.iter().any(|b| b == "file" || b == "dev")));
-    let mut done_runs = 0;
+    let mut bench = Bench {
+        opts,
+        sock,
+        tls,
+        done_runs: 0,
+        total_runs,
+    };
     for backend in &opts.backends {
         // The medium: the image file, or the fast device.
         let img = match (backend.as_str(), &fastdev) {
@@ -203,77 +209,129 @@ pub fn run(opts: &NbdOptions) -> Vec<Row> {
             _ => img.clone(),
         };
         for (rw, qd) in &opts.workloads {
-            let mut names: Vec<String> = opts.daemons.clone();
-            if backend == "file" || backend == "dev" {
-                names.push("fio-raw".into());
-            }
-            let mut per: Vec<Vec<(FioResult, Option<f64>)>> = vec![Vec::new(); names.len()];
-            for rep in 0..opts.reps {
-                for (i, d) in names.iter().enumerate() {
-                    done_runs += 1;
-                    eprintln!(
-                        "[{done_runs}/{total_runs}] {backend} {rw} QD{qd} {d} (rep {})",
-                        rep + 1
-                    );
-                    if d == "fio-raw" {
-                        per[i].push((fio_raw(rw, *qd, opts.runtime_s, &img), None));
-                        continue;
-                    }
-                    let mut fio = fio_common(rw, *qd, opts.runtime_s);
-                    if opts.jobs > 1 {
-                        fio.push(format!("--numjobs={}", opts.jobs));
-                        fio.push("--group_reporting".into());
-                    }
-                    // This benchmark's names, in the report's terms.
-                    let daemon = match d.as_str() {
-                        "stord" => format!("stord-{}", opts.stord_policy),
-                        "stord-base" => format!("base-{}", opts.stord_policy),
-                        other => other.to_string(),
-                    };
-                    let backend = match backend.as_str() {
-                        "file" => format!("file-{}", opts.file_aio),
-                        other => other.to_string(),
-                    };
-                    if backend == "qcow2-empty" {
-                        // Every run allocates from nothing.
-                        prepare_qcow2(&img, "empty");
-                    }
-                    let paths = Paths {
-                        img: img.clone(),
-                        sock: sock.clone(),
-                        mnt: PathBuf::new(),
-                    };
-                    let (bin, mut args, mut uri) = nbd_args(&daemon, &backend, &paths);
-                    if opts.tcp {
-                        uri = use_tcp(d, &mut args);
-                    }
-                    if let Some(creds) = &tls {
-                        uri = add_tls(d, &mut args, &uri, creds);
-                    }
-                    if opts.iothreads > 1 && d.starts_with("stord") {
-                        spread_over_iothreads(&mut args, opts.iothreads);
-                    }
-                    let daemon = if opts.tcp {
-                        Daemon::start_tcp(d, &bin, &args, TCP_PORT)
-                    } else {
-                        Daemon::start(d, &bin, &args, &sock)
-                    };
-                    fio.extend(["--ioengine=nbd".into(), format!("--uri={uri}")]);
-                    let cpu0 = daemon.cpu_ns();
-                    let r = run_fio(&fio);
-                    let cpu1 = daemon.cpu_ns();
-                    // fio's ramp time also costs CPU: count all I/Os fio did over the run.
-                    let ios_total = r.iops * (opts.runtime_s + 1) as f64;
-                    let cpu = (cpu1 - cpu0) as f64 / 1000.0 / ios_total.max(1.0);
-                    per[i].push((r, Some(cpu)));
-                    drop(daemon);
-                }
-            }
-            for (i, d) in names.iter().enumerate() {
-                rows.push(Row::summarize(backend, rw, *qd, d, &per[i]));
-            }
+            let case = Case {
+                backend,
+                img: &img,
+                rw,
+                qd: *qd,
+            };
+            rows.extend(bench.case(&case));
         }
     }
-    let _ = std::fs::remove_file(&sock);
+    let _ = std::fs::remove_file(&bench.sock);
     rows
+}
+
+/// The matrix as it runs: the socket, the TLS credentials and the progress count.
+struct Bench<'a> {
+    opts: &'a NbdOptions,
+    sock: PathBuf,
+    /// The server's credentials directory with `--tls on`.
+    tls: Option<PathBuf>,
+    done_runs: usize,
+    total_runs: usize,
+}
+
+/// One (backend, workload) of the matrix, on the medium `img`.
+struct Case<'a> {
+    backend: &'a str,
+    img: &'a Path,
+    rw: &'a str,
+    qd: u32,
+}
+
+impl Bench<'_> {
+    /// Every daemon (and on a medium the floor) once per repetition, in turn; a row each.
+    fn case(&mut self, c: &Case) -> Vec<Row> {
+        let opts = self.opts;
+        let (backend, rw, qd) = (c.backend, c.rw, c.qd);
+        let mut names: Vec<String> = opts.daemons.clone();
+        if backend == "file" || backend == "dev" {
+            names.push("fio-raw".into());
+        }
+        let mut per: Vec<Vec<(FioResult, Option<f64>)>> = vec![Vec::new(); names.len()];
+        for rep in 0..opts.reps {
+            for (i, d) in names.iter().enumerate() {
+                self.done_runs += 1;
+                eprintln!(
+                    "[{}/{}] {backend} {rw} QD{qd} {d} (rep {})",
+                    self.done_runs,
+                    self.total_runs,
+                    rep + 1
+                );
+                if d == "fio-raw" {
+                    per[i].push((fio_raw(rw, qd, opts.runtime_s, c.img), None));
+                    continue;
+                }
+                per[i].push(self.daemon_run(c, d));
+            }
+        }
+        names
+            .iter()
+            .enumerate()
+            .map(|(i, d)| Row::summarize(backend, rw, qd, d, &per[i]))
+            .collect()
+    }
+
+    /// One fio run against daemon `d`, started fresh: what fio measured, and the daemon's
+    /// CPU µs per I/O.
+    fn daemon_run(&self, c: &Case, d: &str) -> (FioResult, Option<f64>) {
+        let opts = self.opts;
+        let mut fio = fio_common(c.rw, c.qd, opts.runtime_s);
+        if opts.jobs > 1 {
+            fio.push(format!("--numjobs={}", opts.jobs));
+            fio.push("--group_reporting".into());
+        }
+        let (daemon, uri) = self.start(c, d);
+        fio.extend(["--ioengine=nbd".into(), format!("--uri={uri}")]);
+        let cpu0 = daemon.cpu_ns();
+        let r = run_fio(&fio);
+        let cpu1 = daemon.cpu_ns();
+        // fio's ramp time also costs CPU: count all I/Os fio did over the run.
+        let ios_total = r.iops * (opts.runtime_s + 1) as f64;
+        let cpu = (cpu1 - cpu0) as f64 / 1000.0 / ios_total.max(1.0);
+        drop(daemon);
+        (r, Some(cpu))
+    }
+
+    /// Starts daemon `d` serving the case's backend over NBD (on TCP, behind TLS, over
+    /// several IoThreads as asked); returns it and the URI to use.
+    fn start(&self, c: &Case, d: &str) -> (Daemon, String) {
+        let opts = self.opts;
+        // This benchmark's names, in the report's terms.
+        let daemon = match d {
+            "stord" => format!("stord-{}", opts.stord_policy),
+            "stord-base" => format!("base-{}", opts.stord_policy),
+            other => other.to_string(),
+        };
+        let backend = match c.backend {
+            "file" => format!("file-{}", opts.file_aio),
+            other => other.to_string(),
+        };
+        if backend == "qcow2-empty" {
+            // Every run allocates from nothing.
+            prepare_qcow2(c.img, "empty");
+        }
+        let paths = Paths {
+            img: c.img.to_path_buf(),
+            sock: self.sock.clone(),
+            mnt: PathBuf::new(),
+        };
+        let (bin, mut args, mut uri) = nbd_args(&daemon, &backend, &paths);
+        if opts.tcp {
+            uri = use_tcp(d, &mut args);
+        }
+        if let Some(creds) = &self.tls {
+            uri = add_tls(d, &mut args, &uri, creds);
+        }
+        if opts.iothreads > 1 && d.starts_with("stord") {
+            spread_over_iothreads(&mut args, opts.iothreads);
+        }
+        let daemon = if opts.tcp {
+            Daemon::start_tcp(d, &bin, &args, TCP_PORT)
+        } else {
+            Daemon::start(d, &bin, &args, &self.sock)
+        };
+        (daemon, uri)
+    }
 }
