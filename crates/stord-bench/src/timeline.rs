@@ -234,18 +234,7 @@ fn perf_lines(data: &Path) -> Vec<Line> {
 
 /// Splits the trace into cycles and measures them (see the module doc).
 fn analyse(lines: &[Line], daemon: &HashSet<u32>, client: &HashSet<u32>) -> Analysis {
-    // The device is the one that started the most requests in the trace.
-    let mut per_dev: HashMap<&str, usize> = HashMap::new();
-    for l in lines {
-        if let Ev::Issue { dev } = &l.ev {
-            *per_dev.entry(dev).or_default() += 1;
-        }
-    }
-    let dev = per_dev
-        .into_iter()
-        .max_by_key(|(_, n)| *n)
-        .map(|(d, _)| d.to_string())
-        .unwrap_or_default();
+    let dev = busiest_device(lines);
     let issues: Vec<usize> = (0..lines.len())
         .filter(|&i| matches!(&lines[i].ev, Ev::Issue { dev: d } if *d == dev))
         .collect();
@@ -255,75 +244,53 @@ fn analyse(lines: &[Line], daemon: &HashSet<u32>, client: &HashSet<u32>) -> Anal
         _ => return a,
     };
     a.windows = issues.len() - 1;
-    // On-CPU time of each side inside [ws, we], from the switches: a stretch is cut to
-    // the window; one open at the end runs to it; a thread seen switched out without
-    // having been seen switched in ran since the trace began; one that made system calls
-    // but never switched at all ran throughout (a poller that never sleeps).
-    let (ws, we) = (lines[first].ns, lines[last].ns);
-    let t_begin = lines.first().map_or(ws, |l| l.ns);
-    let both: HashSet<u32> = daemon.union(client).copied().collect();
-    let clip = |from: u64, to: u64| to.min(we).saturating_sub(from.max(ws));
-    let mut on_since: HashMap<u32, u64> = HashMap::new();
-    let mut switched: HashSet<u32> = HashSet::new();
-    let mut active: HashSet<u32> = HashSet::new();
-    let (mut dcpu, mut ccpu) = (0u64, 0u64);
-    let mut add = |tid: u32, ns: u64| {
-        if daemon.contains(&tid) {
-            dcpu += ns;
-        } else if client.contains(&tid) {
-            ccpu += ns;
-        }
-    };
-    for l in lines {
-        match l.ev {
-            Ev::Switch { prev, next } => {
-                if both.contains(&prev) {
-                    let since = on_since
-                        .remove(&prev)
-                        .unwrap_or(if switched.contains(&prev) {
-                            l.ns
-                        } else {
-                            t_begin
-                        });
-                    add(prev, clip(since, l.ns));
-                }
-                switched.insert(prev);
-                switched.insert(next);
-                if both.contains(&next) {
-                    on_since.insert(next, l.ns);
-                }
-            }
-            Ev::SysEnter { .. } if l.ns >= ws && l.ns < we => {
-                active.insert(l.tid);
-                if daemon.contains(&l.tid) {
-                    a.daemon_syscalls += 1;
-                } else if client.contains(&l.tid) {
-                    a.client_syscalls += 1;
-                }
-            }
-            _ => {}
-        }
-    }
-    for (tid, since) in on_since {
-        add(tid, clip(since, we));
-    }
-    for &tid in active.difference(&switched) {
-        add(tid, we - ws);
-    }
-    a.daemon_cpu_ns = dcpu;
-    a.client_cpu_ns = ccpu;
+    let window = (lines[first].ns, lines[last].ns);
+    a.count_cpu(lines, window, daemon, client);
     for w in issues.windows(2) {
-        let (i0, i1) = (w[0], w[1]);
-        let t0 = lines[i0].ns;
-        let cyc = &lines[i0..=i1];
+        let cyc = &lines[w[0]..=w[1]];
+        if let Some(m) = Milestones::find(cyc, &dev, daemon, client) {
+            a.add_cycle(cyc, &m);
+        }
+    }
+    a
+}
+
+/// The device that started the most requests in the trace.
+fn busiest_device(lines: &[Line]) -> String {
+    let mut per_dev: HashMap<&str, usize> = HashMap::new();
+    for l in lines {
+        if let Ev::Issue { dev } = &l.ev {
+            *per_dev.entry(dev).or_default() += 1;
+        }
+    }
+    per_dev
+        .into_iter()
+        .max_by_key(|(_, n)| *n)
+        .map(|(d, _)| d.to_string())
+        .unwrap_or_default()
+}
+
+/// Where a cycle's milestones (numbered as in the module doc) are in it; the issue (1) is
+/// its first line and the next issue (8) its last.
+struct Milestones {
+    m2: usize,
+    m3: Option<usize>,
+    m4: Option<usize>,
+    m5: Option<usize>,
+    m6: Option<usize>,
+    m7: Option<usize>,
+}
+
+impl Milestones {
+    /// Finds them in order in `cyc`; None when the device's completion is not there.
+    fn find(cyc: &[Line], dev: &str, daemon: &HashSet<u32>, client: &HashSet<u32>) -> Option<Self> {
         let find = |from: usize, f: &dyn Fn(&Line) -> bool| -> Option<usize> {
             (from..cyc.len()).find(|&i| f(&cyc[i]))
         };
-        let complete = find(
+        let m2 = find(
             1,
             &|l| matches!(&l.ev, Ev::Complete { dev: d } if *d == dev),
-        );
-        let Some(m2) = complete else { continue };
+        )?;
         let m3 = find(m2, &|l| {
             matches!(l.ev, Ev::SysEnter { .. }) && daemon.contains(&l.tid)
         });
@@ -353,31 +320,15 @@ fn analyse(lines: &[Line], daemon: &HashSet<u32>, client: &HashSet<u32>) -> Anal
             )
             .filter(|&i| m7.is_some_and(|m7| i <= m7))
         });
-        let t = |i: Option<usize>| i.map(|i| cyc[i].ns);
-        let gap = |a: Option<u64>, b: Option<u64>| match (a, b) {
-            (Some(a), Some(b)) if b >= a => Some((b - a) as f64 / 1000.0),
-            _ => None,
-        };
-        let t8 = Some(lines[i1].ns);
-        a.cycles.push((lines[i1].ns - t0) as f64 / 1000.0);
-        let g = [
-            gap(Some(t0), t(Some(m2))),
-            gap(t(Some(m2)), t(m3)),
-            gap(t(m3), t(m5)),
-            gap(t(m5), t(m7)),
-            gap(t(m7), t8),
-            gap(t(m4), t(m5)),
-            gap(t(m6), t(m7)),
-        ];
-        for (k, v) in g.into_iter().enumerate() {
-            if let Some(v) = v {
-                a.gaps[k].push(v);
-            }
-        }
-        a.client_woken += usize::from(m4.is_some());
-        a.daemon_woken += usize::from(m6.is_some());
+        Some(Milestones {
+            m2,
+            m3,
+            m4,
+            m5,
+            m6,
+            m7,
+        })
     }
-    a
 }
 
 #[derive(Default)]
@@ -393,6 +344,103 @@ struct Analysis {
     client_cpu_ns: u64,
     daemon_syscalls: usize,
     client_syscalls: usize,
+}
+
+impl Analysis {
+    /// On-CPU time of each side inside the window [ws, we], from the switches, and their
+    /// system calls in it: a stretch is cut to the window; one open at the end runs to it; a
+    /// thread seen switched out without having been seen switched in ran since the trace
+    /// began; one that made system calls but never switched at all ran throughout (a
+    /// poller that never sleeps).
+    fn count_cpu(
+        &mut self,
+        lines: &[Line],
+        (ws, we): (u64, u64),
+        daemon: &HashSet<u32>,
+        client: &HashSet<u32>,
+    ) {
+        let t_begin = lines.first().map_or(ws, |l| l.ns);
+        let both: HashSet<u32> = daemon.union(client).copied().collect();
+        let clip = |from: u64, to: u64| to.min(we).saturating_sub(from.max(ws));
+        let mut on_since: HashMap<u32, u64> = HashMap::new();
+        let mut switched: HashSet<u32> = HashSet::new();
+        let mut active: HashSet<u32> = HashSet::new();
+        let (mut dcpu, mut ccpu) = (0u64, 0u64);
+        let mut add = |tid: u32, ns: u64| {
+            if daemon.contains(&tid) {
+                dcpu += ns;
+            } else if client.contains(&tid) {
+                ccpu += ns;
+            }
+        };
+        for l in lines {
+            match l.ev {
+                Ev::Switch { prev, next } => {
+                    if both.contains(&prev) {
+                        let since = on_since
+                            .remove(&prev)
+                            .unwrap_or(if switched.contains(&prev) {
+                                l.ns
+                            } else {
+                                t_begin
+                            });
+                        add(prev, clip(since, l.ns));
+                    }
+                    switched.insert(prev);
+                    switched.insert(next);
+                    if both.contains(&next) {
+                        on_since.insert(next, l.ns);
+                    }
+                }
+                Ev::SysEnter { .. } if l.ns >= ws && l.ns < we => {
+                    active.insert(l.tid);
+                    if daemon.contains(&l.tid) {
+                        self.daemon_syscalls += 1;
+                    } else if client.contains(&l.tid) {
+                        self.client_syscalls += 1;
+                    }
+                }
+                _ => {}
+            }
+        }
+        for (tid, since) in on_since {
+            add(tid, clip(since, we));
+        }
+        for &tid in active.difference(&switched) {
+            add(tid, we - ws);
+        }
+        self.daemon_cpu_ns = dcpu;
+        self.client_cpu_ns = ccpu;
+    }
+
+    /// Adds cycle `cyc`: its length, the gaps between its milestones `m`, its wake-ups.
+    fn add_cycle(&mut self, cyc: &[Line], m: &Milestones) {
+        let t0 = cyc[0].ns;
+        let t = |i: Option<usize>| i.map(|i| cyc[i].ns);
+        let gap = |a: Option<u64>, b: Option<u64>| match (a, b) {
+            (Some(a), Some(b)) if b >= a => Some((b - a) as f64 / 1000.0),
+            _ => None,
+        };
+        let t8 = cyc[cyc.len() - 1].ns;
+        self.cycles.push((t8 - t0) as f64 / 1000.0);
+        let m2 = Some(m.m2);
+        let g = [
+            gap(Some(t0), t(m2)),
+            gap(t(m2), t(m.m3)),
+            gap(t(m.m3), t(m.m5)),
+            gap(t(m.m5), t(m.m7)),
+            gap(t(m.m7), Some(t8)),
+            gap(t(m.m4), t(m.m5)),
+            gap(t(m.m6), t(m.m7)),
+        ];
+        for (k, v) in g.into_iter().enumerate() {
+            if let Some(v) = v {
+                self.gaps[k].push(v);
+            }
+        }
+        self.client_woken += usize::from(m.m4.is_some());
+        self.daemon_woken += usize::from(m.m6.is_some());
+    }
 }
 
 /// Traces one (export, medium, daemon) run.
