@@ -16,7 +16,7 @@ use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
 use vm_memory::{Bytes, FileOffset, GuestAddress, GuestMemoryMmap, GuestRegionMmap, MmapRegion};
 use vmm_sys_util::eventfd::EventFd;
 
-use super::spec::{think, DriveSpec};
+use super::spec::{figures, think, DriveSpec};
 use crate::media::IMAGE_SIZE;
 use crate::peers::FioResult;
 
@@ -201,6 +201,46 @@ impl Driver {
             .unwrap()
     }
 
+    /// Keeps `spec.qd` requests in flight through the ramp and the run; returns the
+    /// latencies (ns) of those that completed after the ramp.
+    fn run(&mut self, spec: &DriveSpec) -> Vec<u64> {
+        let (qd, runtime) = (spec.qd, spec.runtime);
+        let mut started = vec![Instant::now(); qd as usize];
+        let old = self.avail_idx;
+        for s in 0..qd {
+            self.queue(s, spec);
+        }
+        self.publish(old);
+        let ramp_end = Instant::now() + spec.ramp;
+        let mut measuring = false;
+        let mut end = ramp_end + runtime;
+        let mut lat_ns: Vec<u64> = Vec::with_capacity(1 << 20);
+        let mut done = Vec::with_capacity(qd as usize);
+        loop {
+            done.clear();
+            self.reap(&mut done);
+            let now = Instant::now();
+            if !measuring && now >= ramp_end {
+                measuring = true;
+                lat_ns.clear();
+                end = now + runtime;
+            }
+            if measuring && now >= end {
+                return lat_ns;
+            }
+            let old = self.avail_idx;
+            for &s in &done {
+                if measuring {
+                    lat_ns.push((now - started[s as usize]).as_nanos() as u64);
+                }
+                think(spec.think, spec.think_spin);
+                started[s as usize] = Instant::now();
+                self.queue(s, spec);
+            }
+            self.publish(old);
+        }
+    }
+
     /// Waits for completions; returns the slots that completed.
     fn reap(&mut self, out: &mut Vec<u16>) {
         loop {
@@ -280,42 +320,8 @@ pub(crate) fn drive(sock: &Path, spec: &DriveSpec) -> FioResult {
     );
     assert!(u64::from(spec.bs) <= SLOT_BYTES && spec.bs.is_multiple_of(512));
     assert!(DATA + u64::from(spec.qd) * SLOT_BYTES <= MEM_SIZE as u64);
-    let (qd, runtime) = (spec.qd, spec.runtime);
     let mut d = Driver::connect(sock);
-    let mut started = vec![Instant::now(); qd as usize];
-    let old = d.avail_idx;
-    for s in 0..qd {
-        d.queue(s, spec);
-    }
-    d.publish(old);
-    let ramp_end = Instant::now() + spec.ramp;
-    let mut measuring = false;
-    let mut end = ramp_end + runtime;
-    let mut lat_ns: Vec<u64> = Vec::with_capacity(1 << 20);
-    let mut done = Vec::with_capacity(qd as usize);
-    loop {
-        done.clear();
-        d.reap(&mut done);
-        let now = Instant::now();
-        if !measuring && now >= ramp_end {
-            measuring = true;
-            lat_ns.clear();
-            end = now + runtime;
-        }
-        if measuring && now >= end {
-            break;
-        }
-        let old = d.avail_idx;
-        for &s in &done {
-            if measuring {
-                lat_ns.push((now - started[s as usize]).as_nanos() as u64);
-            }
-            think(spec.think, spec.think_spin);
-            started[s as usize] = Instant::now();
-            d.queue(s, spec);
-        }
-        d.publish(old);
-    }
+    let lat_ns = d.run(spec);
     // Let the daemon finish what is queued before we disconnect.
     let deadline = Instant::now() + Duration::from_secs(2);
     while d.used_idx() != d.avail_idx && Instant::now() < deadline {
@@ -323,39 +329,27 @@ pub(crate) fn drive(sock: &Path, spec: &DriveSpec) -> FioResult {
     }
     drop(d.fe);
     if std::env::var_os("STORD_BENCH_DRIVER_STATS").is_some() {
-        use std::os::fd::AsRawFd;
-        // SAFETY: F_GETFL on our own eventfd.
-        let fl = unsafe { libc::fcntl(d.call.as_raw_fd(), libc::F_GETFL) };
-        eprintln!(
-            "  frontend: call eventfd O_NONBLOCK: {}",
-            fl & libc::O_NONBLOCK != 0
-        );
-        eprintln!(
-            "  frontend: call-eventfd reads {} (that waited > 3 us: {}), per request {:.3} / {:.3}",
-            d.call_reads,
-            d.call_sleeps,
-            d.call_reads as f64 / lat_ns.len().max(1) as f64,
-            d.call_sleeps as f64 / lat_ns.len().max(1) as f64
-        );
+        print_call_stats(&d.call, d.call_reads, d.call_sleeps, lat_ns.len());
     }
-    let n = lat_ns.len();
-    lat_ns.sort_unstable();
-    let pct = |p: f64| {
-        if n == 0 {
-            0.0
-        } else {
-            lat_ns[((n as f64 * p) as usize).min(n - 1)] as f64 / 1000.0
-        }
-    };
-    FioResult {
-        iops: n as f64 / runtime.as_secs_f64(),
-        mean_us: if n == 0 {
-            0.0
-        } else {
-            lat_ns.iter().sum::<u64>() as f64 / n as f64 / 1000.0
-        },
-        p50_us: pct(0.50),
-        p99_us: pct(0.99),
-        total_ios: n as u64,
-    }
+    let iops = lat_ns.len() as f64 / spec.runtime.as_secs_f64();
+    figures(iops, lat_ns)
+}
+
+/// `STORD_BENCH_DRIVER_STATS`: whether the daemon made the call eventfd non-blocking, and
+/// how often the frontend read it (and slept on it) per request.
+fn print_call_stats(call: &EventFd, reads: u64, sleeps: u64, requests: usize) {
+    use std::os::fd::AsRawFd;
+    // SAFETY: F_GETFL on our own eventfd.
+    let fl = unsafe { libc::fcntl(call.as_raw_fd(), libc::F_GETFL) };
+    eprintln!(
+        "  frontend: call eventfd O_NONBLOCK: {}",
+        fl & libc::O_NONBLOCK != 0
+    );
+    eprintln!(
+        "  frontend: call-eventfd reads {} (that waited > 3 us: {}), per request {:.3} / {:.3}",
+        reads,
+        sleeps,
+        reads as f64 / requests.max(1) as f64,
+        sleeps as f64 / requests.max(1) as f64
+    );
 }

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use blkio::{Blkio, Blkioq, Completion, ReqFlags};
 
-use super::spec::{think, DriveSpec};
+use super::spec::{figures, think, DriveSpec};
 use crate::peers::FioResult;
 
 /// Which kind of libblkio queue drives the load.
@@ -87,40 +87,12 @@ pub(crate) fn drive(sock: &Path, spec: &DriveSpec, kind: QueueKind, queues: usiz
 
 /// One queue's loop, like one fio job.
 fn run_queue(q: &mut Blkioq, buf: usize, capacity: u64, spec: &DriveSpec, seed: u64) -> QueueRun {
-    let bs = spec.bs as usize;
-    let blocks = capacity / spec.bs as u64;
-    let mut rng = 0x2545_f491_4f6c_dd1d ^ (seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
-    let mut seq = seed * (blocks / 8);
-    let mut next_offset = || {
-        if spec.sequential {
-            seq = (seq + 1) % blocks;
-            return seq * spec.bs as u64;
-        }
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        (rng % blocks) * spec.bs as u64
-    };
-    let submit = |q: &mut Blkioq, slot: usize, offset: u64| {
-        let addr = buf + slot * bs;
-        if spec.write {
-            q.write(offset, addr as *const u8, bs, slot, ReqFlags::empty());
-        } else {
-            q.read(offset, addr as *mut u8, bs, slot, ReqFlags::empty());
-        }
-    };
-    let qd = usize::from(spec.qd);
-    let mut started = vec![Instant::now(); qd];
-    // Free slots, the next to use last.
-    let mut free: Vec<usize> = (0..qd).rev().collect();
+    let mut s = Slots::new(q, buf, spec, Offsets::new(capacity, spec, seed));
     let interval = spec.rate_iops.map(|r| Duration::from_secs_f64(1.0 / r));
     let t0 = Instant::now();
-    let mut issued: u64 = 0;
-    let mut comps: Vec<MaybeUninit<Completion>> = (0..qd).map(|_| MaybeUninit::uninit()).collect();
     let ramp_end = t0 + spec.ramp;
     let mut measure_start = None;
     let mut lat_ns = Vec::with_capacity(1 << 20);
-    let mut in_flight = 0;
     loop {
         let now = Instant::now();
         match measure_start {
@@ -128,60 +100,157 @@ fn run_queue(q: &mut Blkioq, buf: usize, capacity: u64, spec: &DriveSpec, seed: 
             None if now >= ramp_end => measure_start = Some(now),
             _ => {}
         }
-        // Issue into the free slots what is due: everything without a rate; with one,
-        // request k at t0 + k / rate, as fio's linear rate process schedules them.
-        let mut not_due = None;
-        while let Some(&slot) = free.last() {
-            let now = Instant::now();
-            if let Some(iv) = interval {
-                let due = t0 + iv.mul_f64(issued as f64);
-                if now < due {
-                    not_due = Some(due);
-                    break;
-                }
-            }
-            free.pop();
-            started[slot] = now;
-            submit(q, slot, next_offset());
-            in_flight += 1;
-            issued += 1;
-        }
+        let not_due = s.issue_due(t0, interval);
         // Ahead of the rate, fio finishes what is in flight, one completion at a time,
         // and then sleeps until the next request is due (io_u_quiesce, usec_sleep): so
         // does this (and issues again as soon as a request is due).
         let min = match not_due {
-            Some(due) if in_flight == 0 => {
+            Some(due) if s.in_flight == 0 => {
                 std::thread::sleep(due.saturating_duration_since(Instant::now()));
                 continue;
             }
             _ => 1,
         };
-        let n = q
-            .do_io(&mut comps, min, None, None)
+        s.reap(min, measure_start.is_some().then_some(&mut lat_ns));
+    }
+    let measured = measure_start.map_or(Duration::ZERO, |t| t.elapsed());
+    // Let what is in flight finish before the buffers go.
+    s.drain();
+    QueueRun { lat_ns, measured }
+}
+
+/// Where a queue's next request goes: a random block, or the next one in sequence.
+struct Offsets {
+    sequential: bool,
+    bs: u64,
+    blocks: u64,
+    rng: u64,
+    seq: u64,
+}
+
+impl Offsets {
+    /// The offsets of queue `seed`: its own random sequence, or a stream starting at its
+    /// own eighth of the device.
+    fn new(capacity: u64, spec: &DriveSpec, seed: u64) -> Offsets {
+        let blocks = capacity / spec.bs as u64;
+        Offsets {
+            sequential: spec.sequential,
+            bs: spec.bs as u64,
+            blocks,
+            rng: 0x2545_f491_4f6c_dd1d ^ (seed.wrapping_mul(0x9e37_79b9_7f4a_7c15)),
+            seq: seed * (blocks / 8),
+        }
+    }
+
+    fn next_offset(&mut self) -> u64 {
+        if self.sequential {
+            self.seq = (self.seq + 1) % self.blocks;
+            return self.seq * self.bs;
+        }
+        self.rng ^= self.rng << 13;
+        self.rng ^= self.rng >> 7;
+        self.rng ^= self.rng << 17;
+        (self.rng % self.blocks) * self.bs
+    }
+}
+
+/// A queue's `qd` request slots (slot i's buffer at `buf + i * bs`): which are free, when
+/// each in flight started, how many requests were issued and how many are in flight.
+struct Slots<'a> {
+    q: &'a mut Blkioq,
+    buf: usize,
+    spec: &'a DriveSpec,
+    offsets: Offsets,
+    started: Vec<Instant>,
+    /// Free slots, the next to use last.
+    free: Vec<usize>,
+    issued: u64,
+    in_flight: usize,
+    comps: Vec<MaybeUninit<Completion>>,
+}
+
+impl<'a> Slots<'a> {
+    fn new(q: &'a mut Blkioq, buf: usize, spec: &'a DriveSpec, offsets: Offsets) -> Self {
+        let qd = usize::from(spec.qd);
+        Slots {
+            q,
+            buf,
+            spec,
+            offsets,
+            started: vec![Instant::now(); qd],
+            free: (0..qd).rev().collect(),
+            issued: 0,
+            in_flight: 0,
+            comps: (0..qd).map(|_| MaybeUninit::uninit()).collect(),
+        }
+    }
+
+    /// Issues into the free slots what is due: everything without a rate (`interval`
+    /// None); with one, request k at t0 + k * interval, as fio's linear rate process
+    /// schedules them. Returns when the next request is due if it is not yet.
+    fn issue_due(&mut self, t0: Instant, interval: Option<Duration>) -> Option<Instant> {
+        while let Some(&slot) = self.free.last() {
+            let now = Instant::now();
+            if let Some(iv) = interval {
+                let due = t0 + iv.mul_f64(self.issued as f64);
+                if now < due {
+                    return Some(due);
+                }
+            }
+            self.free.pop();
+            self.started[slot] = now;
+            let offset = self.offsets.next_offset();
+            self.submit(slot, offset);
+            self.in_flight += 1;
+            self.issued += 1;
+        }
+        None
+    }
+
+    fn submit(&mut self, slot: usize, offset: u64) {
+        let bs = self.spec.bs as usize;
+        let addr = self.buf + slot * bs;
+        if self.spec.write {
+            self.q
+                .write(offset, addr as *const u8, bs, slot, ReqFlags::empty());
+        } else {
+            self.q
+                .read(offset, addr as *mut u8, bs, slot, ReqFlags::empty());
+        }
+    }
+
+    /// Waits for at least `min` completions; frees their slots after the think time, and
+    /// records their latencies in `lat_ns` if given.
+    fn reap(&mut self, min: usize, mut lat_ns: Option<&mut Vec<u64>>) {
+        let n = self
+            .q
+            .do_io(&mut self.comps, min, None, None)
             .unwrap_or_else(|e| fail("do_io", e));
         let now = Instant::now();
-        for c in &comps[..n] {
+        for c in &self.comps[..n] {
             // SAFETY: do_io initialised the first `n` completions.
             let c = unsafe { c.assume_init_read() };
             assert_eq!(c.ret, 0, "a request failed: {}", c.ret);
             let slot = c.user_data;
-            if measure_start.is_some() {
-                lat_ns.push((now - started[slot]).as_nanos() as u64);
+            if let Some(lat_ns) = lat_ns.as_deref_mut() {
+                lat_ns.push((now - self.started[slot]).as_nanos() as u64);
             }
-            think(spec.think, spec.think_spin);
-            free.push(slot);
+            think(self.spec.think, self.spec.think_spin);
+            self.free.push(slot);
         }
-        in_flight -= n;
+        self.in_flight -= n;
     }
-    let measured = measure_start.map_or(Duration::ZERO, |t| t.elapsed());
-    // Let what is in flight finish before the buffers go.
-    while in_flight > 0 {
-        let n = q
-            .do_io(&mut comps, in_flight, None, None)
-            .unwrap_or_else(|e| fail("do_io", e));
-        in_flight -= n;
+
+    /// Waits until nothing is in flight.
+    fn drain(&mut self) {
+        while self.in_flight > 0 {
+            let n = self
+                .q
+                .do_io(&mut self.comps, self.in_flight, None, None)
+                .unwrap_or_else(|e| fail("do_io", e));
+            self.in_flight -= n;
+        }
     }
-    QueueRun { lat_ns, measured }
 }
 
 fn summarize(runs: Vec<QueueRun>) -> FioResult {
@@ -189,25 +258,6 @@ fn summarize(runs: Vec<QueueRun>) -> FioResult {
         .iter()
         .map(|r| r.lat_ns.len() as f64 / r.measured.as_secs_f64().max(1e-9))
         .sum();
-    let mut lat: Vec<u64> = runs.into_iter().flat_map(|r| r.lat_ns).collect();
-    lat.sort_unstable();
-    let n = lat.len();
-    let pct = |p: f64| {
-        if n == 0 {
-            0.0
-        } else {
-            lat[((n as f64 * p) as usize).min(n - 1)] as f64 / 1000.0
-        }
-    };
-    FioResult {
-        iops,
-        mean_us: if n == 0 {
-            0.0
-        } else {
-            lat.iter().sum::<u64>() as f64 / n as f64 / 1000.0
-        },
-        p50_us: pct(0.50),
-        p99_us: pct(0.99),
-        total_ios: n as u64,
-    }
+    let lat: Vec<u64> = runs.into_iter().flat_map(|r| r.lat_ns).collect();
+    figures(iops, lat)
 }

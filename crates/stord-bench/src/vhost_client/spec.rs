@@ -1,6 +1,9 @@
-//! What a vhost-user-blk client drives (like one fio job), and fio's think time.
+//! What a vhost-user-blk client drives (like one fio job), fio's think time, and the
+//! fio-like figures a client reports.
 
 use std::time::{Duration, Instant};
+
+use crate::peers::FioResult;
 
 /// What the frontend drives: like one fio job.
 #[derive(Debug, Clone, Copy)]
@@ -34,5 +37,30 @@ pub(crate) fn think(d: Duration, spin: bool) {
     let end = Instant::now() + d;
     while Instant::now() < end {
         std::hint::spin_loop();
+    }
+}
+
+/// fio-like figures of a run: `iops`, and the mean and percentiles of the latencies (ns)
+/// measured.
+pub(crate) fn figures(iops: f64, mut lat_ns: Vec<u64>) -> FioResult {
+    lat_ns.sort_unstable();
+    let n = lat_ns.len();
+    let pct = |p: f64| {
+        if n == 0 {
+            0.0
+        } else {
+            lat_ns[((n as f64 * p) as usize).min(n - 1)] as f64 / 1000.0
+        }
+    };
+    FioResult {
+        iops,
+        mean_us: if n == 0 {
+            0.0
+        } else {
+            lat_ns.iter().sum::<u64>() as f64 / n as f64 / 1000.0
+        },
+        p50_us: pct(0.50),
+        p99_us: pct(0.99),
+        total_ios: n as u64,
     }
 }
