@@ -2,5 +2,5 @@
 //! header's geometry.
 #![no_main]
 libfuzzer_sys::fuzz_target!(|data: &[u8]| {
-    stord::block::qcow2::fuzz(data);
+    stord::block::drivers::qcow2::fuzz(data);
 });

@@ -3,5 +3,5 @@
 //! write over the header is not.
 #![no_main]
 libfuzzer_sys::fuzz_target!(|data: &[u8]| {
-    stord::block::qcow2::fuzz::fuzz_image(data);
+    stord::block::drivers::qcow2::fuzz::fuzz_image(data);
 });

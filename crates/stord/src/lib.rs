@@ -24,6 +24,7 @@
 
 pub mod accept;
 pub mod block;
+pub mod buf;
 pub mod chardev;
 pub mod cli;
 pub mod daemon;
@@ -31,10 +32,11 @@ pub mod events;
 pub mod export;
 pub mod guest_fault;
 pub mod iothread;
+pub mod iov;
 pub mod job;
 pub mod log;
 pub mod metrics;
-pub mod nbd;
+pub mod nbd_wire;
 pub mod process;
 pub mod qmp;
 pub mod qom;

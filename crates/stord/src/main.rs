@@ -140,7 +140,7 @@ fn main() -> ExitCode {
         // without the libraries' exit handlers, which could wait on those threads).
         stord::sys::exit_now(1);
     }
-    if stord::block::closes_pending() > 0 {
+    if stord::block::helper_thread::closes_pending() > 0 {
         // A close that outlived its bound (storage that does not answer) still runs:
         // leave without the libraries' exit handlers, which could wait on it.
         stord::sys::exit_now(0);

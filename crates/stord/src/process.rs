@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use stord_aio::{AioContext, AioContextOptions, PollParams, ReactorKind};
 
-use crate::block::graph::GraphError;
+use crate::block::open::GraphError;
 use crate::chardev::{Chardev, ChardevError};
 use crate::cli::keyval::{KeyVal, OptionError};
 use crate::cli::{CommandLine, Item};

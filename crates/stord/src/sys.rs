@@ -3,6 +3,16 @@
 use std::io;
 use std::os::fd::RawFd;
 
+/// An I/O error as strerror words it, as QEMU's messages quote it (without Rust's
+/// " (os error N)").
+pub fn os_text(e: &io::Error) -> String {
+    let s = e.to_string();
+    match s.find(" (os error ") {
+        Some(i) => s[..i].to_string(),
+        None => s,
+    }
+}
+
 fn check(r: libc::c_int) -> io::Result<()> {
     if r < 0 {
         Err(io::Error::last_os_error())
@@ -344,7 +354,7 @@ impl Drop for UnmountWatchdog {
 /// O_DIRECT accepts); returns the raw result (count or -errno).
 pub fn direct_read(fd: RawFd, len: usize, offset: u64) -> i32 {
     use stord_aio::IoBufMut;
-    let mut buf = crate::block::new_buf(len);
+    let mut buf = crate::buf::new_buf(len);
     // SAFETY: the buffer is ours, aligned, and `len` bytes long.
     unsafe { stord_aio::sys::blocking::pread(fd, buf.stable_mut_ptr(), len, offset) }
 }

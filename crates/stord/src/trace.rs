@@ -19,8 +19,14 @@ pub struct Group {
     pub targets: &'static [&'static str],
 }
 
-const NBD: &[&str] = &["stord::nbd", "stord::export::nbd", "stord::block::nbd"];
-const FILE: &[&str] = &["stord::block::file"];
+/// `stord::nbd` is the target the NBD client driver names in its events.
+const NBD: &[&str] = &[
+    "stord::nbd",
+    "stord::nbd_wire",
+    "stord::export::nbd",
+    "stord::block::drivers::nbd_client",
+];
+const FILE: &[&str] = &["stord::block::drivers::file"];
 const JOBS: &[&str] = &["stord::job", "stord::daemon::block_jobs"];
 const LOOP: &[&str] = &["stord_aio"];
 
@@ -32,7 +38,7 @@ pub const GROUPS: &[Group] = &[
     },
     Group {
         qemu: "qcow2",
-        targets: &["stord::block::qcow2"],
+        targets: &["stord::block::drivers::qcow2"],
     },
     Group {
         qemu: "file",
@@ -64,11 +70,11 @@ pub const GROUPS: &[Group] = &[
     },
     Group {
         qemu: "qemu_rbd",
-        targets: &["stord::block::rbd"],
+        targets: &["stord::block::drivers::rbd"],
     },
     Group {
         qemu: "throttle",
-        targets: &["stord::block::throttle"],
+        targets: &["stord::block::drivers::throttle", "stord::block::throttle_group"],
     },
     Group {
         qemu: "monitor",
@@ -120,7 +126,7 @@ pub const GROUPS: &[Group] = &[
     },
     Group {
         qemu: "thread_pool",
-        targets: &["stord::block::file::threads"],
+        targets: &["stord::block::drivers::file::threads"],
     },
     Group {
         qemu: "qcrypto_tls",
@@ -237,7 +243,7 @@ mod tests {
         assert_eq!(cfg(&["nbd_*"]).targets, NBD);
         assert_eq!(
             cfg(&["enable=qcow2_writev_start"]).targets,
-            ["stord::block::qcow2"]
+            ["stord::block::drivers::qcow2"]
         );
         assert_eq!(cfg(&["luring_*", "-file*"]).targets, Vec::<&str>::new());
         assert_eq!(cfg(&["*"]).targets.len(), {

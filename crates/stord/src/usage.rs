@@ -2,7 +2,7 @@
 //! object types, the block drivers, the export types), so the help names everything they
 //! hold; docs/usage.md carries the same synopses and a test holds it to them.
 
-use crate::block::graph::BLOCK_DRIVERS;
+use crate::block::drivers::BLOCK_DRIVERS;
 use crate::cli::Help;
 use crate::daemon::objects::OBJECT_TYPES;
 use crate::export::EXPORT_TYPES;

@@ -11,8 +11,8 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 
-use super::graph::GraphError;
-use super::BlockNode;
+use crate::block::node::block_node::BlockNode;
+use crate::block::open::GraphError;
 use crate::cli::keyval::KeyVal;
 use crate::schema::{Arg, EnumType};
 

@@ -110,7 +110,7 @@ fn open(dev: &Chardev) -> Result<Open, ChardevError> {
                     invalid(format!(
                         "Could not open '{}': {}",
                         out.display(),
-                        crate::block::os_text(&e)
+                        crate::sys::os_text(&e)
                     ))
                 })?;
             Open::File(f)
@@ -157,7 +157,7 @@ fn socket_error(addr: &SocketAddr, e: std::io::Error) -> ChardevError {
     };
     invalid(format!(
         "Failed to connect to '{to}': {}",
-        crate::block::os_text(&e)
+        crate::sys::os_text(&e)
     ))
 }
 

@@ -14,8 +14,8 @@
 use std::sync::Arc;
 
 use super::{DaemonError, State};
-use crate::block::perm::Perm;
-use crate::block::BlockNode;
+use crate::block::node::block_node::BlockNode;
+use crate::block::node::perm::Perm;
 
 fn eperm(what: &str) -> DaemonError {
     DaemonError::Invalid(format!("{what}: Operation not permitted"))
@@ -88,9 +88,11 @@ impl State {
             ));
         }
         let m = n.clone();
-        crate::block::block_on_helper(move || async move { m.driver().inactivate().await })
-            .and_then(|r| r)
-            .map_err(|e| DaemonError::Invalid(format!("Failed to inactivate node: {e}")))?;
+        crate::block::helper_thread::block_on_helper(move || async move {
+            m.driver().inactivate().await
+        })
+        .and_then(|r| r)
+        .map_err(|e| DaemonError::Invalid(format!("Failed to inactivate node: {e}")))?;
         // The exports on it: those allowed to stay give up their permissions.
         let ids = self.exports_on(n);
         for id in &ids {
@@ -137,7 +139,7 @@ impl State {
                 return Err(e.into());
             }
             let (m, writable) = (n.clone(), !n.is_read_only());
-            let r = crate::block::block_on_helper(move || async move {
+            let r = crate::block::helper_thread::block_on_helper(move || async move {
                 m.driver().invalidate_cache(writable).await
             })
             .map_err(|e| e.to_string())

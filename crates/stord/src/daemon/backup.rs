@@ -9,12 +9,12 @@ use std::sync::Arc;
 
 use super::block_jobs::NewJob;
 use super::{invalid, DaemonError, State};
-use crate::block::copy_before_write::{
+use crate::block::drivers::copy_before_write::block_copy::{
     reads_through, BeforeWrite, CopyBeforeWrite, PointInTimeReads, Unallocated,
 };
-use crate::block::hook::HookOn;
-use crate::block::perm::Perm;
-use crate::block::BlockNode;
+use crate::block::node::block_node::BlockNode;
+use crate::block::node::hook_on::HookOn;
+use crate::block::node::perm::Perm;
 use crate::job::backup::{Backup, BitmapMode, Sync, SyncBitmap};
 use crate::job::{Holds, OnError};
 
@@ -129,7 +129,7 @@ fn check_backup(
     o: &BackupOptions,
     source: &Arc<BlockNode>,
     target: &Arc<BlockNode>,
-    bitmap: Option<&crate::block::dirty_bitmap::DirtyBitmap>,
+    bitmap: Option<&crate::block::node::dirty_bitmap::DirtyBitmap>,
     mode: Option<BitmapMode>,
 ) -> Result<u64, DaemonError> {
     if Arc::ptr_eq(source, target) {
@@ -156,7 +156,7 @@ fn check_backup(
     }
     if let (Some(b), Some(m)) = (bitmap, mode) {
         if m != BitmapMode::Never {
-            b.check(crate::block::dirty_bitmap::Use::Modify)
+            b.check(crate::block::node::dirty_bitmap::Use::Modify)
                 .map_err(|e| invalid(e.to_string()))?;
         }
     }
@@ -299,7 +299,7 @@ impl State {
         o: &BackupOptions,
         sync: &str,
         mode: Option<BitmapMode>,
-    ) -> Result<Option<Arc<crate::block::dirty_bitmap::DirtyBitmap>>, DaemonError> {
+    ) -> Result<Option<Arc<crate::block::node::dirty_bitmap::DirtyBitmap>>, DaemonError> {
         let Some(name) = &o.bitmap else {
             if mode.is_some() {
                 return Err(invalid("Cannot specify bitmap sync mode without a bitmap"));
@@ -314,7 +314,7 @@ impl State {
                 "Bitmap sync mode must be given when providing a bitmap",
             ));
         };
-        b.check(crate::block::dirty_bitmap::Use::AllowReadOnly)
+        b.check(crate::block::node::dirty_bitmap::Use::AllowReadOnly)
             .map_err(|e| invalid(e.to_string()))?;
         if sync == "none" {
             return Err(invalid(
@@ -349,7 +349,11 @@ impl State {
 }
 
 /// Marks in `copy` what `bitmap` has dirty.
-fn mark_from(copy: &CopyBeforeWrite, bitmap: &crate::block::dirty_bitmap::DirtyBitmap, size: u64) {
+fn mark_from(
+    copy: &CopyBeforeWrite,
+    bitmap: &crate::block::node::dirty_bitmap::DirtyBitmap,
+    size: u64,
+) {
     let mut o = 0;
     while o < size {
         let (n, dirty) = bitmap.extent(o, size - o);

@@ -8,9 +8,9 @@ use std::rc::Weak;
 use std::sync::Arc;
 
 use super::{invalid, DaemonError, State};
-use crate::block::link::NodeLink;
-use crate::block::perm::Perm;
-use crate::block::BlockNode;
+use crate::block::node::block_node::BlockNode;
+use crate::block::node::link::NodeLink;
+use crate::block::node::perm::Perm;
 use crate::job::commit::Commit;
 use crate::job::home::Home;
 use crate::job::mirror::{Mirror, Parents, Scope, TargetStart, DEFAULT_BUF_SIZE};
@@ -565,7 +565,9 @@ impl State {
         let job = self.new_block_job(o.job_id.as_deref(), o.speed)?;
         let base_node = chain[base].0.clone();
         // QEMU reopens a read-only base read-write for the commit, and back after it.
-        let reopened = crate::block::ReadOnlyAgain::new(self.make_writable(&base_node)?);
+        let reopened = crate::block::node::read_only_again::ReadOnlyAgain::new(
+            self.make_writable(&base_node)?,
+        );
         let overlay = overlay_of(&chain[..top], &top_node)?;
         let mut holds = commit_holds(&dev, &chain[top..base], &base_node, &job.id)?;
         holds.reopened = reopened;
@@ -656,7 +658,9 @@ impl State {
         let (base_node, base_depth) = chain[base].clone();
         // QEMU reopens a read-only base read-write for the commit, and back after it
         // unless the exports moved onto it.
-        let reopened = crate::block::ReadOnlyAgain::new(self.make_writable(&base_node)?);
+        let reopened = crate::block::node::read_only_again::ReadOnlyAgain::new(
+            self.make_writable(&base_node)?,
+        );
         let user = format!("commit job '{}'", job.id);
         let reason = "block device is in use by block job: commit".to_string();
         let mut claims = Vec::new();
@@ -890,7 +894,7 @@ fn mirror_holds(
     source: &Arc<BlockNode>,
     target: &Arc<BlockNode>,
     job_id: &str,
-) -> Result<(Holds, crate::block::perm::Claim), DaemonError> {
+) -> Result<(Holds, crate::block::node::block_node::Claim), DaemonError> {
     let user = format!("mirror job '{job_id}'");
     let reason = "block device is in use by block job: mirror".to_string();
     let claims = vec![source.claim(

@@ -7,17 +7,18 @@
 //! them: QEMU's quorum, which stord has not, so every node refuses as QEMU's other
 //! drivers do).
 //!
-//! [`AmendDef`]: crate::block::graph::AmendDef
+//! [`AmendDef`]: crate::block::driver_def::AmendDef
 
 use std::sync::Arc;
 
 use super::{invalid, DaemonError, State};
-use crate::block::BlockNode;
+use crate::block::node::block_node::BlockNode;
 
 /// Whether `image` is `top` or below it through backing links and filters (QEMU's
 /// bdrv_chain_contains).
 fn chain_contains(top: &Arc<BlockNode>, image: &Arc<BlockNode>) -> bool {
-    Arc::ptr_eq(top, image) || crate::block::copy_before_write::reads_through(top, image)
+    Arc::ptr_eq(top, image)
+        || crate::block::drivers::copy_before_write::block_copy::reads_through(top, image)
 }
 
 impl State {
@@ -46,9 +47,10 @@ impl State {
                 "'{device}' and image file are not in the same chain"
             )));
         }
-        let reopened = crate::block::ReadOnlyAgain::new(self.make_writable(&image)?);
+        let reopened =
+            crate::block::node::read_only_again::ReadOnlyAgain::new(self.make_writable(&image)?);
         let (node, name) = (image.clone(), backing_file.to_string());
-        let r = crate::block::block_on_helper(move || async move {
+        let r = crate::block::helper_thread::block_on_helper(move || async move {
             let format = node.driver_name();
             node.driver()
                 .change_backing_file(Some((&name, Some(format))))
@@ -59,7 +61,7 @@ impl State {
         r.map_err(|e| {
             invalid(format!(
                 "Could not change backing file to '{backing_file}': {}",
-                crate::block::os_text(&e)
+                crate::sys::os_text(&e)
             ))
         })
     }
@@ -79,7 +81,7 @@ impl State {
         &mut self,
         device: &str,
         name: &str,
-    ) -> Result<crate::block::SnapshotInfo, DaemonError> {
+    ) -> Result<crate::block::node::block_node::SnapshotInfo, DaemonError> {
         let node = self.root_node(device)?;
         node.check_not_busy()?;
         if node.is_read_only() {
@@ -101,7 +103,7 @@ impl State {
         // QEMU takes the time in microseconds.
         let date = (now.as_secs() as u32, now.subsec_micros() * 1000);
         let (n, name_owned) = (node.clone(), name.to_string());
-        let r = crate::block::block_on_helper(move || async move {
+        let r = crate::block::helper_thread::block_on_helper(move || async move {
             let list = n.driver().list_snapshots().await?;
             if list.iter().any(|s| s.name == name_owned) {
                 return Ok(Err(()));
@@ -116,7 +118,7 @@ impl State {
             ))),
             Err(e) => Err(invalid(format!(
                 "Failed to create snapshot '{name}' on device '{device}': {}",
-                crate::block::os_text(&e)
+                crate::sys::os_text(&e)
             ))),
         }
     }
@@ -127,7 +129,7 @@ impl State {
         device: &str,
         id: Option<&str>,
         name: Option<&str>,
-    ) -> Result<crate::block::SnapshotInfo, DaemonError> {
+    ) -> Result<crate::block::node::block_node::SnapshotInfo, DaemonError> {
         let node = self.root_node(device)?;
         if id.is_none() && name.is_none() {
             return Err(invalid("Name or id must be provided"));
@@ -138,7 +140,7 @@ impl State {
             id.map(str::to_string),
             name.map(str::to_string),
         );
-        let r = crate::block::block_on_helper(move || async move {
+        let r = crate::block::helper_thread::block_on_helper(move || async move {
             n.driver()
                 .delete_snapshot(i.as_deref(), nm.as_deref())
                 .await
@@ -153,7 +155,7 @@ impl State {
             ))),
             Err(e) => Err(invalid(format!(
                 "Failed to delete snapshot: {}",
-                crate::block::os_text(&e)
+                crate::sys::os_text(&e)
             ))),
         }
     }
@@ -221,7 +223,7 @@ impl State {
                 "x-blockdev-amend doesn't support changing the block driver",
             ));
         }
-        let Some(def) = crate::block::graph::driver(driver).and_then(|d| d.amend) else {
+        let Some(def) = crate::block::drivers::driver(driver).and_then(|d| d.amend) else {
             return Err(invalid("Driver does not support x-blockdev-amend"));
         };
         let opts = crate::job::JobOptions::plain(true, false);

@@ -18,7 +18,7 @@ use super::backup::{BackupOptions, PreparedBackup};
 use super::block_jobs::MirrorOptions;
 use super::new_image::{create_image, probe_format};
 use super::{invalid, DaemonError, State};
-use crate::block::BlockNode;
+use crate::block::node::block_node::BlockNode;
 use crate::cli::keyval::KeyVal;
 
 /// What drive-backup and drive-mirror add to their blockdev forms.

@@ -1,5 +1,5 @@
 //! The graph builder: `--blockdev` / `blockdev-add` open a node and, first, its inline
-//! children, through the driver table ([`crate::block::graph::BLOCK_DRIVERS`]).
+//! children, through the driver table ([`crate::block::drivers::BLOCK_DRIVERS`]).
 //!
 //! A build is all or nothing: every node the builder adds is recorded, and if any step
 //! fails (an option, a lock, an image) they are taken out again, newest first, before the
@@ -11,9 +11,11 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use super::{DaemonError, State};
-use crate::block::graph::{self, Graph, GraphError, OpenFlags};
-use crate::block::throttle::ThrottleGroup;
-use crate::block::{BlockNode, CommonOptions, DetectZeroes};
+use crate::block::drivers;
+use crate::block::node::block_node::BlockNode;
+use crate::block::node::options::{CommonOptions, DetectZeroes};
+use crate::block::open::{Graph, GraphError, OpenFlags};
+use crate::block::throttle_group::ThrottleGroup;
 use crate::cli::id_wellformed;
 use crate::cli::keyval::KeyVal;
 
@@ -100,8 +102,9 @@ impl State {
 /// to its image) at most [`CLOSE_LIMIT`].
 pub(super) fn close_now(node: &Arc<BlockNode>) {
     let n = node.clone();
-    match crate::block::block_on_helper_within(CLOSE_LIMIT, move || async move { n.close().await })
-    {
+    match crate::block::helper_thread::block_on_helper_within(CLOSE_LIMIT, move || async move {
+        n.close().await
+    }) {
         Some(Ok(Ok(()))) => {}
         Some(Ok(Err(e)) | Err(e)) => tracing::warn!("closing node '{}' failed: {e}", node.name),
         None => tracing::warn!(
@@ -145,9 +148,9 @@ impl Builder<'_> {
         if self.st.nodes.contains_key(&name) {
             return Err(GraphError::DuplicateNode(name));
         }
-        let Some(def) = graph::driver(&driver_name) else {
+        let Some(def) = drivers::driver(&driver_name) else {
             return Err(kv
-                .bad_value("driver", &graph::driver_names(), &driver_name)
+                .bad_value("driver", &drivers::driver_names(), &driver_name)
                 .into());
         };
         let read_only = kv.take_bool("read-only", false)?;
@@ -199,7 +202,7 @@ impl Builder<'_> {
         node.refresh_perms()?;
         if node.has_persistent_bitmaps() && !inactive {
             let n = node.clone();
-            crate::block::block_on_helper(move || async move { n.activate().await })
+            crate::block::helper_thread::block_on_helper(move || async move { n.activate().await })
                 .and_then(|r| r)
                 .map_err(|e| GraphError::Invalid(format!("{what}: {e}")))?;
         }
@@ -301,7 +304,7 @@ impl Graph for Builder<'_> {
                 let is_qcow2 = std::fs::File::open(&path)
                     .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic))
                     .is_ok()
-                    && crate::block::qcow2::has_magic(&magic);
+                    && crate::block::drivers::qcow2::has_magic(&magic);
                 if is_qcow2 { "qcow2" } else { "raw" }.to_string()
             }
         };

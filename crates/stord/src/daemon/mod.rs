@@ -32,9 +32,9 @@ pub use self::backup::{BackupOptions, BackupPerf, PreparedBackup};
 pub use self::block_jobs::{CommitOptions, MirrorOptions, StreamOptions};
 pub use self::drive::DriveTarget;
 pub use self::snapshot::{hold_all_exports, SnapshotDone, SnapshotSyncOptions};
-use crate::block::link::NodeLink;
-use crate::block::throttle::ThrottleGroup;
-use crate::block::BlockNode;
+use crate::block::node::block_node::BlockNode;
+use crate::block::node::link::NodeLink;
+use crate::block::throttle_group::ThrottleGroup;
 use crate::cli::keyval::{KeyVal, OptionError};
 use crate::events::Events;
 use crate::export::nbd::{ListenAddr, NbdServer, NbdServerOpts};
@@ -65,11 +65,11 @@ pub enum DaemonError {
     #[error("Failed to find node with node-name='{0}'")]
     NodeNotFound(String),
     #[error(transparent)]
-    Graph(#[from] crate::block::graph::GraphError),
+    Graph(#[from] crate::block::open::GraphError),
     #[error(transparent)]
     Export(#[from] crate::export::ExportError),
     #[error(transparent)]
-    Throttle(#[from] crate::block::throttle::ThrottleConfigError),
+    Throttle(#[from] crate::block::throttle_group::ThrottleConfigError),
     #[error(transparent)]
     Job(#[from] crate::job::JobError),
     #[error("Block device {name} is in use (it is the '{role}' child of node '{parent}')")]
@@ -100,10 +100,10 @@ pub enum DaemonError {
     #[error("cannot listen on {addr}: {source}")]
     Listen { addr: String, source: io::Error },
     #[error(transparent)]
-    Perm(#[from] crate::block::perm::PermError),
+    Perm(#[from] crate::block::node::perm::PermError),
     /// A job has the node ("Node 'x' is busy: ...").
     #[error(transparent)]
-    Busy(#[from] crate::block::blocker::Busy),
+    Busy(#[from] crate::block::node::blocker::Busy),
     #[error(transparent)]
     Property(#[from] crate::iothread::PropertyError),
     #[error(transparent)]
@@ -150,11 +150,17 @@ pub struct State {
     /// Exports by id, whatever their type.
     exports: BTreeMap<String, Box<dyn Export>>,
     /// Each export's permissions on its node (given back once it has drained).
-    export_claims: BTreeMap<String, crate::block::perm::Claim>,
+    export_claims: BTreeMap<String, crate::block::node::block_node::Claim>,
     /// Exports made with `allow-inactive=on`.
     allow_inactive: BTreeSet<String>,
     /// Exports whose node is inactive: the permissions they take back on activation.
-    inactive_exports: BTreeMap<String, (crate::block::perm::Perm, crate::block::perm::Perm)>,
+    inactive_exports: BTreeMap<
+        String,
+        (
+            crate::block::node::perm::Perm,
+            crate::block::node::perm::Perm,
+        ),
+    >,
     /// Exports being removed: each task ends once its export has drained.
     removals: Vec<stord_aio::JoinHandle<()>>,
     /// Protocol servers (the NBD server, once started), by the export type they serve.
@@ -184,8 +190,11 @@ fn export_perms(
     kind: &str,
     writable: bool,
     growable: bool,
-) -> (crate::block::perm::Perm, crate::block::perm::Perm) {
-    use crate::block::perm::Perm;
+) -> (
+    crate::block::node::perm::Perm,
+    crate::block::node::perm::Perm,
+) {
+    use crate::block::node::perm::Perm;
     let mut perm = Perm::CONSISTENT_READ;
     if writable {
         perm = perm | Perm::WRITE;
@@ -296,7 +305,7 @@ impl State {
     /// The node `name`, or QEMU's error for a node that is not there.
     pub fn node_by_name(&self, name: &str) -> Result<Arc<BlockNode>, DaemonError> {
         self.nodes.get(name).cloned().ok_or_else(|| {
-            DaemonError::Graph(crate::block::graph::GraphError::ChildNotFound(name.into()))
+            DaemonError::Graph(crate::block::open::GraphError::ChildNotFound(name.into()))
         })
     }
 
@@ -471,11 +480,14 @@ impl State {
         let claim = node.claim(
             "block_resize",
             "root",
-            crate::block::perm::Perm::RESIZE,
-            crate::block::perm::Perm::ALL,
+            crate::block::node::perm::Perm::RESIZE,
+            crate::block::node::perm::Perm::ALL,
         )?;
         let n = node.clone();
-        let r = crate::block::block_on_helper(move || async move { n.resize(size).await });
+        let r =
+            crate::block::helper_thread::block_on_helper(
+                move || async move { n.resize(size).await },
+            );
         drop(claim);
         match r {
             Ok(Ok(())) => {
@@ -532,7 +544,7 @@ impl State {
             )));
         }
         let n = node.clone();
-        match crate::block::block_on_helper(move || async move { n.flush().await }) {
+        match crate::block::helper_thread::block_on_helper(move || async move { n.flush().await }) {
             Ok(Ok(())) => {}
             Ok(Err(e)) | Err(e) => {
                 return Err(DaemonError::Invalid(format!(
@@ -575,19 +587,20 @@ impl State {
                 .map_err(DaemonError::from)
                 .and_then(|()| {
                     let m = n.clone();
-                    crate::block::block_on_helper(move || async move { m.reopen_rw().await })
-                        .map_err(|e| e.to_string())
-                        .and_then(|r| r)
-                        .map_err(|e| {
-                            DaemonError::Invalid(format!(
-                                "Cannot make node '{}' writable: {e}",
-                                n.name
-                            ))
-                        })?;
+                    crate::block::helper_thread::block_on_helper(move || async move {
+                        m.reopen_rw().await
+                    })
+                    .map_err(|e| e.to_string())
+                    .and_then(|r| r)
+                    .map_err(|e| {
+                        DaemonError::Invalid(format!("Cannot make node '{}' writable: {e}", n.name))
+                    })?;
                     n.refresh_perms().map_err(DaemonError::from)
                 });
             if let Err(e) = r {
-                drop(crate::block::ReadOnlyAgain::new(changed));
+                drop(crate::block::node::read_only_again::ReadOnlyAgain::new(
+                    changed,
+                ));
                 return Err(e);
             }
         }
@@ -707,8 +720,8 @@ impl State {
                 if self.prepare_export_node(&node, allow_inactive)? {
                     held_back = Some((perm, shared));
                     (perm, shared) = (
-                        crate::block::perm::Perm::NONE,
-                        crate::block::perm::Perm::ALL,
+                        crate::block::node::perm::Perm::NONE,
+                        crate::block::node::perm::Perm::ALL,
                     );
                 }
                 // An export's BlockBackend has no name in QEMU: its words for the user.
@@ -861,7 +874,7 @@ impl State {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::block::graph::GraphError;
+    use crate::block::open::GraphError;
     use graph::check_node_name;
 
     fn kv(s: &str) -> KeyVal {

@@ -6,10 +6,11 @@
 use std::sync::Arc;
 
 use super::{invalid, DaemonError};
-use crate::block::file::create::{create_file, FileCreate};
-use crate::block::file::{self, AioMode, FileOptions};
-use crate::block::qcow2::create::{create_qcow2, Qcow2Create};
-use crate::block::BlockNode;
+use crate::block::drivers::file;
+use crate::block::drivers::file::create::{create_file, FileCreate};
+use crate::block::drivers::file::{AioMode, FileOptions};
+use crate::block::drivers::qcow2::create::{create_qcow2, Qcow2Create};
+use crate::block::node::block_node::BlockNode;
 
 /// Creates `path` in `format`, `size` bytes, backed by `backing` (file name, format).
 pub(super) fn create_image(
@@ -69,7 +70,9 @@ pub(super) fn create_image(
         backing_fmt,
         zstd: false,
     };
-    let r = crate::block::block_on_helper(move || async move { create_qcow2(&node, &q).await });
+    let r = crate::block::helper_thread::block_on_helper(move || async move {
+        create_qcow2(&node, &q).await
+    });
     match r {
         Ok(Ok(())) => Ok(()),
         Ok(Err(e)) | Err(e) => Err(invalid(format!("Could not create '{path}': {e}"))),
@@ -84,7 +87,7 @@ pub(super) fn probe_format(path: &str) -> Result<&'static str, DaemonError> {
     let mut f = std::fs::File::open(path).map_err(|e| {
         invalid(format!(
             "Could not open '{path}': {}",
-            crate::block::os_text(&e)
+            crate::sys::os_text(&e)
         ))
     })?;
     let n = f.read(&mut magic).unwrap_or(0);

@@ -7,10 +7,9 @@ use std::sync::Arc;
 use stord_aio::{AioContextOptions, IoThread};
 
 use super::{DaemonError, State};
-use crate::block::throttle::ThrottleGroup;
-use crate::cli::id_wellformed;
+use crate::block::throttle_group::ThrottleGroup;
 use crate::cli::keyval::KeyVal;
-use crate::cli::Help;
+use crate::cli::{id_wellformed, Help};
 use crate::secret::Secret;
 use crate::tls::{AuthzSimple, TlsCreds};
 

@@ -7,8 +7,8 @@
 use std::sync::Arc;
 
 use super::{invalid, DaemonError, State};
-use crate::block::perm::Perm;
-use crate::block::BlockNode;
+use crate::block::node::block_node::BlockNode;
+use crate::block::node::perm::Perm;
 use crate::cli::keyval::KeyVal;
 
 /// `blockdev-snapshot-sync`'s arguments.
@@ -49,7 +49,9 @@ impl State {
         }
         if !old.is_read_only() {
             let n = old.clone();
-            let r = crate::block::block_on_helper(move || async move { n.flush().await });
+            let r = crate::block::helper_thread::block_on_helper(
+                move || async move { n.flush().await },
+            );
             if !matches!(r, Ok(Ok(()))) {
                 return Err(invalid(format!("Write to node '{}' failed", old.name)));
             }
@@ -218,7 +220,7 @@ impl State {
 /// returns, no request is inside the graph and new ones wait until the holds are dropped.
 /// It waits with the main loop running (requests served there finish meanwhile), so the
 /// caller must not hold the state borrowed.
-pub fn hold_all_exports(state: &super::SharedState) -> Vec<crate::block::link::Hold> {
+pub fn hold_all_exports(state: &super::SharedState) -> Vec<crate::block::node::link::Hold> {
     let links: Vec<_> = state
         .borrow()
         .exports

@@ -26,8 +26,8 @@ use std::time::{Duration, Instant};
 
 use stord_aio::{IoThread, Remote};
 
-use crate::block::link::NodeLink;
-use crate::block::BlockNode;
+use crate::block::node::block_node::BlockNode;
+use crate::block::node::link::NodeLink;
 use crate::cli::keyval::{KeyVal, OptionError};
 use crate::cli::Help;
 

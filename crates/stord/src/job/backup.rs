@@ -1,6 +1,6 @@
 //! Backup (blockdev-backup): the target gets the source's content as it was when the job
 //! was made, while clients keep writing to the source. Copy-before-write
-//! ([`crate::block::copy_before_write`]) keeps the point in time; the job copies what is
+//! ([`crate::block::drivers::copy_before_write::block_copy`]) keeps the point in time; the job copies what is
 //! still to be copied in the background, a chunk at a time (`sync=none` copies nothing
 //! itself and runs until cancelled: the fleecing case, where the target is read while
 //! the job lasts).
@@ -16,11 +16,11 @@ use std::time::Duration;
 
 use super::home::{follow, stopped, FindHome, Home, InFlight, Stay, Step};
 use super::{ErrorAction, Finish, Holds, Job, OnError};
-use crate::block::blocker::JobAttachment;
-use crate::block::copy_before_write::{CopyBeforeWrite, CopyError};
-use crate::block::dirty_bitmap::DirtyBitmap;
-use crate::block::hook::HookOn;
-use crate::block::BlockNode;
+use crate::block::drivers::copy_before_write::block_copy::{CopyBeforeWrite, CopyError};
+use crate::block::node::block_node::BlockNode;
+use crate::block::node::blocker::JobAttachment;
+use crate::block::node::dirty_bitmap::DirtyBitmap;
+use crate::block::node::hook_on::HookOn;
 
 /// How much one copy moves at most.
 const CHUNK: u64 = 1 << 20;
@@ -292,7 +292,7 @@ impl Copying {
             self.on_target_error
         };
         if job.error_action(policy, e.read, &e.error) == ErrorAction::Report {
-            return Err(crate::block::os_text(&e.error));
+            return Err(crate::sys::os_text(&e.error));
         }
         Ok(())
     }

@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use super::{copy_range, ChunkCopy, CopyError, CopyJob, Holds, OnError, Runs};
-use crate::block::BlockNode;
+use crate::block::node::block_node::BlockNode;
 
 /// How much one step copies at most (QEMU's COMMIT_BUFFER_SIZE).
 const CHUNK: u64 = 512 << 10;

@@ -20,7 +20,7 @@ use std::io;
 use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
 use std::sync::{Arc, Mutex};
 
-use crate::block::BlockNode;
+use crate::block::node::block_node::BlockNode;
 use crate::job::Job;
 use std::task::{Poll, Waker};
 
@@ -482,7 +482,7 @@ mod tests {
         let t1 = IoThread::spawn(AioContextOptions::default()).unwrap();
         let t2 = IoThread::spawn(AioContextOptions::default()).unwrap();
         let (r1, r2) = (t1.remote().clone(), t2.remote().clone());
-        let node = crate::block::null::test_node("n");
+        let node = crate::block::drivers::null::test_node("n");
         node.set_home(Some("io1".into()));
         let n = node.clone();
         let serving = move || match n.home().as_deref() {
@@ -538,7 +538,7 @@ mod tests {
 
     #[test]
     fn a_move_once_seen_stays_seen() {
-        let node = crate::block::null::test_node("n");
+        let node = crate::block::drivers::null::test_node("n");
         node.set_home(Some("io1".into()));
         let stay = Stay::new(&node);
         let kept = stay.clone();
@@ -554,7 +554,7 @@ mod tests {
     fn a_job_cancelled_while_its_thread_cannot_be_looked_up_ends_at_once() {
         use std::time::{Duration, Instant};
         let ctx = AioContext::new(AioContextOptions::default()).unwrap();
-        let node = crate::block::null::test_node("n");
+        let node = crate::block::drivers::null::test_node("n");
         let (jobs, events) = (
             crate::job::Jobs::default(),
             crate::events::Events::default(),

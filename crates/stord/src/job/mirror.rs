@@ -20,12 +20,13 @@ use std::time::Duration;
 use super::home::{follow, stopped, Home, InFlight, Stay, Step};
 use super::write_blocking::{MirrorType, WriteBlocking};
 use super::{copy_range, CopyError, ErrorAction, Finish, Holds, Job, OnError, Runs};
-use crate::block::blocker::JobAttachment;
-use crate::block::dirty_bitmap::DirtyBitmap;
-use crate::block::hook::HookOn;
-use crate::block::link::{Hold, NodeLink};
-use crate::block::perm::{Claim, Perm};
-use crate::block::BlockNode;
+use crate::block::node::block_node::BlockNode;
+use crate::block::node::block_node::Claim;
+use crate::block::node::blocker::JobAttachment;
+use crate::block::node::dirty_bitmap::DirtyBitmap;
+use crate::block::node::hook_on::HookOn;
+use crate::block::node::link::{Hold, NodeLink};
+use crate::block::node::perm::Perm;
 
 /// Copy operations in flight at most (QEMU's MAX_IN_FLIGHT).
 pub const MAX_IN_FLIGHT: usize = 16;

@@ -225,7 +225,7 @@ pub trait CopyJob: 'static {
     fn bytes(&self) -> u64;
     fn on_error(&self) -> OnError;
     /// The node whose thread runs the chunks.
-    fn node(&self) -> &std::sync::Arc<crate::block::BlockNode>;
+    fn node(&self) -> &std::sync::Arc<crate::block::node::block_node::BlockNode>;
     /// Before the first chunk.
     async fn prepare(&self) -> Result<(), String> {
         Ok(())
@@ -243,13 +243,13 @@ pub type CopyError = (std::io::Error, bool);
 /// The allocation runs of `[offset, end)` in a node's chain, in order: what a copying
 /// job walks to decide, run by run, what to copy, zero or skip.
 pub struct Runs<'a> {
-    node: &'a crate::block::BlockNode,
+    node: &'a crate::block::node::block_node::BlockNode,
     at: u64,
     end: u64,
 }
 
 impl<'a> Runs<'a> {
-    pub fn new(node: &'a crate::block::BlockNode, offset: u64, end: u64) -> Self {
+    pub fn new(node: &'a crate::block::node::block_node::BlockNode, offset: u64, end: u64) -> Self {
         Runs {
             node,
             at: offset,
@@ -278,12 +278,12 @@ impl<'a> Runs<'a> {
 
 /// Copies `[at, at + n)` of `from` to `to` through a request buffer.
 pub async fn copy_range(
-    from: &crate::block::BlockNode,
-    to: &crate::block::BlockNode,
+    from: &crate::block::node::block_node::BlockNode,
+    to: &crate::block::node::block_node::BlockNode,
     at: u64,
     n: u64,
 ) -> Result<(), CopyError> {
-    let (r, buf) = from.read(at, crate::block::request_buf(n as usize)).await;
+    let (r, buf) = from.read(at, crate::buf::request_buf(n as usize)).await;
     r.map_err(|e| (e, true))?;
     let (r, _) = to.write(at, buf, false).await;
     r.map_err(|e| (e, false))
@@ -347,12 +347,12 @@ impl ChunksAt {
 
 /// What a block job holds on the graph while it lasts.
 pub struct Holds {
-    pub claims: Vec<crate::block::perm::Claim>,
-    pub blockers: Vec<crate::block::blocker::Blocker>,
+    pub claims: Vec<crate::block::node::block_node::Claim>,
+    pub blockers: Vec<crate::block::node::blocker::Blocker>,
     /// The job on the node it was started on.
-    pub attached: crate::block::blocker::JobAttachment,
+    pub attached: crate::block::node::blocker::JobAttachment,
     /// Nodes made writable for the job, read-only again after it.
-    pub reopened: crate::block::ReadOnlyAgain,
+    pub reopened: crate::block::node::read_only_again::ReadOnlyAgain,
 }
 
 /// A rate limit in QEMU's manner (util/ratelimit.h): a quota of bytes per slice; bytes
@@ -768,7 +768,7 @@ impl Job {
         (len, chunk): (u64, u64),
         on_error: OnError,
         c: &C,
-        node: &Arc<crate::block::BlockNode>,
+        node: &Arc<crate::block::node::block_node::BlockNode>,
         home: home::FindHome<'_>,
     ) -> Result<bool, String> {
         self.set_remaining(len);

@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use super::{ChunkCopy, CopyError, CopyJob, Holds, OnError, Runs};
-use crate::block::BlockNode;
+use crate::block::node::block_node::BlockNode;
 
 /// How much one step looks at (QEMU's STREAM_CHUNK).
 const CHUNK: u64 = 512 << 10;

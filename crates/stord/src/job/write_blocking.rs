@@ -15,10 +15,12 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use serde_json::{Map, Value};
 
-use crate::block::dirty_bitmap::DirtyBitmap;
-use crate::block::hook::{Hold, NodeHook, Written};
-use crate::block::range_lock::{RangeGuard, RangeLocks};
-use crate::block::{request_buf, BlockNode, BoxFut};
+use crate::block::node::block_node::BlockNode;
+use crate::block::node::dirty_bitmap::DirtyBitmap;
+use crate::block::node::future::BoxFut;
+use crate::block::node::hook::{Hold, NodeHook, Written};
+use crate::block::node::range_lock::{RangeGuard, RangeLocks};
+use crate::buf::request_buf;
 
 /// The mirror's shared state for its writes (the hook on the source) and its copies.
 pub struct WriteBlocking {

@@ -7,8 +7,8 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize};
 use std::sync::{Arc, Mutex};
 
 use super::{FuseShared, MAX_WRITE};
-use crate::block::null::NullDriver;
-use crate::block::BlockNode;
+use crate::block::drivers::null::NullDriver;
+use crate::block::node::block_node::BlockNode;
 use crate::export::DrainSignal;
 
 fn shared() -> FuseShared {
@@ -19,7 +19,7 @@ fn shared() -> FuseShared {
         false,
     ));
     FuseShared {
-        link: crate::block::link::NodeLink::new(node),
+        link: crate::block::node::link::NodeLink::new(node),
         writable: true,
         writethrough: false,
         growable: false,

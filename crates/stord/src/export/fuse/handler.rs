@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 
 use super::proto::*;
 use super::FuseShared;
-use crate::block::{request_buf, Buf};
+use crate::buf::{request_buf, Buf};
 
 /// A reply body.
 pub enum Body {

@@ -26,8 +26,8 @@ use stord_aio::Remote;
 
 use std::task::{Context, Poll};
 
-use crate::block::link::NodeLink;
-use crate::block::BlockNode;
+use crate::block::node::block_node::BlockNode;
+use crate::block::node::link::NodeLink;
 use crate::cli::keyval::KeyVal;
 use crate::export::{DrainSignal, Export, ExportEnv, ExportError};
 use crate::sys::{self, UnmountWatchdog};

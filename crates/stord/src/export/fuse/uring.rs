@@ -25,7 +25,7 @@ use stord_aio::{FdHandlerId, Interest, PollHandler, PollHandlerId};
 use super::handler::{write_out, Processed};
 use super::proto::*;
 use super::FuseShared;
-use crate::block::Buf;
+use crate::buf::Buf;
 
 /// Entries registered per kernel queue.
 const DEPTH: usize = 16;
@@ -362,7 +362,7 @@ pub fn start(shared: Arc<FuseShared>, dev: Arc<File>, qids: &[u16]) -> Result<u6
     for &qid in qids {
         for _ in 0..DEPTH {
             let mut header = vec![0u8; URING_HDR_LEN].into_boxed_slice();
-            let mut payload = crate::block::new_buf(payload_len);
+            let mut payload = crate::buf::new_buf(payload_len);
             let iov = Box::new([
                 libc::iovec {
                     iov_base: header.as_mut_ptr().cast(),

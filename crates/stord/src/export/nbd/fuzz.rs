@@ -13,8 +13,8 @@ use std::sync::Arc;
 use stord_aio::{op, Slice};
 
 use super::{ExportTable, NbdExport};
-use crate::block::null::NullDriver;
-use crate::block::BlockNode;
+use crate::block::drivers::null::NullDriver;
+use crate::block::node::block_node::BlockNode;
 
 /// At most this much client input per run: the whole of it fits in the socket's buffer, so
 /// writing it never waits for the server.

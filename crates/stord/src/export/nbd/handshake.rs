@@ -22,8 +22,8 @@ use std::os::fd::RawFd;
 use std::sync::Arc;
 
 use super::{ExportTable, NbdExport};
-use crate::nbd::io::{send, OutChunk, SharedTls, SockReader};
-use crate::nbd::proto::*;
+use crate::nbd_wire::io::{send, OutChunk, SharedTls, SockReader};
+use crate::nbd_wire::proto::*;
 use crate::tls::TlsServer;
 
 /// What the negotiation settled.

@@ -16,7 +16,7 @@ pub mod fuzz;
 mod handshake;
 mod transmission;
 
-pub use crate::nbd::proto;
+pub use crate::nbd_wire::proto;
 
 use std::cell::{Cell, RefCell};
 
@@ -34,9 +34,9 @@ use stord_aio::{AioContext, Remote};
 use std::task::{Context, Poll};
 
 use crate::accept::Acceptor;
-use crate::block::dirty_bitmap::{DirtyBitmap, Use};
-use crate::block::link::NodeLink;
-use crate::block::BlockNode;
+use crate::block::node::block_node::BlockNode;
+use crate::block::node::dirty_bitmap::{DirtyBitmap, Use};
+use crate::block::node::link::NodeLink;
 use crate::cli::keyval::{KeyVal, OptionError};
 use crate::export::budget::MemoryBudget;
 use crate::export::{DrainSignal, Export, ExportEnv, ExportError};

@@ -29,10 +29,11 @@ use std::task::{Poll, Waker};
 
 use super::handshake::{MetaContexts, Negotiated};
 use super::NbdExport;
-use crate::block::{BlockNode, Buf};
+use crate::block::node::block_node::BlockNode;
+use crate::buf::Buf;
 use crate::export::budget::MemoryBudget;
-use crate::nbd::io::{send, OutChunk, SharedTls, SockReader};
-use crate::nbd::proto::*;
+use crate::nbd_wire::io::{send, OutChunk, SharedTls, SockReader};
+use crate::nbd_wire::proto::*;
 
 /// Requests a connection may have between its header being read and its reply sent.
 pub const MAX_REQUESTS: usize = 128;
@@ -284,7 +285,7 @@ pub async fn serve(fd: OwnedFd, n: Negotiated, budget: Arc<MemoryBudget>) {
         budget,
         reader_done: Cell::new(false),
         broken: Cell::new(false),
-        sends: crate::nbd::io::IoCounters::current().sends,
+        sends: crate::nbd_wire::io::IoCounters::current().sends,
     });
     let fd_raw = conn.raw();
     conn.export
@@ -354,7 +355,7 @@ async fn write_loop(conn: Rc<Conn>) {
 }
 
 async fn read_loop(conn: &Rc<Conn>, pending: Vec<u8>, cipher: Vec<u8>) -> io::Result<()> {
-    let counters = crate::nbd::io::IoCounters::current();
+    let counters = crate::nbd_wire::io::IoCounters::current();
     let requests = counters.requests.clone();
     let mut rd = SockReader::new(conn.raw(), pending).with_counters(counters);
     if let Some(tls) = &conn.tls {
@@ -490,7 +491,7 @@ async fn handle(conn: &Conn, req: Request, payload: Option<Buf>) {
                 return;
             }
             let (r, buf) = node
-                .read(req.offset, crate::block::request_buf(req.len as usize))
+                .read(req.offset, crate::buf::request_buf(req.len as usize))
                 .await;
             match r {
                 Ok(()) if conn.structured => {
@@ -554,7 +555,7 @@ async fn read_hole(conn: &Conn, node: &BlockNode, req: &Request) -> bool {
         Ok(st) if st.zero && st.len >= len => {
             // Answered without reading, still a read the node served.
             node.stats
-                .done(crate::block::stats::Op::Read, start, len, true);
+                .done(crate::block::node::stats::Op::Read, start, len, true);
             let h = Conn::chunk_header(req.handle, REPLY_FLAG_DONE, REPLY_TYPE_OFFSET_HOLE, 12);
             conn.queue(
                 req,

@@ -28,7 +28,7 @@ use virtio_bindings::virtio_blk::{VIRTIO_BLK_F_CONFIG_WCE, VIRTIO_BLK_F_MQ};
 
 use super::vhost_user_blk::device::{BlkDevice, VHOST_USER_F_PROTOCOL_FEATURES};
 use super::vhost_user_blk::inflight::InflightRegion;
-use crate::block::link::NodeLink;
+use crate::block::node::link::NodeLink;
 use crate::cli::keyval::KeyVal;
 use crate::export::{Export, ExportEnv, ExportError};
 use control::Controller;

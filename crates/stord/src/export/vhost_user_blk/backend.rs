@@ -608,9 +608,9 @@ mod tests {
     /// (before, its watch went with the old table and this test process died of SIGBUS).
     #[test]
     fn a_retired_region_stays_watched_while_it_is_used() {
-        let node = Arc::new(crate::block::BlockNode::new(
+        let node = Arc::new(crate::block::node::block_node::BlockNode::new(
             "n".into(),
-            Box::new(crate::block::null::NullDriver::new(1 << 20, true)),
+            Box::new(crate::block::drivers::null::NullDriver::new(1 << 20, true)),
             false,
             false,
         ));

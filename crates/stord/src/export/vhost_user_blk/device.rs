@@ -12,8 +12,8 @@ use virtio_bindings::virtio_blk::*;
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::virtio_ring::{VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC};
 
-use crate::block::link::NodeLink;
-use crate::block::BlockNode;
+use crate::block::node::block_node::BlockNode;
+use crate::block::node::link::NodeLink;
 
 /// `VHOST_USER_F_PROTOCOL_FEATURES`: the frontend may negotiate protocol features.
 pub const VHOST_USER_F_PROTOCOL_FEATURES: u32 = 30;
@@ -286,7 +286,7 @@ impl BlkDevice {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::block::null::NullDriver;
+    use crate::block::drivers::null::NullDriver;
 
     fn dev(writable: bool) -> BlkDevice {
         let node = BlockNode::new(

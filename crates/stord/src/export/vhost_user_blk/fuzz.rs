@@ -14,8 +14,8 @@ use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 
 use super::device::BlkDevice;
-use crate::block::null::NullDriver;
-use crate::block::BlockNode;
+use crate::block::drivers::null::NullDriver;
+use crate::block::node::block_node::BlockNode;
 
 /// Messages that carry fds (vhost-user's numbering): SET_MEM_TABLE, SET_LOG_BASE,
 /// SET_LOG_FD, SET_VRING_KICK, SET_VRING_CALL, SET_VRING_ERR, SET_BACKEND_REQ_FD,

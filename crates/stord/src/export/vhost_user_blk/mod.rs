@@ -32,8 +32,8 @@ use vhost::vhost_user::message::FrontendReq;
 use vhost::vhost_user::{BackendReqHandler, Error as VuError};
 
 use crate::accept::Acceptor;
-use crate::block::link::NodeLink;
-use crate::block::BlockNode;
+use crate::block::node::block_node::BlockNode;
+use crate::block::node::link::NodeLink;
 use crate::cli::keyval::KeyVal;
 use crate::export::{Export, ExportEnv, ExportError};
 use std::task::{Context, Poll};

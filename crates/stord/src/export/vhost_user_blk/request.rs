@@ -15,7 +15,9 @@ use virtio_queue::desc::split::Descriptor;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
 
 use super::device::{BlkDevice, MAX_DISCARD_SECTORS, MAX_REQUEST_BYTES};
-use crate::block::{request_buf, BlockNode, IoVec};
+use crate::block::node::block_node::BlockNode;
+use crate::buf::request_buf;
+use crate::iov::IoVec;
 
 /// One guest buffer: address and length.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -308,7 +310,7 @@ async fn run(dev: &BlkDevice, mem: &Arc<GuestMemoryMmap>, chain: &Chain) -> Resu
                 node.readv(offset, iov).await.0?;
                 return Ok(len);
             }
-            crate::block::count_bounce();
+            crate::buf::count_bounce();
             let (r, buf) = node.read(offset, request_buf(len as usize)).await;
             r?;
             if !scatter(mem, &chain.inn, &buf) {
@@ -330,7 +332,7 @@ async fn run(dev: &BlkDevice, mem: &Arc<GuestMemoryMmap>, chain: &Chain) -> Resu
                 node.writev(offset, iov, fua).await.0?;
                 return Ok(0);
             }
-            crate::block::count_bounce();
+            crate::buf::count_bounce();
             let mut buf = request_buf(len as usize);
             if !gather(mem, &chain.out, 16, &mut buf) {
                 return Err(malformed("write buffer outside guest memory"));

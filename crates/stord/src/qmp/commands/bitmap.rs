@@ -6,8 +6,8 @@ use std::sync::Arc;
 use serde_json::{json, Value};
 
 use super::{opt, req, type_error, Args, Command, Ty};
-use crate::block::dirty_bitmap::{BitmapError, DirtyBitmap, Use};
-use crate::block::BlockNode;
+use crate::block::node::block_node::BlockNode;
+use crate::block::node::dirty_bitmap::{BitmapError, DirtyBitmap, Use};
 use crate::daemon::SharedState;
 use crate::qmp::QmpError;
 
@@ -64,8 +64,10 @@ pub const REMOVE: Command = Command {
         let name = a.str_req("name")?;
         // A persistent bitmap leaves the image now: a few writes, waited for here as
         // QEMU's monitor does.
-        crate::block::block_on_helper(move || async move { n.remove_bitmap(&name).await })
-            .map_err(|e| QmpError::generic(e.to_string()))??;
+        crate::block::helper_thread::block_on_helper(move || async move {
+            n.remove_bitmap(&name).await
+        })
+        .map_err(|e| QmpError::generic(e.to_string()))??;
         Ok(json!({}))
     },
 };
@@ -213,8 +215,10 @@ pub fn transaction_action(
                 // Out of the image now, off the node at commit; busy meanwhile.
                 b.check(Use::Remove)?;
                 let (n2, b2) = (n.clone(), b.clone());
-                crate::block::block_on_helper(move || async move { n2.unstore_bitmap(&b2).await })
-                    .map_err(|e| QmpError::generic(e.to_string()))??;
+                crate::block::helper_thread::block_on_helper(move || async move {
+                    n2.unstore_bitmap(&b2).await
+                })
+                .map_err(|e| QmpError::generic(e.to_string()))??;
                 b.set_busy(true);
                 let b2 = b.clone();
                 Prepared {

@@ -9,7 +9,7 @@ use crate::qmp::QmpError;
 pub const BLOCKDEV_ADD: Command = Command {
     name: "blockdev-add",
     args: &[
-        req("driver", Ty::Enum(&crate::block::graph::BLOCKDEV_DRIVER)),
+        req("driver", Ty::Enum(&crate::block::drivers::BLOCKDEV_DRIVER)),
         opt("node-name", Ty::Str),
         opt("filename", Ty::Str),
         opt("aio", Ty::Str),
@@ -191,7 +191,7 @@ pub const CHANGE_BACKING_FILE: Command = Command {
 };
 
 /// QEMU's SnapshotInfo.
-fn snapshot_info(s: &crate::block::SnapshotInfo) -> Value {
+fn snapshot_info(s: &crate::block::node::block_node::SnapshotInfo) -> Value {
     let mut v = json!({
         "id": s.id,
         "name": s.name,
@@ -305,7 +305,7 @@ pub const QUERY_BLOCK: Command = Command {
 };
 
 /// Without `query-nodes`, QEMU's per-device list (empty, as query-block); with it, every
-/// node's counters ([`crate::block::stats`]), each with its `file` child's as `parent`.
+/// node's counters ([`crate::block::node::stats`]), each with its `file` child's as `parent`.
 pub const QUERY_BLOCKSTATS: Command = Command {
     name: "query-blockstats",
     args: &[opt("query-nodes", Ty::Bool)],
@@ -320,7 +320,7 @@ pub const QUERY_BLOCKSTATS: Command = Command {
 };
 
 /// One node's entry in query-blockstats.
-fn node_stats(n: &crate::block::BlockNode) -> Value {
+fn node_stats(n: &crate::block::node::block_node::BlockNode) -> Value {
     let mut v = json!({ "node-name": n.name, "stats": n.stats.to_qmp() });
     if let Some((_, file)) = n.children().into_iter().find(|(role, _)| *role == "file") {
         v["parent"] = node_stats(&file);
@@ -330,7 +330,7 @@ fn node_stats(n: &crate::block::BlockNode) -> Value {
 
 /// The graph as QEMU's debugging command draws it: every node (block-driver), every
 /// export (block-backend) and job (block-job) that uses one, and an edge per use with
-/// the permissions taken and shared ([`crate::block::perm`]).
+/// the permissions taken and shared ([`crate::block::node::perm`]).
 pub const X_DEBUG_QUERY_BLOCK_GRAPH: Command = Command {
     name: "x-debug-query-block-graph",
     args: &[],
@@ -387,7 +387,7 @@ pub const QUERY_NAMED_BLOCK_NODES: Command = Command {
 };
 
 /// One node as QEMU's `BlockDeviceInfo`.
-fn node_info(n: &crate::block::BlockNode) -> Value {
+fn node_info(n: &crate::block::node::block_node::BlockNode) -> Value {
     let mut v = node_fields(n);
     let bitmaps = n.bitmaps();
     if !bitmaps.is_empty() {
@@ -396,7 +396,7 @@ fn node_info(n: &crate::block::BlockNode) -> Value {
     v
 }
 
-fn node_fields(n: &crate::block::BlockNode) -> Value {
+fn node_fields(n: &crate::block::node::block_node::BlockNode) -> Value {
     let file = n
         .filename()
         .unwrap_or_else(|| format!("{}://", n.driver_name()));

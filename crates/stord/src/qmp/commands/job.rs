@@ -5,7 +5,7 @@ use serde_json::{json, Map, Value};
 
 use super::{opt, req, Args, Command, Ty};
 use crate::block::create::Creation;
-use crate::block::graph;
+use crate::block::drivers;
 use crate::qmp::QmpError;
 
 impl From<crate::job::JobError> for QmpError {
@@ -21,7 +21,7 @@ pub const BLOCKDEV_CREATE: Command = Command {
     name: "blockdev-create",
     args: &[
         req("job-id", Ty::Str),
-        req("options", Ty::Union(&graph::BLOCKDEV_CREATE_OPTIONS)),
+        req("options", Ty::Union(&drivers::BLOCKDEV_CREATE_OPTIONS)),
     ],
     open: false,
     run: |state, mut a| {
@@ -40,7 +40,7 @@ pub const X_BLOCKDEV_AMEND: Command = Command {
     args: &[
         req("job-id", Ty::Str),
         req("node-name", Ty::Str),
-        req("options", Ty::Union(&graph::BLOCKDEV_AMEND_OPTIONS)),
+        req("options", Ty::Union(&drivers::BLOCKDEV_AMEND_OPTIONS)),
         opt("force", Ty::Bool),
     ],
     open: false,
@@ -64,7 +64,7 @@ fn prepare_creation(
     let driver = options.remove("driver");
     let driver = driver.as_ref().and_then(Value::as_str).unwrap_or_default();
     // Only a driver's own name creates (`host_device` opens what `file` creates, as QEMU).
-    let Some(create) = graph::driver(driver)
+    let Some(create) = drivers::driver(driver)
         .filter(|d| d.names[0] == driver)
         .and_then(|d| d.create)
     else {

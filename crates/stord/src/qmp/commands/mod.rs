@@ -499,7 +499,7 @@ mod tests {
         assert_eq!(drivers["meta-type"], "enum");
         assert_eq!(
             drivers["values"],
-            json!(crate::block::graph::all_driver_names())
+            json!(crate::block::drivers::all_driver_names())
         );
         let create = find(
             find("blockdev-create").unwrap()["arg-type"]
