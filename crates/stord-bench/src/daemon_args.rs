@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use crate::media::{qcow2_image, Paths, IMAGE_SIZE};
 use crate::peers::{stord_binary, which};
 
-/// `--blockdev` for `backend`: null, file-<aio mode> with O_DIRECT, or `dev` (a block
+/// `--blockdev` for `backend`: null, `file-<aio mode>` with O_DIRECT, or `dev` (a block
 /// device, `img` being its path: the fast-device medium of [`crate::media::FastDev`]).
 pub fn blockdev(backend: &str, img: &Path) -> String {
     if backend == "dev" {
