@@ -36,6 +36,7 @@ mod buf;
 mod context;
 mod handler;
 mod iothread;
+mod iteration;
 mod memory;
 mod notify;
 pub mod op;
