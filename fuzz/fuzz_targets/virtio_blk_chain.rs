@@ -2,5 +2,5 @@
 //! a hole, and executed against a null disk.
 #![no_main]
 libfuzzer_sys::fuzz_target!(|data: &[u8]| {
-    stord::export::vhost_user_blk::fuzz::chain(data);
+    stord::export::virtio_blk::fuzz::chain(data);
 });

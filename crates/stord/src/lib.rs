@@ -14,7 +14,6 @@
 //! - [`tls`]: TLS credentials and sessions for the NBD server.
 //! - [`daemon`]: the daemon's API over what it holds: objects, nodes, exports.
 //! - [`events`]: QMP events, fanned out from the daemon to the monitors.
-//! - [`guest_fault`]: surviving guest memory a vhost-user frontend truncates.
 //! - [`iothread`]: the iothread object's properties, described once.
 //! - [`job`]: jobs (QEMU's states, verbs and events); `blockdev-create` runs as one.
 //! - [`process`]: the main loop, signals, the command line applied, the stop.
@@ -30,7 +29,6 @@ pub mod cli;
 pub mod daemon;
 pub mod events;
 pub mod export;
-pub mod guest_fault;
 pub mod iothread;
 pub mod iov;
 pub mod job;

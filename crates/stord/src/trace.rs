@@ -62,11 +62,11 @@ pub const GROUPS: &[Group] = &[
     },
     Group {
         qemu: "vu",
-        targets: &["stord::export::vhost_user_blk"],
+        targets: &["stord::export::vhost_user_blk", "stord::export::virtio_blk"],
     },
     Group {
         qemu: "vhost_user",
-        targets: &["stord::export::vhost_user_blk"],
+        targets: &["stord::export::vhost_user_blk", "stord::export::virtio_blk"],
     },
     Group {
         qemu: "qemu_rbd",

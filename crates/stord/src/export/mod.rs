@@ -16,6 +16,7 @@ pub mod fuzz_loop;
 pub mod nbd;
 pub mod vduse_blk;
 pub mod vhost_user_blk;
+pub mod virtio_blk;
 
 use std::collections::BTreeMap;
 use std::future::Future;

@@ -12,9 +12,10 @@ use virtio_queue::{Queue, QueueT};
 
 use super::memory::IovaMemory;
 use super::uapi;
-use crate::export::vhost_user_blk::device::{BlkDevice, GuestFault};
-use crate::export::vhost_user_blk::inflight::{InflightQueue, InflightRegion};
-use crate::export::vhost_user_blk::vring::{Interrupt, LazyMemory, VringHandle, VringStart};
+use crate::export::virtio_blk::device::BlkDevice;
+use crate::export::virtio_blk::guest_fault::GuestFault;
+use crate::export::virtio_blk::inflight::{InflightQueue, InflightRegion};
+use crate::export::virtio_blk::vring::{Interrupt, LazyMemory, VringHandle, VringStart};
 
 /// VIRTIO_CONFIG_S_DRIVER_OK.
 const DRIVER_OK: u8 = 4;

@@ -5,7 +5,7 @@
 //! only at the first DMA mapping, so nothing can be mapped ahead of time but the rings.
 //!
 //! A page of the bounce buffer the kernel never allocated raises SIGBUS when touched. Each
-//! range is watched ([`crate::guest_fault`]): such a fault raises [`IovaMemory::fault`]
+//! range is watched ([`guest_fault`]): such a fault raises [`IovaMemory::fault`]
 //! instead of killing the daemon, and the queues stop until the driver resets the device.
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -14,14 +14,15 @@ use std::sync::{Arc, Mutex};
 use vm_memory::{FileOffset, GuestAddress, GuestMemoryMmap, GuestRegionMmap, MmapRegion};
 
 use super::uapi;
-use crate::export::vhost_user_blk::vring::LazyMemory;
+use crate::export::virtio_blk::guest_fault::{self, Watch};
+use crate::export::virtio_blk::vring::LazyMemory;
 
 struct Range {
     start: u64,
     last: u64,
     /// The kernel granted write access.
     writable: bool,
-    watch: Option<crate::guest_fault::Watch>,
+    watch: Option<Watch>,
     region: Arc<GuestRegionMmap>,
 }
 
@@ -31,7 +32,7 @@ struct Map {
     mem: Arc<GuestMemoryMmap>,
     /// Ranges unmapped from `ranges` that requests in flight may still use, watched until
     /// the last of those lets go. (The watch first: it goes before the mapping does.)
-    retired: Vec<(Option<crate::guest_fault::Watch>, Arc<GuestRegionMmap>)>,
+    retired: Vec<(Option<Watch>, Arc<GuestRegionMmap>)>,
 }
 
 /// The mapped part of one device's IOVA space.
@@ -85,7 +86,7 @@ impl IovaMemory {
         .map_err(|err| format!("cannot map IOVA {:#x}+{size:#x}: {err}", e.start))?;
         let region = GuestRegionMmap::new(region, GuestAddress(e.start))
             .ok_or_else(|| format!("IOTLB entry {e:?} overflows"))?;
-        let watch = crate::guest_fault::watch(region.as_ptr() as usize, size, &self.fault);
+        let watch = guest_fault::watch(region.as_ptr() as usize, size, &self.fault);
         let writable = e.perm & uapi::ACCESS_WO != 0;
         let region = Arc::new(region);
         map.ranges.push(Range {

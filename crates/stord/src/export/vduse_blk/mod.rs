@@ -6,8 +6,8 @@
 //! messages from /dev/vduse/<name> (they are rare and may wait for queues to drain, as
 //! vhost-user's control messages do): SET_STATUS starts the queues at DRIVER_OK and stops
 //! them at reset, GET_VQ_STATE answers the next avail index, UPDATE_IOTLB unmaps what the
-//! kernel took back. The queues run on IoThreads with the same ring and request code as
-//! vhost-user-blk ([`vring`](super::vhost_user_blk::vring)): a kick eventfd the kernel
+//! kernel took back. The queues run on IoThreads with the same device, ring and request
+//! code as vhost-user-blk ([`virtio_blk`](super::virtio_blk)): a kick eventfd the kernel
 //! signals, the avail index as a poll handler; interrupts are an ioctl. Their memory is
 //! the driver's IOVA space, mapped range by range as chains point into it ([`memory`]).
 //! As qsd, a device that already exists is taken over (a restarted daemon reconnects),
@@ -20,15 +20,14 @@ mod uapi;
 use std::fs::File;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::thread::JoinHandle;
 
 use stord_aio::Remote;
 use virtio_bindings::virtio_blk::{VIRTIO_BLK_F_CONFIG_WCE, VIRTIO_BLK_F_MQ};
 
-use super::vhost_user_blk::device::{BlkDevice, VHOST_USER_F_PROTOCOL_FEATURES};
-use super::vhost_user_blk::inflight::InflightRegion;
-use crate::block::node::link::NodeLink;
+use super::virtio_blk::device::BlkDevice;
+use super::virtio_blk::export::{queue_remotes, Transport, VirtioBlkExport};
+use super::virtio_blk::inflight::InflightRegion;
 use crate::cli::keyval::KeyVal;
 use crate::export::{Export, ExportEnv, ExportError};
 use control::Controller;
@@ -116,10 +115,7 @@ pub fn create(env: &ExportEnv<'_>, mut kv: KeyVal) -> Result<Box<dyn Export>, Ex
             .into());
     }
     env.check_claim(&what, &format!("vduse:{}", opts.name))?;
-    let mut remotes = env.remotes(&what, &opts.iothreads)?;
-    if remotes.is_empty() {
-        remotes.push(stord_aio::current_remote().ok_or_else(|| format!("{what}: no event loop"))?);
-    }
+    let remotes = queue_remotes(&what, env.remotes(&what, &opts.iothreads)?)?;
     let mut dev = BlkDevice::new(
         opts.id.clone(),
         node,
@@ -139,27 +135,25 @@ pub fn create(env: &ExportEnv<'_>, mut kv: KeyVal) -> Result<Box<dyn Export>, Ex
     Ok(Box::new(export))
 }
 
-/// A VDUSE device being served.
-pub struct VduseBlkExport {
-    id: String,
+/// A vduse-blk export: the virtio-blk device served to the host kernel through VDUSE.
+pub type VduseBlkExport = VirtioBlkExport<VduseDevice>;
+
+/// The VDUSE transport of an export: the kernel's device and the control thread that
+/// answers it.
+pub struct VduseDevice {
     name: String,
-    writable: bool,
-    dev: Arc<BlkDevice>,
-    /// Taken at drop: it must be closed before the device can be destroyed.
+    /// Taken at close: it must be closed before the device can be destroyed.
     device: Option<Arc<uapi::Device>>,
     control: uapi::Control,
-    remotes: Vec<Remote>,
     /// Written to stop the control thread.
     stop: File,
     thread: Option<JoinHandle<()>>,
-    stopping: bool,
 }
 
-/// The virtio feature bits the device offers: vhost-user-blk's, less what VDUSE refuses
-/// (a writable cache switch) or has no use for, plus ACCESS_PLATFORM, which it requires.
+/// The virtio feature bits the device offers: the device's, less what VDUSE refuses (a
+/// writable cache switch) or has no use for, plus ACCESS_PLATFORM, which it requires.
 fn features(dev: &BlkDevice) -> u64 {
-    let mut f =
-        dev.features() & !(1 << VHOST_USER_F_PROTOCOL_FEATURES) & !(1 << VIRTIO_BLK_F_CONFIG_WCE);
+    let mut f = dev.features() & !(1 << VIRTIO_BLK_F_CONFIG_WCE);
     if dev.num_queues == 1 {
         f &= !(1 << VIRTIO_BLK_F_MQ);
     }
@@ -193,18 +187,14 @@ impl VduseBlkExport {
                 return Err(e);
             }
         };
-        Ok(Self {
-            id: opts.id,
+        let transport = VduseDevice {
             name: opts.name,
-            writable: opts.writable,
-            dev,
             device: Some(device),
             control,
-            remotes,
             stop,
             thread: Some(thread),
-            stopping: false,
-        })
+        };
+        Ok(VirtioBlkExport::new(dev, remotes, transport))
     }
 
     /// Opens the device and starts its control thread: the device, the thread's stop
@@ -231,8 +221,7 @@ impl VduseBlkExport {
         }
         if !fresh {
             // The node's size now, if it changed while nobody served the device.
-            let sectors = dev.link.current().size() / 512;
-            let _ = device.set_config(0, &sectors.to_le_bytes());
+            let _ = device.set_config(0, &dev.sectors().to_le_bytes());
         }
         let device = Arc::new(device);
         let stop = File::from(stord_aio::sys::eventfd().map_err(|e| e.to_string())?);
@@ -264,77 +253,25 @@ impl VduseBlkExport {
             }
         }
     }
-
-    fn halt(&mut self) {
-        if !std::mem::replace(&mut self.stopping, true) {
-            use std::io::Write;
-            let _ = (&self.stop).write(&1u64.to_ne_bytes());
-        }
-    }
 }
 
-impl Export for VduseBlkExport {
-    fn id(&self) -> &str {
-        &self.id
+impl Transport for VduseDevice {
+    const KIND: &'static str = "vduse-blk";
+
+    fn claim(&self) -> String {
+        format!("vduse:{}", self.name)
     }
-    fn kind(&self) -> &'static str {
-        "vduse-blk"
-    }
-    fn writable(&self) -> bool {
-        self.writable
-    }
-    fn link(&self) -> &Arc<NodeLink> {
-        &self.dev.link
-    }
-    fn runs_on(&self, thread: &Remote) -> bool {
-        self.remotes
-            .iter()
-            .any(|r| r.thread_id() == thread.thread_id())
-    }
-    fn claim(&self) -> Option<String> {
-        Some(format!("vduse:{}", self.name))
-    }
+
     fn in_use(&self) -> bool {
         false
     }
-    fn shutting_down(&self) -> bool {
-        self.stopping
-    }
-    fn describe(&self, out: &mut serde_json::Map<String, serde_json::Value>) {
-        out.insert("x-queue-requests".into(), self.dev.queue_requests().into());
-    }
-    fn begin_stop(&mut self) {
-        self.halt();
-    }
-    fn poll_drained(&self, cx: &mut Context<'_>) -> Poll<()> {
-        self.dev.poll_drained(cx)
-    }
-    /// The new capacity goes into the config space, with a config interrupt (as QEMU's
-    /// vduse_blk_resize).
-    fn resized(&self) {
-        let sectors = self.dev.link.current().size() / 512;
-        let Some(device) = &self.device else { return };
-        // Before DRIVER_OK there is nobody to interrupt (EINVAL): the driver reads the
-        // config when it starts.
-        let told =
-            device
-                .set_config(0, &sectors.to_le_bytes())
-                .and_then(|()| match device.config_irq() {
-                    Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(()),
-                    r => r,
-                });
-        if let Err(e) = told {
-            tracing::warn!(
-                "vduse-blk {}: cannot tell the driver of the new size: {e}",
-                self.id
-            );
-        }
-    }
-}
 
-impl Drop for VduseBlkExport {
-    fn drop(&mut self) {
-        self.halt();
+    fn halt(&mut self) {
+        use std::io::Write;
+        let _ = (&self.stop).write(&1u64.to_ne_bytes());
+    }
+
+    fn close(&mut self, dev: &Arc<BlkDevice>) {
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
@@ -348,10 +285,32 @@ impl Drop for VduseBlkExport {
             }
             Err(e) if e.raw_os_error() == Some(libc::EBUSY) => tracing::info!(
                 "vduse-blk {}: device {} is still attached; it stays until `vdpa dev del`",
-                self.id,
+                dev.id,
                 self.name
             ),
-            Err(e) => tracing::warn!("vduse-blk {}: cannot destroy {}: {e}", self.id, self.name),
+            Err(e) => tracing::warn!("vduse-blk {}: cannot destroy {}: {e}", dev.id, self.name),
+        }
+    }
+
+    /// The new capacity goes into the config space, with a config interrupt (as QEMU's
+    /// vduse_blk_resize).
+    fn resized(&self, dev: &BlkDevice) {
+        let sectors = dev.sectors();
+        let Some(device) = &self.device else { return };
+        // Before DRIVER_OK there is nobody to interrupt (EINVAL): the driver reads the
+        // config when it starts.
+        let told =
+            device
+                .set_config(0, &sectors.to_le_bytes())
+                .and_then(|()| match device.config_irq() {
+                    Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(()),
+                    r => r,
+                });
+        if let Err(e) = told {
+            tracing::warn!(
+                "vduse-blk {}: cannot tell the driver of the new size: {e}",
+                dev.id
+            );
         }
     }
 }

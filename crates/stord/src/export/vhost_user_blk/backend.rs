@@ -5,6 +5,7 @@
 //! in flight have completed.
 
 use std::fs::File;
+use std::io::Write;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -16,14 +17,19 @@ use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
 use virtio_queue::{Queue, QueueT};
 use vm_memory::{FileOffset, GuestAddress, GuestMemoryMmap, GuestRegionMmap, MmapRegion};
 
-use super::device::GuestFault;
-
-use super::device::{BlkDevice, MAX_QUEUE_SIZE, VHOST_USER_F_PROTOCOL_FEATURES};
-use super::inflight::InflightRegion;
-use super::vring::{Interrupt, VringHandle, VringStart};
+use crate::export::virtio_blk::device::BlkDevice;
+use crate::export::virtio_blk::guest_fault::{self, within_file, GuestFault};
+use crate::export::virtio_blk::inflight::InflightRegion;
+use crate::export::virtio_blk::vring::{Interrupt, VringHandle, VringStart};
 
 /// How long GET_VRING_BASE waits for a queue's requests in flight.
 const DRAIN_LIMIT: Duration = Duration::from_secs(30);
+
+/// `VHOST_USER_F_PROTOCOL_FEATURES`: the frontend may negotiate protocol features.
+pub const VHOST_USER_F_PROTOCOL_FEATURES: u32 = 30;
+
+/// Queue size the frontend may use at most (QEMU's default is 128 for vhost-user-blk).
+pub const MAX_QUEUE_SIZE: u16 = 1024;
 
 fn fail(msg: impl Into<String>) -> VuError {
     VuError::ReqHandlerError(std::io::Error::other(msg.into()))
@@ -32,29 +38,10 @@ fn fail(msg: impl Into<String>) -> VuError {
 /// Memory regions one frontend may map (GET_MAX_MEM_SLOTS; libvhost-user's figure).
 pub const MAX_MEM_SLOTS: usize = 509;
 
-/// Checks that `len` bytes at `offset` of a frontend's file exist. A mapping past the end
-/// of its file maps pages that fault with SIGBUS when touched (vm-memory does not check),
-/// so a region larger than the frontend's file would kill the daemon at the first access
-/// (found by the vhost_user_messages fuzz target). Shared memory comes as regular files
-/// (memfd, hugetlbfs, /dev/shm), which have a size to check against. (A frontend that
-/// shrinks its file afterwards can still fault us, as it can QEMU's vhost-user servers.)
-pub(super) fn within_file(f: &File, offset: u64, len: u64) -> Result<(), String> {
-    let meta = f
-        .metadata()
-        .map_err(|e| format!("memory region's file: {e}"))?;
-    if meta.is_file() && offset.checked_add(len).is_none_or(|end| end > meta.len()) {
-        return Err(format!(
-            "memory region of {len} bytes at offset {offset} runs past its file's {} bytes",
-            meta.len()
-        ));
-    }
-    Ok(())
-}
-
 /// One mapped region of guest memory.
 struct MemSlot {
     /// Keeps a SIGBUS in the region from stopping the daemon (see `guest_fault`).
-    watch: Option<crate::guest_fault::Watch>,
+    watch: Option<guest_fault::Watch>,
     /// Frontend virtual address, guest physical address, size.
     user_addr: u64,
     gpa: u64,
@@ -92,7 +79,7 @@ impl MemTable {
             .map_err(|e| fail(format!("cannot map guest memory: {e}")))?;
         let region = GuestRegionMmap::new(map, GuestAddress(r.guest_phys_addr))
             .ok_or_else(|| fail("guest memory region overflows"))?;
-        let watch = crate::guest_fault::watch(region.as_ptr() as usize, size, &fault.flag);
+        let watch = guest_fault::watch(region.as_ptr() as usize, size, &fault.flag);
         if watch.is_none() {
             tracing::warn!("vhost-user-blk: too many guest memory regions to watch for SIGBUS");
         }
@@ -117,6 +104,13 @@ impl MemTable {
         );
         self.guest = Some(guest.clone());
         Ok(guest)
+    }
+}
+
+/// A vhost-user queue's interrupt: its call eventfd.
+impl Interrupt for File {
+    fn raise(&self) {
+        let _ = (&*self).write(&1u64.to_ne_bytes());
     }
 }
 
@@ -147,7 +141,7 @@ pub struct BlkBackend {
     /// Regions taken out of the table that requests may still use, watched until the last
     /// of those lets go (then unwatched and unmapped together).
     /// (The watch first: it is dropped, so unregistered, before the region is unmapped.)
-    retired: Vec<(Option<crate::guest_fault::Watch>, Arc<GuestRegionMmap>)>,
+    retired: Vec<(Option<guest_fault::Watch>, Arc<GuestRegionMmap>)>,
 }
 
 impl BlkBackend {
@@ -164,6 +158,11 @@ impl BlkBackend {
             fault,
             retired: Vec::new(),
         }
+    }
+
+    /// The feature bits offered: the device's, and vhost-user's protocol features.
+    fn features(&self) -> u64 {
+        self.dev.features() | (1 << VHOST_USER_F_PROTOCOL_FEATURES)
     }
 
     /// Slots leave the table: their regions stay watched while anything still maps them.
@@ -286,14 +285,14 @@ impl VhostUserBackendReqHandlerMut for BlkBackend {
     }
 
     fn get_features(&mut self) -> VuResult<u64> {
-        Ok(self.dev.features())
+        Ok(self.features())
     }
 
     fn set_features(&mut self, features: u64) -> VuResult<()> {
-        if features & !self.dev.features() != 0 {
+        if features & !self.features() != 0 {
             return Err(fail(format!(
                 "frontend acked features {:#x} we did not offer",
-                features & !self.dev.features()
+                features & !self.features()
             )));
         }
         self.acked_features = features;

@@ -53,7 +53,7 @@ impl InflightRegion {
                 format!("in-flight region of {size} bytes too small for {num_queues} queues of {queue_size}"),
             ));
         }
-        super::backend::within_file(&file, offset, size)
+        super::guest_fault::within_file(&file, offset, size)
             .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
         let dup = file.try_clone()?;
         let map = MmapRegion::from_file(FileOffset::new(dup, offset), size as usize)

@@ -1,12 +1,8 @@
 //! What the guest sees of the disk: virtio-blk feature bits, the config space, and the
 //! per-export state every queue shares ([`BlkDevice`]).
 
-use std::io::Write;
-use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-
-use vhost::vhost_user::message::BackendReq;
+use std::sync::Arc;
 
 use virtio_bindings::virtio_blk::*;
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
@@ -15,9 +11,6 @@ use virtio_bindings::virtio_ring::{VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRE
 use crate::block::node::block_node::BlockNode;
 use crate::block::node::link::NodeLink;
 
-/// `VHOST_USER_F_PROTOCOL_FEATURES`: the frontend may negotiate protocol features.
-pub const VHOST_USER_F_PROTOCOL_FEATURES: u32 = 30;
-
 /// Largest data transfer of one request we accept (a bigger one fails with IOERR rather
 /// than making us allocate whatever a guest asks for).
 pub const MAX_REQUEST_BYTES: u64 = 32 << 20;
@@ -25,67 +18,10 @@ pub const MAX_REQUEST_BYTES: u64 = 32 << 20;
 /// Largest discard / write-zeroes range of one segment, in 512-byte sectors.
 pub const MAX_DISCARD_SECTORS: u32 = (1 << 30) >> 9;
 
-/// Queue size the frontend may use at most (QEMU's default is 128 for vhost-user-blk).
-pub const MAX_QUEUE_SIZE: u16 = 1024;
-
 /// State shared by an export's control thread and all its queues.
-/// A connection's guest memory vanished (the frontend truncated a file it shared; see
-/// [`crate::guest_fault`]): its queues stop and its connection is closed, once.
-pub struct GuestFault {
-    /// Raised by the SIGBUS handler.
-    pub flag: Arc<std::sync::atomic::AtomicBool>,
-    /// The connection, to close (none for a device with no connection: VDUSE).
-    sock: Option<std::os::unix::net::UnixStream>,
-    reported: std::sync::atomic::AtomicBool,
-}
-
-impl GuestFault {
-    pub fn new(sock: std::os::unix::net::UnixStream) -> Self {
-        Self {
-            flag: Arc::default(),
-            sock: Some(sock),
-            reported: Default::default(),
-        }
-    }
-
-    /// For memory mapped from a kernel device (VDUSE), raised through `flag`: the queues
-    /// stop, and there is no connection to close.
-    pub fn with_flag(flag: Arc<AtomicBool>) -> Self {
-        Self {
-            flag,
-            sock: None,
-            reported: Default::default(),
-        }
-    }
-
-    /// Whether the memory vanished; the first time, logs it and closes the connection.
-    pub fn check(&self, dev: &str) -> bool {
-        use std::sync::atomic::Ordering::SeqCst;
-        if !self.flag.load(SeqCst) {
-            return false;
-        }
-        if !self.reported.swap(true, SeqCst) {
-            if self.sock.is_some() {
-                tracing::warn!(
-                    "vhost-user-blk {dev}: the frontend's memory vanished under the device \
-                     (its file was truncated); closing that connection"
-                );
-            } else {
-                tracing::warn!(
-                    "vduse-blk {dev}: a driver buffer was not backed by memory (SIGBUS); the \
-                     queues stop until the driver resets the device"
-                );
-            }
-            if let Some(sock) = &self.sock {
-                let _ = sock.shutdown(std::net::Shutdown::Both);
-            }
-        }
-        true
-    }
-}
-
 pub struct BlkDevice {
-    /// The export type, for log lines (`vhost-user-blk`, `vduse-blk`).
+    /// The export type, for log lines (`vhost-user-blk` unless the transport sets
+    /// `vduse-blk`).
     pub kind: &'static str,
     /// Block-export id.
     pub id: String,
@@ -106,26 +42,6 @@ pub struct BlkDevice {
     pub serving: std::sync::atomic::AtomicUsize,
     /// Woken when a frontend's connection has ended (its queues stopped).
     pub drain: crate::export::DrainSignal,
-    /// The frontend's backend-request channel, if it set one up.
-    config_channel: Mutex<Option<ConfigChannel>>,
-}
-
-/// A vhost-user header with no body: the request code, the flags (protocol version 1, no
-/// reply asked: a frontend answers only when NEED_REPLY is set), the body's size 0.
-fn config_change_message() -> [u8; 12] {
-    let code: u32 = BackendReq::CONFIG_CHANGE_MSG.into();
-    let mut m = [0u8; 12];
-    m[0..4].copy_from_slice(&code.to_le_bytes());
-    m[4..8].copy_from_slice(&1u32.to_le_bytes());
-    m
-}
-
-/// The channel on which the device speaks first (`VHOST_USER_PROTOCOL_F_BACKEND_REQ`),
-/// used here only to say the config space changed, and the capacity the frontend last
-/// heard of.
-struct ConfigChannel {
-    sock: UnixStream,
-    sectors: u64,
 }
 
 impl BlkDevice {
@@ -148,7 +64,6 @@ impl BlkDevice {
             requests: (0..num_queues).map(|_| AtomicU64::new(0)).collect(),
             serving: Default::default(),
             drain: Default::default(),
-            config_channel: Mutex::new(None),
         }
     }
 
@@ -166,62 +81,13 @@ impl BlkDevice {
             .poll(cx, || self.serving.load(Ordering::SeqCst) == 0)
     }
 
-    fn sectors(&self) -> u64 {
+    /// The capacity in 512-byte sectors, as the config space gives it.
+    pub fn sectors(&self) -> u64 {
         self.link.current().size() / 512
     }
 
-    /// The frontend connected gave its backend-request channel (`SET_BACKEND_REQ_FD`), or
-    /// the connection ended (`None`).
-    pub fn set_config_channel(&self, sock: Option<UnixStream>) {
-        let channel = sock.and_then(|sock| {
-            // Never let a frontend that does not read its channel block the main loop.
-            sock.set_nonblocking(true).ok()?;
-            Some(ConfigChannel {
-                sock,
-                sectors: self.sectors(),
-            })
-        });
-        *self
-            .config_channel
-            .lock()
-            .unwrap_or_else(|e| e.into_inner()) = channel;
-    }
-
-    /// The node may have changed size. If the capacity differs from what the frontend
-    /// last read, tells it the config space changed (`CONFIG_CHANGE_MSG`, as QEMU's
-    /// vu_blk_exp_resize does), so it reads the config again and tells its guest. Returns
-    /// whether a message went out. Frontends without the channel (libblkio) read the
-    /// config space anew when asked, and it follows the node.
-    pub fn announce_capacity(&self) -> bool {
-        let mut channel = self
-            .config_channel
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        let Some(c) = channel.as_mut() else {
-            return false;
-        };
-        let sectors = self.sectors();
-        if sectors == c.sectors {
-            return false;
-        }
-        match (&c.sock).write(&config_change_message()) {
-            Ok(12) => {
-                c.sectors = sectors;
-                true
-            }
-            r => {
-                tracing::warn!(
-                    "vhost-user-blk {}: cannot tell the frontend of the new capacity ({r:?}); \
-                     it sees the old size until it reads the config space again",
-                    self.id
-                );
-                *channel = None;
-                false
-            }
-        }
-    }
-
-    /// The virtio feature bits we offer.
+    /// The virtio-blk feature bits the device offers; a transport adds its own
+    /// (vhost-user its protocol-features bit) or takes some away (VDUSE).
     pub fn features(&self) -> u64 {
         let mut f = (1u64 << VIRTIO_BLK_F_SEG_MAX)
             | (1 << VIRTIO_BLK_F_BLK_SIZE)
@@ -230,8 +96,7 @@ impl BlkDevice {
             | (1 << VIRTIO_BLK_F_MQ)
             | (1 << VIRTIO_RING_F_INDIRECT_DESC)
             | (1 << VIRTIO_RING_F_EVENT_IDX)
-            | (1 << VIRTIO_F_VERSION_1)
-            | (1 << VHOST_USER_F_PROTOCOL_FEATURES);
+            | (1 << VIRTIO_F_VERSION_1);
         if self.writable {
             f |= (1 << VIRTIO_BLK_F_DISCARD) | (1 << VIRTIO_BLK_F_WRITE_ZEROES);
         } else {

@@ -6,7 +6,9 @@
 //! ([`watch`]): a SIGBUS whose address lies in a registered region replaces that whole
 //! region with private zero pages (the faulting access then completes on them) and raises
 //! the region's flag, so the device can fail that one connection. A SIGBUS anywhere else
-//! restores the default action and faults again, as before.
+//! restores the default action and faults again, as before. [`GuestFault`] is that flag as
+//! a device's queues see it, and [`within_file`] refuses up front a mapping that would
+//! fault from its first access.
 //!
 //! The handler only reads a fixed table of atomics and calls mmap(2) (a plain system call
 //! on Linux), so it is async-signal-safe. The kernel's own accesses to such memory (O_DIRECT
@@ -127,6 +129,80 @@ extern "C" fn on_sigbus(_sig: libc::c_int, info: *mut libc::siginfo_t, _ctx: *mu
     // Not guest memory: the default action, on the fault that follows.
     // SAFETY: signal(2) with SIG_DFL is async-signal-safe.
     unsafe { libc::signal(libc::SIGBUS, libc::SIG_DFL) };
+}
+
+/// A connection's guest memory vanished (the frontend truncated a file it shared; see
+/// [`watch`]): its queues stop and its connection is closed, once.
+pub struct GuestFault {
+    /// Raised by the SIGBUS handler.
+    pub flag: Arc<std::sync::atomic::AtomicBool>,
+    /// The connection, to close (none for a device with no connection: VDUSE).
+    sock: Option<std::os::unix::net::UnixStream>,
+    reported: std::sync::atomic::AtomicBool,
+}
+
+impl GuestFault {
+    pub fn new(sock: std::os::unix::net::UnixStream) -> Self {
+        Self {
+            flag: Arc::default(),
+            sock: Some(sock),
+            reported: Default::default(),
+        }
+    }
+
+    /// For memory mapped from a kernel device (VDUSE), raised through `flag`: the queues
+    /// stop, and there is no connection to close.
+    pub fn with_flag(flag: Arc<AtomicBool>) -> Self {
+        Self {
+            flag,
+            sock: None,
+            reported: Default::default(),
+        }
+    }
+
+    /// Whether the memory vanished; the first time, logs it and closes the connection.
+    pub fn check(&self, dev: &str) -> bool {
+        use std::sync::atomic::Ordering::SeqCst;
+        if !self.flag.load(SeqCst) {
+            return false;
+        }
+        if !self.reported.swap(true, SeqCst) {
+            if self.sock.is_some() {
+                tracing::warn!(
+                    "vhost-user-blk {dev}: the frontend's memory vanished under the device \
+                     (its file was truncated); closing that connection"
+                );
+            } else {
+                tracing::warn!(
+                    "vduse-blk {dev}: a driver buffer was not backed by memory (SIGBUS); the \
+                     queues stop until the driver resets the device"
+                );
+            }
+            if let Some(sock) = &self.sock {
+                let _ = sock.shutdown(std::net::Shutdown::Both);
+            }
+        }
+        true
+    }
+}
+
+/// Checks that `len` bytes at `offset` of a frontend's file exist. A mapping past the end
+/// of its file maps pages that fault with SIGBUS when touched (vm-memory does not check),
+/// so a region larger than the frontend's file would kill the daemon at the first access
+/// (found by the vhost_user_messages fuzz target). Shared memory comes as regular files
+/// (memfd, hugetlbfs, /dev/shm), which have a size to check against. (A frontend that
+/// shrinks its file afterwards can still fault us, as it can QEMU's vhost-user servers.)
+pub fn within_file(f: &std::fs::File, offset: u64, len: u64) -> Result<(), String> {
+    let meta = f
+        .metadata()
+        .map_err(|e| format!("memory region's file: {e}"))?;
+    if meta.is_file() && offset.checked_add(len).is_none_or(|end| end > meta.len()) {
+        return Err(format!(
+            "memory region of {len} bytes at offset {offset} runs past its file's {} bytes",
+            meta.len()
+        ));
+    }
+    Ok(())
 }
 
 #[cfg(test)]

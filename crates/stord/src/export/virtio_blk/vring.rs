@@ -18,7 +18,7 @@
 use std::cell::{Cell, RefCell};
 use std::collections::{HashMap, VecDeque};
 use std::fs::File;
-use std::io::{Read, Write};
+use std::io::Read;
 use std::os::fd::AsRawFd;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -29,14 +29,14 @@ use stord_aio::sys::now_ns;
 use stord_aio::{
     Bh, Counter, FdHandlerId, Histogram, Interest, PollHandler, PollHandlerId, Remote,
 };
-use virtio_bindings::virtio_ring::{VRING_DESC_F_INDIRECT, VRING_DESC_F_NEXT};
-use virtio_queue::desc::split::Descriptor;
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
-use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+use vm_memory::{GuestAddress, GuestMemoryMmap};
 
+use super::chain::{walk_chain, Chain, WalkError};
 use super::device::BlkDevice;
-use super::inflight::InflightQueue;
-use super::request::{self, Chain};
+use super::guest_fault::GuestFault;
+use super::inflight::{InflightQueue, InflightRegion};
+use super::request;
 
 /// Data bytes one queue's running requests may hold (a request larger than what is left
 /// still runs when it is the only one).
@@ -45,12 +45,6 @@ pub const MAX_QUEUE_BYTES: usize = 64 << 20;
 /// How a queue interrupts its driver: a call eventfd (vhost-user) or an ioctl (VDUSE).
 pub trait Interrupt: Send + Sync {
     fn raise(&self);
-}
-
-impl Interrupt for File {
-    fn raise(&self) {
-        let _ = (&*self).write(&1u64.to_ne_bytes());
-    }
 }
 
 /// Memory that is mapped piece by piece as the driver hands it out (VDUSE's IOVA space)
@@ -72,10 +66,10 @@ pub struct VringStart {
     pub kick: File,
     pub call: Option<Arc<dyn Interrupt>>,
     pub dev: Arc<BlkDevice>,
-    pub inflight: Option<Arc<super::inflight::InflightRegion>>,
+    pub inflight: Option<Arc<InflightRegion>>,
     pub enabled: bool,
     /// The connection's guest memory vanished: stop and close.
-    pub fault: Arc<super::device::GuestFault>,
+    pub fault: Arc<GuestFault>,
 }
 
 /// The control thread's handle on a running queue.
@@ -260,7 +254,7 @@ pub struct Vring {
     /// Told when the last request in flight completes after a stop.
     drained: RefCell<Option<std::sync::mpsc::SyncSender<()>>>,
     /// The connection's guest memory vanished (checked at each pass and completion).
-    fault: Arc<super::device::GuestFault>,
+    fault: Arc<GuestFault>,
     /// The driver broke the ring (e.g. an avail index beyond the ring): stop serving it.
     broken: Cell<bool>,
     handlers: Cell<Option<(FdHandlerId, PollHandlerId)>>,
@@ -300,14 +294,27 @@ impl PollHandler for VringPoll {
 }
 
 impl Vring {
+    /// Builds the queue on this (its IoThread's) loop, takes up what an earlier daemon left
+    /// in flight, watches the kick eventfd and the avail index, and registers it as `id`.
     fn start(id: u64, s: VringStart) -> Result<(), String> {
         let ctx_ok = stord_aio::with_current_context(|_| ()).is_some();
         if !ctx_ok {
             return Err("no event loop on this thread".into());
         }
+        let v = Self::new(s);
+        v.install_flush_bh();
+        v.resubmit_in_flight();
+        v.watch_kick_and_poll()?;
+        RUNNING.with(|r| r.borrow_mut().insert(id, v.clone()));
+        // Requests queued before the kick fd arrived.
+        v.process();
+        Ok(())
+    }
+
+    fn new(s: VringStart) -> Rc<Self> {
         let inflight = s.inflight.and_then(|r| InflightQueue::new(r, s.index));
         let event_idx = s.queue.event_idx_enabled();
-        let v = Rc::new(Vring {
+        Rc::new(Vring {
             index: s.index,
             queue: RefCell::new(s.queue),
             mem: RefCell::new(s.mem),
@@ -332,8 +339,13 @@ impl Vring {
             broken: Cell::new(false),
             handlers: Cell::new(None),
             fault: s.fault,
-        });
-        let weak = Rc::downgrade(&v);
+        })
+    }
+
+    /// The bottom half that ends a loop pass which published completions: one signal to
+    /// the driver ([`notify`](Self::notify)), then what it queued meanwhile.
+    fn install_flush_bh(self: &Rc<Self>) {
+        let weak = Rc::downgrade(self);
         let bh = stord_aio::with_current_context(|ctx| {
             ctx.new_bh(move || {
                 if let Some(v) = weak.upgrade() {
@@ -347,13 +359,16 @@ impl Vring {
             })
         })
         .expect("context");
-        *v.flush_bh.borrow_mut() = Some(bh);
+        *self.flush_bh.borrow_mut() = Some(bh);
+    }
 
-        // Requests a previous daemon took and never completed.
-        let resubmit = match &v.inflight {
+    /// Runs again the requests a previous daemon took and never completed (the in-flight
+    /// log says which).
+    fn resubmit_in_flight(self: &Rc<Self>) {
+        let resubmit = match &self.inflight {
             Some(q) => {
-                let mem = v.mem.borrow().clone();
-                let used = v
+                let mem = self.mem.borrow().clone();
+                let used = self
                     .queue
                     .borrow()
                     .used_idx(&*mem, Ordering::Acquire)
@@ -367,18 +382,22 @@ impl Vring {
             // A restarted daemon picking up where the last one was: expected, not a fault.
             tracing::info!(
                 "{} {}: queue {} resubmits {} requests left in flight",
-                v.dev.kind,
-                v.dev.id,
-                v.index,
+                self.dev.kind,
+                self.dev.id,
+                self.index,
                 resubmit.len()
             );
         }
         for head in resubmit {
-            v.submit(head);
+            self.submit(head);
         }
+    }
 
-        let weak = Rc::downgrade(&v);
-        let kick_fd = v.kick.as_raw_fd();
+    /// Serves the driver's kicks (the kick eventfd's handler) and the loop's busy polling
+    /// (a poll handler peeking at the avail index).
+    fn watch_kick_and_poll(self: &Rc<Self>) -> Result<(), String> {
+        let weak = Rc::downgrade(self);
+        let kick_fd = self.kick.as_raw_fd();
         let ids = stord_aio::with_current_context(|ctx| {
             let fd = ctx.set_fd_handler(kick_fd, Interest::READABLE, move |_| {
                 if let Some(v) = weak.upgrade() {
@@ -388,15 +407,12 @@ impl Vring {
                     v.process();
                 }
             })?;
-            let poll = ctx.add_poll_handler(Rc::new(VringPoll(Rc::downgrade(&v))));
+            let poll = ctx.add_poll_handler(Rc::new(VringPoll(Rc::downgrade(self))));
             Ok::<_, std::io::Error>((fd, poll))
         })
         .expect("context")
         .map_err(|e| format!("cannot watch the kick eventfd: {e}"))?;
-        v.handlers.set(Some(ids));
-        RUNNING.with(|r| r.borrow_mut().insert(id, v.clone()));
-        // Requests queued before the kick fd arrived.
-        v.process();
+        self.handlers.set(Some(ids));
         Ok(())
     }
 
@@ -673,135 +689,5 @@ impl Vring {
         } else {
             self.stats.calls_skipped.add(1);
         }
-    }
-}
-
-/// Why a chain could not be read; `at`, when a descriptor's address is not mapped.
-#[derive(Debug)]
-pub struct WalkError {
-    pub what: String,
-    pub at: Option<u64>,
-}
-
-impl std::fmt::Display for WalkError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.what)
-    }
-}
-
-impl From<String> for WalkError {
-    fn from(what: String) -> Self {
-        WalkError { what, at: None }
-    }
-}
-
-impl From<&str> for WalkError {
-    fn from(what: &str) -> Self {
-        WalkError {
-            what: what.into(),
-            at: None,
-        }
-    }
-}
-
-/// Reads the descriptor chain starting at `head` (following one indirect table), with the
-/// checks the virtio spec asks of a device: indices in range, no loops, a sane total length.
-pub fn walk_chain(
-    mem: &GuestMemoryMmap,
-    table: GuestAddress,
-    size: u16,
-    head: u16,
-) -> Result<Chain, WalkError> {
-    let mut chain = Chain::default();
-    let (mut table, mut size) = (table, size);
-    let mut next = head;
-    let mut budget = size as usize;
-    let mut indirect = false;
-    let mut total: u64 = 0;
-    loop {
-        if next >= size {
-            return Err(format!("descriptor index {next} beyond table of {size}").into());
-        }
-        if budget == 0 {
-            return Err("descriptor chain loops".into());
-        }
-        budget -= 1;
-        let at = table
-            .0
-            .checked_add(16 * u64::from(next))
-            .ok_or_else(|| format!("descriptor {next} beyond the address space"))?;
-        let d: Descriptor = mem.read_obj(GuestAddress(at)).map_err(|e| WalkError {
-            what: format!("descriptor {next} unreadable: {e}"),
-            at: Some(at),
-        })?;
-        if d.flags() & VRING_DESC_F_INDIRECT as u16 != 0 {
-            if indirect || chain.out.len() + chain.inn.len() > 0 {
-                return Err("indirect table not at the head of the chain".into());
-            }
-            if !d.len().is_multiple_of(16) || d.len() == 0 || d.len() / 16 > u32::from(u16::MAX) {
-                return Err(format!("indirect table of {} bytes", d.len()).into());
-            }
-            indirect = true;
-            table = d.addr();
-            size = (d.len() / 16) as u16;
-            budget = size as usize;
-            next = 0;
-            continue;
-        }
-        total += u64::from(d.len());
-        if total > u64::from(u32::MAX) {
-            return Err("chain longer than 4 GiB".into());
-        }
-        let has_next = d.flags() & VRING_DESC_F_NEXT as u16 != 0;
-        next = d.next();
-        chain.push(d)?;
-        if !has_next {
-            return Ok(chain);
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use virtio_bindings::virtio_ring::VRING_DESC_F_WRITE;
-
-    fn put(mem: &GuestMemoryMmap, table: u64, i: u16, d: Descriptor) {
-        mem.write_obj(d, GuestAddress(table + 16 * u64::from(i)))
-            .unwrap();
-    }
-
-    #[test]
-    fn walks_direct_and_indirect_chains_and_refuses_loops() {
-        let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 1 << 16)]).unwrap();
-        let (n, w) = (VRING_DESC_F_NEXT as u16, VRING_DESC_F_WRITE as u16);
-        put(&mem, 0, 0, Descriptor::new(0x1000, 16, n, 3));
-        put(&mem, 0, 3, Descriptor::new(0x2000, 512, n | w, 1));
-        put(&mem, 0, 1, Descriptor::new(0x3000, 1, w, 0));
-        let c = walk_chain(&mem, GuestAddress(0), 8, 0).unwrap();
-        assert_eq!((c.out.len(), c.inn.len()), (1, 2));
-
-        // Indirect: head 2 points at a table of two descriptors at 0x4000.
-        put(
-            &mem,
-            0,
-            2,
-            Descriptor::new(0x4000, 32, VRING_DESC_F_INDIRECT as u16, 0),
-        );
-        put(&mem, 0x4000, 0, Descriptor::new(0x1000, 16, n, 1));
-        put(&mem, 0x4000, 1, Descriptor::new(0x3000, 1, w, 0));
-        let c = walk_chain(&mem, GuestAddress(0), 8, 2).unwrap();
-        assert_eq!((c.out.len(), c.inn.len()), (1, 1));
-
-        // A loop: 4 -> 5 -> 4.
-        put(&mem, 0, 4, Descriptor::new(0x1000, 16, n, 5));
-        put(&mem, 0, 5, Descriptor::new(0x1000, 16, n, 4));
-        assert!(walk_chain(&mem, GuestAddress(0), 8, 4)
-            .unwrap_err()
-            .what
-            .contains("loops"));
-        // Out of range.
-        put(&mem, 0, 6, Descriptor::new(0x1000, 16, n, 9));
-        assert!(walk_chain(&mem, GuestAddress(0), 8, 6).is_err());
     }
 }
