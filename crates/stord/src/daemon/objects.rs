@@ -140,7 +140,7 @@ fn create_authz(st: &mut State, _: &str, id: &str, mut kv: KeyVal) -> Result<(),
 }
 
 fn create_metrics(st: &mut State, _: &str, id: &str, mut kv: KeyVal) -> Result<(), DaemonError> {
-    let addr = crate::export::nbd::ListenAddr::from_options(&mut kv)?;
+    let addr = crate::export::nbd::options::ListenAddr::from_options(&mut kv)?;
     kv.finish()?;
     let me = st.me.clone();
     let source: crate::metrics::Source = std::rc::Rc::new(move || {

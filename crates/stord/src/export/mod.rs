@@ -180,7 +180,7 @@ pub struct ExportType {
 pub const EXPORT_TYPES: &[ExportType] = &[
     ExportType {
         name: "nbd",
-        create: nbd::create,
+        create: nbd::handle::create,
         supports_inactive: true,
         help: Help {
             synopsis: "\n\
