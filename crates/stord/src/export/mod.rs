@@ -195,7 +195,7 @@ pub const EXPORT_TYPES: &[ExportType] = &[
     },
     ExportType {
         name: "fuse",
-        create: fuse::create,
+        create: fuse::export::create,
         supports_inactive: false,
         help: Help {
             synopsis: "mountpoint=<file>\n\
