@@ -11,7 +11,8 @@ use crate::block::throttle_group::ThrottleGroup;
 use crate::cli::keyval::KeyVal;
 use crate::cli::{id_wellformed, Help};
 use crate::secret::Secret;
-use crate::tls::{AuthzSimple, TlsCreds};
+use crate::tls::authz::AuthzSimple;
+use crate::tls::creds::TlsCreds;
 
 /// An object that is data, not a thread or a group: credentials, an authorization list, a
 /// secret.

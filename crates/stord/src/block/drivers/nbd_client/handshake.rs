@@ -12,7 +12,8 @@ use std::io::{self, Read, Write};
 
 use crate::nbd_wire::proto::*;
 use crate::tls::blocking::BlockingTls;
-use crate::tls::{TlsError, TlsSession};
+use crate::tls::error::TlsError;
+use crate::tls::session::TlsSession;
 
 /// What the server told us about the export.
 #[derive(Debug, Clone, PartialEq, Eq)]
