@@ -1,5 +1,5 @@
 //! A mounted FUSE export: mounted and its queues started ([`FuseExport::start`]),
-//! unmounted and its queues and rings stopped ([`FuseExport::halt`]), and the daemon's
+//! unmounted and its queues and rings stopped (`FuseExport::halt`), and the daemon's
 //! [`Export`] over it, with `block-export-add`'s constructor ([`create`]).
 
 use std::fs::File;

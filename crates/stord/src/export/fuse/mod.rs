@@ -6,10 +6,10 @@
 //! handler (never a poll handler: reading /dev/fuse is a syscall). A watchdog process
 //! unmounts if the daemon dies without doing so (kill -9).
 //!
-//! Lowest first: [`proto`] (the kernel's structures) and [`shared`] (what all queues of an
-//! export share); [`handler`] (what each request does); the transports, [`session`]
-//! (/dev/fuse) and [`uring`] (FUSE over io_uring); [`options`] and [`mount`]; [`export`]
-//! (the mounted export and the daemon's handle on it).
+//! Lowest first: `proto` (the kernel's structures) and [`shared`] (what all queues of an
+//! export share); `handler` (what each request does); the transports, `session`
+//! (/dev/fuse) and `uring` (FUSE over io_uring); [`options`] and `mount`; [`export`] (the
+//! mounted export and the daemon's handle on it).
 
 #[cfg(any(test, fuzzing))]
 #[doc(hidden)]

@@ -11,9 +11,9 @@
 //! session moves with the connection to its IoThread.
 //!
 //! Lowest first: [`export`] (an export and the table of them the handshake looks names up
-//! in), [`handshake`], [`transmission`], [`connection`] (one connection from accept to
-//! close), [`options`] and [`server`] (the listening socket), [`handle`] (an export as the
-//! daemon holds it, and `block-export-add`'s constructor).
+//! in), `handshake`, `transmission`, `connection` (one connection from accept to close),
+//! [`options`] and [`server`] (the listening socket), [`handle`] (an export as the daemon
+//! holds it, and `block-export-add`'s constructor).
 
 #[cfg(any(test, fuzzing))]
 #[doc(hidden)]

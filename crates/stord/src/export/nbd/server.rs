@@ -1,6 +1,6 @@
 //! The listening NBD server: binds its address, accepts on the main loop and hands each
-//! new connection to [`connection`](super::connection); holds the table of exports it
-//! offers and the budget its connections' requests share.
+//! new connection to `connection`; holds the table of exports it offers and the budget its
+//! connections' requests share.
 
 use std::net::TcpListener;
 use std::os::fd::OwnedFd;
