@@ -15,7 +15,7 @@ use serde_json::Value;
 use stord_aio::{op, AioContext, Interest, Slice};
 
 use crate::accept::Acceptor;
-use crate::export::nbd::ListenAddr;
+use crate::export::nbd::options::ListenAddr;
 
 /// How long a client has to send its request.
 const REQUEST_TIME: Duration = Duration::from_secs(5);

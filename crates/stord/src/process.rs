@@ -26,7 +26,7 @@ use crate::chardev::{Chardev, ChardevError};
 use crate::cli::keyval::{KeyVal, OptionError};
 use crate::cli::{CommandLine, Item};
 use crate::daemon::{DaemonError, SharedState};
-use crate::export::nbd::{ListenAddr, NbdServerOpts};
+use crate::export::nbd::options::{ListenAddr, NbdServerOpts};
 use crate::qmp::Monitor;
 use crate::sys;
 

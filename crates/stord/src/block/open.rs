@@ -69,7 +69,7 @@ pub trait Graph {
     fn secret(&self, id: &str) -> Option<Vec<u8>>;
 
     /// The `endpoint=client` TLS credentials `id` (an NBD client's), or why not.
-    fn client_tls_creds(&self, id: &str) -> Result<Arc<crate::tls::TlsCreds>, String>;
+    fn client_tls_creds(&self, id: &str) -> Result<Arc<crate::tls::creds::TlsCreds>, String>;
 }
 
 /// What a driver's `open` is told besides its options.

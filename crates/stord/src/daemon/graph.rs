@@ -335,7 +335,7 @@ impl Graph for Builder<'_> {
         self.st.secret(id)
     }
 
-    fn client_tls_creds(&self, id: &str) -> Result<Arc<crate::tls::TlsCreds>, String> {
+    fn client_tls_creds(&self, id: &str) -> Result<Arc<crate::tls::creds::TlsCreds>, String> {
         self.st.client_tls_creds(id)
     }
 }

@@ -37,10 +37,12 @@ use crate::block::node::link::NodeLink;
 use crate::block::throttle_group::ThrottleGroup;
 use crate::cli::keyval::{KeyVal, OptionError};
 use crate::events::Events;
-use crate::export::nbd::{ListenAddr, NbdServer, NbdServerOpts};
+use crate::export::nbd::options::{ListenAddr, NbdServerOpts};
+use crate::export::nbd::server::NbdServer;
 use crate::export::{Export, ExportEnv, ExportServers, EXPORT_TYPES};
 use crate::secret::SecretError;
-use crate::tls::{TlsError, TlsServer};
+use crate::tls::error::TlsError;
+use crate::tls::TlsServer;
 
 /// Why a command on the daemon's objects, nodes or exports failed: the daemon layer's
 /// error. QMP reports it with [`DaemonError::qmp_class`]; the texts are qsd's where it has

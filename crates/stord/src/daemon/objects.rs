@@ -11,7 +11,8 @@ use crate::block::throttle_group::ThrottleGroup;
 use crate::cli::keyval::KeyVal;
 use crate::cli::{id_wellformed, Help};
 use crate::secret::Secret;
-use crate::tls::{AuthzSimple, TlsCreds};
+use crate::tls::authz::AuthzSimple;
+use crate::tls::creds::TlsCreds;
 
 /// An object that is data, not a thread or a group: credentials, an authorization list, a
 /// secret.
@@ -140,7 +141,7 @@ fn create_authz(st: &mut State, _: &str, id: &str, mut kv: KeyVal) -> Result<(),
 }
 
 fn create_metrics(st: &mut State, _: &str, id: &str, mut kv: KeyVal) -> Result<(), DaemonError> {
-    let addr = crate::export::nbd::ListenAddr::from_options(&mut kv)?;
+    let addr = crate::export::nbd::options::ListenAddr::from_options(&mut kv)?;
     kv.finish()?;
     let me = st.me.clone();
     let source: crate::metrics::Source = std::rc::Rc::new(move || {

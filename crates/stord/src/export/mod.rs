@@ -181,7 +181,7 @@ pub struct ExportType {
 pub const EXPORT_TYPES: &[ExportType] = &[
     ExportType {
         name: "nbd",
-        create: nbd::create,
+        create: nbd::handle::create,
         supports_inactive: true,
         help: Help {
             synopsis: "\n\
@@ -196,7 +196,7 @@ pub const EXPORT_TYPES: &[ExportType] = &[
     },
     ExportType {
         name: "fuse",
-        create: fuse::create,
+        create: fuse::export::create,
         supports_inactive: false,
         help: Help {
             synopsis: "mountpoint=<file>\n\

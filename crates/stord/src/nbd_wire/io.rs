@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use stord_aio::{op, Interest, IoBuf, Slice};
 
 use crate::buf::{request_buf, Buf};
-use crate::tls::TlsSession;
+use crate::tls::session::TlsSession;
 
 /// A connection's TLS session, shared by its reader and its writers (the server's
 /// connection keeps both on one thread; the NBD client's requests send from any loop).
@@ -80,7 +80,7 @@ struct TlsRx {
 /// Ciphertext received per recv: a few full records.
 const TLS_READ_BUF: usize = 64 << 10;
 
-fn tls_failed(e: crate::tls::TlsError) -> io::Error {
+fn tls_failed(e: crate::tls::error::TlsError) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, e.to_string())
 }
 

@@ -3,7 +3,8 @@
 
 use std::io::{self, Read, Write};
 
-use super::{TlsError, TlsSession};
+use super::error::TlsError;
+use super::session::TlsSession;
 
 /// `sess` over `sock`: `Read` gives decrypted bytes, `Write` sends records at once.
 pub struct BlockingTls<'a, S: Read + Write> {

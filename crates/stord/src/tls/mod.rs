@@ -3,183 +3,25 @@
 //! driver), the `authz-simple` check, and the sessions a connection drives over its own
 //! socket.
 //!
-//! A session is sans-I/O ([`TlsSession`]): the connection feeds it the ciphertext it
+//! A session is sans-I/O ([`session::TlsSession`]): the connection feeds it the ciphertext it
 //! received and takes from it the ciphertext to send, so the NBD negotiation and
 //! transmission keep their own socket code (io_uring receives, direct writev) and add only
 //! a decrypt and an encrypt step. Certificates are checked by rustls (webpki), never by us;
 //! pre-shared keys, which rustls does not implement, by OpenSSL. Objects and files follow
 //! qemu-storage-daemon's: the same property names, the same file names in `dir`.
 
+pub mod authz;
 pub mod blocking;
+pub mod creds;
+pub mod error;
 pub mod psk;
 pub mod session;
 pub mod x509;
 
-use std::path::PathBuf;
 use std::sync::Arc;
 
-use crate::cli::keyval::{KeyVal, OptionError};
-
-pub use session::TlsSession;
-
-/// Why TLS credentials could not be loaded or a session could not be set up: the TLS
-/// layer's error.
-#[derive(Debug, thiserror::Error)]
-pub enum TlsError {
-    #[error(transparent)]
-    Option(#[from] OptionError),
-    #[error("{what}: unable to read '{}': {source}", path.display())]
-    Read {
-        what: String,
-        path: PathBuf,
-        source: std::io::Error,
-    },
-    #[error("{what}: '{}': {detail}", path.display())]
-    BadFile {
-        what: String,
-        path: PathBuf,
-        detail: String,
-    },
-    #[error("{what}: {detail}")]
-    Unsupported { what: String, detail: String },
-    #[error("TLS: {0}")]
-    Rustls(#[from] rustls::Error),
-    #[error("TLS: {0}")]
-    OpenSsl(#[from] openssl::error::ErrorStack),
-    #[error("TLS handshake: {0}")]
-    Handshake(String),
-    /// Our own certificate does not chain to the CA (QEMU's sanity check, its words).
-    #[error("{0}")]
-    Sanity(String),
-}
-
-/// Loaded server credentials: what `--object tls-creds-*` made.
-pub enum TlsCreds {
-    X509(x509::X509Creds),
-    Psk(psk::PskCreds),
-}
-
-impl TlsCreds {
-    /// Builds `kind` (`tls-creds-x509` or `tls-creds-psk`) from its options, reading the
-    /// files in `dir` now, so a bad file fails `--object`/`object-add`, as in qsd.
-    /// `secret` looks up a `--object secret` by id (for `passwordid`).
-    pub fn from_object(
-        kind: &str,
-        kv: &mut KeyVal,
-        secret: &dyn Fn(&str) -> Option<Vec<u8>>,
-    ) -> Result<Self, TlsError> {
-        let what = kv.what.clone();
-        let client = kv
-            .take_choice("endpoint", &["server", "client"])?
-            .as_deref()
-            == Some("client");
-        if kv.take("priority").is_some() {
-            return Err(TlsError::Unsupported {
-                what,
-                detail: "priority (a GnuTLS priority string) is not supported: stord uses \
-                         rustls's and OpenSSL's safe defaults"
-                    .into(),
-            });
-        }
-        // Deprecated in QEMU and without effect: credentials load when created.
-        kv.take_bool("loaded", true)?;
-        let dir = PathBuf::from(kv.take_required("dir")?);
-        match kind {
-            "tls-creds-x509" => {
-                // The passphrase of an encrypted server-key.pem.
-                let password = match kv.take("passwordid") {
-                    Some(id) => Some(secret(&id).ok_or_else(|| TlsError::Unsupported {
-                        what: what.clone(),
-                        detail: format!("passwordid: no secret object with id '{id}'"),
-                    })?),
-                    None => None,
-                };
-                let verify_peer = kv.take_bool("verify-peer", true)?;
-                // The files are always parsed; this checks our own certificate against
-                // the CA too, as QEMU does.
-                let sanity_check = kv.take_bool("sanity-check", true)?;
-                let load = if client {
-                    x509::X509Creds::load_client
-                } else {
-                    x509::X509Creds::load
-                };
-                Ok(TlsCreds::X509(load(
-                    &what,
-                    &dir,
-                    verify_peer,
-                    sanity_check,
-                    password.as_deref(),
-                )?))
-            }
-            _ => {
-                let username = kv.take("username");
-                if !client {
-                    if username.is_some() {
-                        return Err(TlsError::Unsupported {
-                            what,
-                            detail: "username is a client property (endpoint=client)".into(),
-                        });
-                    }
-                    return Ok(TlsCreds::Psk(psk::PskCreds::load(&what, &dir)?));
-                }
-                // QEMU's default identity.
-                let username = username.unwrap_or_else(|| "qemu".into());
-                Ok(TlsCreds::Psk(psk::PskCreds::load_client(
-                    &what, &dir, &username,
-                )?))
-            }
-        }
-    }
-
-    /// Whether these are `endpoint=client` credentials.
-    pub fn is_client(&self) -> bool {
-        match self {
-            TlsCreds::X509(c) => matches!(c, x509::X509Creds::Client { .. }),
-            TlsCreds::Psk(c) => c.is_client(),
-        }
-    }
-
-    /// A new server session for one connection (server credentials).
-    pub fn new_session(&self) -> Result<Box<dyn TlsSession>, TlsError> {
-        match self {
-            TlsCreds::X509(c) => c.new_session(),
-            TlsCreds::Psk(c) => c.new_session(),
-        }
-    }
-
-    /// A new client session for one connection (client credentials); an x509 server's
-    /// certificate must name `hostname`, if given.
-    pub fn new_client_session(
-        &self,
-        hostname: Option<&str>,
-    ) -> Result<Box<dyn TlsSession>, TlsError> {
-        match self {
-            TlsCreds::X509(c) => c.new_client_session(hostname),
-            TlsCreds::Psk(c) => c.new_session(),
-        }
-    }
-}
-
-/// `--object authz-simple,id=...,identity=...`: the one client identity allowed (the
-/// certificate's distinguished name as QEMU writes it, `C=GB,O=...,CN=...`, or the PSK
-/// username).
-#[derive(Debug)]
-pub struct AuthzSimple {
-    pub identity: String,
-}
-
-impl AuthzSimple {
-    pub fn from_object(kv: &mut KeyVal) -> Result<Self, TlsError> {
-        Ok(Self {
-            identity: kv.take_required("identity")?,
-        })
-    }
-
-    /// Whether a client that proved `identity` (none: it proved nothing) may connect.
-    pub fn allows(&self, identity: Option<&str>) -> bool {
-        identity == Some(self.identity.as_str())
-    }
-}
+use authz::AuthzSimple;
+use creds::TlsCreds;
 
 /// What an NBD server with `tls-creds` (and maybe `tls-authz`) requires of clients.
 pub struct TlsServer {

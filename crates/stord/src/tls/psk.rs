@@ -14,8 +14,8 @@ use openssl::ssl::{
     ErrorCode, Ssl, SslContext, SslContextBuilder, SslMethod, SslStream, SslVersion,
 };
 
+use super::error::TlsError;
 use super::session::TlsSession;
-use super::TlsError;
 
 /// Loaded PSK credentials, for one side.
 pub struct PskCreds {

@@ -4,6 +4,7 @@
 //! certificate and key if the directory has them; the server's certificate is checked
 //! against the CA and the host name as QEMU checks it (no name given, no name checked).
 
+use std::io;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -18,8 +19,8 @@ use rustls::{
     ServerConfig, ServerConnection, SignatureScheme,
 };
 
-use super::session::{RustlsSession, TlsSession};
-use super::TlsError;
+use super::error::TlsError;
+use super::session::TlsSession;
 
 /// Loaded x509 credentials, for one side.
 pub enum X509Creds {
@@ -337,6 +338,59 @@ impl ServerCertVerifier for ServerVerifier {
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
         self.webpki.supported_verify_schemes()
+    }
+}
+
+/// A rustls connection (server or client).
+pub struct RustlsSession(pub rustls::Connection);
+
+impl TlsSession for RustlsSession {
+    fn read_tls(&mut self, rd: &mut dyn io::Read) -> io::Result<usize> {
+        self.0.read_tls(rd)
+    }
+
+    fn process_new_packets(&mut self) -> Result<(), TlsError> {
+        self.0.process_new_packets().map(|_| ())?;
+        Ok(())
+    }
+
+    fn read_plain(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        io::Read::read(&mut self.0.reader(), buf)
+    }
+
+    fn write_plain(&mut self, bufs: &[io::IoSlice<'_>]) -> io::Result<()> {
+        let total: usize = bufs.iter().map(|b| b.len()).sum();
+        // One vectored write makes full-size records across the pieces (a reply header
+        // and its data share a record); the send buffer is unbounded (set at creation).
+        let n = io::Write::write_vectored(&mut self.0.writer(), bufs)?;
+        if n != total {
+            return Err(io::Error::other("TLS send buffer refused data"));
+        }
+        Ok(())
+    }
+
+    fn wants_write(&self) -> bool {
+        self.0.wants_write()
+    }
+
+    fn write_tls(&mut self, wr: &mut dyn io::Write) -> io::Result<usize> {
+        self.0.write_tls(wr)
+    }
+
+    fn is_handshaking(&self) -> bool {
+        self.0.is_handshaking()
+    }
+
+    fn peer_identity(&self) -> Option<String> {
+        let cert = self.0.peer_certificates()?.first()?;
+        distinguished_name(cert)
+    }
+
+    fn describe(&self) -> String {
+        match (self.0.protocol_version(), self.0.negotiated_cipher_suite()) {
+            (Some(v), Some(s)) => format!("{v:?} {:?}", s.suite()),
+            _ => "handshake not finished".into(),
+        }
     }
 }
 

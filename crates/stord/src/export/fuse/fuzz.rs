@@ -6,7 +6,7 @@
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize};
 use std::sync::{Arc, Mutex};
 
-use super::{FuseShared, MAX_WRITE};
+use super::shared::{FuseShared, MAX_WRITE};
 use crate::block::drivers::null::NullDriver;
 use crate::block::node::block_node::BlockNode;
 use crate::export::DrainSignal;

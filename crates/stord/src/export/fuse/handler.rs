@@ -5,7 +5,7 @@ use std::io;
 use std::sync::atomic::Ordering;
 
 use super::proto::*;
-use super::FuseShared;
+use super::shared::{FuseShared, MAX_READ};
 use crate::buf::{request_buf, Buf};
 
 /// A reply body.
@@ -195,7 +195,7 @@ impl FuseShared {
     }
 
     async fn read(&self, f: &Fields<'_>) -> Result<Body, i32> {
-        let size = f.u32(16).ok_or(libc::EINVAL)?.min(super::MAX_READ) as usize;
+        let size = f.u32(16).ok_or(libc::EINVAL)?.min(MAX_READ) as usize;
         let (r, buf) = self.read_into(f, request_buf(size)).await;
         r.map(|_| Body::Data(buf))
     }
@@ -207,7 +207,7 @@ impl FuseShared {
         let (Some(offset), Some(size)) = (f.u64(8), f.u32(16)) else {
             return (Err(libc::EINVAL), buf);
         };
-        if size > super::MAX_READ || size as usize > buf.capacity() {
+        if size > MAX_READ || size as usize > buf.capacity() {
             return (Err(libc::EINVAL), buf);
         }
         let len = node.size();

@@ -17,7 +17,7 @@ use stord_aio::{FdHandlerId, Interest};
 
 use super::handler::Processed;
 use super::proto::*;
-use super::FuseShared;
+use super::shared::FuseShared;
 
 /// Requests read per readiness event before giving the loop back.
 const READS_PER_EVENT: usize = 64;

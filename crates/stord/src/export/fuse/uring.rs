@@ -20,11 +20,11 @@ use std::sync::Arc;
 use std::task::Poll;
 
 use io_uring::{cqueue, opcode, squeue, types, IoUring};
-use stord_aio::{FdHandlerId, Interest, PollHandler, PollHandlerId};
+use stord_aio::{FdHandlerId, Interest, PollHandler, PollHandlerId, Remote};
 
 use super::handler::{write_out, Processed};
 use super::proto::*;
-use super::FuseShared;
+use super::shared::{FuseShared, UringPlan};
 use crate::buf::Buf;
 
 /// Entries registered per kernel queue.
@@ -334,22 +334,72 @@ impl PollHandler for RingPoller {
     }
 }
 
+impl FuseShared {
+    /// Called by the queue that answered INIT: if io_uring was granted, start a ring on
+    /// every IoThread of the plan (registration must follow the INIT reply).
+    pub(super) fn after_init(self: &Arc<Self>, dev: &Arc<File>) {
+        if !self.uring_granted.load(Ordering::SeqCst) {
+            return;
+        }
+        let Some(plan) = self
+            .uring_plan
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+        else {
+            return;
+        };
+        for (remote, qids) in plan {
+            let (s, d, r2) = (self.clone(), dev.clone(), remote.clone());
+            let start = move || match start(s.clone(), d, &qids) {
+                Ok(id) => {
+                    tracing::info!("fuse: serving queues {qids:?} over io_uring");
+                    s.rings
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .push((r2, id));
+                }
+                Err(e) => tracing::warn!(
+                    "fuse: io_uring queues {qids:?} failed, staying on /dev/fuse: {e}"
+                ),
+            };
+            match remote {
+                Some(r) if !r.is_current() => r.call(start),
+                _ => start(),
+            }
+        }
+    }
+}
+
+/// Which kernel queues each of `places` serves: the kernel has one queue per possible CPU;
+/// they are spread over our IoThreads.
+pub(super) fn plan(places: &[Option<Remote>]) -> UringPlan {
+    let mut plan: UringPlan = places.iter().map(|p| (p.clone(), Vec::new())).collect();
+    for qid in 0..possible_cpus() {
+        let n = plan.len();
+        plan[qid as usize % n].1.push(qid);
+    }
+    plan
+}
+
+/// Number of possible CPUs (the kernel makes one FUSE io_uring queue per possible CPU).
+fn possible_cpus() -> u16 {
+    std::fs::read_to_string("/sys/devices/system/cpu/possible")
+        .ok()
+        .and_then(|s| {
+            s.trim()
+                .rsplit(['-', ','])
+                .next()
+                .and_then(|n| n.parse::<u16>().ok())
+        })
+        .map(|max| max + 1)
+        .unwrap_or(1)
+}
+
 /// Creates this thread's ring for `qids`, registers their entries and hooks the ring into
 /// the current loop. Returns an id for [`teardown`].
 pub fn start(shared: Arc<FuseShared>, dev: Arc<File>, qids: &[u16]) -> Result<u64, String> {
-    // Owned by this thread only: SINGLE_ISSUER + DEFER_TASKRUN keep request arrivals from
-    // interrupting the thread (no IPI); TASKRUN_FLAG lets the poll handler see them, and the
-    // registered eventfd wakes the loop when it sleeps.
-    let entries = (qids.len() * DEPTH).next_power_of_two() as u32;
-    let cq = (qids.len() * DEPTH * 2).next_power_of_two() as u32;
-    let mut ring: IoUring<squeue::Entry128, cqueue::Entry> = IoUring::builder()
-        .setup_cqsize(cq)
-        .setup_single_issuer()
-        .setup_defer_taskrun()
-        .setup_taskrun_flag()
-        .build(entries)
-        .or_else(|_| IoUring::builder().setup_cqsize(cq).build(entries))
-        .map_err(|e| format!("cannot create the FUSE io_uring: {e}"))?;
+    let mut ring = new_ring(qids.len())?;
     let eventfd = stord_aio::sys::eventfd().map_err(|e| e.to_string())?;
     ring.submitter()
         .register_eventfd(eventfd.as_raw_fd())
@@ -357,7 +407,48 @@ pub fn start(shared: Arc<FuseShared>, dev: Arc<File>, qids: &[u16]) -> Result<u6
     // SAFETY: stored in the FuseRing next to the ring and declared before it, so it is
     // dropped first and never outlives the ring's memory.
     let cq_status = unsafe { ring.completion().status() };
-    let payload_len = shared.max_write as usize + 4096;
+    let entries = new_entries(qids, shared.max_write as usize + 4096);
+    let r = Rc::new(FuseRing {
+        cq_status,
+        ring: RefCell::new(ring),
+        dev,
+        eventfd,
+        entries: RefCell::new(entries),
+        shared,
+        handlers: RefCell::new(None),
+        closing: RefCell::new(None),
+        flush_bh: RefCell::new(None),
+    });
+    r.register_entries();
+    let hooked = r.hook()?;
+    *r.handlers.borrow_mut() = Some(hooked);
+    // Registration errors (e.g. the kernel refusing) show up as CQEs right away.
+    r.reap();
+    let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+    RINGS.with(|m| m.borrow_mut().insert(id, r));
+    Ok(id)
+}
+
+/// A ring for `queues` kernel queues of [`DEPTH`] entries each.
+fn new_ring(queues: usize) -> Result<IoUring<squeue::Entry128, cqueue::Entry>, String> {
+    // Owned by this thread only: SINGLE_ISSUER + DEFER_TASKRUN keep request arrivals from
+    // interrupting the thread (no IPI); TASKRUN_FLAG lets the poll handler see them, and the
+    // registered eventfd wakes the loop when it sleeps.
+    let entries = (queues * DEPTH).next_power_of_two() as u32;
+    let cq = (queues * DEPTH * 2).next_power_of_two() as u32;
+    IoUring::builder()
+        .setup_cqsize(cq)
+        .setup_single_issuer()
+        .setup_defer_taskrun()
+        .setup_taskrun_flag()
+        .build(entries)
+        .or_else(|_| IoUring::builder().setup_cqsize(cq).build(entries))
+        .map_err(|e| format!("cannot create the FUSE io_uring: {e}"))
+}
+
+/// [`DEPTH`] entries per kernel queue of `qids`, each with its header and payload buffers
+/// and the iovecs that name them to the kernel.
+fn new_entries(qids: &[u16], payload_len: usize) -> Vec<Entry> {
     let mut entries = Vec::with_capacity(qids.len() * DEPTH);
     for &qid in qids {
         for _ in 0..DEPTH {
@@ -382,51 +473,46 @@ pub fn start(shared: Arc<FuseShared>, dev: Arc<File>, qids: &[u16]) -> Result<u6
             });
         }
     }
-    let r = Rc::new(FuseRing {
-        cq_status,
-        ring: RefCell::new(ring),
-        dev: dev.clone(),
-        eventfd,
-        entries: RefCell::new(entries),
-        shared,
-        handlers: RefCell::new(None),
-        closing: RefCell::new(None),
-        flush_bh: RefCell::new(None),
-    });
-    let n = r.entries.borrow().len();
-    for idx in 0..n {
-        let (qid, iov) = {
-            let es = r.entries.borrow();
-            (es[idx].qid, es[idx].iov.as_ptr())
-        };
-        r.push(&uring_cmd(
-            dev.as_raw_fd(),
-            URING_CMD_REGISTER,
-            iov,
-            0,
-            qid,
-            idx as u64,
-        ));
+    entries
+}
+
+impl FuseRing {
+    /// Registers every entry with the kernel (REGISTER), which hands each back as a CQE
+    /// when a request arrives for its queue.
+    fn register_entries(&self) {
+        let n = self.entries.borrow().len();
+        for idx in 0..n {
+            let (qid, iov) = {
+                let es = self.entries.borrow();
+                (es[idx].qid, es[idx].iov.as_ptr())
+            };
+            self.push(&uring_cmd(
+                self.dev.as_raw_fd(),
+                URING_CMD_REGISTER,
+                iov,
+                0,
+                qid,
+                idx as u64,
+            ));
+        }
     }
-    let hooked =
+
+    /// Hooks the ring into the current loop: its eventfd as an fd handler, its CQ as a
+    /// poll handler.
+    fn hook(self: &Rc<Self>) -> Result<(FdHandlerId, PollHandlerId), String> {
         stord_aio::with_current_context(|ctx| -> Result<(FdHandlerId, PollHandlerId), String> {
-            let rr = r.clone();
+            let rr = self.clone();
             let fd_id = ctx
-                .set_fd_handler(r.eventfd.as_raw_fd(), Interest::READABLE, move |_| {
+                .set_fd_handler(self.eventfd.as_raw_fd(), Interest::READABLE, move |_| {
                     let _ = stord_aio::sys::eventfd_read(rr.eventfd.as_raw_fd());
                     rr.reap();
                 })
                 .map_err(|e| e.to_string())?;
-            let poll_id = ctx.add_poll_handler(Rc::new(RingPoller(r.clone())));
+            let poll_id = ctx.add_poll_handler(Rc::new(RingPoller(self.clone())));
             Ok((fd_id, poll_id))
         })
-        .ok_or("no event loop on this thread")??;
-    *r.handlers.borrow_mut() = Some(hooked);
-    // Registration errors (e.g. the kernel refusing) show up as CQEs right away.
-    r.reap();
-    let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
-    RINGS.with(|m| m.borrow_mut().insert(id, r));
-    Ok(id)
+        .ok_or("no event loop on this thread")?
+    }
 }
 
 /// Frees ring `id` once the kernel has handed every entry back (the connection is gone by

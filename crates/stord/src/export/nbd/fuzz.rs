@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use stord_aio::{op, Slice};
 
-use super::{ExportTable, NbdExport};
+use super::export::{ExportTable, NbdExport};
 use crate::block::drivers::null::NullDriver;
 use crate::block::node::block_node::BlockNode;
 
@@ -125,7 +125,7 @@ pub fn transmission(input: &[u8]) -> Vec<u8> {
         ctx.block_on(async move {
             let drainer = stord_aio::spawn(drain(client));
             let budget = std::sync::Arc::new(crate::export::budget::MemoryBudget::new(
-                super::DEFAULT_BUFFER_LIMIT,
+                super::options::DEFAULT_BUFFER_LIMIT,
             ));
             super::transmission::serve(server, n, budget).await;
             drainer.await

@@ -21,7 +21,7 @@ use std::io;
 use std::os::fd::RawFd;
 use std::sync::Arc;
 
-use super::{ExportTable, NbdExport};
+use super::export::{ExportTable, NbdExport};
 use crate::nbd_wire::io::{send, OutChunk, SharedTls, SockReader};
 use crate::nbd_wire::proto::*;
 use crate::tls::TlsServer;
@@ -185,32 +185,6 @@ fn export_info(e: &NbdExport, structured: bool) -> Vec<u8> {
     v
 }
 
-/// The outcome once an export is chosen: base:allocation counts only if the last
-/// SET_META_CONTEXT selected it for this same export.
-fn settle(
-    export: Arc<NbdExport>,
-    structured: bool,
-    meta: &Option<(String, MetaContexts)>,
-    exports: &ExportTable,
-    name: &str,
-    rd: SockReader,
-    sess: Option<SharedTls>,
-) -> Negotiated {
-    let meta = match meta {
-        Some((n, sel)) if exports.same(n, name) => *sel,
-        _ => MetaContexts::default(),
-    };
-    let (pending, cipher) = rd.into_parts();
-    Negotiated {
-        export,
-        structured,
-        meta,
-        pending,
-        tls: sess,
-        cipher,
-    }
-}
-
 /// Answers an option that arrived before STARTTLS on a server that requires TLS: `Ok(true)`
 /// when the client asked to abort.
 async fn refuse_before_tls(fd: RawFd, rd: &mut SockReader, opt: u32, len: u32) -> io::Result<bool> {
@@ -280,253 +254,392 @@ pub async fn negotiate(
     exports: &ExportTable,
     tls: Option<&TlsServer>,
 ) -> io::Result<Option<Negotiated>> {
-    let mut hello = Vec::with_capacity(18);
-    hello.extend_from_slice(&NBDMAGIC.to_be_bytes());
-    hello.extend_from_slice(&IHAVEOPT.to_be_bytes());
-    hello.extend_from_slice(&(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES).to_be_bytes());
-    send(fd, None, vec![OutChunk::Bytes(hello)]).await?;
-
-    let mut rd = SockReader::new(fd, Vec::new());
-    rd.ensure(4).await?;
-    let cflags = u32::from_be_bytes(rd.consume(4).try_into().expect("4 bytes"));
-    if cflags & !(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES) != 0 {
-        return Err(invalid("unknown client flags"));
-    }
-    let no_zeroes = cflags & FLAG_C_NO_ZEROES != 0;
-    // A client that did not ask for fixed newstyle cannot parse option replies: it may
-    // only send EXPORT_NAME.
-    let fixed = cflags & FLAG_C_FIXED_NEWSTYLE != 0;
-    let mut structured = false;
-    // (export name, selected) of the last SET_META_CONTEXT.
-    let mut meta: Option<(String, MetaContexts)> = None;
-    // The TLS session, once STARTTLS has succeeded.
-    let mut sess: Option<SharedTls> = None;
-    if tls.is_some() && !fixed {
-        return Err(invalid(
-            "TLS is required but the client does not speak fixed newstyle",
-        ));
-    }
-
+    let mut n = Negotiation::greet(fd, exports, tls).await?;
     loop {
-        rd.ensure(16).await?;
-        let h = rd.consume(16);
+        let (opt, len) = n.option_header().await?;
+        match n.answer(opt, len).await? {
+            Step::Reply(replies) => n.reply(replies).await?,
+            Step::Next => {}
+            Step::End => return Ok(None),
+            Step::Chosen {
+                export,
+                name,
+                reply,
+            } => {
+                n.reply(reply).await?;
+                return Ok(Some(n.settle(export, &name)));
+            }
+        }
+    }
+}
+
+/// What answering one option leads to.
+enum Step {
+    /// Send these replies, then read the next option.
+    Reply(Vec<u8>),
+    /// Read the next option: nothing to send (STARTTLS done), or sent already.
+    Next,
+    /// The client ended the negotiation cleanly.
+    End,
+    /// The client chose `export` by `name`: send `reply`, then the transmission phase.
+    Chosen {
+        export: Arc<NbdExport>,
+        name: String,
+        reply: Vec<u8>,
+    },
+}
+
+/// One connection's negotiation: its socket, what the client said of itself, and what its
+/// options have settled so far.
+struct Negotiation<'a> {
+    fd: RawFd,
+    exports: &'a ExportTable,
+    tls: Option<&'a TlsServer>,
+    rd: SockReader,
+    /// The client asked for no zero padding after EXPORT_NAME's reply.
+    no_zeroes: bool,
+    /// A client that did not ask for fixed newstyle cannot parse option replies: it may
+    /// only send EXPORT_NAME.
+    fixed: bool,
+    /// Structured replies are on.
+    structured: bool,
+    /// (export name, selected) of the last SET_META_CONTEXT.
+    meta: Option<(String, MetaContexts)>,
+    /// The TLS session, once STARTTLS has succeeded.
+    sess: Option<SharedTls>,
+}
+
+impl<'a> Negotiation<'a> {
+    /// Sends the server's greeting and reads the client's flags.
+    async fn greet(
+        fd: RawFd,
+        exports: &'a ExportTable,
+        tls: Option<&'a TlsServer>,
+    ) -> io::Result<Self> {
+        let mut hello = Vec::with_capacity(18);
+        hello.extend_from_slice(&NBDMAGIC.to_be_bytes());
+        hello.extend_from_slice(&IHAVEOPT.to_be_bytes());
+        hello.extend_from_slice(&(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES).to_be_bytes());
+        send(fd, None, vec![OutChunk::Bytes(hello)]).await?;
+
+        let mut rd = SockReader::new(fd, Vec::new());
+        rd.ensure(4).await?;
+        let cflags = u32::from_be_bytes(rd.consume(4).try_into().expect("4 bytes"));
+        if cflags & !(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES) != 0 {
+            return Err(invalid("unknown client flags"));
+        }
+        let no_zeroes = cflags & FLAG_C_NO_ZEROES != 0;
+        let fixed = cflags & FLAG_C_FIXED_NEWSTYLE != 0;
+        if tls.is_some() && !fixed {
+            return Err(invalid(
+                "TLS is required but the client does not speak fixed newstyle",
+            ));
+        }
+        Ok(Self {
+            fd,
+            exports,
+            tls,
+            rd,
+            no_zeroes,
+            fixed,
+            structured: false,
+            meta: None,
+            sess: None,
+        })
+    }
+
+    /// Reads the next option's header: its code and the length of its payload.
+    async fn option_header(&mut self) -> io::Result<(u32, u32)> {
+        self.rd.ensure(16).await?;
+        let h = self.rd.consume(16);
         let magic = u64::from_be_bytes(h[..8].try_into().expect("8 bytes"));
         let opt = u32::from_be_bytes(h[8..12].try_into().expect("4 bytes"));
         let len = u32::from_be_bytes(h[12..16].try_into().expect("4 bytes"));
         if magic != IHAVEOPT {
             return Err(invalid("bad option magic"));
         }
-        if !fixed && opt != OPT_EXPORT_NAME {
+        if !self.fixed && opt != OPT_EXPORT_NAME {
             return Err(invalid(
                 "option other than EXPORT_NAME from a client without fixed newstyle",
             ));
         }
-        if tls.is_some() && sess.is_none() && opt != OPT_STARTTLS {
-            if refuse_before_tls(fd, &mut rd, opt, len).await? {
-                return Ok(None);
-            }
-            continue;
+        Ok((opt, len))
+    }
+
+    /// Answers option `opt`, whose `len` bytes of payload are still unread: refused before
+    /// STARTTLS where TLS is required, skipped when too large, else read and handed to the
+    /// handler of its kind.
+    async fn answer(&mut self, opt: u32, len: u32) -> io::Result<Step> {
+        if self.tls.is_some() && self.sess.is_none() && opt != OPT_STARTTLS {
+            let aborted = refuse_before_tls(self.fd, &mut self.rd, opt, len).await?;
+            return Ok(if aborted { Step::End } else { Step::Next });
         }
         if opt == OPT_EXPORT_NAME && len as usize > MAX_STRING {
             // No error reply exists for EXPORT_NAME: close.
             return Err(invalid("EXPORT_NAME longer than 4096 bytes"));
         }
         if len > MAX_OPTION_LEN {
-            if len > MAX_SKIP {
-                return Err(invalid("option payload too large"));
-            }
-            // Too big to be honest, small enough to skip: answer and carry on.
-            rd.discard(len as usize).await?;
-            let reply = match opt {
-                OPT_ABORT => {
-                    let ack = opt_reply(opt, REP_ACK, &[]);
-                    let _ = send(fd, sess.as_ref(), vec![OutChunk::Bytes(ack)]).await;
-                    return Ok(None);
-                }
-                OPT_LIST
-                | OPT_STARTTLS
-                | OPT_INFO
-                | OPT_GO
-                | OPT_STRUCTURED_REPLY
-                | OPT_LIST_META_CONTEXT
-                | OPT_SET_META_CONTEXT => opt_error(opt, REP_ERR_TOO_BIG, "option too long"),
-                _ => opt_error(opt, REP_ERR_UNSUP, "unsupported option"),
-            };
-            if opt == OPT_SET_META_CONTEXT {
-                meta = None;
-            }
-            send(fd, sess.as_ref(), vec![OutChunk::Bytes(reply)]).await?;
-            continue;
+            return self.skip_oversized(opt, len).await;
         }
-        let data = rd.read_vec(len as usize).await?;
-        let mut replies: Vec<u8> = Vec::new();
-        match opt {
-            OPT_EXPORT_NAME => {
-                // No way to report an error here: the protocol says close.
-                let Some(name) = protocol_string(&data) else {
-                    return Err(invalid("EXPORT_NAME is not a valid string"));
-                };
-                let Some(export) = exports.find(&name) else {
-                    return Err(invalid("unknown export"));
-                };
-                let mut v = Vec::with_capacity(10 + 124);
-                v.extend_from_slice(&export.link.current().size().to_be_bytes());
-                v.extend_from_slice(&export.transmission_flags(structured).to_be_bytes());
-                if !no_zeroes {
-                    v.extend_from_slice(&[0u8; 124]);
-                }
-                send(fd, sess.as_ref(), vec![OutChunk::Bytes(v)]).await?;
-                return Ok(Some(settle(
-                    export, structured, &meta, exports, &name, rd, sess,
-                )));
-            }
-            OPT_ABORT => {
-                let ack = opt_reply(opt, REP_ACK, &[]);
-                let _ = send(fd, sess.as_ref(), vec![OutChunk::Bytes(ack)]).await;
-                return Ok(None);
-            }
-            OPT_LIST => {
-                if !data.is_empty() {
-                    replies = opt_error(opt, REP_ERR_INVALID, "LIST takes no data");
-                } else {
-                    for e in exports.all() {
-                        let mut d = Vec::new();
-                        d.extend_from_slice(&(e.name.len() as u32).to_be_bytes());
-                        d.extend_from_slice(e.name.as_bytes());
-                        d.extend_from_slice(e.description.as_bytes());
-                        replies.extend(opt_reply(opt, REP_SERVER, &d));
-                    }
-                    replies.extend(opt_reply(opt, REP_ACK, &[]));
-                }
-            }
-            OPT_STARTTLS if !data.is_empty() => {
-                replies = opt_error(opt, REP_ERR_INVALID, "STARTTLS takes no data")
-            }
-            OPT_STARTTLS => match tls {
-                None => replies = opt_error(opt, REP_ERR_POLICY, "TLS is not configured"),
-                Some(_) if sess.is_some() => {
-                    replies = opt_error(opt, REP_ERR_INVALID, "TLS is already on")
-                }
-                Some(tls) => {
-                    sess = Some(start_tls(fd, &mut rd, tls).await?);
-                    // The negotiation starts over inside the session.
-                    structured = false;
-                    meta = None;
-                    continue;
-                }
-            },
-            OPT_STRUCTURED_REPLY => {
-                if !data.is_empty() {
-                    replies = opt_error(opt, REP_ERR_INVALID, "STRUCTURED_REPLY takes no data");
-                } else if structured {
-                    replies = opt_error(
-                        opt,
-                        REP_ERR_INVALID,
-                        "structured replies already negotiated",
-                    );
-                } else {
-                    structured = true;
-                    replies = opt_reply(opt, REP_ACK, &[]);
-                }
-            }
-            OPT_INFO | OPT_GO => {
-                let mut c = Cursor { data: &data };
-                let parsed = (|| {
-                    let name = c.string()?;
-                    let n = c.u16()? as usize;
-                    let reqs: Vec<u16> = (0..n).map(|_| c.u16()).collect::<Option<_>>()?;
-                    c.data.is_empty().then_some((name, reqs))
-                })();
-                match parsed {
-                    None => replies = opt_error(opt, REP_ERR_INVALID, "malformed INFO/GO request"),
-                    Some((name, reqs)) => match exports.find(&name) {
-                        None => {
-                            replies = opt_error(
-                                opt,
-                                REP_ERR_UNKNOWN,
-                                &format!("export '{}' not found", sanitize(&name)),
-                            )
-                        }
-                        Some(export) => {
-                            replies.extend(opt_reply(
-                                opt,
-                                REP_INFO,
-                                &export_info(&export, structured),
-                            ));
-                            if reqs.contains(&INFO_NAME) {
-                                let mut d = INFO_NAME.to_be_bytes().to_vec();
-                                d.extend_from_slice(export.name.as_bytes());
-                                replies.extend(opt_reply(opt, REP_INFO, &d));
-                            }
-                            if reqs.contains(&INFO_DESCRIPTION) && !export.description.is_empty() {
-                                let mut d = INFO_DESCRIPTION.to_be_bytes().to_vec();
-                                d.extend_from_slice(export.description.as_bytes());
-                                replies.extend(opt_reply(opt, REP_INFO, &d));
-                            }
-                            let mut d = INFO_BLOCK_SIZE.to_be_bytes().to_vec();
-                            d.extend_from_slice(&1u32.to_be_bytes());
-                            d.extend_from_slice(&4096u32.to_be_bytes());
-                            d.extend_from_slice(&MAX_PAYLOAD.to_be_bytes());
-                            replies.extend(opt_reply(opt, REP_INFO, &d));
-                            replies.extend(opt_reply(opt, REP_ACK, &[]));
-                            if opt == OPT_GO {
-                                send(fd, sess.as_ref(), vec![OutChunk::Bytes(replies)]).await?;
-                                let n = settle(export, structured, &meta, exports, &name, rd, sess);
-                                return Ok(Some(n));
-                            }
-                        }
-                    },
-                }
-            }
-            OPT_LIST_META_CONTEXT | OPT_SET_META_CONTEXT => {
-                let set = opt == OPT_SET_META_CONTEXT;
-                let mut c = Cursor { data: &data };
-                let parsed = (|| {
-                    let name = c.string()?;
-                    // Each query takes at least 4 bytes, so the option's size bounds this.
-                    let n = c.u32()? as usize;
-                    let qs: Vec<String> = (0..n).map(|_| c.string()).collect::<Option<_>>()?;
-                    c.data.is_empty().then_some((name, qs))
-                })();
-                if set {
-                    meta = None;
-                }
-                if !structured {
-                    replies = opt_error(opt, REP_ERR_INVALID, "structured replies not negotiated");
-                } else {
-                    match parsed {
-                        None => {
-                            replies =
-                                opt_error(opt, REP_ERR_INVALID, "malformed meta context request")
-                        }
-                        Some((name, qs)) => match exports.find(&name) {
-                            None => {
-                                replies = opt_error(
-                                    opt,
-                                    REP_ERR_UNKNOWN,
-                                    &format!("export '{}' not found", sanitize(&name)),
-                                );
-                                let _ = qs;
-                            }
-                            Some(export) => {
-                                let sel = matching_contexts(&export, &qs, !set);
-                                for (id, ctx) in sel.selected(&export) {
-                                    let id = if set { id } else { 0 };
-                                    let mut d = id.to_be_bytes().to_vec();
-                                    d.extend_from_slice(ctx.as_bytes());
-                                    replies.extend(opt_reply(opt, REP_META_CONTEXT, &d));
-                                }
-                                replies.extend(opt_reply(opt, REP_ACK, &[]));
-                                if set {
-                                    meta = Some((name, sel));
-                                }
-                            }
-                        },
-                    }
-                }
-            }
-            _ => replies = opt_error(opt, REP_ERR_UNSUP, "unsupported option"),
-        }
-        send(fd, sess.as_ref(), vec![OutChunk::Bytes(replies)]).await?;
+        let data = self.rd.read_vec(len as usize).await?;
+        Ok(match opt {
+            OPT_EXPORT_NAME => self.opt_export_name(&data)?,
+            OPT_ABORT => self.opt_abort().await,
+            OPT_LIST => self.opt_list(&data),
+            OPT_STARTTLS => self.opt_starttls(&data).await?,
+            OPT_STRUCTURED_REPLY => self.opt_structured_reply(&data),
+            OPT_INFO | OPT_GO => self.opt_info_or_go(opt, &data),
+            OPT_LIST_META_CONTEXT | OPT_SET_META_CONTEXT => self.opt_meta_context(opt, &data),
+            _ => Step::Reply(opt_error(opt, REP_ERR_UNSUP, "unsupported option")),
+        })
     }
+
+    /// Sends option replies (inside the TLS session, once there is one).
+    async fn reply(&self, replies: Vec<u8>) -> io::Result<()> {
+        send(self.fd, self.sess.as_ref(), vec![OutChunk::Bytes(replies)]).await
+    }
+
+    /// An option over MAX_OPTION_LEN: too big to be honest, small enough to skip (up to
+    /// MAX_SKIP; beyond, the client is cut off). Its payload is discarded and it gets an
+    /// error reply; ABORT still ends the negotiation.
+    async fn skip_oversized(&mut self, opt: u32, len: u32) -> io::Result<Step> {
+        if len > MAX_SKIP {
+            return Err(invalid("option payload too large"));
+        }
+        self.rd.discard(len as usize).await?;
+        let reply = match opt {
+            OPT_ABORT => return Ok(self.opt_abort().await),
+            OPT_LIST
+            | OPT_STARTTLS
+            | OPT_INFO
+            | OPT_GO
+            | OPT_STRUCTURED_REPLY
+            | OPT_LIST_META_CONTEXT
+            | OPT_SET_META_CONTEXT => opt_error(opt, REP_ERR_TOO_BIG, "option too long"),
+            _ => opt_error(opt, REP_ERR_UNSUP, "unsupported option"),
+        };
+        if opt == OPT_SET_META_CONTEXT {
+            self.meta = None;
+        }
+        Ok(Step::Reply(reply))
+    }
+
+    /// EXPORT_NAME: the export's size and flags, then the transmission phase. No way to
+    /// report an error here: the protocol says close.
+    fn opt_export_name(&self, data: &[u8]) -> io::Result<Step> {
+        let Some(name) = protocol_string(data) else {
+            return Err(invalid("EXPORT_NAME is not a valid string"));
+        };
+        let Some(export) = self.exports.find(&name) else {
+            return Err(invalid("unknown export"));
+        };
+        let mut v = Vec::with_capacity(10 + 124);
+        v.extend_from_slice(&export.link.current().size().to_be_bytes());
+        v.extend_from_slice(&export.transmission_flags(self.structured).to_be_bytes());
+        if !self.no_zeroes {
+            v.extend_from_slice(&[0u8; 124]);
+        }
+        Ok(Step::Chosen {
+            export,
+            name,
+            reply: v,
+        })
+    }
+
+    /// ABORT: acknowledged (the client may hang up before reading it: that is fine), and
+    /// the negotiation ends.
+    async fn opt_abort(&self) -> Step {
+        let ack = opt_reply(OPT_ABORT, REP_ACK, &[]);
+        let _ = self.reply(ack).await;
+        Step::End
+    }
+
+    /// LIST: one SERVER reply per export, then ACK.
+    fn opt_list(&self, data: &[u8]) -> Step {
+        if !data.is_empty() {
+            return Step::Reply(opt_error(OPT_LIST, REP_ERR_INVALID, "LIST takes no data"));
+        }
+        let mut replies = Vec::new();
+        for e in self.exports.all() {
+            let mut d = Vec::new();
+            d.extend_from_slice(&(e.name.len() as u32).to_be_bytes());
+            d.extend_from_slice(e.name.as_bytes());
+            d.extend_from_slice(e.description.as_bytes());
+            replies.extend(opt_reply(OPT_LIST, REP_SERVER, &d));
+        }
+        replies.extend(opt_reply(OPT_LIST, REP_ACK, &[]));
+        Step::Reply(replies)
+    }
+
+    /// STARTTLS: the TLS handshake, after which the negotiation starts over inside the
+    /// session.
+    async fn opt_starttls(&mut self, data: &[u8]) -> io::Result<Step> {
+        let opt = OPT_STARTTLS;
+        if !data.is_empty() {
+            return Ok(Step::Reply(opt_error(
+                opt,
+                REP_ERR_INVALID,
+                "STARTTLS takes no data",
+            )));
+        }
+        Ok(match self.tls {
+            None => Step::Reply(opt_error(opt, REP_ERR_POLICY, "TLS is not configured")),
+            Some(_) if self.sess.is_some() => {
+                Step::Reply(opt_error(opt, REP_ERR_INVALID, "TLS is already on"))
+            }
+            Some(tls) => {
+                self.sess = Some(start_tls(self.fd, &mut self.rd, tls).await?);
+                // The negotiation starts over inside the session.
+                self.structured = false;
+                self.meta = None;
+                Step::Next
+            }
+        })
+    }
+
+    /// STRUCTURED_REPLY: turns structured replies on, once.
+    fn opt_structured_reply(&mut self, data: &[u8]) -> Step {
+        let opt = OPT_STRUCTURED_REPLY;
+        Step::Reply(if !data.is_empty() {
+            opt_error(opt, REP_ERR_INVALID, "STRUCTURED_REPLY takes no data")
+        } else if self.structured {
+            opt_error(
+                opt,
+                REP_ERR_INVALID,
+                "structured replies already negotiated",
+            )
+        } else {
+            self.structured = true;
+            opt_reply(opt, REP_ACK, &[])
+        })
+    }
+
+    /// INFO and GO: the export's information; GO also chooses it.
+    fn opt_info_or_go(&self, opt: u32, data: &[u8]) -> Step {
+        let Some((name, reqs)) = parse_info_request(data) else {
+            return Step::Reply(opt_error(opt, REP_ERR_INVALID, "malformed INFO/GO request"));
+        };
+        let Some(export) = self.exports.find(&name) else {
+            return Step::Reply(opt_error(
+                opt,
+                REP_ERR_UNKNOWN,
+                &format!("export '{}' not found", sanitize(&name)),
+            ));
+        };
+        let replies = info_replies(opt, &export, &reqs, self.structured);
+        if opt == OPT_GO {
+            Step::Chosen {
+                export,
+                name,
+                reply: replies,
+            }
+        } else {
+            Step::Reply(replies)
+        }
+    }
+
+    /// LIST_META_CONTEXT and SET_META_CONTEXT: the contexts of an export a query matches;
+    /// SET also selects them (and any SET first forgets the last selection).
+    fn opt_meta_context(&mut self, opt: u32, data: &[u8]) -> Step {
+        let set = opt == OPT_SET_META_CONTEXT;
+        let parsed = parse_meta_request(data);
+        if set {
+            self.meta = None;
+        }
+        if !self.structured {
+            return Step::Reply(opt_error(
+                opt,
+                REP_ERR_INVALID,
+                "structured replies not negotiated",
+            ));
+        }
+        let Some((name, qs)) = parsed else {
+            return Step::Reply(opt_error(
+                opt,
+                REP_ERR_INVALID,
+                "malformed meta context request",
+            ));
+        };
+        let Some(export) = self.exports.find(&name) else {
+            return Step::Reply(opt_error(
+                opt,
+                REP_ERR_UNKNOWN,
+                &format!("export '{}' not found", sanitize(&name)),
+            ));
+        };
+        let sel = matching_contexts(&export, &qs, !set);
+        let mut replies = Vec::new();
+        for (id, ctx) in sel.selected(&export) {
+            let id = if set { id } else { 0 };
+            let mut d = id.to_be_bytes().to_vec();
+            d.extend_from_slice(ctx.as_bytes());
+            replies.extend(opt_reply(opt, REP_META_CONTEXT, &d));
+        }
+        replies.extend(opt_reply(opt, REP_ACK, &[]));
+        if set {
+            self.meta = Some((name, sel));
+        }
+        Step::Reply(replies)
+    }
+
+    /// The outcome once an export is chosen: base:allocation counts only if the last
+    /// SET_META_CONTEXT selected it for this same export.
+    fn settle(self, export: Arc<NbdExport>, name: &str) -> Negotiated {
+        let meta = match &self.meta {
+            Some((n, sel)) if self.exports.same(n, name) => *sel,
+            _ => MetaContexts::default(),
+        };
+        let (pending, cipher) = self.rd.into_parts();
+        Negotiated {
+            export,
+            structured: self.structured,
+            meta,
+            pending,
+            tls: self.sess,
+            cipher,
+        }
+    }
+}
+
+/// An INFO or GO payload: the export name and the information requests.
+fn parse_info_request(data: &[u8]) -> Option<(String, Vec<u16>)> {
+    let mut c = Cursor { data };
+    let name = c.string()?;
+    let n = c.u16()? as usize;
+    let reqs: Vec<u16> = (0..n).map(|_| c.u16()).collect::<Option<_>>()?;
+    c.data.is_empty().then_some((name, reqs))
+}
+
+/// A LIST_META_CONTEXT or SET_META_CONTEXT payload: the export name and the queries.
+fn parse_meta_request(data: &[u8]) -> Option<(String, Vec<String>)> {
+    let mut c = Cursor { data };
+    let name = c.string()?;
+    // Each query takes at least 4 bytes, so the option's size bounds this.
+    let n = c.u32()? as usize;
+    let qs: Vec<String> = (0..n).map(|_| c.string()).collect::<Option<_>>()?;
+    c.data.is_empty().then_some((name, qs))
+}
+
+/// The answer to INFO or GO for `export`: the INFO replies (the export, its name and
+/// description if asked for, its block sizes), then ACK.
+fn info_replies(opt: u32, export: &NbdExport, reqs: &[u16], structured: bool) -> Vec<u8> {
+    let mut replies = Vec::new();
+    replies.extend(opt_reply(opt, REP_INFO, &export_info(export, structured)));
+    if reqs.contains(&INFO_NAME) {
+        let mut d = INFO_NAME.to_be_bytes().to_vec();
+        d.extend_from_slice(export.name.as_bytes());
+        replies.extend(opt_reply(opt, REP_INFO, &d));
+    }
+    if reqs.contains(&INFO_DESCRIPTION) && !export.description.is_empty() {
+        let mut d = INFO_DESCRIPTION.to_be_bytes().to_vec();
+        d.extend_from_slice(export.description.as_bytes());
+        replies.extend(opt_reply(opt, REP_INFO, &d));
+    }
+    let mut d = INFO_BLOCK_SIZE.to_be_bytes().to_vec();
+    d.extend_from_slice(&1u32.to_be_bytes());
+    d.extend_from_slice(&4096u32.to_be_bytes());
+    d.extend_from_slice(&MAX_PAYLOAD.to_be_bytes());
+    replies.extend(opt_reply(opt, REP_INFO, &d));
+    replies.extend(opt_reply(opt, REP_ACK, &[]));
+    replies
 }

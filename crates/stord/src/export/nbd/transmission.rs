@@ -27,8 +27,8 @@ use std::rc::Rc;
 use std::sync::Arc;
 use std::task::{Poll, Waker};
 
+use super::export::NbdExport;
 use super::handshake::{MetaContexts, Negotiated};
-use super::NbdExport;
 use crate::block::node::block_node::BlockNode;
 use crate::buf::Buf;
 use crate::export::budget::MemoryBudget;
@@ -363,64 +363,11 @@ async fn read_loop(conn: &Rc<Conn>, pending: Vec<u8>, cipher: Vec<u8>) -> io::Re
     }
     let mut coalesce = Coalescer::new();
     loop {
-        if rd.buffered().is_empty() {
-            let wait = coalesce.before_receive();
-            if wait > 0 {
-                stord_aio::sleep(std::time::Duration::from_nanos(wait)).await;
-            }
-        }
-        rd.ensure(28).await?;
-        let Some(req) = Request::parse(rd.consume(28)) else {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                "bad request magic",
-            ));
-        };
-        if req.kind == CMD_WRITE && req.len > MAX_PAYLOAD {
-            // We cannot skip gigabytes safely: close, as the protocol allows.
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                "write payload over the maximum",
-            ));
-        }
+        let req = next_request(&mut rd, &mut coalesce).await?;
         if req.kind == CMD_DISC {
             return Ok(());
         }
-        // Back-pressure: wait for budget before reading a payload or starting the I/O, so
-        // a client that does not read its replies stops being read.
-        // Then the export's budget and the server's, which other connections draw from
-        // too (woken when any of them gives bytes back).
-        let mut export_taken = false;
-        let taken = poll_fn(|cx| {
-            if conn.broken.get() {
-                return Poll::Ready(false);
-            }
-            if !conn.admits(req.cost) {
-                *conn.reader_waker.borrow_mut() = Some(cx.waker().clone());
-                return Poll::Pending;
-            }
-            let idle = conn.held.get().0 == 0;
-            if !export_taken {
-                if conn
-                    .export
-                    .budget
-                    .poll_take(cx, req.cost, idle)
-                    .is_pending()
-                {
-                    return Poll::Pending;
-                }
-                export_taken = true;
-            }
-            conn.budget.poll_take(cx, req.cost, idle).map(|()| true)
-        })
-        .await;
-        if conn.broken.get() || !taken {
-            if export_taken {
-                conn.export.budget.give_back(req.cost);
-            }
-            if taken {
-                conn.budget.give_back(req.cost);
-            }
+        if !take_budget(conn, req.cost).await {
             return Ok(());
         }
         conn.admit(req.cost);
@@ -442,6 +389,69 @@ async fn read_loop(conn: &Rc<Conn>, pending: Vec<u8>, cipher: Vec<u8>) -> io::Re
             handle(&c, req, payload).await;
         });
     }
+}
+
+/// Reads the next request header (after the coalescing wait, when nothing is buffered). A
+/// bad magic or a write payload over the maximum is an error: the connection closes.
+async fn next_request(rd: &mut SockReader, coalesce: &mut Coalescer) -> io::Result<Request> {
+    if rd.buffered().is_empty() {
+        let wait = coalesce.before_receive();
+        if wait > 0 {
+            stord_aio::sleep(std::time::Duration::from_nanos(wait)).await;
+        }
+    }
+    rd.ensure(28).await?;
+    let Some(req) = Request::parse(rd.consume(28)) else {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "bad request magic",
+        ));
+    };
+    if req.kind == CMD_WRITE && req.len > MAX_PAYLOAD {
+        // We cannot skip gigabytes safely: close, as the protocol allows.
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "write payload over the maximum",
+        ));
+    }
+    Ok(req)
+}
+
+/// Back-pressure: waits for budget before a payload is read or the I/O starts, so a client
+/// that does not read its replies stops being read. First the connection's own budget,
+/// then the export's and the server's, which other connections draw from too (woken when
+/// any of them gives bytes back). False when the connection broke meanwhile: nothing is
+/// held then.
+async fn take_budget(conn: &Conn, cost: usize) -> bool {
+    let mut export_taken = false;
+    let taken = poll_fn(|cx| {
+        if conn.broken.get() {
+            return Poll::Ready(false);
+        }
+        if !conn.admits(cost) {
+            *conn.reader_waker.borrow_mut() = Some(cx.waker().clone());
+            return Poll::Pending;
+        }
+        let idle = conn.held.get().0 == 0;
+        if !export_taken {
+            if conn.export.budget.poll_take(cx, cost, idle).is_pending() {
+                return Poll::Pending;
+            }
+            export_taken = true;
+        }
+        conn.budget.poll_take(cx, cost, idle).map(|()| true)
+    })
+    .await;
+    if conn.broken.get() || !taken {
+        if export_taken {
+            conn.export.budget.give_back(cost);
+        }
+        if taken {
+            conn.budget.give_back(cost);
+        }
+        return false;
+    }
+    true
 }
 
 /// Validation common to all commands: the wire error, if the request is refused.

@@ -4,7 +4,7 @@
 use serde_json::{json, Map, Value};
 
 use super::{opt, req, type_error, Command, Ty};
-use crate::export::nbd::NbdServerOpts;
+use crate::export::nbd::options::NbdServerOpts;
 use crate::qmp::QmpError;
 
 pub const NBD_SERVER_START: Command = Command {

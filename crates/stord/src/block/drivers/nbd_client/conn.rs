@@ -686,22 +686,28 @@ async fn chunk(
         _ => return Err(protocol("unexpected structured reply chunk")),
     }
     if done {
-        let res = {
-            let mut s = slot.lock();
-            match s.error.take() {
-                Some(e) => Err(e),
-                None if req.cmd == CMD_READ && s.covered < u64::from(req.len) => {
-                    Err(io::Error::other("NBD server sent an incomplete read"))
-                }
-                None if req.cmd == CMD_BLOCK_STATUS && s.status.is_none() => {
-                    Err(io::Error::other("NBD server sent no block status"))
-                }
-                None => Ok(()),
-            }
-        };
-        slot.finish(res);
+        end_reply(slot, req);
     }
     Ok(())
+}
+
+/// The request's last chunk has come: it ends with the first error a chunk reported, or
+/// with what its chunks left missing.
+fn end_reply(slot: &Slot, req: Request) {
+    let res = {
+        let mut s = slot.lock();
+        match s.error.take() {
+            Some(e) => Err(e),
+            None if req.cmd == CMD_READ && s.covered < u64::from(req.len) => {
+                Err(io::Error::other("NBD server sent an incomplete read"))
+            }
+            None if req.cmd == CMD_BLOCK_STATUS && s.status.is_none() => {
+                Err(io::Error::other("NBD server sent no block status"))
+            }
+            None => Ok(()),
+        }
+    };
+    slot.finish(res);
 }
 
 /// Where a read chunk for `[off, off + n)` lands in the request's buffer.

@@ -12,7 +12,8 @@ use std::io::{self, Read, Write};
 
 use crate::nbd_wire::proto::*;
 use crate::tls::blocking::BlockingTls;
-use crate::tls::{TlsError, TlsSession};
+use crate::tls::error::TlsError;
+use crate::tls::session::TlsSession;
 
 /// What the server told us about the export.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -223,29 +224,11 @@ fn options<S: Read + Write>(
     let (ty, _) = read_reply(s, OPT_STRUCTURED_REPLY)?;
     let structured = ty == REP_ACK;
 
-    let mut ctx_id = None;
-    if structured {
-        let mut d = name_field(export);
-        d.extend_from_slice(&1u32.to_be_bytes());
-        d.extend_from_slice(&(context.len() as u32).to_be_bytes());
-        d.extend_from_slice(context.as_bytes());
-        send_option(s, OPT_SET_META_CONTEXT, &d)?;
-        loop {
-            let (ty, data) = read_reply(s, OPT_SET_META_CONTEXT)?;
-            match ty {
-                REP_META_CONTEXT if data.len() >= 4 => {
-                    let id = u32::from_be_bytes(data[..4].try_into().expect("4 bytes"));
-                    if &data[4..] == context.as_bytes() {
-                        ctx_id = Some(id);
-                    }
-                }
-                REP_ACK => break,
-                // A server without metadata contexts: block status reads as all data.
-                t if t & (1 << 31) != 0 => break,
-                _ => return Err(proto("Unexpected reply to NBD_OPT_SET_META_CONTEXT")),
-            }
-        }
-    }
+    let ctx_id = if structured {
+        select_context(s, export, context)?
+    } else {
+        None
+    };
 
     // NBD_OPT_GO, asking for the block sizes.
     let mut d = name_field(export);
@@ -295,6 +278,37 @@ fn options<S: Read + Write>(
     }
     check_limits(&info)?;
     Ok(info)
+}
+
+/// NBD_OPT_SET_META_CONTEXT for `context` on `export`: the id the server gave it, if it
+/// has it.
+fn select_context<S: Read + Write>(
+    s: &mut S,
+    export: &str,
+    context: &str,
+) -> Result<Option<u32>, HandshakeError> {
+    let mut ctx_id = None;
+    let mut d = name_field(export);
+    d.extend_from_slice(&1u32.to_be_bytes());
+    d.extend_from_slice(&(context.len() as u32).to_be_bytes());
+    d.extend_from_slice(context.as_bytes());
+    send_option(s, OPT_SET_META_CONTEXT, &d)?;
+    loop {
+        let (ty, data) = read_reply(s, OPT_SET_META_CONTEXT)?;
+        match ty {
+            REP_META_CONTEXT if data.len() >= 4 => {
+                let id = u32::from_be_bytes(data[..4].try_into().expect("4 bytes"));
+                if &data[4..] == context.as_bytes() {
+                    ctx_id = Some(id);
+                }
+            }
+            REP_ACK => break,
+            // A server without metadata contexts: block status reads as all data.
+            t if t & (1 << 31) != 0 => break,
+            _ => return Err(proto("Unexpected reply to NBD_OPT_SET_META_CONTEXT")),
+        }
+    }
+    Ok(ctx_id)
 }
 
 /// NBD_OPT_EXPORT_NAME: the server answers with the export's size and flags, or hangs up.

@@ -31,7 +31,8 @@ use crate::buf::Buf;
 use crate::cli::keyval::KeyVal;
 use crate::cli::Help;
 use crate::nbd_wire::proto::*;
-use crate::tls::{TlsCreds, TlsError};
+use crate::tls::creds::TlsCreds;
+use crate::tls::error::TlsError;
 
 /// The driver table's entry.
 pub const DRIVER: DriverDef = DriverDef {

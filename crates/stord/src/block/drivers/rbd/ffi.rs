@@ -433,6 +433,13 @@ struct SharedState {
     waker: Option<Waker>,
 }
 
+impl Shared {
+    /// The buffer back from a request librbd never took.
+    fn take_buf(&self) -> Option<Buf> {
+        self.st.lock().unwrap_or_else(|e| e.into_inner()).buf.take()
+    }
+}
+
 extern "C" fn on_complete(c: CompletionT, arg: *mut c_void) {
     // SAFETY: `arg` is the `Arc::into_raw` made for this completion in `submit`; librbd
     // calls this once per completion, so the reference is taken back exactly once.
@@ -613,13 +620,7 @@ impl Image {
         if r < 0 {
             // SAFETY: the completion was not made: nobody else holds `arg`.
             drop(unsafe { Arc::from_raw(arg as *const Shared) });
-            let buf = shared
-                .st
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .buf
-                .take();
-            return (Err(errno(r)), buf);
+            return (Err(errno(r)), shared.take_buf());
         }
         // SAFETY: an open image, a fresh completion, and for reads and writes `ptr` points
         // at `len` bytes of the buffer the shared state owns (its heap bytes do not move
@@ -644,13 +645,7 @@ impl Image {
                 (self.api.rbd_aio_release)(c);
                 drop(Arc::from_raw(arg as *const Shared));
             }
-            let buf = shared
-                .st
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .buf
-                .take();
-            return (Err(errno(r)), buf);
+            return (Err(errno(r)), shared.take_buf());
         }
         std::future::poll_fn(|cx| {
             let mut st = shared.st.lock().unwrap_or_else(|e| e.into_inner());
