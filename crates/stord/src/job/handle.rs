@@ -2,8 +2,8 @@
 //! told to complete) and sets (progress), and what a job type adds to the verbs
 //! ([`JobType`]). Its verbs and queries run on the main loop, its copying loop on the
 //! thread that serves its node ([`super::job_loop`]), so its state is atomics and short
-//! locks; the other rooms of [`super`] add the job's events, its pause points and its
-//! verbs.
+//! locks. The files beside this one add the job's events ([`super::events`]), its pause
+//! points ([`super::between_steps`]) and its verbs ([`super::verbs`]).
 
 use std::sync::atomic::Ordering::SeqCst;
 use std::sync::atomic::{AtomicBool, AtomicU64};

@@ -16,7 +16,7 @@
 //! its steps (where pause, cancel and the speed limit take effect) and returns what is to
 //! be done at finalize ([`Finish`]: QEMU's prepare, which changes the graph).
 //!
-//! The rooms, from the bottom up: the state machine ([`status`]) and the refusals
+//! The files, from the bottom up: the state machine ([`status`]) and the refusals
 //! ([`error`]); how a job is made and what it holds ([`options`]); its speed limit
 //! ([`rate_limit`]); the [`Job`] handle ([`handle`]) with its events ([`events`]), its
 //! pause points ([`between_steps`]) and its I/O error policy ([`on_error`]); the table of

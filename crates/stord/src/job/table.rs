@@ -1,6 +1,6 @@
 //! Every job, by id: the table the daemon keeps ([`Jobs`]), with the look-ups the verbs
-//! and the daemon use. Jobs are added by [`Jobs::start`](super::lifecycle), changed by
-//! the verbs ([`super::verbs`]) and listed by the queries ([`super::query`]).
+//! and the daemon use. Jobs are added by [`Jobs::start`] ([`super::lifecycle`]), changed
+//! by the verbs ([`super::verbs`]) and listed by the queries ([`super::query`]).
 
 use std::cell::RefCell;
 use std::collections::BTreeMap;
