@@ -156,7 +156,7 @@ fn progress(copy: &CopyBeforeWrite, job: &Job) {
 
 /// Runs a backup: what is to be copied is copied (or, with `sync=none`, the job waits to
 /// be cancelled); at finalize the bitmap is synced, then the hooks go. The copying loop
-/// runs on the thread `home` names ([`Home::drive`]), [`IN_FLIGHT`] copies at a time.
+/// runs on the thread `home` names ([`Home::drive`]), `IN_FLIGHT` copies at a time.
 pub async fn run(
     mut b: Backup,
     job: Arc<Job>,

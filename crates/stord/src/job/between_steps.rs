@@ -1,6 +1,6 @@
 //! Between a job's steps: where pause, cancel and the speed limit take effect. The work
 //! calls [`Job::pause_point`], [`Job::sleep`] or [`Job::ratelimit`] between its steps; a
-//! verb on another thread wakes it to look ([`Job::wake`]). A pause on a thread the job's
+//! verb on another thread wakes it to look (`Job::wake`). A pause on a thread the job's
 //! node left ends early, still paused, so the loop moves along ([`super::job_loop`]).
 
 use std::future::Future;

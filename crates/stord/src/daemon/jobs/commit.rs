@@ -108,7 +108,7 @@ fn overlay_of(
 impl State {
     /// `block-commit`: the images from `top` to just above `base` are copied into `base`,
     /// then the overlay of `top` backs onto `base` (QEMU's checks in its order, its
-    /// texts); of the active layer, a mirror into `base` ([`Self::active_commit`]).
+    /// texts); of the active layer, a mirror into `base` (`active_commit`).
     pub fn block_commit(
         &mut self,
         o: CommitOptions,

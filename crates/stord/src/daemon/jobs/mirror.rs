@@ -1,7 +1,7 @@
 //! `blockdev-mirror` over the graph: QEMU's checks of the options and nodes in its order
 //! and words, what the job holds (the source read, the target written), and the exports
 //! the job moves to the target when it completes, reached through the daemon while it
-//! runs ([`ExportParents`]). The work is [`crate::job::mirror`].
+//! runs (`ExportParents`). The work is [`crate::job::mirror`].
 
 use std::cell::RefCell;
 use std::rc::Weak;

@@ -1,8 +1,8 @@
 //! How the daemon starts a block job once its checks passed and its holds are taken: the
 //! job announced (created) as QEMU announces it, gone again if it fails before it starts
-//! ([`NewJob`]); started in the job table with its options; its loop told, each time it
-//! looks, which thread serves its node ([`home_finder`]); and what runs once it has ended
-//! ([`with_after`]: a drive-* target let go, the nodes a stream or commit removed).
+//! (`NewJob`); started in the job table with its options; its loop told, each time it
+//! looks, which thread serves its node (`home_finder`); and what runs once it has ended
+//! (`with_after`: a drive-* target let go, the nodes a stream or commit removed).
 
 use std::cell::RefCell;
 use std::future::Future;
