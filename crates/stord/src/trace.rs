@@ -27,7 +27,7 @@ const NBD: &[&str] = &[
     "stord::block::drivers::nbd_client",
 ];
 const FILE: &[&str] = &["stord::block::drivers::file"];
-const JOBS: &[&str] = &["stord::job", "stord::daemon::block_jobs"];
+const JOBS: &[&str] = &["stord::job", "stord::daemon::jobs"];
 const LOOP: &[&str] = &["stord_aio"];
 
 /// QEMU's subsystems, by the prefix of their event names.
@@ -74,7 +74,10 @@ pub const GROUPS: &[Group] = &[
     },
     Group {
         qemu: "throttle",
-        targets: &["stord::block::drivers::throttle", "stord::block::throttle_group"],
+        targets: &[
+            "stord::block::drivers::throttle",
+            "stord::block::throttle_group",
+        ],
     },
     Group {
         qemu: "monitor",

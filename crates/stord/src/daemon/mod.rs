@@ -4,14 +4,13 @@
 //! [`crate::events`]).
 //!
 //! [`graph`] opens nodes (the driver table, inline children, rollback); [`objects`] holds
-//! the `--object` types.
+//! the `--object` types; [`jobs`] is the graph side of each job, a file per job.
 
 mod active;
-mod backup;
-mod block_jobs;
 mod chain;
-mod drive;
 mod graph;
+pub mod jobs;
+mod lookup;
 mod new_image;
 pub mod objects;
 mod snapshot;
@@ -28,9 +27,6 @@ use std::sync::Arc;
 
 use stord_aio::{AioContext, IoThread, Remote};
 
-pub use self::backup::{BackupOptions, BackupPerf, PreparedBackup};
-pub use self::block_jobs::{CommitOptions, MirrorOptions, StreamOptions};
-pub use self::drive::DriveTarget;
 pub use self::snapshot::{hold_all_exports, SnapshotDone, SnapshotSyncOptions};
 use crate::block::node::block_node::BlockNode;
 use crate::block::node::link::NodeLink;
@@ -219,39 +215,6 @@ impl crate::block::create::CreateEnv for State {
     }
     fn secret(&self, id: &str) -> Option<Vec<u8>> {
         State::secret(self, id)
-    }
-}
-
-/// Jobs.
-impl State {
-    /// The jobs (query-jobs, job-dismiss, job-finalize).
-    pub fn jobs(&self) -> &crate::job::Jobs {
-        &self.jobs
-    }
-
-    /// `blockdev-create`: a job of type `create` (no auto-dismiss, as QEMU's) that runs
-    /// the work the driver prepared; what is wrong with the options found then (a node
-    /// not found, QEMU's checks) fails the job, not the command, as in QEMU.
-    pub fn blockdev_create(
-        &mut self,
-        job_id: &str,
-        creation: crate::block::create::Creation,
-    ) -> Result<(), DaemonError> {
-        let opts = crate::job::JobOptions::plain(true, false);
-        self.jobs.start(
-            job_id,
-            "create",
-            opts,
-            &self.events,
-            move |job| async move {
-                job.set_progress(0, 1);
-                let r = creation.await;
-                // As QEMU: the one step counts as done whatever its outcome.
-                job.set_progress(1, 1);
-                r.map(|()| None)
-            },
-        )?;
-        Ok(())
     }
 }
 

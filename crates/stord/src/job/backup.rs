@@ -1,9 +1,9 @@
 //! Backup (blockdev-backup): the target gets the source's content as it was when the job
 //! was made, while clients keep writing to the source. Copy-before-write
-//! ([`crate::block::drivers::copy_before_write::block_copy`]) keeps the point in time; the job copies what is
-//! still to be copied in the background, a chunk at a time (`sync=none` copies nothing
-//! itself and runs until cancelled: the fleecing case, where the target is read while
-//! the job lasts).
+//! ([`crate::block::drivers::copy_before_write::block_copy`]) keeps the point in time;
+//! the job copies what is still to be copied in the background, a chunk at a time
+//! (`sync=none` copies nothing itself and runs until cancelled: the fleecing case, where
+//! the target is read while the job lasts).
 //!
 //! A `bitmap` is handled as QEMU's successor scheme: while the job runs the bitmap is busy
 //! and stops recording, and a successor records the writes; when the job ends, the bitmap
@@ -14,8 +14,13 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::home::{follow, stopped, FindHome, Home, InFlight, Stay, Step};
-use super::{ErrorAction, Finish, Holds, Job, OnError};
+use super::handle::Job;
+use super::home::Home;
+use super::in_flight::{stopped, InFlight};
+use super::job_loop::{follow, FindHome, Step};
+use super::on_error::{ErrorAction, OnError};
+use super::options::{Finish, Holds};
+use super::stay::Stay;
 use crate::block::drivers::copy_before_write::block_copy::{CopyBeforeWrite, CopyError};
 use crate::block::node::block_node::BlockNode;
 use crate::block::node::blocker::JobAttachment;
@@ -151,7 +156,7 @@ fn progress(copy: &CopyBeforeWrite, job: &Job) {
 
 /// Runs a backup: what is to be copied is copied (or, with `sync=none`, the job waits to
 /// be cancelled); at finalize the bitmap is synced, then the hooks go. The copying loop
-/// runs on the thread `home` names ([`Home::drive`]), [`IN_FLIGHT`] copies at a time.
+/// runs on the thread `home` names ([`Home::drive`]), `IN_FLIGHT` copies at a time.
 pub async fn run(
     mut b: Backup,
     job: Arc<Job>,

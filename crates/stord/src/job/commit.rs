@@ -6,7 +6,9 @@
 
 use std::sync::Arc;
 
-use super::{copy_range, ChunkCopy, CopyError, CopyJob, Holds, OnError, Runs};
+use super::copy_job::{copy_range, ChunkCopy, CopyError, CopyJob, Runs};
+use super::on_error::OnError;
+use super::options::Holds;
 use crate::block::node::block_node::BlockNode;
 
 /// How much one step copies at most (QEMU's COMMIT_BUFFER_SIZE).

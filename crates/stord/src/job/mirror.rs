@@ -17,9 +17,15 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::home::{follow, stopped, Home, InFlight, Stay, Step};
+use super::copy_job::{copy_range, CopyError, Runs};
+use super::handle::Job;
+use super::home::Home;
+use super::in_flight::{stopped, InFlight};
+use super::job_loop::{follow, Step};
+use super::on_error::{ErrorAction, OnError};
+use super::options::{Finish, Holds};
+use super::stay::Stay;
 use super::write_blocking::{MirrorType, WriteBlocking};
-use super::{copy_range, CopyError, ErrorAction, Finish, Holds, Job, OnError, Runs};
 use crate::block::node::block_node::BlockNode;
 use crate::block::node::block_node::Claim;
 use crate::block::node::blocker::JobAttachment;

@@ -208,7 +208,7 @@ impl NodeHook for WriteBlocking {
 /// The mirror job's type: `block-job-change` and `actively-synced`.
 pub struct MirrorType(pub Arc<WriteBlocking>);
 
-impl crate::job::JobType for MirrorType {
+impl super::handle::JobType for MirrorType {
     fn change(&self, options: &Map<String, Value>) -> Result<(), String> {
         match options.get("copy-mode").and_then(Value::as_str) {
             Some(mode) => self.0.change_mode(mode),

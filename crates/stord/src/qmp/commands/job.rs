@@ -273,7 +273,7 @@ pub const BLOCK_STREAM: Command = Command {
     open: false,
     run: |state, mut a| {
         let on_error = on_error(&mut a)?;
-        let o = crate::daemon::StreamOptions {
+        let o = crate::daemon::jobs::stream::StreamOptions {
             job_id: a.str("job-id"),
             device: a.str_req("device")?,
             base: a.str("base"),
@@ -313,7 +313,7 @@ pub const BLOCK_COMMIT: Command = Command {
     ],
     open: false,
     run: |state, mut a| {
-        let o = crate::daemon::CommitOptions {
+        let o = crate::daemon::jobs::commit::CommitOptions {
             job_id: a.str("job-id"),
             device: a.str_req("device")?,
             base_node: a.str("base-node"),
@@ -364,7 +364,7 @@ pub const BLOCKDEV_MIRROR: Command = Command {
 };
 
 /// The arguments blockdev-mirror and drive-mirror share.
-fn mirror_options(a: &mut Args) -> Result<crate::daemon::MirrorOptions, QmpError> {
+fn mirror_options(a: &mut Args) -> Result<crate::daemon::jobs::mirror::MirrorOptions, QmpError> {
     let sync = a.str_req("sync")?;
     if !matches!(
         sync.as_str(),
@@ -382,7 +382,7 @@ fn mirror_options(a: &mut Args) -> Result<crate::daemon::MirrorOptions, QmpError
             )));
         }
     }
-    Ok(crate::daemon::MirrorOptions {
+    Ok(crate::daemon::jobs::mirror::MirrorOptions {
         job_id: a.str("job-id"),
         device: a.str_req("device")?,
         target: a.str_req("target")?,
@@ -435,7 +435,7 @@ pub const DRIVE_MIRROR: Command = Command {
     ],
     open: false,
     run: |state, mut a| {
-        let t = crate::daemon::DriveTarget {
+        let t = crate::daemon::jobs::drive::DriveTarget {
             path: String::new(),
             format: a.str("format"),
             existing: existing(&mut a)?,
@@ -443,7 +443,7 @@ pub const DRIVE_MIRROR: Command = Command {
         };
         let _ = a.bool("unmap");
         let o = mirror_options(&mut a)?;
-        let t = crate::daemon::DriveTarget {
+        let t = crate::daemon::jobs::drive::DriveTarget {
             path: o.target.clone(),
             ..t
         };
@@ -540,9 +540,9 @@ pub fn prepare_backup(
     state: &crate::daemon::SharedState,
     mut a: Args,
     drive: bool,
-) -> Result<crate::daemon::PreparedBackup, QmpError> {
+) -> Result<crate::daemon::jobs::backup::PreparedBackup, QmpError> {
     let target = if drive {
-        Some(crate::daemon::DriveTarget {
+        Some(crate::daemon::jobs::drive::DriveTarget {
             path: String::new(),
             format: a.str("format"),
             existing: existing(&mut a)?,
@@ -558,7 +558,7 @@ pub fn prepare_backup(
         Some(Value::Object(p)) => backup_perf(p)?,
         _ => Default::default(),
     };
-    let o = crate::daemon::BackupOptions {
+    let o = crate::daemon::jobs::backup::BackupOptions {
         job_id: a.str("job-id"),
         device: a.str_req("device")?,
         target: a.str_req("target")?,
@@ -578,7 +578,7 @@ pub fn prepare_backup(
     let mut st = state.borrow_mut();
     Ok(match target {
         Some(t) => {
-            let t = crate::daemon::DriveTarget {
+            let t = crate::daemon::jobs::drive::DriveTarget {
                 path: o.target.clone(),
                 ..t
             };
@@ -596,9 +596,9 @@ const BACKUP_PERF: &[super::Arg] = &[
     opt("min-cluster-size", Ty::Uint),
 ];
 
-fn backup_perf(p: Map<String, Value>) -> Result<crate::daemon::BackupPerf, QmpError> {
+fn backup_perf(p: Map<String, Value>) -> Result<crate::daemon::jobs::backup::BackupPerf, QmpError> {
     let mut p = Args::check_nested(p, BACKUP_PERF, "x-perf")?;
-    Ok(crate::daemon::BackupPerf {
+    Ok(crate::daemon::jobs::backup::BackupPerf {
         max_workers: p.i64("max-workers"),
         max_chunk: p.i64("max-chunk"),
         min_cluster_size: p.i64("min-cluster-size").map(|v| v as u64),

@@ -15,11 +15,11 @@ use std::rc::Weak;
 use std::sync::Arc;
 
 use super::backup::{BackupOptions, PreparedBackup};
-use super::block_jobs::MirrorOptions;
-use super::new_image::{create_image, probe_format};
-use super::{invalid, DaemonError, State};
+use super::mirror::MirrorOptions;
 use crate::block::node::block_node::BlockNode;
 use crate::cli::keyval::KeyVal;
+use crate::daemon::new_image::{create_image, probe_format};
+use crate::daemon::{invalid, DaemonError, State};
 
 /// What drive-backup and drive-mirror add to their blockdev forms.
 pub struct DriveTarget {

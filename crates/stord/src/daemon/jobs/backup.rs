@@ -7,16 +7,17 @@
 
 use std::sync::Arc;
 
-use super::block_jobs::NewJob;
-use super::{invalid, DaemonError, State};
+use super::start::{home_finder, with_after, NewJob, OnDrop};
 use crate::block::drivers::copy_before_write::block_copy::{
     reads_through, BeforeWrite, CopyBeforeWrite, PointInTimeReads, Unallocated,
 };
 use crate::block::node::block_node::BlockNode;
 use crate::block::node::hook_on::HookOn;
 use crate::block::node::perm::Perm;
+use crate::daemon::{invalid, DaemonError, State};
 use crate::job::backup::{Backup, BitmapMode, Sync, SyncBitmap};
-use crate::job::{Holds, OnError};
+use crate::job::on_error::OnError;
+use crate::job::options::Holds;
 
 /// QEMU's BLOCK_COPY_CLUSTER_SIZE_DEFAULT.
 const DEFAULT_CLUSTER: u64 = 64 << 10;
@@ -56,7 +57,7 @@ pub struct PreparedBackup {
     how: (bool, bool),
     /// What runs once the job has ended, or when it is dropped unstarted (drive-backup
     /// lets its target go). Last: it runs after the work's hold on the nodes is gone.
-    pub(super) after: super::block_jobs::OnDrop,
+    pub(super) after: OnDrop,
 }
 
 /// QEMU's desugaring of `incremental` and its checks of `bitmap` and `bitmap-mode` that
@@ -259,7 +260,7 @@ impl State {
             job,
             work,
             how: (o.auto_finalize, o.auto_dismiss),
-            after: super::block_jobs::OnDrop(None),
+            after: OnDrop(None),
         })
     }
 
@@ -341,9 +342,9 @@ impl State {
         let mut p = p;
         let after = p.after.0.take();
         let (work, job, how) = (p.work, p.job, p.how);
-        let home = super::block_jobs::home_finder(me, work.copy.source.clone());
+        let home = home_finder(me, work.copy.source.clone());
         self.start_block_job(job, "backup", how, false, move |job| {
-            super::block_jobs::with_after(crate::job::backup::run(work, job, home), after)
+            with_after(crate::job::backup::run(work, job, home), after)
         })
     }
 }
