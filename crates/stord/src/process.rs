@@ -27,7 +27,7 @@ use crate::cli::keyval::{KeyVal, OptionError};
 use crate::cli::{CommandLine, Item};
 use crate::daemon::{DaemonError, SharedState};
 use crate::export::nbd::options::{ListenAddr, NbdServerOpts};
-use crate::qmp::Monitor;
+use crate::qmp::monitor::Monitor;
 use crate::sys;
 
 /// Why the command line could not be applied; the message names the option, as qsd's do.

@@ -19,3 +19,4 @@ pub mod helper_thread;
 pub mod node;
 pub mod open;
 pub mod throttle_group;
+pub mod worker_pool;

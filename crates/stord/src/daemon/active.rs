@@ -13,7 +13,8 @@
 
 use std::sync::Arc;
 
-use super::{DaemonError, State};
+use super::error::DaemonError;
+use super::state::State;
 use crate::block::node::block_node::BlockNode;
 use crate::block::node::perm::Perm;
 

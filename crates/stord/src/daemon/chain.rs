@@ -11,7 +11,8 @@
 
 use std::sync::Arc;
 
-use super::{invalid, DaemonError, State};
+use super::error::{invalid, DaemonError};
+use super::state::State;
 use crate::block::node::block_node::BlockNode;
 
 /// Whether `image` is `top` or below it through backing links and filters (QEMU's

@@ -10,7 +10,9 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use super::{DaemonError, State};
+use super::close::close_now;
+use super::error::DaemonError;
+use super::state::State;
 use crate::block::drivers;
 use crate::block::node::block_node::BlockNode;
 use crate::block::node::options::{CommonOptions, DetectZeroes};
@@ -97,27 +99,6 @@ impl State {
         }
     }
 }
-
-/// Closes a node from the main thread, waiting for it (its persistent bitmaps are written
-/// to its image) at most [`CLOSE_LIMIT`].
-pub(super) fn close_now(node: &Arc<BlockNode>) {
-    let n = node.clone();
-    match crate::block::helper_thread::block_on_helper_within(CLOSE_LIMIT, move || async move {
-        n.close().await
-    }) {
-        Some(Ok(Ok(()))) => {}
-        Some(Ok(Err(e)) | Err(e)) => tracing::warn!("closing node '{}' failed: {e}", node.name),
-        None => tracing::warn!(
-            "node '{}' did not close within {CLOSE_LIMIT:?} (its storage does not answer); \
-             going on without it",
-            node.name
-        ),
-    }
-}
-
-/// How long deleting a node waits for its close (caches written back, flushed): storage
-/// that does not answer (a Ceph OSD down, an NBD server gone) must not hold the monitor.
-const CLOSE_LIMIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 impl Builder<'_> {
     /// Takes out what this build added, newest first (a parent before its children, so
@@ -396,4 +377,25 @@ fn common_options(
         unmap,
         force_share,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cli::id_wellformed;
+
+    /// The graph's rules, as typed errors (QMP and the command line show their texts).
+    #[test]
+    fn node_names_follow_qemus_rules() {
+        for ok in ["a", "disk0", "drive-efidisk0", "x.y_z-1", &"n".repeat(31)] {
+            assert!(check_node_name(ok).is_ok(), "{ok}");
+        }
+        for bad in ["", "0abc", "-x", "a b", "a/b", "#block1", "é"] {
+            let e = check_node_name(bad).unwrap_err().to_string();
+            assert_eq!(e, format!("Invalid node-name: '{bad}'"));
+        }
+        let e = check_node_name(&"n".repeat(32)).unwrap_err().to_string();
+        assert_eq!(e, "Node name too long");
+        assert!(id_wellformed("io0") && !id_wellformed("0io") && !id_wellformed("a,b"));
+    }
 }

@@ -3,7 +3,8 @@
 
 use std::sync::Arc;
 
-use super::{invalid, DaemonError, State};
+use super::error::{invalid, DaemonError};
+use super::state::State;
 use crate::block::node::block_node::BlockNode;
 
 impl State {

@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use super::{invalid, DaemonError};
+use super::error::{invalid, DaemonError};
 use crate::block::drivers::file;
 use crate::block::drivers::file::create::{create_file, FileCreate};
 use crate::block::drivers::file::{AioMode, FileOptions};

@@ -6,44 +6,15 @@ use std::sync::Arc;
 
 use stord_aio::{AioContextOptions, IoThread};
 
-use super::{DaemonError, State};
+use super::error::DaemonError;
+use super::state::State;
+use super::user_object::UserObject;
 use crate::block::throttle_group::ThrottleGroup;
 use crate::cli::keyval::KeyVal;
 use crate::cli::{id_wellformed, Help};
 use crate::secret::Secret;
 use crate::tls::authz::AuthzSimple;
 use crate::tls::creds::TlsCreds;
-
-/// An object that is data, not a thread or a group: credentials, an authorization list, a
-/// secret.
-pub enum UserObject {
-    TlsCreds(Arc<TlsCreds>),
-    Authz(Arc<AuthzSimple>),
-    Secret(Secret),
-}
-
-impl UserObject {
-    /// Its `qom-type`.
-    fn type_name(&self) -> &'static str {
-        match self {
-            UserObject::TlsCreds(c) => match **c {
-                TlsCreds::X509(_) => "tls-creds-x509",
-                TlsCreds::Psk(_) => "tls-creds-psk",
-            },
-            UserObject::Authz(_) => "authz-simple",
-            UserObject::Secret(_) => "secret",
-        }
-    }
-
-    /// Whether something (the NBD server) holds it.
-    fn in_use(&self) -> bool {
-        match self {
-            UserObject::TlsCreds(c) => Arc::strong_count(c) > 1,
-            UserObject::Authz(a) => Arc::strong_count(a) > 1,
-            UserObject::Secret(_) => false,
-        }
-    }
-}
 
 /// Builds one object of a type from its options (`qom-type` and `id` taken, the id free).
 pub type Create = fn(&mut State, &str, &str, KeyVal) -> Result<(), DaemonError>;

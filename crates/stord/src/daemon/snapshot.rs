@@ -6,7 +6,8 @@
 
 use std::sync::Arc;
 
-use super::{invalid, DaemonError, State};
+use super::error::{invalid, DaemonError};
+use super::state::State;
 use crate::block::node::block_node::BlockNode;
 use crate::block::node::perm::Perm;
 use crate::cli::keyval::KeyVal;

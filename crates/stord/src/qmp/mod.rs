@@ -11,11 +11,10 @@
 //! up beyond [`MAX_BACKLOG`] is disconnected. Connections run as tasks on the main loop.
 
 mod commands;
-mod monitor;
+pub mod monitor;
 pub mod stream;
 pub mod text;
 
-pub use monitor::Monitor;
 
 use std::cell::{Cell, RefCell};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};

@@ -14,7 +14,8 @@ use crate::block::drivers::copy_before_write::block_copy::{
 use crate::block::node::block_node::BlockNode;
 use crate::block::node::hook_on::HookOn;
 use crate::block::node::perm::Perm;
-use crate::daemon::{invalid, DaemonError, State};
+use crate::daemon::error::{invalid, DaemonError};
+use crate::daemon::state::State;
 use crate::job::backup::{Backup, BitmapMode, Sync, SyncBitmap};
 use crate::job::on_error::OnError;
 use crate::job::options::Holds;

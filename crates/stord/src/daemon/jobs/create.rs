@@ -2,7 +2,8 @@
 //! driver prepared ([`crate::block::create`]), and the job table the `job-*` commands
 //! reach.
 
-use crate::daemon::{DaemonError, State};
+use crate::daemon::error::DaemonError;
+use crate::daemon::state::State;
 
 /// Jobs.
 impl State {

@@ -18,8 +18,9 @@ use super::backup::{BackupOptions, PreparedBackup};
 use super::mirror::MirrorOptions;
 use crate::block::node::block_node::BlockNode;
 use crate::cli::keyval::KeyVal;
+use crate::daemon::error::{invalid, DaemonError};
 use crate::daemon::new_image::{create_image, probe_format};
-use crate::daemon::{invalid, DaemonError, State};
+use crate::daemon::state::State;
 
 /// What drive-backup and drive-mirror add to their blockdev forms.
 pub struct DriveTarget {

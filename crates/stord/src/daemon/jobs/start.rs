@@ -10,7 +10,8 @@ use std::rc::Weak;
 use std::sync::Arc;
 
 use crate::block::node::block_node::BlockNode;
-use crate::daemon::{invalid, DaemonError, State};
+use crate::daemon::error::{invalid, DaemonError};
+use crate::daemon::state::State;
 use crate::job::copy_job::{run_copy, CopyJob};
 use crate::job::handle::Job;
 use crate::job::home::Home;

@@ -43,7 +43,7 @@ pub const BLOCKDEV_SNAPSHOT: Command = Command {
     open: false,
     run: |state, mut a| {
         let (node, overlay) = (a.str_req("node")?, a.str_req("overlay")?);
-        let _held = crate::daemon::hold_all_exports(state);
+        let _held = crate::daemon::snapshot::hold_all_exports(state);
         state.borrow_mut().blockdev_snapshot(&node, &overlay)?;
         Ok(json!({}))
     },
@@ -62,7 +62,7 @@ pub const BLOCKDEV_SNAPSHOT_SYNC: Command = Command {
     open: false,
     run: |state, mut a| {
         let o = snapshot_sync_options(&mut a)?;
-        let _held = crate::daemon::hold_all_exports(state);
+        let _held = crate::daemon::snapshot::hold_all_exports(state);
         state.borrow_mut().blockdev_snapshot_sync(o)?;
         Ok(json!({}))
     },
@@ -123,7 +123,9 @@ fn internal_snapshot_action(
 }
 
 /// blockdev-snapshot-sync's arguments (also a transaction action's).
-pub fn snapshot_sync_options(a: &mut Args) -> Result<crate::daemon::SnapshotSyncOptions, QmpError> {
+pub fn snapshot_sync_options(
+    a: &mut Args,
+) -> Result<crate::daemon::snapshot::SnapshotSyncOptions, QmpError> {
     let existing = match a.str("mode").as_deref() {
         None | Some("absolute-paths") => false,
         Some("existing") => true,
@@ -133,7 +135,7 @@ pub fn snapshot_sync_options(a: &mut Args) -> Result<crate::daemon::SnapshotSync
             )))
         }
     };
-    Ok(crate::daemon::SnapshotSyncOptions {
+    Ok(crate::daemon::snapshot::SnapshotSyncOptions {
         device: a.str("device"),
         node_name: a.str("node-name"),
         snapshot_file: a.str_req("snapshot-file")?,
@@ -213,7 +215,7 @@ pub const BLOCKDEV_SNAPSHOT_INTERNAL_SYNC: Command = Command {
     open: false,
     run: |state, mut a| {
         let (device, name) = (a.str_req("device")?, a.str_req("name")?);
-        let _held = crate::daemon::hold_all_exports(state);
+        let _held = crate::daemon::snapshot::hold_all_exports(state);
         state.borrow_mut().snapshot_internal(&device, &name)?;
         Ok(json!({}))
     },
@@ -230,7 +232,7 @@ pub const BLOCKDEV_SNAPSHOT_DELETE_INTERNAL_SYNC: Command = Command {
     run: |state, mut a| {
         let device = a.str_req("device")?;
         let (id, name) = (a.str("id"), a.str("name"));
-        let _held = crate::daemon::hold_all_exports(state);
+        let _held = crate::daemon::snapshot::hold_all_exports(state);
         let info =
             state
                 .borrow_mut()

@@ -60,7 +60,7 @@ pub const TRANSACTION: Command = Command {
             )
         });
         let _held = if snapshots {
-            crate::daemon::hold_all_exports(state)
+            crate::daemon::snapshot::hold_all_exports(state)
         } else {
             Vec::new()
         };

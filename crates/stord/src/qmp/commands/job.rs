@@ -512,7 +512,7 @@ fn backup_command(
     a: Args,
     drive: bool,
 ) -> Result<Value, QmpError> {
-    let _held = crate::daemon::hold_all_exports(state);
+    let _held = crate::daemon::snapshot::hold_all_exports(state);
     let p = prepare_backup(state, a, drive)?;
     state
         .borrow_mut()

@@ -488,7 +488,7 @@ pub struct NativeTuning {
 /// harvested from its ring in userspace; flushes and fallocate on the worker pool.
 pub(crate) struct Native(pub NativeTuning);
 
-impl super::Engine for Native {
+impl super::engine::Engine for Native {
     fn transfer(
         &self,
         fd: &std::sync::Arc<std::os::fd::OwnedFd>,

@@ -15,26 +15,29 @@
 //! written from directly (vectored) when they are aligned enough for the file.
 
 pub mod create;
+mod engine;
 mod extent_cache;
 mod linux_aio;
 pub(crate) mod lock;
-pub(crate) mod threads;
+mod threads;
 mod uring;
 
 pub use linux_aio::{NativeTuning, HARVEST_AFTER_SUBMIT, HARVEST_ON_EVENT};
 
 use std::fs::OpenOptions;
-use std::future::Future;
+
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
+use self::engine::{errno, from_res, Engine};
 use crate::block::driver_def::DriverDef;
 use crate::block::node::block_node::{BlockDriver, BlockStatus};
 use crate::block::node::future::BoxFut;
 use crate::block::open::{GraphError, Opened};
+use crate::block::worker_pool;
 use crate::buf::{new_buf, request_buf, Buf};
 use crate::cli::keyval::KeyVal;
 use crate::cli::Help;
@@ -204,55 +207,6 @@ fn probe_direct_alignment(fd: RawFd, size: u64) -> u64 {
         512
     } else {
         4096
-    }
-}
-
-fn errno(e: &io::Error) -> i32 {
-    e.raw_os_error().unwrap_or(libc::EIO)
-}
-
-fn from_res(res: i32) -> io::Result<usize> {
-    if res < 0 {
-        Err(io::Error::from_raw_os_error(-res))
-    } else {
-        Ok(res as usize)
-    }
-}
-
-/// How the file driver's I/O reaches the kernel: one implementation per `aio=` mode
-/// ([`uring::Uring`], [`linux_aio::Native`], [`threads::Threads`]). The driver is generic
-/// over it, so the mode is chosen once, when the file is opened, and a request pays no
-/// dispatch. Each engine keeps what it needs per IoThread in that IoThread's context
-/// (`AioContext::local`): a Linux AIO context, a worker pool; the ring is the loop's own.
-pub(crate) trait Engine: Send + Sync + 'static {
-    /// Learns what it needs of the file once it is open (before any request).
-    fn opened(&mut self, _fd: RawFd) {}
-
-    /// One read or write of what `iov` shows at `offset`: the raw result (count or -errno).
-    fn transfer(
-        &self,
-        fd: &Arc<OwnedFd>,
-        write: bool,
-        fua: bool,
-        iov: IoVec,
-        offset: u64,
-    ) -> impl Future<Output = (i32, IoVec)>;
-
-    /// fdatasync: the raw result. On the worker pool unless the engine has better.
-    fn fsync(&self, fd: &Arc<OwnedFd>) -> impl Future<Output = i32> {
-        threads::fsync(fd.clone())
-    }
-
-    /// fallocate(2), off the loop thread. On the worker pool unless the engine has better.
-    fn fallocate(
-        &self,
-        fd: &Arc<OwnedFd>,
-        mode: i32,
-        offset: u64,
-        len: u64,
-    ) -> impl Future<Output = io::Result<()>> {
-        let fd = fd.clone();
-        threads::run(move || sys::fallocate(fd.as_raw_fd(), mode, offset, len))
     }
 }
 
@@ -526,7 +480,8 @@ impl<E: Engine> FileDriver<E> {
         }
         let gen = self.extents.generation();
         let (fd, size) = (self.fd.clone(), self.size());
-        let (e, cacheable) = threads::run(move || probe_extent(fd.as_raw_fd(), offset, size)).await;
+        let (e, cacheable) =
+            worker_pool::run(move || probe_extent(fd.as_raw_fd(), offset, size)).await;
         if cacheable {
             self.extents.store(e, gen);
         }
@@ -675,7 +630,8 @@ impl<E: Engine> BlockDriver for FileDriver<E> {
             // as QEMU's thread pool. A filesystem without it grows the file plainly.
             let fd = self.fd.clone();
             self.extents.invalidate();
-            let r = threads::run(move || sys::fallocate(fd.as_raw_fd(), 0, old, size - old)).await;
+            let r =
+                worker_pool::run(move || sys::fallocate(fd.as_raw_fd(), 0, old, size - old)).await;
             match r {
                 Ok(()) => {
                     self.size.store(size, Relaxed);

@@ -15,7 +15,7 @@ use stord_aio::op;
 use crate::iov::IoVec;
 
 fn raw(r: io::Result<usize>) -> i32 {
-    r.map_or_else(|e| -super::errno(&e), |n| n as i32)
+    r.map_or_else(|e| -super::engine::errno(&e), |n| n as i32)
 }
 
 /// The io_uring engine: requests, flushes and fallocate on the issuing IoThread's ring.
@@ -30,7 +30,7 @@ pub(crate) struct Uring {
     punt: bool,
 }
 
-impl super::Engine for Uring {
+impl super::engine::Engine for Uring {
     fn opened(&mut self, fd: RawFd) {
         self.punt = !crate::sys::reads_can_be_tried_nowait(fd);
     }

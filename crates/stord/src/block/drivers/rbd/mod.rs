@@ -78,8 +78,7 @@ pub const CREATE: CreateDef = CreateDef {
         kv.finish()?;
         // librados blocks while it connects: on a worker.
         Ok(Box::pin(async move {
-            crate::block::drivers::file::threads::run(move || create(&location, size, cluster_size))
-                .await
+            crate::block::worker_pool::run(move || create(&location, size, cluster_size)).await
         }))
     },
 };
@@ -354,7 +353,7 @@ impl BlockDriver for RbdDriver {
                 allocated: true,
                 zero: false,
             };
-            match crate::block::drivers::file::threads::run(move || {
+            match crate::block::worker_pool::run(move || {
                 image.first_extent(offset, len, object_size)
             })
             .await
@@ -380,7 +379,7 @@ impl BlockDriver for RbdDriver {
             // rbd_resize blocks (it updates the image header): on a worker, which holds
             // the image until it is done even if this request is dropped.
             let image = self.image.clone();
-            let r = crate::block::drivers::file::threads::run(move || image.resize(size)).await;
+            let r = crate::block::worker_pool::run(move || image.resize(size)).await;
             r?;
             self.size.store(size, Relaxed);
             Ok(())
