@@ -1,25 +1,30 @@
-//! stord: block nodes exported over NBD, FUSE and vhost-user-blk, served by `stord-aio`
-//! IoThreads, driven by a qemu-storage-daemon compatible command line.
+//! stord: block nodes exported over NBD, FUSE, vhost-user-blk and VDUSE, served by
+//! `stord-aio` IoThreads, driven by a qemu-storage-daemon compatible command line and QMP.
 //!
-//! - [`block`]: the `BlockDriver` trait, `BlockNode`, and the drivers: `null` and `file`
-//!   (protocol nodes), `raw` (a format node over a child).
-//! - [`export`]: one folder per export protocol.
-//! - [`cli`]: qsd's option syntax.
-//! - [`chardev`]: `--chardev`, the devices monitors talk through.
-//! - [`qmp`]: the QMP monitor.
-//! - [`accept`]: listening sockets that survive descriptor exhaustion.
-//! - [`log`]: the tracing subscriber and rate-limited events.
-//! - [`nbd`]: the NBD protocol both the server and the client node speak.
-//! - [`secret`]: `--object secret`.
-//! - [`tls`]: TLS credentials and sessions for the NBD server.
-//! - [`daemon`]: the daemon's API over what it holds: objects, nodes, exports.
-//! - [`events`]: QMP events, fanned out from the daemon to the monitors.
-//! - [`iothread`]: the iothread object's properties, described once.
-//! - [`job`]: jobs (QEMU's states, verbs and events); `blockdev-create` runs as one.
-//! - [`process`]: the main loop, signals, the command line applied, the stop.
-//! - [`schema`]: QAPI's types for the tables that describe their arguments.
-//! - [`usage`]: `--help`, generated from the tables.
-//! - [`trace`]: `--trace`, QEMU's trace event names mapped onto stord's modules.
+//! The modules, lowest layer first; each imports only modules of the layers before it:
+//! 1. [`buf`] and [`iov`] (the buffers requests carry, and a request's data as pieces of
+//!    memory, ours or a guest's), [`cli`] (qsd's option syntax), [`schema`] (QAPI's types
+//!    for the tables that describe their arguments), [`events`] (QMP events, fanned out
+//!    to the monitors).
+//! 2. [`sys`] (syscall wrappers), [`iothread`] (the iothread object's properties),
+//!    [`secret`] (`--object secret`), [`tls`] (credentials, `authz-simple` and sessions
+//!    for either NBD endpoint), [`trace`] (`--trace`: QEMU's event names mapped onto
+//!    modules).
+//! 3. [`nbd_wire`] (the NBD protocol and socket I/O the server and the client driver
+//!    share), [`chardev`] (`--chardev`, the devices monitors talk through), [`qom`]
+//!    (QEMU's type tree), [`log`] (the tracing subscriber, rate-limited events).
+//! 4. [`block`]: `BlockNode` and the `BlockDriver` trait (`block::node`), the driver
+//!    contracts, and every driver (`block::drivers`, whose table lists them); [`accept`]
+//!    (listening sockets that survive descriptor exhaustion).
+//! 5. [`export`] (the `Export` trait and `EXPORT_TYPES`, a folder per export type, and
+//!    the virtio-blk device both virtio transports serve) and [`job`] (QEMU's states,
+//!    verbs and events, and each job's work).
+//! 6. [`metrics`]: the OpenMetrics listener.
+//! 7. [`daemon`]: the daemon's API over what it holds: objects, nodes, exports, and each
+//!    job's graph side.
+//! 8. [`qmp`] (the monitor and its command table) and [`usage`] (`--help`, generated
+//!    from the tables).
+//! 9. [`process`]: the main loop, signals, the command line applied, the stop.
 
 pub mod accept;
 pub mod block;
