@@ -495,14 +495,6 @@ async fn receiver(c: Arc<Conn>) {
     c.fail(&e.to_string());
 }
 
-fn be32(b: &[u8]) -> u32 {
-    u32::from_be_bytes(b[..4].try_into().expect("4 bytes"))
-}
-
-fn be64(b: &[u8]) -> u64 {
-    u64::from_be_bytes(b[..8].try_into().expect("8 bytes"))
-}
-
 /// The slot of `handle`, removed from the table when `last`.
 fn slot_of(c: &Conn, handle: u64, last: bool) -> io::Result<Arc<Slot>> {
     let mut p = c.pending();
@@ -571,11 +563,12 @@ fn end_on_error(slot: &Slot, e: &io::Error) {
 /// Reads and handles one reply (a simple reply, or one structured chunk).
 async fn reply(c: &Conn, r: &mut SockReader) -> io::Result<()> {
     r.ensure(4).await?;
-    let magic = be32(r.buffered());
+    let magic = u32::from_be_bytes(r.buffered()[..4].try_into().expect("4 bytes"));
     if magic == SIMPLE_REPLY_MAGIC {
         r.ensure(16).await?;
         let h = r.consume(16);
-        let (err, handle) = (be32(&h[4..]), be64(&h[8..]));
+        let err = u32::from_be_bytes(h[4..8].try_into().expect("4 bytes"));
+        let handle = u64::from_be_bytes(h[8..16].try_into().expect("8 bytes"));
         let slot = slot_of(c, handle, true)?;
         if err != 0 {
             slot.finish(Err(host_errno(err)));
@@ -602,8 +595,8 @@ async fn reply(c: &Conn, r: &mut SockReader) -> io::Result<()> {
     let h = r.consume(20);
     let flags = u16::from_be_bytes([h[4], h[5]]);
     let ty = u16::from_be_bytes([h[6], h[7]]);
-    let handle = be64(&h[8..]);
-    let len = be32(&h[16..]);
+    let handle = u64::from_be_bytes(h[8..16].try_into().expect("8 bytes"));
+    let len = u32::from_be_bytes(h[16..20].try_into().expect("4 bytes"));
     let done = flags & REPLY_FLAG_DONE != 0;
     let slot = slot_of(c, handle, done)?;
     if let Err(e) = chunk(c, r, &slot, ty, len, done).await {
@@ -629,7 +622,7 @@ async fn chunk(
         REPLY_TYPE_NONE if len == 0 && done => {}
         REPLY_TYPE_OFFSET_DATA if req.cmd == CMD_READ && len > 8 => {
             r.ensure(8).await?;
-            let off = be64(r.consume(8));
+            let off = u64::from_be_bytes(r.consume(8).try_into().expect("8 bytes"));
             let n = u64::from(len - 8);
             let at = chunk_at(req, off, n)?;
             cover(slot, at as u64, n)?;
@@ -637,8 +630,8 @@ async fn chunk(
         }
         REPLY_TYPE_OFFSET_HOLE if req.cmd == CMD_READ && len == 12 => {
             r.ensure(12).await?;
-            let b = r.consume(12);
-            let (off, n) = (be64(b), u64::from(be32(&b[8..])));
+            let off = u64::from_be_bytes(r.consume(8).try_into().expect("8 bytes"));
+            let n: u64 = u32::from_be_bytes(r.consume(4).try_into().expect("4 bytes")).into();
             let at = chunk_at(req, off, n)?;
             cover(slot, at as u64, n)?;
             if let Some(buf) = slot.lock().buf.as_mut() {
@@ -650,7 +643,8 @@ async fn chunk(
                 return Err(protocol("bad block status chunk length"));
             }
             let b = r.read_vec(len as usize).await?;
-            let (ctx, ext_len, ext_flags) = (be32(&b), be32(&b[4..]), be32(&b[8..]));
+            let [ctx, ext_len, ext_flags] =
+                [0, 4, 8].map(|at| u32::from_be_bytes(b[at..at + 4].try_into().expect("4 bytes")));
             if Some(ctx) != c.info.context || ext_len == 0 {
                 return Err(protocol("block status for a context we did not ask for"));
             }
@@ -665,7 +659,7 @@ async fn chunk(
                 return Err(protocol("bad error chunk length"));
             }
             let b = r.read_vec(len as usize).await?;
-            let err = match be32(&b) {
+            let err = match u32::from_be_bytes(b[..4].try_into().expect("4 bytes")) {
                 // The spec forbids 0 in an error chunk; treat it as EIO, as QEMU does.
                 0 => EIO,
                 e => e,

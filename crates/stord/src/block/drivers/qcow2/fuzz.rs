@@ -1,15 +1,21 @@
-//! Fuzz entry over whole small images (`fuzz/fuzz_targets/qcow2_image.rs`): the image's
-//! header and tables, opened read-write as stord opens them, then a few guest requests.
-//! Whatever the tables say, the driver must answer with errors, never crash or hang, and
-//! never write over the header.
+//! Fuzz entries. Over whole small images (`fuzz/fuzz_targets/qcow2_image.rs`): the
+//! image's header and tables, opened read-write as stord opens them, then a few guest
+//! requests. Whatever the tables say, the driver must answer with errors, never crash or
+//! hang, and never write over the header. Over a header's bytes alone
+//! (`fuzz/fuzz_targets/qcow2_header.rs`, reached as `qcow2::fuzz`): the parser and the
+//! table codecs.
 
 use std::io::Write;
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
+use super::driver::Qcow2Driver;
+use super::header::Header;
+use super::image::Image;
+use super::options::Qcow2Options;
+use super::table::{EntryCodec, RefcountCodec};
 use crate::block::drivers::file;
 use crate::block::drivers::file::{AioMode, DiscardMode, FileOptions, NativeTuning};
-use crate::block::drivers::qcow2::{Image, Qcow2Driver, Qcow2Options};
 use crate::block::node::block_node::{BlockDriver, BlockNode};
 use crate::buf::request_buf;
 
@@ -95,6 +101,26 @@ pub fn fuzz_image(data: &[u8]) {
     let (r, now) = ctx.block_on(async move { node.read(0, request_buf(36)).await });
     if r.is_ok() {
         assert_eq!(&now[..], &header_before[..], "the header was overwritten");
+    }
+}
+
+/// Fuzz entry (`fuzz/fuzz_targets/qcow2_header.rs`): `data` as the start of an image; if
+/// its header parses, every 8 bytes of it decoded as an L2 entry and all of it read as a
+/// refcount block, with the header's geometry.
+pub fn fuzz_header(data: &[u8]) {
+    let _ = Header::bytes_needed(data);
+    let Ok(h) = Header::parse(data) else {
+        return;
+    };
+    assert!((9..=21).contains(&h.cluster_bits) && h.refcount_order <= 6);
+    let codec = EntryCodec::new(h.cluster_bits, h.version);
+    for w in data.chunks_exact(8) {
+        let _ = codec.decode(u64::from_be_bytes(w.try_into().expect("8 bytes")));
+    }
+    let rc = RefcountCodec::new(h.refcount_order);
+    let entries = (data.len() * 8) >> h.refcount_order;
+    for i in 0..entries {
+        assert!(rc.get(data, i) <= rc.max());
     }
 }
 

@@ -6,8 +6,16 @@
 
 use thiserror::Error;
 
+use super::bytes::{be32, be64};
+
 /// "QFI\xfb".
 pub const MAGIC: u32 = 0x5146_49fb;
+
+/// Whether `first`, a file's first bytes, starts like a qcow2 image (for probing a backing
+/// file whose format the image does not name).
+pub fn has_magic(first: &[u8]) -> bool {
+    first.starts_with(&MAGIC.to_be_bytes())
+}
 /// Length of a version 2 header (and the part version 3 shares with it).
 const V2_HEADER_LEN: usize = 72;
 /// Shortest version 3 header.
@@ -255,14 +263,6 @@ pub struct Header {
     pub bitmaps_ext: Option<Vec<u8>>,
 }
 
-fn be32(b: &[u8], at: usize) -> u32 {
-    u32::from_be_bytes(b[at..at + 4].try_into().expect("4 bytes"))
-}
-
-fn be64(b: &[u8], at: usize) -> u64 {
-    u64::from_be_bytes(b[at..at + 8].try_into().expect("8 bytes"))
-}
-
 fn invalid(s: impl Into<String>) -> HeaderError {
     HeaderError::Invalid(s.into())
 }
@@ -286,6 +286,21 @@ impl Header {
     /// Parses and checks a header from the image's first cluster (`buf` may be shorter
     /// when the file is).
     pub fn parse(buf: &[u8]) -> Result<Header, HeaderError> {
+        let mut h = Self::parse_v2_fields(buf)?;
+        let cluster_size = h.cluster_size();
+        if h.version == 3 {
+            h.parse_v3_fields(buf, cluster_size)?;
+        }
+        h.check_features()?;
+        h.check_tables(cluster_size)?;
+        h.parse_extensions(buf, cluster_size)?;
+        h.parse_backing_name(buf, cluster_size)?;
+        Ok(h)
+    }
+
+    /// The fields both versions have (the magic, version and cluster size checked, and
+    /// encryption refused); version 3's take their version 2 values.
+    fn parse_v2_fields(buf: &[u8]) -> Result<Header, HeaderError> {
         if buf.len() < 4 || be32(buf, 0) != MAGIC {
             return Err(HeaderError::NotQcow2);
         }
@@ -302,8 +317,7 @@ impl Header {
                 "Cluster size must be a power of two between 512 and 2048k (cluster_bits {cluster_bits})"
             )));
         }
-        let cluster_size = 1u64 << cluster_bits;
-        let mut h = Header {
+        let h = Header {
             version,
             cluster_bits,
             size: be64(buf, 24),
@@ -326,55 +340,64 @@ impl Header {
         if be32(buf, 32) != 0 {
             return Err(HeaderError::Unsupported("Encryption".into()));
         }
-        if version == 3 {
-            if buf.len() < V3_HEADER_LEN {
-                return Err(HeaderError::Truncated(buf.len()));
-            }
-            h.incompatible = be64(buf, 72);
-            h.compatible = be64(buf, 80);
-            h.autoclear = be64(buf, 88);
-            h.refcount_order = be32(buf, 96);
-            h.header_length = be32(buf, 100);
-            let hl = h.header_length as u64;
-            if hl < V3_HEADER_LEN as u64 || hl > cluster_size || hl > buf.len() as u64 {
-                return Err(invalid(format!("Invalid header length {hl}")));
-            }
-            if hl > 104 {
-                h.compression = match buf[104] {
-                    0 => Compression::Zlib,
-                    1 => Compression::Zstd,
-                    t => return Err(invalid(format!("Unknown compression type {t}"))),
-                };
-            }
+        Ok(h)
+    }
+
+    /// Version 3's fields: feature bits, refcount width, header length, compression type.
+    fn parse_v3_fields(&mut self, buf: &[u8], cluster_size: u64) -> Result<(), HeaderError> {
+        if buf.len() < V3_HEADER_LEN {
+            return Err(HeaderError::Truncated(buf.len()));
         }
-        if h.refcount_order > 6 {
+        self.incompatible = be64(buf, 72);
+        self.compatible = be64(buf, 80);
+        self.autoclear = be64(buf, 88);
+        self.refcount_order = be32(buf, 96);
+        self.header_length = be32(buf, 100);
+        let hl = self.header_length as u64;
+        if hl < V3_HEADER_LEN as u64 || hl > cluster_size || hl > buf.len() as u64 {
+            return Err(invalid(format!("Invalid header length {hl}")));
+        }
+        if hl > 104 {
+            self.compression = match buf[104] {
+                0 => Compression::Zlib,
+                1 => Compression::Zstd,
+                t => return Err(invalid(format!("Unknown compression type {t}"))),
+            };
+        }
+        Ok(())
+    }
+
+    /// Refuses a refcount width past 64 bits and the incompatible features stord does not
+    /// serve (unknown ones, external data files, extended L2 entries), and a compression
+    /// type its feature bit contradicts.
+    fn check_features(&self) -> Result<(), HeaderError> {
+        if self.refcount_order > 6 {
             return Err(invalid(
                 "Reference count entry width too large; may not exceed 64 bits",
             ));
         }
-        let unknown = h.incompatible & !incompat::KNOWN;
+        let unknown = self.incompatible & !incompat::KNOWN;
         if unknown != 0 {
             return Err(HeaderError::Unsupported(format!(
                 "Incompatible feature bits {unknown:#x}"
             )));
         }
-        if h.incompatible & incompat::DATA_FILE != 0 {
+        if self.incompatible & incompat::DATA_FILE != 0 {
             return Err(HeaderError::Unsupported("An external data file".into()));
         }
-        if h.incompatible & incompat::EXTL2 != 0 {
+        if self.incompatible & incompat::EXTL2 != 0 {
             return Err(HeaderError::Unsupported(
                 "Extended L2 entries (subclusters)".into(),
             ));
         }
-        if (h.incompatible & incompat::COMPRESSION != 0) != (h.compression != Compression::Zlib) {
+        if (self.incompatible & incompat::COMPRESSION != 0)
+            != (self.compression != Compression::Zlib)
+        {
             return Err(invalid(
                 "the compression type bit and the compression_type field disagree",
             ));
         }
-        h.check_tables(cluster_size)?;
-        h.parse_extensions(buf, cluster_size)?;
-        h.parse_backing_name(buf, cluster_size)?;
-        Ok(h)
+        Ok(())
     }
 
     fn check_tables(&self, cluster_size: u64) -> Result<(), HeaderError> {

@@ -1,5 +1,5 @@
 //! Creating and deleting internal snapshots, as QEMU's qcow2_snapshot_create and
-//! qcow2_snapshot_delete do, with the metadata's write-back order (see `metadata`):
+//! qcow2_snapshot_delete do, with the metadata's write-back order (see `writeback`):
 //!
 //! - create: every cluster the active L1 table reaches (its L2 tables and their data)
 //!   gets one more reference and loses its COPIED flag; a copy of the L1 table is
@@ -15,22 +15,14 @@
 
 use std::io;
 
-use super::metadata::{Meta, MetaKind};
-use super::snapshot::{Entry, SnapshotL1};
+use super::bytes::{be32, be64, decode_be64};
+use super::driver::{corrupt, Meta, MetaKind, Qcow2Driver};
+use super::snapshot::{self, Entry, SnapshotL1};
 use super::table::{Mapping, COPIED, OFFSET_MASK};
-use crate::block::drivers::qcow2::{snapshot, Qcow2Driver};
 use crate::block::node::block_node::{BlockDriver, SnapshotInfo};
 
 fn invalid(what: String) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidInput, what)
-}
-
-fn be32(b: &[u8], at: usize) -> u32 {
-    u32::from_be_bytes(b[at..at + 4].try_into().expect("4 bytes"))
-}
-
-fn be64(b: &[u8], at: usize) -> u64 {
-    u64::from_be_bytes(b[at..at + 8].try_into().expect("8 bytes"))
 }
 
 /// The header's `nb_snapshots` (u32), followed by `snapshots_offset` (u64).
@@ -38,10 +30,7 @@ const SNAPSHOTS_FIELD: u64 = 60;
 
 impl Entry {
     fn info(&self) -> SnapshotInfo {
-        let large = self
-            .extra
-            .get(..8)
-            .map(|b| u64::from_be_bytes(b.try_into().expect("8 bytes")));
+        let large = self.extra.get(..8).map(|b| be64(b, 0));
         SnapshotInfo {
             id: self.id.clone(),
             name: self.name.clone(),
@@ -163,7 +152,7 @@ impl Qcow2Driver {
             self.load_l2(m, l2_off).await?;
             let table = m.l2.get(l2_off).expect("just loaded").clone();
             for e in &table {
-                let map = codec.decode(*e).map_err(super::metadata::corrupt)?;
+                let map = codec.decode(*e).map_err(corrupt)?;
                 for host in self.clusters_of(map) {
                     if self.change_refcount(m, host, delta).await? == 0 {
                         // Nothing references it now: free for data.
@@ -203,7 +192,7 @@ impl Qcow2Driver {
             let mut table = m.l2.get(l2_off).expect("just loaded").clone();
             let mut changed = false;
             for e in table.iter_mut() {
-                let host = match codec.decode(*e).map_err(super::metadata::corrupt)? {
+                let host = match codec.decode(*e).map_err(corrupt)? {
                     Mapping::Data { host, .. }
                     | Mapping::Zero {
                         host: Some(host), ..
@@ -315,9 +304,7 @@ impl Qcow2Driver {
             Vec::new()
         } else {
             let buf = self.file_read(gone.l1.offset, n * 8).await?;
-            buf.chunks_exact(8)
-                .map(|c| u64::from_be_bytes(c.try_into().expect("8 bytes")))
-                .collect()
+            decode_be64(&buf)
         };
         self.count_tree(&mut m, &l1, -1).await?;
         let cs = self.cluster_size;

@@ -12,17 +12,12 @@
 use std::collections::BTreeMap;
 use std::io;
 
+use super::bytes::decode_be64;
 use super::header::{field, incompat, Header};
 use super::snapshot::SnapshotL1;
 use super::table::{EntryCodec, Mapping, RefcountCodec, OFFSET_MASK};
 use crate::block::node::block_node::BlockDriver;
 use crate::buf::request_buf;
-
-fn be64s(b: &[u8]) -> Vec<u64> {
-    b.chunks_exact(8)
-        .map(|c| u64::from_be_bytes(c.try_into().expect("8 bytes")))
-        .collect()
-}
 
 /// Counts of every cluster the metadata references, by cluster index.
 struct Counts {
@@ -53,8 +48,30 @@ pub(super) async fn rebuild_refcounts(
     snapshot_table_len: u64,
     bitmaps: &[(u64, u64)],
 ) -> io::Result<u64> {
+    let mut counts = count_metadata(h, reftable, snapshots, snapshot_table_len, bitmaps);
+    let mut l1s = vec![l1.to_vec()];
+    for s in snapshots {
+        let (r, b) = f.read(s.offset, request_buf(s.entries as usize * 8)).await;
+        r?;
+        l1s.push(decode_be64(&b));
+    }
+    count_l2_tables(f, h, &l1s, &mut counts).await?;
+    let fixed = write_refcount_blocks(f, h, reftable, &counts).await?;
+    clear_dirty_bit(f, h).await?;
+    Ok(fixed)
+}
+
+/// The references the metadata makes itself: header, persistent bitmaps (directory,
+/// tables and data), L1 and refcount tables, refcount blocks, the snapshot table and
+/// the snapshots' L1 tables.
+fn count_metadata(
+    h: &Header,
+    reftable: &[u64],
+    snapshots: &[SnapshotL1],
+    snapshot_table_len: u64,
+    bitmaps: &[(u64, u64)],
+) -> Counts {
     let cs = h.cluster_size();
-    let codec = EntryCodec::new(h.cluster_bits, h.version);
     let mut counts = Counts {
         bits: h.cluster_bits,
         map: BTreeMap::new(),
@@ -77,15 +94,27 @@ pub(super) async fn rebuild_refcounts(
     if h.nb_snapshots > 0 {
         counts.range(h.snapshots_offset, snapshot_table_len);
     }
-    let mut l1s = vec![l1.to_vec()];
     for s in snapshots {
         counts.range(s.offset, s.entries as u64 * 8);
-        let (r, b) = f.read(s.offset, request_buf(s.entries as usize * 8)).await;
-        r?;
-        l1s.push(be64s(&b));
     }
-    let bad = |what: String| io::Error::new(io::ErrorKind::InvalidData, what);
-    for table in &l1s {
+    counts
+}
+
+fn invalid_data(what: String) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, what)
+}
+
+/// The L2 tables the L1 tables `l1s` (the active one and every snapshot's) point at, and
+/// the clusters their entries reference.
+async fn count_l2_tables(
+    f: &dyn BlockDriver,
+    h: &Header,
+    l1s: &[Vec<u64>],
+    counts: &mut Counts,
+) -> io::Result<()> {
+    let cs = h.cluster_size();
+    let codec = EntryCodec::new(h.cluster_bits, h.version);
+    for table in l1s {
         for e in table {
             let l2 = e & OFFSET_MASK;
             if l2 == 0 {
@@ -94,8 +123,8 @@ pub(super) async fn rebuild_refcounts(
             counts.range(l2, cs);
             let (r, b) = f.read(l2, request_buf(cs as usize)).await;
             r?;
-            for entry in be64s(&b) {
-                match codec.decode(entry).map_err(bad)? {
+            for entry in decode_be64(&b) {
+                match codec.decode(entry).map_err(invalid_data)? {
                     Mapping::Data { host, .. }
                     | Mapping::Zero {
                         host: Some(host), ..
@@ -106,7 +135,18 @@ pub(super) async fn rebuild_refcounts(
             }
         }
     }
-    // Every cluster with a count, and every cluster a block counts, must agree.
+    Ok(())
+}
+
+/// Makes every refcount block agree with `counts` (every cluster with a count, and every
+/// cluster a block counts): the refcounts changed.
+async fn write_refcount_blocks(
+    f: &dyn BlockDriver,
+    h: &Header,
+    reftable: &[u64],
+    counts: &Counts,
+) -> io::Result<u64> {
+    let cs = h.cluster_size();
     let rc = RefcountCodec::new(h.refcount_order);
     let per_block_bits = h.cluster_bits + 3 - h.refcount_order;
     let last_block = counts
@@ -125,7 +165,7 @@ pub(super) async fn rebuild_refcounts(
             .collect();
         if block_off == 0 {
             if !wanted.is_empty() {
-                return Err(bad(format!(
+                return Err(invalid_data(format!(
                     "clusters from {:#x} are used but have no refcount block; repair the image \
                      with 'qemu-img check -r all'",
                     first << h.cluster_bits
@@ -139,7 +179,7 @@ pub(super) async fn rebuild_refcounts(
         for i in 0..1usize << per_block_bits {
             let want = counts.map.get(&(first + i as u64)).copied().unwrap_or(0);
             if want > rc.max() {
-                return Err(bad(format!(
+                return Err(invalid_data(format!(
                     "cluster {:#x} is referenced {want} times, more than the refcount width allows",
                     (first + i as u64) << h.cluster_bits
                 )));
@@ -156,17 +196,21 @@ pub(super) async fn rebuild_refcounts(
         }
     }
     if last_block >= reftable.len() as u64 {
-        return Err(bad(
+        return Err(invalid_data(
             "clusters past the refcount table's reach are in use; repair the image with \
              'qemu-img check -r all'"
                 .into(),
         ));
     }
+    Ok(fixed)
+}
+
+/// The rebuilt refcounts made durable, then the dirty bit cleared (durable too).
+async fn clear_dirty_bit(f: &dyn BlockDriver, h: &Header) -> io::Result<()> {
     f.flush().await?;
     let mut b = request_buf(8);
     b.copy_from_slice(&(h.incompatible & !incompat::DIRTY).to_be_bytes());
     let (r, _) = f.write(field::INCOMPATIBLE, b, false).await;
     r?;
-    f.flush().await?;
-    Ok(fixed)
+    f.flush().await
 }

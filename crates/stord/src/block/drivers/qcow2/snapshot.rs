@@ -4,6 +4,8 @@
 //! `blockdev-snapshot-internal-sync` and its delete ([`super::internal`]). stord does not
 //! apply (revert to) a snapshot.
 
+use super::bytes::{be16, be32, be64};
+
 /// QEMU's cap on the snapshot table's size.
 pub const MAX_TABLE_BYTES: u64 = 64 << 20;
 /// QEMU's cap on the number of snapshots.
@@ -25,14 +27,6 @@ pub enum Parsed {
     NeedMore(u64),
 }
 
-fn be32(b: &[u8], at: usize) -> u32 {
-    u32::from_be_bytes(b[at..at + 4].try_into().expect("4 bytes"))
-}
-
-fn be16(b: &[u8], at: usize) -> u16 {
-    u16::from_be_bytes(b[at..at + 2].try_into().expect("2 bytes"))
-}
-
 /// Parses `n` snapshot entries from the table's first bytes `buf`.
 pub fn parse(buf: &[u8], n: u32) -> Result<Parsed, String> {
     if n > MAX_SNAPSHOTS {
@@ -47,7 +41,7 @@ pub fn parse(buf: &[u8], n: u32) -> Result<Parsed, String> {
             return Ok(Parsed::NeedMore(need));
         }
         let e = &buf[at..at + 40];
-        let offset = u64::from_be_bytes(e[..8].try_into().expect("8 bytes"));
+        let offset = be64(e, 0);
         let entries = be32(e, 8);
         let id = be16(e, 12) as u64;
         let name = be16(e, 14) as u64;
@@ -110,14 +104,14 @@ pub fn entries(buf: &[u8], n: u32) -> Result<Vec<Entry>, String> {
         let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
         out.push(Entry {
             l1: SnapshotL1 {
-                offset: u64::from_be_bytes(e[..8].try_into().expect("8 bytes")),
+                offset: be64(e, 0),
                 entries: be32(e, 8),
             },
             id: text(&rest[extra_len..extra_len + id_len]),
             name: text(&rest[extra_len + id_len..]),
             date_sec: be32(e, 16),
             date_nsec: be32(e, 20),
-            vm_clock_nsec: u64::from_be_bytes(e[24..32].try_into().expect("8 bytes")),
+            vm_clock_nsec: be64(e, 24),
             vm_state_size: be32(e, 32),
             extra: rest[..extra_len].to_vec(),
         });

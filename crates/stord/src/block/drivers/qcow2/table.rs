@@ -30,6 +30,17 @@ pub enum Mapping {
     Compressed { offset: u64, len: u64 },
 }
 
+/// The host cluster a mapping holds, 0 for none.
+pub fn old_host(m: Mapping) -> u64 {
+    match m {
+        Mapping::Data { host, .. }
+        | Mapping::Zero {
+            host: Some(host), ..
+        } => host,
+        _ => 0,
+    }
+}
+
 /// Decodes L2 entries for one cluster size.
 #[derive(Debug, Clone, Copy)]
 pub struct EntryCodec {

@@ -1,0 +1,118 @@
+//! Block status and allocation depth: what the mapping says about a guest range (data,
+//! zeroes, or the backing node's, asked further down), in runs of one kind; from the
+//! cached tables alone when they hold the answer, without a future.
+
+use std::io;
+
+use super::driver::Qcow2Driver;
+use super::read::{Piece, Source};
+use super::table::Mapping;
+use crate::block::node::block_node::BlockStatus;
+
+impl Qcow2Driver {
+    pub(super) async fn allocation_depth_impl(
+        &self,
+        offset: u64,
+        len: u64,
+    ) -> io::Result<(u64, u32)> {
+        let (pieces, inflight, backing) = self
+            .map_range(offset, len.min(self.cluster_size << self.l2_bits))
+            .await?;
+        drop(inflight);
+        // Everything but an unallocated cluster is this image's (zero clusters too).
+        let here = |p: &Piece| !matches!(p.src, Source::Backing | Source::Unmapped);
+        let first_here = here(&pieces[0]);
+        let run: u64 = pieces
+            .iter()
+            .take_while(|p| here(p) == first_here)
+            .map(|p| p.len)
+            .sum();
+        if first_here {
+            return Ok((run, 1));
+        }
+        match &backing {
+            Some(b) if offset < b.size() => {
+                let n = run.min(b.size() - offset);
+                let (n, d) = b.driver().allocation_depth(offset, n).await?;
+                Ok((n.clamp(1, run), if d == 0 { 0 } else { d + 1 }))
+            }
+            _ => Ok((run, 0)),
+        }
+    }
+
+    /// Block status from cached tables, without a future: the first cluster's kind and
+    /// the run of clusters of the same kind after it (within one L2 table's reach). None
+    /// when a table is not cached, the metadata is busy, or the backing node must answer.
+    pub(super) fn block_status_from_cache(&self, offset: u64, len: u64) -> Option<BlockStatus> {
+        let mut m = self.meta.try_lock()?;
+        let no_backing = !self.has_backing();
+        // (allocated, zero) of a mapping; None for one the backing node answers for.
+        let kind = |mp: Mapping| match mp {
+            Mapping::Data { .. } | Mapping::Compressed { .. } => Some((true, false)),
+            Mapping::Zero { .. } => Some((false, true)),
+            Mapping::Unallocated => no_backing.then_some((false, true)),
+        };
+        let first = kind(self.lookup_cached(&mut m, offset)?.ok()?)?;
+        let reach = len.min(self.cluster_size << self.l2_bits);
+        let mut run = self.cluster_start(offset) + self.cluster_size - offset;
+        while run < reach {
+            match self.lookup_cached(&mut m, offset + run) {
+                Some(Ok(mp)) if kind(mp) == Some(first) => run += self.cluster_size,
+                _ => break,
+            }
+        }
+        Some(BlockStatus {
+            len: run.min(len),
+            allocated: first.0,
+            zero: first.1,
+        })
+    }
+
+    pub(super) async fn block_status_impl(&self, offset: u64, len: u64) -> io::Result<BlockStatus> {
+        let (pieces, inflight, backing) = self
+            .map_range(offset, len.min(self.cluster_size << self.l2_bits))
+            .await?;
+        drop(inflight);
+        let first = pieces[0];
+        let class = |s: Source| match s {
+            Source::Host(_) | Source::Compressed { .. } => 0,
+            Source::Zero | Source::Unmapped => 1,
+            Source::Backing => 2,
+        };
+        let run: u64 = pieces
+            .iter()
+            .take_while(|p| class(p.src) == class(first.src))
+            .map(|p| p.len)
+            .sum();
+        match first.src {
+            Source::Host(_) | Source::Compressed { .. } => Ok(BlockStatus {
+                len: run,
+                allocated: true,
+                zero: false,
+            }),
+            Source::Zero | Source::Unmapped => Ok(BlockStatus {
+                len: run,
+                allocated: false,
+                zero: true,
+            }),
+            Source::Backing => {
+                let b = backing;
+                let bsize = b.as_ref().map_or(0, |b| b.size());
+                let Some(b) = b.filter(|_| offset < bsize) else {
+                    return Ok(BlockStatus {
+                        len: run,
+                        allocated: false,
+                        zero: true,
+                    });
+                };
+                let n = run.min(bsize - offset);
+                let mut st = match b.driver().block_status_cached(offset, n) {
+                    Some(st) => st,
+                    None => b.driver().block_status(offset, n).await?,
+                };
+                st.len = st.len.clamp(1, n);
+                Ok(st)
+            }
+        }
+    }
+}

@@ -1,0 +1,260 @@
+//! The read path: a guest range mapped cluster by cluster to pieces (host data, zeroes,
+//! the backing node, compressed clusters), neighbours from one source merged, then read;
+//! a range that is one host run goes to the file with the caller's buffer as it is.
+
+use std::io;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use stord_aio::sys::now_ns;
+
+use super::driver::{corrupt, Inflight, Meta, Qcow2Driver};
+use super::header::Compression;
+use super::table::Mapping;
+use crate::block::node::block_node::BlockNode;
+use crate::block::node::stats::Op;
+use crate::buf::{request_buf, Buf};
+use crate::iov::IoVec;
+
+/// A request's pieces: one, mostly (no allocation then).
+pub(super) type Pieces = smallvec::SmallVec<[Piece; 2]>;
+
+/// A range looked up: its pieces, the request counted in flight, and the backing node
+/// its backing pieces read from.
+pub(super) type Mapped<'a> = (Pieces, Inflight<'a>, Option<Arc<BlockNode>>);
+
+/// Where a piece of a read comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Source {
+    Host(u64),
+    /// A zero cluster.
+    Zero,
+    /// Unallocated, no backing file: zeroes too, but not this image's.
+    Unmapped,
+    Backing,
+    /// A compressed cluster; the piece starts `within` bytes into it.
+    Compressed {
+        offset: u64,
+        len: u64,
+        within: u64,
+    },
+}
+
+/// A run of the range that reads from one source.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Piece {
+    pub(super) guest: u64,
+    pub(super) len: u64,
+    pub(super) src: Source,
+}
+
+impl Qcow2Driver {
+    /// Maps `[offset, offset + len)` to pieces, merging neighbours from one source.
+    /// With them, the backing node the lookup saw where a piece reads from it: the read
+    /// goes there even if a job changes the backing link meanwhile.
+    pub(super) async fn map_range(&self, offset: u64, len: u64) -> io::Result<Mapped<'_>> {
+        let mut m = self.meta.lock().await;
+        loop {
+            let state = self.backing_state.load(Ordering::Acquire);
+            let pieces = self.pieces(&mut m, offset, len, state & 1 != 0).await?;
+            let backing = if pieces.iter().any(|p| p.src == Source::Backing) {
+                let b = self.backing();
+                if self.backing_state.load(Ordering::Acquire) != state {
+                    // The link moved while we looked: look again.
+                    continue;
+                }
+                b
+            } else {
+                None
+            };
+            let inflight = Inflight::new(&self.io_inflight);
+            drop(m);
+            return Ok((pieces, inflight, backing));
+        }
+    }
+
+    pub(super) async fn pieces(
+        &self,
+        m: &mut Meta,
+        offset: u64,
+        len: u64,
+        has_backing: bool,
+    ) -> io::Result<Pieces> {
+        let mut pieces = Pieces::new();
+        let end = offset + len;
+        let mut pos = offset;
+        while pos < end {
+            let cstart = self.cluster_start(pos);
+            let n = (cstart + self.cluster_size).min(end) - pos;
+            let within = pos - cstart;
+            let src = match self.lookup(m, pos).await? {
+                Mapping::Data { host, .. } => Source::Host(host + within),
+                Mapping::Zero { .. } => Source::Zero,
+                Mapping::Unallocated if has_backing => Source::Backing,
+                Mapping::Unallocated => Source::Unmapped,
+                Mapping::Compressed { offset, len } => Source::Compressed {
+                    offset,
+                    len,
+                    within,
+                },
+            };
+            match (pieces.last_mut(), src) {
+                (Some(last), Source::Host(h)) if matches!(last.src, Source::Host(lh) if lh + last.len == h) => {
+                    last.len += n
+                }
+                (Some(last), Source::Zero | Source::Unmapped | Source::Backing)
+                    if last.src == src =>
+                {
+                    last.len += n
+                }
+                _ => pieces.push(Piece {
+                    guest: pos,
+                    len: n,
+                    src,
+                }),
+            }
+            pos += n;
+        }
+        Ok(pieces)
+    }
+
+    /// Reads `dst.len()` bytes of the backing node at `guest` (zeroes past its end).
+    pub(super) async fn read_backing(
+        backing: Option<&Arc<BlockNode>>,
+        guest: u64,
+        dst: &mut [u8],
+    ) -> io::Result<()> {
+        let n = match backing {
+            Some(b) => (dst.len() as u64).min(b.size().saturating_sub(guest)) as usize,
+            None => 0,
+        };
+        if let (Some(b), true) = (backing, n > 0) {
+            let (r, buf) = b.driver().read(guest, request_buf(n)).await;
+            r?;
+            dst[..n].copy_from_slice(&buf);
+        }
+        dst[n..].fill(0);
+        Ok(())
+    }
+
+    /// A compressed cluster, inflated.
+    pub(super) async fn decompress(&self, offset: u64, len: u64) -> io::Result<Vec<u8>> {
+        if len > 2 * self.cluster_size {
+            return Err(corrupt(format!(
+                "compressed cluster at {offset:#x} too long"
+            )));
+        }
+        let data = self.file_read(offset, len as usize).await?;
+        let mut out = vec![0u8; self.cluster_size as usize];
+        let inflated = match self.compression {
+            // A full cluster is enough: QEMU too accepts a stream without its end marker.
+            Compression::Zlib => {
+                let mut z = flate2::Decompress::new(false);
+                let _ = z.decompress(&data, &mut out, flate2::FlushDecompress::Finish);
+                z.total_out() == self.cluster_size
+            }
+            // As QEMU: one cluster's worth from the stream; what follows it in the last
+            // sector is padding.
+            Compression::Zstd => {
+                let mut src: &[u8] = &data;
+                match ruzstd::decoding::StreamingDecoder::new(&mut src) {
+                    Ok(mut d) => std::io::Read::read_exact(&mut d, &mut out).is_ok(),
+                    Err(_) => false,
+                }
+            }
+        };
+        if !inflated {
+            return Err(corrupt(format!(
+                "compressed cluster at {offset:#x} does not inflate to a cluster"
+            )));
+        }
+        Ok(out)
+    }
+
+    /// Fills `buf` (the guest range at `offset`) from its pieces.
+    async fn read_pieces(
+        &self,
+        offset: u64,
+        pieces: &[Piece],
+        backing: Option<&Arc<BlockNode>>,
+        buf: &mut [u8],
+    ) -> io::Result<()> {
+        for p in pieces {
+            let at = (p.guest - offset) as usize;
+            let dst = &mut buf[at..at + p.len as usize];
+            match p.src {
+                Source::Zero | Source::Unmapped => dst.fill(0),
+                Source::Backing => Self::read_backing(backing, p.guest, dst).await?,
+                Source::Host(h) => {
+                    let b = self.file_read(h, dst.len()).await?;
+                    dst.copy_from_slice(&b);
+                }
+                Source::Compressed {
+                    offset,
+                    len,
+                    within,
+                } => {
+                    let c = self.decompress(offset, len).await?;
+                    dst.copy_from_slice(&c[within as usize..within as usize + dst.len()]);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) async fn read_impl(&self, offset: u64, mut buf: Buf) -> (io::Result<()>, Buf) {
+        let (pieces, inflight, backing) = match self.map_range(offset, buf.len() as u64).await {
+            Ok(p) => p,
+            Err(e) => return (Err(e), buf),
+        };
+        if let [Piece {
+            src: Source::Host(h),
+            ..
+        }] = pieces[..]
+        {
+            let (start, len) = (now_ns(), buf.len() as u64);
+            let r = self.file.driver().read(h, buf).await;
+            drop(inflight);
+            self.file
+                .count_direct(Op::Read, start, h + len, len, r.0.is_ok());
+            return r;
+        }
+        let r = self
+            .read_pieces(offset, &pieces, backing.as_ref(), &mut buf)
+            .await;
+        drop(inflight);
+        (r, buf)
+    }
+
+    /// [`read_impl`](Self::read_impl) into the caller's I/O vector: passed to the file as it
+    /// is when the range is one host run, else read into a bounce buffer and copied in.
+    pub(super) async fn readv_impl(&self, offset: u64, iov: IoVec) -> (io::Result<()>, IoVec) {
+        let (pieces, inflight, backing) = match self.map_range(offset, iov.len() as u64).await {
+            Ok(p) => p,
+            Err(e) => return (Err(e), iov),
+        };
+        if let [Piece {
+            src: Source::Host(h),
+            ..
+        }] = pieces[..]
+        {
+            let (start, len) = (now_ns(), iov.len() as u64);
+            let r = self.file.driver().readv(h, iov).await;
+            drop(inflight);
+            self.file
+                .count_direct(Op::Read, start, h + len, len, r.0.is_ok());
+            return r;
+        }
+        crate::buf::count_bounce();
+        let mut buf = request_buf(iov.len());
+        let r = self
+            .read_pieces(offset, &pieces, backing.as_ref(), &mut buf)
+            .await;
+        drop(inflight);
+        let mut iov = iov;
+        if r.is_ok() {
+            iov.copy_in(0, &buf);
+        }
+        (r, iov)
+    }
+}
