@@ -129,7 +129,10 @@ pub const GROUPS: &[Group] = &[
     },
     Group {
         qemu: "thread_pool",
-        targets: &["stord::block::worker_pool", "stord::block::drivers::file::threads"],
+        targets: &[
+            "stord::block::worker_pool",
+            "stord::block::drivers::file::threads",
+        ],
     },
     Group {
         qemu: "qcrypto_tls",

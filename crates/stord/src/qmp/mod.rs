@@ -15,7 +15,6 @@ pub mod monitor;
 pub mod stream;
 pub mod text;
 
-
 use std::cell::{Cell, RefCell};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::rc::Rc;
