@@ -1,6 +1,7 @@
-//! Exports: how block nodes reach clients. One folder per protocol, each implementing
+//! Exports: how block nodes reach clients. One folder per export type, each implementing
 //! [`Export`] and registered once in [`EXPORT_TYPES`]; the daemon keeps one table of
-//! `Box<dyn Export>` and knows no protocol by name.
+//! `Box<dyn Export>` and knows no protocol by name. `virtio_blk/` is no type of its own:
+//! it is the device the two virtio transports (`vhost_user_blk/`, `vduse_blk/`) serve.
 //!
 //! Life cycle: a type's constructor parses its `--export` / `block-export-add` options
 //! (the daemon has checked that the id is free) and starts serving. Removal is two steps so
