@@ -5,7 +5,7 @@
 //! 1. [`buf`] and [`iov`] (the buffers requests carry, and a request's data as pieces of
 //!    memory, ours or a guest's), [`cli`] (qsd's option syntax), [`schema`] (QAPI's types
 //!    for the tables that describe their arguments), [`events`] (QMP events, fanned out
-//!    to the monitors).
+//!    to the monitors), [`version`] (the QEMU interface version stord reports, and its own).
 //! 2. [`sys`] (syscall wrappers), [`iothread`] (the iothread object's properties),
 //!    [`secret`] (`--object secret`), [`tls`] (credentials, `authz-simple` and sessions
 //!    for either NBD endpoint), [`trace`] (`--trace`: QEMU's event names mapped onto
@@ -49,3 +49,4 @@ pub mod sys;
 pub mod tls;
 pub mod trace;
 pub mod usage;
+pub mod version;

@@ -78,7 +78,7 @@ fn answer_without_daemon(cl: &mut CommandLine) -> Step<()> {
         });
     }
     if cl.version {
-        println!("stord {}", env!("CARGO_PKG_VERSION"));
+        print!("{}", stord::version::version_text());
         return Err(ExitCode::SUCCESS);
     }
     Ok(())

@@ -17,6 +17,7 @@ fn run_script(name: &str) {
     let status = Command::new("python3")
         .arg(&script)
         .env("STORD_BIN", env!("CARGO_BIN_EXE_stord"))
+        .env("STORD_VERSION", env!("CARGO_PKG_VERSION"))
         .env("STORD_TEST_DIR", &dir)
         .stdout(std::fs::File::create(&out_path).expect("stdout file"))
         .stderr(std::fs::File::create(&err_path).expect("stderr file"))

@@ -165,10 +165,7 @@ impl Outbox {
 fn greeting() -> Value {
     json!({
         "QMP": {
-            "version": {
-                "qemu": { "major": 0, "minor": 1, "micro": 0 },
-                "package": format!("stord {}", env!("CARGO_PKG_VERSION")),
-            },
+            "version": crate::version::version_info(),
             "capabilities": [],
         }
     })

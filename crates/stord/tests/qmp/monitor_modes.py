@@ -7,6 +7,10 @@
   (greeting, returns, errors, events, and the stop: BLOCK_EXPORT_DELETED, the job
   cancelled, quit's reply last) must equal qsd's byte for byte once timestamps and the
   greeting's version are masked. stderr stays empty, as qsd's.
+
+The version, apart: the greeting, query-version and --version carry the QEMU version whose
+interface stord implements, with qsd's major and minor, and stord's own name and version
+where qsd names its package; --version has qsd's shape.
 """
 
 import asyncio
@@ -17,6 +21,8 @@ import re
 import socket
 import subprocess
 import time
+
+STORD_VERSION = os.environ["STORD_VERSION"]
 
 import common
 from common import ok, err
@@ -66,16 +72,46 @@ async def listening_client(binary, tag):
     try:
         await asyncio.wait_for(qmp.accept(), 15)
         version = await qmp.execute("query-version")
-        assert "qemu" in version, version
+        assert version == qmp.greeting._raw["QMP"]["version"], (version, qmp.greeting)
         nodes = await qmp.execute("query-named-block-nodes")
         assert [n["node-name"] for n in nodes] == ["n0"], nodes
         await quit(qmp)
         assert proc.wait(timeout=15) == 0
         assert proc.stderr.read() == "", f"{tag} wrote to stderr"
+        return version
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def version_line(binary):
+    """--version: (name, QEMU version, package) from its first line, and the second."""
+    out = subprocess.run([binary, "--version"], capture_output=True, text=True,
+                         check=True).stdout
+    first, second = out.splitlines()
+    m = re.fullmatch(r"(\S+) version (\d+)\.(\d+)\.(\d+) \((.+)\)", first)
+    assert m, first
+    assert second.startswith("Copyright (c) "), second
+    name, major, minor, micro, package = m.groups()
+    return name, {"major": int(major), "minor": int(minor), "micro": int(micro)}, package
+
+
+def check_versions(ours, theirs):
+    """query-version (the greeting carries the same) and --version, beside qsd's."""
+    name, qemu, package = version_line(common.STORD)
+    qsd_name, qsd_qemu, qsd_package = version_line(QSD)
+    assert (name, qsd_name) == ("stord", "qemu-storage-daemon"), (name, qsd_name)
+    assert (theirs["qemu"], theirs["package"]) == (qsd_qemu, qsd_package), (theirs, qsd_qemu)
+    assert ours == {"qemu": qemu, "package": f"stord {STORD_VERSION}"}, (ours, qemu)
+    assert package == f"stord {STORD_VERSION}", package
+    # The interface is qsd's release: its major and minor, which management tools gate
+    # features on. The micro is the one stord was compared with (QEMU's stable releases
+    # change no interface, and the qsd installed here may have had one since).
+    assert [qemu["major"], qemu["minor"]] == [qsd_qemu["major"], qsd_qemu["minor"]], \
+        (qemu, qsd_qemu)
+    # And in QEMU's order of members, as the wire had them.
+    assert list(ours["qemu"]) == list(theirs["qemu"]), (ours, theirs)
 
 
 def tcp_server(binary, tag):
@@ -148,6 +184,8 @@ def stdio_transcript(binary, tag):
     assert proc.returncode == 0, (tag, proc.returncode, proc.stderr)
     out = re.sub(r'"seconds": \d+, "microseconds": \d+', '"seconds": S, "microseconds": U',
                  proc.stdout)
+    greeting = json.loads(out.split("\n", 1)[0])
+    version = greeting["QMP"].pop("version")
     out = re.sub(r'^\{"QMP": .*$', "QMP_GREETING", out, count=1, flags=re.M)
     # The blockdev-create job races the next commands: keep the job's own lines in order
     # but out of the interleaving.
@@ -171,16 +209,19 @@ def stdio_transcript(binary, tag):
     lines = kept
     create = [l for l in lines if '"id": "c0"' in l]
     rest = [l for l in lines if '"id": "c0"' not in l]
-    return rest, create, proc.stderr
+    return rest, create, proc.stderr, version
 
 
 def test():
-    asyncio.run(listening_client(common.STORD, "stord"))
-    asyncio.run(listening_client(QSD, "qsd"))
+    our_version = asyncio.run(listening_client(common.STORD, "stord"))
+    their_version = asyncio.run(listening_client(QSD, "qsd"))
+    check_versions(our_version, their_version)
     tcp_server(common.STORD, "stord")
 
-    ours, our_create, our_err = stdio_transcript(common.STORD, "stord")
-    theirs, their_create, their_err = stdio_transcript(QSD, "qsd")
+    ours, our_create, our_err, our_greeting = stdio_transcript(common.STORD, "stord")
+    theirs, their_create, their_err, their_greeting = stdio_transcript(QSD, "qsd")
+    assert (our_greeting, their_greeting) == (our_version, their_version), \
+        (our_greeting, their_greeting)
     assert their_err == "", their_err
     assert our_err == "", f"stord wrote to stderr: {our_err}"
     mask = lambda ls: [l.replace("stord-", "D-").replace("qsd-", "D-") for l in ls]

@@ -10,12 +10,7 @@ pub const QUERY_VERSION: Command = Command {
     name: "query-version",
     args: &[],
     open: false,
-    run: |_, _| {
-        Ok(json!({
-            "qemu": { "major": 0, "minor": 1, "micro": 0 },
-            "package": format!("stord {}", env!("CARGO_PKG_VERSION")),
-        }))
-    },
+    run: |_, _| Ok(crate::version::version_info()),
 };
 
 pub const QUERY_COMMANDS: Command = Command {
