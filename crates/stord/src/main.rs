@@ -4,7 +4,7 @@ use std::os::unix::net::UnixStream;
 use std::process::ExitCode;
 
 use stord::cli::{self, CommandLine};
-use stord::process::{default_job, repo_root, Daemon};
+use stord::process::{default_data_dir, default_job, Daemon};
 
 /// A step of the start: `Err` means leave now with that status (the step has said why, or
 /// printed what was asked for).
@@ -136,10 +136,7 @@ fn default_image(cl: &mut CommandLine) -> Step<Option<String>> {
     if !cl.items.is_empty() {
         return Ok(None);
     }
-    // STORD_DATA_DIR moves the built-in default's folder (tests use it).
-    let data = std::env::var_os("STORD_DATA_DIR")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| repo_root().join("data"));
+    let data = default_data_dir();
     match default_job(&data) {
         Ok((default, uri)) => {
             cl.items = default.items;

@@ -391,6 +391,23 @@ pub fn repo_root() -> PathBuf {
     p.canonicalize().unwrap_or(p)
 }
 
+/// Where the built-in default keeps its image and socket: `STORD_DATA_DIR` (tests set
+/// it), else `data/` in the source tree when the binary runs from it (`cargo run`), else
+/// `data/` in the current directory (an installed binary, whose build tree is elsewhere).
+pub fn default_data_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("STORD_DATA_DIR") {
+        return PathBuf::from(dir);
+    }
+    let root = repo_root();
+    let in_tree = std::env::current_exe()
+        .and_then(|exe| exe.canonicalize())
+        .is_ok_and(|exe| exe.starts_with(&root));
+    if in_tree {
+        return root.join("data");
+    }
+    std::env::current_dir().unwrap_or_default().join("data")
+}
+
 /// Size of the built-in default image.
 pub const DEFAULT_IMAGE_SIZE: u64 = 1 << 30;
 
