@@ -175,6 +175,9 @@ fn build_daemon(cl: CommandLine, ready_pipe: &mut Option<UnixStream>) -> Step<Da
         let _ = stord::sys::stdio_to_devnull();
         report(ready_pipe, "ok");
     }
+    if let Err(e) = stord::sys::notify_ready() {
+        tracing::warn!("cannot tell the service manager that stord is ready: {e}");
+    }
     Ok(daemon)
 }
 

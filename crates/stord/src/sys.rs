@@ -237,6 +237,24 @@ pub fn stdio_to_devnull() -> io::Result<()> {
     Ok(())
 }
 
+/// Tells the service manager that started the process (systemd's `Type=notify`, which
+/// stord@.service uses) that the daemon is ready: `READY=1` as a datagram to the socket
+/// `NOTIFY_SOCKET` names (a path, or `@` and an abstract name). Without it, nothing.
+pub fn notify_ready() -> io::Result<()> {
+    use std::os::linux::net::SocketAddrExt;
+    use std::os::unix::ffi::OsStrExt;
+    use std::os::unix::net::{SocketAddr, UnixDatagram};
+    let Some(target) = std::env::var_os("NOTIFY_SOCKET") else {
+        return Ok(());
+    };
+    let addr = match target.as_bytes().strip_prefix(b"@") {
+        Some(name) => SocketAddr::from_abstract_name(name)?,
+        None => SocketAddr::from_pathname(&target)?,
+    };
+    UnixDatagram::unbound()?.send_to_addr(b"READY=1", &addr)?;
+    Ok(())
+}
+
 /// `ioctl(fd, FUSE_DEV_IOC_CLONE, &src)`: makes `fd` (a fresh /dev/fuse open) another
 /// channel of the FUSE connection behind `src`.
 pub fn fuse_clone(fd: RawFd, src: RawFd) -> io::Result<()> {
