@@ -1,6 +1,9 @@
 //! `--help`, `--object help` and `--object TYPE,help`, generated from the tables (the
 //! object types, the block drivers, the export types), so the help names everything they
-//! hold; docs/usage.md carries the same synopses and a test holds it to them.
+//! hold; docs/usage.md carries the same synopses and a test holds it to them. [`man`]
+//! writes the same, with the QMP commands, as the manual page.
+
+pub mod man;
 
 use crate::block::drivers::BLOCK_DRIVERS;
 use crate::cli::Help;
@@ -79,46 +82,125 @@ pub fn entries() -> Vec<Entry> {
     objects.chain(drivers).chain(exports).collect()
 }
 
-const HEADER: &str = "\
-Usage: stord [options]
+/// What stord is, in the words `--help` opens with and the man page's description uses.
+pub const SUMMARY: &str = "\
 Serve block nodes over NBD, FUSE and vhost-user-blk, with qemu-storage-daemon's
 command-line syntax.
-With no options, serves data/default.img (created sparse, 1 GiB) over NBD on a unix socket.
+With no options, serves data/default.img (created sparse, 1 GiB) over NBD on a unix socket.";
 
-  -h, --help                show this help
-  -V, --version             show the version
-";
+/// An option outside the tables, as `--help` prints it and the man page lists it.
+pub struct Plain {
+    /// The option as written (`--nbd-server`, `-h, --help`).
+    pub option: &'static str,
+    /// What follows it, lines broken with `\n` (continuations start with `|` or `[`), or
+    /// nothing.
+    pub synopsis: &'static str,
+    /// What it does, lines broken with `\n`.
+    pub about: &'static str,
+}
 
-const NODES: &str =
-    "                            every --blockdev (also a JSON object) takes read-only=on|off,
-                            detect-zeroes=off|on|unmap, discard=ignore|unmap,
-                            force-share=on|off, cache.direct/cache.no-flush=on|off and
-                            active=on|off (off: inactive, until blockdev-set-active);
-                            inline children (file.driver=...) inherit them as QEMU's do
-";
+impl Plain {
+    /// The option and its synopsis, continuation lines indented under the first value.
+    pub fn synopsis_lines(&self) -> Vec<String> {
+        let lead = " ".repeat(self.option.len() + 1);
+        let mut lines = self.synopsis.lines();
+        let first = match lines.next() {
+            Some(first) => format!("{} {first}", self.option),
+            None => self.option.to_string(),
+        };
+        std::iter::once(first)
+            .chain(lines.map(|l| format!("{lead}{l}")))
+            .collect()
+    }
 
-const NBD_SERVER: &str = "  --nbd-server addr.type=unix,addr.path=<path>
-               | addr.type=inet,addr.host=<host>,addr.port=<port>
-               [,max-connections=<n>][,handshake-max-seconds=<s>]
-               [,tls-creds=<id>[,tls-authz=<id>]]
-                            the NBD server; with tls-creds every client must use TLS
-";
+    /// The synopsis, then the description in its column (on the same line when a
+    /// one-line synopsis leaves room).
+    fn render(&self) -> String {
+        let synopsis = self.synopsis_lines();
+        let mut about = self.about.lines();
+        let mut out = String::new();
+        for (i, l) in synopsis.iter().enumerate() {
+            let line = format!("{}{l}", " ".repeat(INDENT));
+            if synopsis.len() == 1 && line.len() + 2 <= ABOUT_COLUMN && i == 0 {
+                let first = about.next().unwrap_or_default();
+                out.push_str(&format!("{line:ABOUT_COLUMN$}{first}\n"));
+            } else {
+                out.push_str(&format!("{line}\n"));
+            }
+        }
+        for l in about {
+            out.push_str(&format!("{}{l}\n", " ".repeat(ABOUT_COLUMN)));
+        }
+        out
+    }
+}
 
-const PROCESS: &str = "  --chardev socket,id=<id>,path=<path>[,server=on,wait=off]
-            | socket,id=<id>,host=<host>,port=<port>[,server=on,wait=off] | stdio,id=<id>
-            | ringbuf,id=<id>[,size=<n>] | memory,id=<id>[,size=<n>] | null,id=<id>
-            | file,id=<id>,path=<path>[,append=on]
-                            for a monitor, a socket stord listens on (server=on) or
-                            connects to, or stdin and stdout; besides, a ringbuf
-                            (ringbuf-read/-write), null or file device
-  --monitor [chardev=]<id>  a QMP monitor on that chardev (a unix socket created 0600)
-  --trace [enable=]<pattern>[,events=<file>][,file=<file>]
-                            QEMU trace event names or patterns (nbd_*, qcow2_*, ...):
-                            their stord modules' diagnostics at every level
-                            (--trace help lists the mapping)
-  --pidfile <path>          write the process id once everything is ready
-  --daemonize               detach once everything is ready (the parent exits 0 then)
-";
+/// The options that only answer a question.
+pub const GENERAL: &[Plain] = &[
+    Plain {
+        option: "-h, --help",
+        synopsis: "",
+        about: "show this help",
+    },
+    Plain {
+        option: "-V, --version",
+        synopsis: "",
+        about: "show the version: the QEMU interface's, then stord's own",
+    },
+];
+
+/// What every `--blockdev` takes besides its driver's options.
+pub const NODE_OPTIONS: &str = "\
+every --blockdev (also a JSON object) takes read-only=on|off,
+detect-zeroes=off|on|unmap, discard=ignore|unmap,
+force-share=on|off, cache.direct/cache.no-flush=on|off and
+active=on|off (off: inactive, until blockdev-set-active);
+inline children (file.driver=...) inherit them as QEMU's do";
+
+pub const NBD_SERVER: Plain = Plain {
+    option: "--nbd-server",
+    synopsis: "addr.type=unix,addr.path=<path>
+| addr.type=inet,addr.host=<host>,addr.port=<port>
+[,max-connections=<n>][,handshake-max-seconds=<s>]
+[,tls-creds=<id>[,tls-authz=<id>]]",
+    about: "the NBD server; with tls-creds every client must use TLS",
+};
+
+/// The monitor and the process.
+pub const PROCESS: &[Plain] = &[
+    Plain {
+        option: "--chardev",
+        synopsis: "socket,id=<id>,path=<path>[,server=on,wait=off]
+| socket,id=<id>,host=<host>,port=<port>[,server=on,wait=off] | stdio,id=<id>
+| ringbuf,id=<id>[,size=<n>] | memory,id=<id>[,size=<n>] | null,id=<id>
+| file,id=<id>,path=<path>[,append=on]",
+        about: "for a monitor, a socket stord listens on (server=on) or
+connects to, or stdin and stdout; besides, a ringbuf
+(ringbuf-read/-write), null or file device",
+    },
+    Plain {
+        option: "--monitor",
+        synopsis: "[chardev=]<id>",
+        about: "a QMP monitor on that chardev (a unix socket created 0600)",
+    },
+    Plain {
+        option: "--trace",
+        synopsis: "[enable=]<pattern>[,events=<file>][,file=<file>]",
+        about: "QEMU trace event names or patterns (nbd_*, qcow2_*, ...):
+their stord modules' diagnostics at every level
+(--trace help lists the mapping)",
+    },
+    Plain {
+        option: "--pidfile",
+        synopsis: "<path>",
+        about: "write the process id once everything is ready",
+    },
+    Plain {
+        option: "--daemonize",
+        synopsis: "",
+        about: "detach once everything is ready (the parent exits 0 then)",
+    },
+];
 
 /// The help text: every table's entries, in its order.
 pub fn text() -> String {
@@ -130,14 +212,20 @@ pub fn text() -> String {
             .map(Entry::render)
             .collect()
     };
+    let plain = |p: &[Plain]| -> String { p.iter().map(Plain::render).collect() };
+    let column = |text: &str| -> String {
+        let lead = " ".repeat(ABOUT_COLUMN);
+        text.lines().map(|l| format!("{lead}{l}\n")).collect()
+    };
     [
-        HEADER.to_string(),
+        format!("Usage: stord [options]\n{SUMMARY}\n\n"),
+        plain(GENERAL),
         of("--object"),
         of("--blockdev"),
-        NODES.to_string(),
-        NBD_SERVER.to_string(),
+        column(NODE_OPTIONS),
+        NBD_SERVER.render(),
         of("--export"),
-        PROCESS.to_string(),
+        plain(PROCESS),
     ]
     .concat()
 }

@@ -368,6 +368,12 @@ const FUZZ_SKIPPED: &[&str] = &[
     "quit",
 ];
 
+/// Every command's name, in the order `query-commands` lists them (`qmp_capabilities`
+/// first): what the man page lists.
+pub fn command_names() -> impl Iterator<Item = &'static str> {
+    std::iter::once("qmp_capabilities").chain(commands::COMMANDS.iter().map(|c| c.name))
+}
+
 /// Fuzz entry (`fuzz/fuzz_targets/qmp_commands.rs`): `data` as what a monitor client sends,
 /// cut into texts by the real splitter, parsed and dispatched by the real request handler
 /// and commands to a fresh daemon state (capabilities negotiation included). Each reply
