@@ -47,6 +47,12 @@ grep -v '^running with root privileges' <<<"$lint" || true
 [ "$lint_status" = 0 ] || fail "lintian found an error in $deb"
 step "lintian: no error"
 
+if dpkg-query -W -f='${Status}' stord 2>/dev/null | grep -q installed; then
+    fail "a stord package is installed already; this test installs and purges its own"
+fi
+[ ! -e "$conf" ] || fail "$conf exists already"
+made_etc=
+[ -d /etc/stord ] || made_etc=1
 work=$(mktemp -d /var/tmp/stord-package-test.XXXXXX)
 cleanup() {
     if [ -d /run/systemd/system ]; then
@@ -56,14 +62,10 @@ cleanup() {
     [ -n "${listener:-}" ] && kill "$listener" 2>/dev/null || true
     dpkg -P stord >/dev/null 2>&1 || true
     rm -f "$conf"
-    rmdir /etc/stord 2>/dev/null || true
+    [ -z "$made_etc" ] || rmdir /etc/stord 2>/dev/null || true
     rm -rf "$rundir" "$work"
 }
 trap cleanup EXIT
-if dpkg-query -W -f='${Status}' stord 2>/dev/null | grep -q installed; then
-    fail "a stord package is installed already; this test installs and purges its own"
-fi
-[ ! -e "$conf" ] || fail "$conf exists already"
 
 dpkg -i "$deb" >/dev/null
 [ -x /usr/bin/stord ] || fail "/usr/bin/stord is not installed"
@@ -205,7 +207,7 @@ qemu-io -f qcow2 -c 'read -P 0x5a 1M 1M' "$img" | grep -q 'read 1048576/1048576'
 step "stopped cleanly; the image checks clean and holds what was written"
 
 rm -f "$conf"
-rmdir /etc/stord
+[ -z "$made_etc" ] || rmdir /etc/stord
 files=$(dpkg-deb -c "$deb" | awk '$1 !~ /^d/ {print substr($6, 2)}')
 dpkg -r stord >/dev/null
 for f in $files; do
@@ -213,7 +215,8 @@ for f in $files; do
 done
 dpkg -P stord >/dev/null
 ! dpkg-query -W stord >/dev/null 2>&1 || fail "dpkg still knows stord after dpkg -P"
-left=$(ls -d /var/lib/dpkg/info/stord.* /usr/share/doc/stord /etc/stord 2>/dev/null || true)
+left=$(ls -d /var/lib/dpkg/info/stord.* /usr/share/doc/stord /usr/share/lintian/overrides/stord \
+    "$rundir" 2>/dev/null || true)
 [ -z "$left" ] || fail "left behind: $left"
 step "dpkg -r and dpkg -P removed everything ($(wc -w <<<"$files") files)"
 echo "package-test: passed"
