@@ -159,3 +159,8 @@ fn qmp_fleecing_with_copy_before_write_and_snapshot_access_as_qsd() {
 fn qmp_metrics_listener_serves_openmetrics() {
     run_script("metrics.py");
 }
+
+#[test]
+fn qmp_pull_backup_exports_a_recording_bitmap_by_node_and_name_as_qsd() {
+    run_script("bitmap_pull_export.py");
+}
