@@ -741,6 +741,20 @@ impl BlockDriver for NbdDriver {
     fn driver_name(&self) -> &'static str {
         "nbd"
     }
+    /// As QEMU's nbd_refresh_limits: the server's block sizes (stord sends byte-granular
+    /// requests to a server that gave none); transfers, zeroing and discards bounded as
+    /// QEMU bounds them (32 MiB, INT_MAX).
+    fn refresh_limits(&self, bl: &mut crate::block::node::limits::BlockLimits) {
+        let info = self.info();
+        let (min, max) = (info.min_block, info.max_block.min(32 << 20));
+        bl.request_alignment = min;
+        bl.max_discard = u64::from(i32::MAX as u32 / min * min);
+        bl.max_write_zeroes = u64::from(max);
+        bl.max_transfer = max;
+        if info.opt_block > bl.opt_transfer {
+            bl.opt_transfer = info.opt_block;
+        }
+    }
     fn size(&self) -> u64 {
         self.info().size
     }
