@@ -99,6 +99,7 @@ const NODES: &str =
 
 const NBD_SERVER: &str = "  --nbd-server addr.type=unix,addr.path=<path>
                | addr.type=inet,addr.host=<host>,addr.port=<port>
+               [,addr.keep-alive=on[,addr.keep-alive-count|-idle|-interval=<n>]]
                [,max-connections=<n>][,handshake-max-seconds=<s>]
                [,tls-creds=<id>[,tls-authz=<id>]]
                             the NBD server; with tls-creds every client must use TLS

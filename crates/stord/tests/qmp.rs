@@ -164,3 +164,18 @@ fn qmp_metrics_listener_serves_openmetrics() {
 fn qmp_pull_backup_exports_a_recording_bitmap_by_node_and_name_as_qsd() {
     run_script("bitmap_pull_export.py");
 }
+
+#[test]
+fn qmp_mirror_target_is_zero_leaves_a_sparse_target_sparse() {
+    run_script("mirror_target_is_zero.py");
+}
+
+#[test]
+fn nbd_keep_alive_reaches_both_ends_sockets() {
+    run_script("keep_alive.py");
+}
+
+#[test]
+fn qmp_qom_list_get_reads_what_qsd_lists_and_gets() {
+    run_script("qom_list_get.py");
+}

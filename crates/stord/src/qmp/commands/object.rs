@@ -134,10 +134,10 @@ fn stats(r: &Remote) -> Value {
 /// What a QOM path names (QEMU's object_resolve_path over the containers stord has).
 enum QomPath {
     Root,
-    /// `/objects` or `/chardevs`: the children, by name, with their types.
-    Container(Vec<(String, &'static str)>),
-    /// An object or a chardev, of this type.
-    Object(&'static str),
+    /// `/objects` or `/chardevs`, with its children by name and type.
+    Container(&'static str, Vec<(String, &'static str)>),
+    /// An object (`/objects/ID`, an iothread's properties read) or a chardev, of this type.
+    Object(&'static str, Option<Remote>),
 }
 
 fn not_found(path: &str) -> QmpError {
@@ -157,17 +157,19 @@ fn resolve(st: &crate::daemon::State, path: &str) -> Result<QomPath, QmpError> {
     let find = |list: &[(String, &'static str)], id: &str| {
         list.iter().find(|(i, _)| i == id).map(|(_, t)| *t)
     };
+    let object = |id: &str, t| QomPath::Object(t, st.iothread(id).cloned());
     let full = match path.strip_prefix('/') {
         Some(rest) => rest,
         None => {
             // A partial path: the one object or chardev of that name (or a container).
             return match (path, find(&objects, path), find(&chardevs, path)) {
-                ("objects", ..) => Ok(QomPath::Container(objects)),
-                ("chardevs", ..) => Ok(QomPath::Container(chardevs)),
+                ("objects", ..) => Ok(QomPath::Container("objects", objects)),
+                ("chardevs", ..) => Ok(QomPath::Container("chardevs", chardevs)),
                 (_, Some(_), Some(_)) => {
                     Err(QmpError::generic(format!("Path '{path}' is ambiguous")))
                 }
-                (_, Some(t), None) | (_, None, Some(t)) => Ok(QomPath::Object(t)),
+                (_, Some(t), None) => Ok(object(path, t)),
+                (_, None, Some(t)) => Ok(QomPath::Object(t, None)),
                 _ => Err(not_found(path)),
             };
         }
@@ -175,16 +177,60 @@ fn resolve(st: &crate::daemon::State, path: &str) -> Result<QomPath, QmpError> {
     let parts: Vec<&str> = full.split('/').filter(|p| !p.is_empty()).collect();
     match parts[..] {
         [] => Ok(QomPath::Root),
-        ["objects"] => Ok(QomPath::Container(objects)),
-        ["chardevs"] => Ok(QomPath::Container(chardevs)),
+        ["objects"] => Ok(QomPath::Container("objects", objects)),
+        ["chardevs"] => Ok(QomPath::Container("chardevs", chardevs)),
         ["objects", id] => find(&objects, id)
-            .map(QomPath::Object)
+            .map(|t| object(id, t))
             .ok_or_else(|| not_found(path)),
         ["chardevs", id] => find(&chardevs, id)
-            .map(QomPath::Object)
+            .map(|t| QomPath::Object(t, None))
             .ok_or_else(|| not_found(path)),
         _ => Err(not_found(path)),
     }
+}
+
+/// The properties at `path` in qom-list's order: name, QOM type, and the value where
+/// stord reads it (QEMU's object_property_get_qobject: a type name, a child's canonical
+/// path, an iothread's settings; None where the property cannot be read).
+fn properties(
+    st: &crate::daemon::State,
+    path: &str,
+) -> Result<Vec<(String, String, Option<Value>)>, QmpError> {
+    let ty = |t: &str| (String::from("type"), "string".into(), Some(Value::from(t)));
+    Ok(match resolve(st, path)? {
+        QomPath::Root => vec![
+            ty("container"),
+            (
+                "objects".into(),
+                "child<container>".into(),
+                Some("/objects".into()),
+            ),
+            (
+                "chardevs".into(),
+                "child<container>".into(),
+                Some("/chardevs".into()),
+            ),
+        ],
+        QomPath::Container(name, children) => std::iter::once(ty("container"))
+            .chain(children.iter().map(|(id, t)| {
+                let value = Value::from(format!("/{name}/{id}"));
+                (id.clone(), format!("child<{t}>"), Some(value))
+            }))
+            .collect(),
+        QomPath::Object(t, thread) => crate::qom::find(t)
+            .map(crate::qom::properties)
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(n, pt)| {
+                let value = match (n, &thread) {
+                    ("type", _) => Some(Value::from(t)),
+                    (_, Some(r)) => iothread::get(&config(r), n).ok(),
+                    _ => None,
+                };
+                (n.to_string(), pt.to_string(), value)
+            })
+            .collect(),
+    })
 }
 
 fn prop(name: &str, ty: &str) -> Value {
@@ -197,28 +243,40 @@ pub const QOM_LIST: Command = Command {
     open: false,
     run: |state, mut a| {
         let path = a.str_req("path")?;
+        let list = properties(&state.borrow(), &path)?;
+        Ok(Value::Array(
+            list.iter().map(|(n, t, _)| prop(n, t)).collect(),
+        ))
+    },
+};
+
+/// QEMU 10.1's qom-list-get: for each path, its properties with their values (a value
+/// left out where the property cannot be read); the first path that resolves to
+/// nothing fails the whole command, as QEMU's does.
+pub const QOM_LIST_GET: Command = Command {
+    name: "qom-list-get",
+    args: &[req("paths", Ty::Array)],
+    open: false,
+    run: |state, mut a| {
         let st = state.borrow();
-        let list: Vec<Value> = match resolve(&st, &path)? {
-            QomPath::Root => vec![
-                prop("type", "string"),
-                prop("objects", "child<container>"),
-                prop("chardevs", "child<container>"),
-            ],
-            QomPath::Container(children) => std::iter::once(prop("type", "string"))
-                .chain(
-                    children
-                        .iter()
-                        .map(|(id, t)| prop(id, &format!("child<{t}>"))),
-                )
-                .collect(),
-            QomPath::Object(t) => crate::qom::find(t)
-                .map(crate::qom::properties)
-                .unwrap_or_default()
+        let mut out = Vec::new();
+        for (i, path) in a.array("paths").unwrap_or_default().iter().enumerate() {
+            let path = path
+                .as_str()
+                .ok_or_else(|| super::type_error(&format!("paths[{i}]"), "string"))?;
+            let props: Vec<Value> = properties(&st, path)?
                 .into_iter()
-                .map(|(n, t)| prop(n, t))
-                .collect(),
-        };
-        Ok(Value::Array(list))
+                .map(|(n, t, v)| {
+                    let mut p = prop(&n, &t);
+                    if let Some(v) = v {
+                        p["value"] = v;
+                    }
+                    p
+                })
+                .collect();
+            out.push(json!({ "properties": props }));
+        }
+        Ok(Value::Array(out))
     },
 };
 
