@@ -179,3 +179,8 @@ fn nbd_keep_alive_reaches_both_ends_sockets() {
 fn qmp_qom_list_get_reads_what_qsd_lists_and_gets() {
     run_script("qom_list_get.py");
 }
+
+#[test]
+fn qmp_block_nodes_report_children_and_limits_as_qemu_10_2() {
+    run_script("block_nodes.py");
+}
