@@ -129,6 +129,16 @@ impl Daemon {
         })?;
         let state: SharedState = Rc::default();
         state.borrow_mut().set_self(Rc::downgrade(&state));
+        // Monitors made at run time (`monitor-qmp` objects) open as `--monitor`'s do.
+        let me = Rc::downgrade(&state);
+        state
+            .borrow_mut()
+            .set_monitor_opener(Rc::new(move |dev, fd, settings| {
+                let state = me
+                    .upgrade()
+                    .ok_or_else(|| io::Error::other("the daemon is stopping"))?;
+                crate::qmp::monitor::open_object(&state, dev, fd, settings)
+            }));
         let q = state.borrow().quit_flag();
         let sigfd = signals.as_raw_fd();
         let seen = SignalsSeen::default();
@@ -209,22 +219,7 @@ impl Daemon {
                     &s,
                     Some("type"),
                 )?)?,
-                Item::Monitor(s) => {
-                    let mut kv = KeyVal::parse("--monitor", &s, Some("chardev"))?;
-                    let id = kv.take_required("chardev")?;
-                    let _ = kv.take_choice("mode", &["control"])?;
-                    let _ = kv.take_bool("pretty", false)?;
-                    kv.finish()?;
-                    let dev = self
-                        .state
-                        .borrow_mut()
-                        .chardevs()
-                        .take_for_monitor(&id)
-                        .ok_or(StartError::NoChardev(id))?;
-                    let monitor = Monitor::open(&self.ctx, &dev, self.state.clone())
-                        .map_err(StartError::Monitor)?;
-                    self.monitors.push(monitor);
-                }
+                Item::Monitor(s) => self.add_monitor(&s)?,
             }
         }
         // What no monitor took is opened now (a ringbuf, a file, a socket bound).
@@ -242,6 +237,26 @@ impl Daemon {
             })?;
             self.pidfile = Some(p);
         }
+        Ok(())
+    }
+
+    /// `--monitor [chardev=]ID[,mode=control][,pretty=on]`.
+    fn add_monitor(&mut self, s: &str) -> Result<(), StartError> {
+        let mut kv = KeyVal::parse("--monitor", s, Some("chardev"))?;
+        let id = kv.take_required("chardev")?;
+        let _ = kv.take_choice("mode", &["control"])?;
+        let pretty = kv.take_bool("pretty", false)?;
+        kv.finish()?;
+        let dev = self
+            .state
+            .borrow_mut()
+            .chardevs()
+            .take_for_monitor(&id)
+            .ok_or(StartError::NoChardev(id))?;
+        let session = crate::qmp::Session::new(None, pretty);
+        let monitor = Monitor::open(&self.ctx, &dev, None, self.state.clone(), session)
+            .map_err(StartError::Monitor)?;
+        self.monitors.push(monitor);
         Ok(())
     }
 

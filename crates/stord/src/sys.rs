@@ -494,6 +494,17 @@ pub fn getsockopt_int(fd: RawFd, level: i32, name: i32) -> io::Result<i32> {
     }
 }
 
+/// Puts a descriptor in non-blocking mode.
+pub fn set_nonblocking(fd: RawFd) -> io::Result<()> {
+    // SAFETY: F_GETFL and F_SETFL take and return plain flags; no pointers.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    // SAFETY: as above.
+    if flags < 0 || unsafe { libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

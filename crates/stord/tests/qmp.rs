@@ -184,3 +184,8 @@ fn qmp_qom_list_get_reads_what_qsd_lists_and_gets() {
 fn qmp_block_nodes_report_children_and_limits_as_qemu_10_2() {
     run_script("block_nodes.py");
 }
+
+#[test]
+fn qmp_monitors_are_made_and_removed_at_run_time_as_qemu_11_1() {
+    run_script("monitor_object.py");
+}

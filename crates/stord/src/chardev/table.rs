@@ -194,6 +194,37 @@ impl Table {
         Some(e.dev.clone())
     }
 
+    /// A monitor made at run time (`object-add monitor-qmp`) takes device `id`: the
+    /// device, and for a socket already opened a duplicate of its descriptor (the table
+    /// keeps the socket, so the device outlives the monitor, as QEMU's chardev does).
+    pub fn attach_monitor(&mut self, id: &str) -> Result<(Chardev, Option<OwnedFd>), ChardevError> {
+        let Some(e) = self.entries.get_mut(id) else {
+            return Err(invalid(format!("chardev \"{id}\" not found")));
+        };
+        if e.used {
+            return Err(invalid(format!("Device '{id}' is in use")));
+        }
+        let fd = match &e.open {
+            Open::Socket { _fd, .. } => Some(_fd.try_clone().map_err(|err| {
+                invalid(format!("chardev '{id}': {}", crate::sys::os_text(&err)))
+            })?),
+            _ => None,
+        };
+        e.used = true;
+        Ok((e.dev.clone(), fd))
+    }
+
+    /// The monitor on device `id` went: the device is free again (opened, if the
+    /// monitor was the one that opened it).
+    pub fn detach_monitor(&mut self, id: &str) {
+        if let Some(e) = self.entries.get_mut(id) {
+            e.used = false;
+            if matches!(e.open, Open::Pending) {
+                e.open = open(&e.dev).unwrap_or(Open::Nothing);
+            }
+        }
+    }
+
     /// Opens every `--chardev` no monitor took.
     pub fn open_unused(&mut self) -> Result<(), ChardevError> {
         for (id, e) in self.entries.iter_mut() {

@@ -136,8 +136,9 @@ enum QomPath {
     Root,
     /// `/objects` or `/chardevs`, with its children by name and type.
     Container(&'static str, Vec<(String, &'static str)>),
-    /// An object (`/objects/ID`, an iothread's properties read) or a chardev, of this type.
-    Object(&'static str, Option<Remote>),
+    /// An object or a chardev, of this type, with the property values stord reads (an
+    /// iothread's settings, a monitor's).
+    Object(&'static str, Vec<(&'static str, Value)>),
 }
 
 fn not_found(path: &str) -> QmpError {
@@ -157,7 +158,7 @@ fn resolve(st: &crate::daemon::State, path: &str) -> Result<QomPath, QmpError> {
     let find = |list: &[(String, &'static str)], id: &str| {
         list.iter().find(|(i, _)| i == id).map(|(_, t)| *t)
     };
-    let object = |id: &str, t| QomPath::Object(t, st.iothread(id).cloned());
+    let object = |id: &str, t| QomPath::Object(t, object_values(st, id, t));
     let full = match path.strip_prefix('/') {
         Some(rest) => rest,
         None => {
@@ -169,7 +170,7 @@ fn resolve(st: &crate::daemon::State, path: &str) -> Result<QomPath, QmpError> {
                     Err(QmpError::generic(format!("Path '{path}' is ambiguous")))
                 }
                 (_, Some(t), None) => Ok(object(path, t)),
-                (_, None, Some(t)) => Ok(QomPath::Object(t, None)),
+                (_, None, Some(t)) => Ok(QomPath::Object(t, Vec::new())),
                 _ => Err(not_found(path)),
             };
         }
@@ -183,10 +184,24 @@ fn resolve(st: &crate::daemon::State, path: &str) -> Result<QomPath, QmpError> {
             .map(|t| object(id, t))
             .ok_or_else(|| not_found(path)),
         ["chardevs", id] => find(&chardevs, id)
-            .map(|t| QomPath::Object(t, None))
+            .map(|t| QomPath::Object(t, Vec::new()))
             .ok_or_else(|| not_found(path)),
         _ => Err(not_found(path)),
     }
+}
+
+/// The property values of object `id` (of type `t`) that stord reads.
+fn object_values(st: &crate::daemon::State, id: &str, t: &str) -> Vec<(&'static str, Value)> {
+    if let Some(r) = st.iothread(id) {
+        let c = config(r);
+        return crate::qom::find(t)
+            .map(crate::qom::properties)
+            .unwrap_or_default()
+            .into_iter()
+            .filter_map(|(n, _)| iothread::get(&c, n).ok().map(|v| (n, v)))
+            .collect();
+    }
+    st.monitor_properties(id).unwrap_or_default()
 }
 
 /// The properties at `path` in qom-list's order: name, QOM type, and the value where
@@ -217,15 +232,14 @@ fn properties(
                 (id.clone(), format!("child<{t}>"), Some(value))
             }))
             .collect(),
-        QomPath::Object(t, thread) => crate::qom::find(t)
+        QomPath::Object(t, values) => crate::qom::find(t)
             .map(crate::qom::properties)
             .unwrap_or_default()
             .into_iter()
             .map(|(n, pt)| {
-                let value = match (n, &thread) {
-                    ("type", _) => Some(Value::from(t)),
-                    (_, Some(r)) => iothread::get(&config(r), n).ok(),
-                    _ => None,
+                let value = match n {
+                    "type" => Some(Value::from(t)),
+                    _ => values.iter().find(|(k, _)| *k == n).map(|(_, v)| v.clone()),
                 };
                 (n.to_string(), pt.to_string(), value)
             })
