@@ -244,6 +244,7 @@ impl Daemon {
     fn add_monitor(&mut self, s: &str) -> Result<(), StartError> {
         let mut kv = KeyVal::parse("--monitor", s, Some("chardev"))?;
         let id = kv.take_required("chardev")?;
+        let log = self.state.borrow().chardev_table().log_of(&id);
         let _ = kv.take_choice("mode", &["control"])?;
         let pretty = kv.take_bool("pretty", false)?;
         kv.finish()?;
@@ -253,7 +254,7 @@ impl Daemon {
             .chardevs()
             .take_for_monitor(&id)
             .ok_or(StartError::NoChardev(id))?;
-        let session = crate::qmp::Session::new(None, pretty);
+        let session = crate::qmp::Session::new(None, pretty, log);
         let monitor = Monitor::open(&self.ctx, &dev, None, self.state.clone(), session)
             .map_err(StartError::Monitor)?;
         self.monitors.push(monitor);
@@ -262,12 +263,13 @@ impl Daemon {
 
     /// `--chardev`: for a monitor to take, or opened once the command line is done.
     fn add_chardev(&mut self, kv: KeyVal) -> Result<(), StartError> {
-        let (id, dev) = Chardev::from_options(kv)?;
-        self.state
-            .borrow_mut()
-            .chardevs()
-            .add(&id, dev)
-            .map_err(|e| StartError::Chardev(e.to_string()))
+        let (id, dev, log) = Chardev::from_options(kv)?;
+        let chardev = |e: crate::chardev::ChardevError| StartError::Chardev(e.to_string());
+        let log = crate::chardev::log::ChardevLog::open(&log).map_err(StartError::Chardev)?;
+        let mut st = self.state.borrow_mut();
+        st.chardevs().add(&id, dev).map_err(chardev)?;
+        st.chardevs().set_log(&id, log);
+        Ok(())
     }
 
     /// Where the NBD server listens, if it runs.

@@ -109,6 +109,7 @@ const PROCESS: &str = "  --chardev socket,id=<id>,path=<path>[,server=on,wait=of
             | socket,id=<id>,host=<host>,port=<port>[,server=on,wait=off] | stdio,id=<id>
             | ringbuf,id=<id>[,size=<n>] | memory,id=<id>[,size=<n>] | null,id=<id>
             | file,id=<id>,path=<path>[,append=on]
+            (each also [,logfile=<path>[,logappend=on][,logtimestamp=on]])
                             for a monitor, a socket stord listens on (server=on) or
                             connects to, or stdin and stdout; besides, a ringbuf
                             (ringbuf-read/-write), null or file device

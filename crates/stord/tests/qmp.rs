@@ -189,3 +189,8 @@ fn qmp_block_nodes_report_children_and_limits_as_qemu_10_2() {
 fn qmp_monitors_are_made_and_removed_at_run_time_as_qemu_11_1() {
     run_script("monitor_object.py");
 }
+
+#[test]
+fn qmp_chardev_logs_as_qsd_with_qemu_11_timestamps() {
+    run_script("chardev_log.py");
+}

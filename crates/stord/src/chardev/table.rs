@@ -7,6 +7,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::os::fd::OwnedFd;
 use std::path::PathBuf;
 
+use super::log::SharedLog;
 use super::{Chardev, ChardevError, SocketAddr};
 
 fn invalid(s: impl Into<String>) -> ChardevError {
@@ -72,6 +73,8 @@ struct Entry {
     /// A monitor talks through it.
     used: bool,
     open: Open,
+    /// `logfile`: what it sends is written there too.
+    log: Option<SharedLog>,
 }
 
 /// The chardevs.
@@ -174,6 +177,7 @@ impl Table {
                 dev,
                 used: false,
                 open: Open::Pending,
+                log: None,
             },
         );
         Ok(())
@@ -254,6 +258,7 @@ impl Table {
                 dev,
                 used: false,
                 open,
+                log: None,
             },
         );
         Ok(())
@@ -287,6 +292,18 @@ impl Table {
                 Ok(())
             }
         }
+    }
+
+    /// Device `id` logs what it sends to `log` (its `logfile`, opened when it was made).
+    pub fn set_log(&mut self, id: &str, log: Option<SharedLog>) {
+        if let Some(e) = self.entries.get_mut(id) {
+            e.log = log;
+        }
+    }
+
+    /// Device `id`'s log, if it has one (the monitor on it writes there too).
+    pub fn log_of(&self, id: &str) -> Option<SharedLog> {
+        self.entries.get(id)?.log.clone()
     }
 
     /// Whether `id` exists (`chardev-send-break` has nobody to tell on a device without

@@ -10,7 +10,7 @@ use std::rc::Rc;
 use crate::chardev::Chardev;
 
 /// A `monitor-qmp` object's properties.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct MonitorSettings {
     /// The object's id.
     pub id: String,
@@ -20,6 +20,8 @@ pub struct MonitorSettings {
     pub pretty: bool,
     /// `close-action=delete`: gone with its chardev once its client hangs up.
     pub close_delete: bool,
+    /// The chardev's log (`logfile`): what the monitor sends goes there too.
+    pub log: Option<crate::chardev::log::SharedLog>,
 }
 
 /// A monitor made at run time, as the daemon holds it.

@@ -29,6 +29,7 @@ impl State {
     /// `monitor-qmp`'s properties: `chardev` (required), `pretty`, `close-action`.
     pub(super) fn create_monitor(&mut self, id: &str, mut kv: KeyVal) -> Result<(), DaemonError> {
         let chardev = kv.take_required("chardev")?;
+        let chardev_id = chardev.clone();
         let pretty = kv.take_bool("pretty", false)?;
         let close = kv.take_choice("close-action", &["none", "delete"])?;
         kv.finish()?;
@@ -37,6 +38,7 @@ impl State {
             chardev,
             pretty,
             close_delete: close.as_deref() == Some("delete"),
+            log: self.chardevs.log_of(&chardev_id),
         };
         let Some(open) = self.monitor_opener.clone() else {
             return Err(DaemonError::Invalid("monitors cannot be made here".into()));

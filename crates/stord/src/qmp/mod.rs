@@ -89,15 +89,22 @@ impl From<String> for QmpError {
 pub struct Session {
     pub id: Option<String>,
     pub pretty: bool,
+    /// The chardev's log: what the monitor sends is written there too.
+    log: Option<crate::chardev::log::SharedLog>,
     conns: RefCell<Vec<std::rc::Weak<Outbox>>>,
 }
 
 impl Session {
     /// A session for monitor `id` (None: the command line's).
-    pub fn new(id: Option<String>, pretty: bool) -> Rc<Self> {
+    pub fn new(
+        id: Option<String>,
+        pretty: bool,
+        log: Option<crate::chardev::log::SharedLog>,
+    ) -> Rc<Self> {
         Rc::new(Session {
             id,
             pretty,
+            log,
             conns: RefCell::default(),
         })
     }
@@ -133,6 +140,8 @@ pub(crate) struct Outbox {
     pretty: bool,
     /// The `monitor-qmp` object this connection came through, if any.
     monitor: Option<String>,
+    /// The chardev's log.
+    log: Option<crate::chardev::log::SharedLog>,
 }
 
 impl Outbox {
@@ -140,6 +149,7 @@ impl Outbox {
         Self {
             pretty: false,
             monitor: None,
+            log: None,
             events,
             fd,
             buf: RefCell::default(),
@@ -171,6 +181,9 @@ impl Outbox {
         };
         b.extend_from_slice(text.as_bytes());
         b.extend_from_slice(b"\r\n");
+        if let Some(log) = &self.log {
+            log.borrow_mut().write(&b[b.len() - text.len() - 2..]);
+        }
         drop(b);
         if self.queued() > MAX_BACKLOG {
             tracing::warn!(
@@ -294,6 +307,7 @@ async fn serve(conn: OwnedFd, state: SharedState, session: Rc<Session>) {
     let mut outbox = Outbox::new(fd, events.clone());
     outbox.pretty = session.pretty;
     outbox.monitor = session.id.clone();
+    outbox.log = session.log.clone();
     let out = Rc::new(outbox);
     session.conns.borrow_mut().push(Rc::downgrade(&out));
     let sink: Rc<dyn EventSink> = out.clone();

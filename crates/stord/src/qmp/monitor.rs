@@ -219,7 +219,9 @@ pub fn open_object(
     fd: Option<OwnedFd>,
     settings: &MonitorSettings,
 ) -> io::Result<Box<dyn RuntimeMonitor>> {
-    let session = Session::new(Some(settings.id.clone()), settings.pretty);
+    // Its chardev's table is borrowed by the caller: the log comes with the settings.
+    let log = settings.log.clone();
+    let session = Session::new(Some(settings.id.clone()), settings.pretty, log);
     let opened =
         stord_aio::with_current_context(|ctx| Monitor::open(ctx, dev, fd, state.clone(), session));
     let monitor = opened.ok_or_else(|| io::Error::other("not on the main loop"))??;
