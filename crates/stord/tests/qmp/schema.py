@@ -91,8 +91,9 @@ def test():
 def newer(ours):
     """What QEMU 10.1 to 11.1 added is in stord's schema as QEMU's schema text has it:
     qom-list-get (qapi/qom.json: `paths`, a list of strings, required), blockdev-mirror's
-    optional `target-is-zero` (block-core.json), and nbd-server-start's inet address with
-    `keep-alive` and the 10.1 `keep-alive-count`, `-idle`, `-interval` (sockets.json)."""
+    optional `target-is-zero` (block-core.json), nbd-server-start's inet address with
+    `keep-alive` and the 10.1 `keep-alive-count`, `-idle`, `-interval` (sockets.json), and
+    the `monitor-qmp` object type (qom.json's ObjectType, 11.1)."""
     assert ours["qom-list-get"]["meta-type"] == "command"
     assert members(ours, "qom-list-get") == ({"paths"}, {"paths"})
     req, every = members(ours, "blockdev-mirror")
@@ -106,6 +107,10 @@ def newer(ours):
     names = {m["name"]: "default" in m for m in ours[data["type"]]["members"]}
     for k in ("keep-alive", "keep-alive-count", "keep-alive-idle", "keep-alive-interval"):
         assert names.get(k) is True, (k, names)
+    # object-add's qom-type (ObjectType) has 11.1's monitor-qmp.
+    qom_type = [m for m in ours[ours["object-add"]["arg-type"]]["members"]
+                if m["name"] == "qom-type"][0]
+    assert "monitor-qmp" in ours[qom_type["type"]]["values"], ours[qom_type["type"]]
 
 
 common.main(test)

@@ -4,7 +4,7 @@
 use serde_json::{json, Map, Value};
 use stord_aio::Remote;
 
-use super::{opt, req, Command, Ty};
+use super::{opt, req, Command, EnumType, Ty};
 use crate::iothread::{self, IoThreadConfig, PropertyError};
 use crate::qmp::QmpError;
 
@@ -14,9 +14,17 @@ impl From<PropertyError> for QmpError {
     }
 }
 
+/// QEMU's ObjectType: the types object-add takes, from the daemon's table (so
+/// query-qmp-schema lists them, `monitor-qmp` among them, and an unknown one gets QEMU's
+/// words).
+static OBJECT_TYPE: EnumType = EnumType {
+    name: "ObjectType",
+    values: || crate::daemon::OBJECT_TYPES.iter().map(|t| t.name).collect(),
+};
+
 pub const OBJECT_ADD: Command = Command {
     name: "object-add",
-    args: &[req("qom-type", Ty::Str), req("id", Ty::Str)],
+    args: &[req("qom-type", Ty::Enum(&OBJECT_TYPE)), req("id", Ty::Str)],
     open: true,
     run: |state, a| {
         if a.rest().get("qom-type").and_then(Value::as_str) == Some("iothread") {
