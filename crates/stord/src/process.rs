@@ -129,6 +129,16 @@ impl Daemon {
         })?;
         let state: SharedState = Rc::default();
         state.borrow_mut().set_self(Rc::downgrade(&state));
+        // Monitors made at run time (`monitor-qmp` objects) open as `--monitor`'s do.
+        let me = Rc::downgrade(&state);
+        state
+            .borrow_mut()
+            .set_monitor_opener(Rc::new(move |dev, fd, settings| {
+                let state = me
+                    .upgrade()
+                    .ok_or_else(|| io::Error::other("the daemon is stopping"))?;
+                crate::qmp::monitor::open_object(&state, dev, fd, settings)
+            }));
         let q = state.borrow().quit_flag();
         let sigfd = signals.as_raw_fd();
         let seen = SignalsSeen::default();
@@ -209,22 +219,7 @@ impl Daemon {
                     &s,
                     Some("type"),
                 )?)?,
-                Item::Monitor(s) => {
-                    let mut kv = KeyVal::parse("--monitor", &s, Some("chardev"))?;
-                    let id = kv.take_required("chardev")?;
-                    let _ = kv.take_choice("mode", &["control"])?;
-                    let _ = kv.take_bool("pretty", false)?;
-                    kv.finish()?;
-                    let dev = self
-                        .state
-                        .borrow_mut()
-                        .chardevs()
-                        .take_for_monitor(&id)
-                        .ok_or(StartError::NoChardev(id))?;
-                    let monitor = Monitor::open(&self.ctx, &dev, self.state.clone())
-                        .map_err(StartError::Monitor)?;
-                    self.monitors.push(monitor);
-                }
+                Item::Monitor(s) => self.add_monitor(&s)?,
             }
         }
         // What no monitor took is opened now (a ringbuf, a file, a socket bound).
@@ -245,14 +240,36 @@ impl Daemon {
         Ok(())
     }
 
-    /// `--chardev`: for a monitor to take, or opened once the command line is done.
-    fn add_chardev(&mut self, kv: KeyVal) -> Result<(), StartError> {
-        let (id, dev) = Chardev::from_options(kv)?;
-        self.state
+    /// `--monitor [chardev=]ID[,mode=control][,pretty=on]`.
+    fn add_monitor(&mut self, s: &str) -> Result<(), StartError> {
+        let mut kv = KeyVal::parse("--monitor", s, Some("chardev"))?;
+        let id = kv.take_required("chardev")?;
+        let log = self.state.borrow().chardev_table().log_of(&id);
+        let _ = kv.take_choice("mode", &["control"])?;
+        let pretty = kv.take_bool("pretty", false)?;
+        kv.finish()?;
+        let dev = self
+            .state
             .borrow_mut()
             .chardevs()
-            .add(&id, dev)
-            .map_err(|e| StartError::Chardev(e.to_string()))
+            .take_for_monitor(&id)
+            .ok_or(StartError::NoChardev(id))?;
+        let session = crate::qmp::Session::new(None, pretty, log);
+        let monitor = Monitor::open(&self.ctx, &dev, None, self.state.clone(), session)
+            .map_err(StartError::Monitor)?;
+        self.monitors.push(monitor);
+        Ok(())
+    }
+
+    /// `--chardev`: for a monitor to take, or opened once the command line is done.
+    fn add_chardev(&mut self, kv: KeyVal) -> Result<(), StartError> {
+        let (id, dev, log) = Chardev::from_options(kv)?;
+        let chardev = |e: crate::chardev::ChardevError| StartError::Chardev(e.to_string());
+        let log = crate::chardev::log::ChardevLog::open(&log).map_err(StartError::Chardev)?;
+        let mut st = self.state.borrow_mut();
+        st.chardevs().add(&id, dev).map_err(chardev)?;
+        st.chardevs().set_log(&id, log);
+        Ok(())
     }
 
     /// Where the NBD server listens, if it runs.

@@ -124,6 +124,15 @@ pub const TYPES: &[QomType] = &[
     ty("metrics", Some("object"), false, USER, || {
         vec![("addr", "SocketAddress")]
     }),
+    ty("monitor", Some("object"), true, &[], || {
+        vec![("chardev", "string")]
+    }),
+    ty("monitor-qmp", Some("monitor"), false, USER, || {
+        vec![
+            ("pretty", "bool"),
+            ("close-action", "MonitorQMPCloseAction"),
+        ]
+    }),
     ty("secret_common", Some("object"), true, &[], || {
         vec![
             ("format", "QCryptoSecretFormat"),

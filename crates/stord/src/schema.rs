@@ -57,6 +57,8 @@ pub enum Ty {
     Enum(&'static EnumType),
     /// An object, its members as the union's tag selects (the monitor checks those).
     Union(&'static UnionType),
+    /// An object with these members (the monitor checks them, as a struct's).
+    Struct(&'static [Arg]),
 }
 
 /// Why a value does not fit its declared type.
@@ -76,7 +78,7 @@ impl Ty {
             Ty::Int => v.is_i64() || v.is_u64(),
             Ty::Uint => v.is_u64(),
             Ty::Bool => v.is_boolean(),
-            Ty::Object | Ty::Union(_) => v.is_object(),
+            Ty::Object | Ty::Union(_) | Ty::Struct(_) => v.is_object(),
             Ty::Array => v.is_array(),
             Ty::Any => true,
             Ty::Enum(e) => {
@@ -102,7 +104,7 @@ impl Ty {
             Ty::Str | Ty::Enum(_) => "string",
             Ty::Int | Ty::Uint => "integer",
             Ty::Bool => "boolean",
-            Ty::Object | Ty::Union(_) => "object",
+            Ty::Object | Ty::Union(_) | Ty::Struct(_) => "object",
             Ty::Array => "array",
             Ty::Any => "any",
         }

@@ -462,6 +462,67 @@ pub fn exit_now(code: i32) -> ! {
     unsafe { libc::_exit(code) }
 }
 
+/// The host's page size (QEMU's qemu_real_host_page_size).
+pub fn page_size() -> u64 {
+    // SAFETY: sysconf reads a constant of the running system; it takes no pointers.
+    let n = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    u64::try_from(n).ok().filter(|&p| p > 0).unwrap_or(4096)
+}
+
+/// A block device's largest request in bytes (BLKSECTGET's sectors × 512, as QEMU's
+/// hdev_get_max_hw_transfer reads it), if the device says.
+pub fn block_max_transfer(fd: RawFd) -> Option<u64> {
+    let mut sectors: libc::c_ushort = 0;
+    // BLKSECTGET, _IO(0x12, 103): not in the libc crate.
+    const BLKSECTGET: libc::c_ulong = 0x1267;
+    // SAFETY: BLKSECTGET writes one unsigned short through the pointer, which is ours.
+    let r = unsafe { libc::ioctl(fd, BLKSECTGET, &mut sectors as *mut libc::c_ushort) };
+    (r == 0 && sectors > 0).then(|| u64::from(sectors) * 512)
+}
+
+/// Sets an integer socket option.
+pub fn setsockopt_int(fd: RawFd, level: i32, name: i32, value: i32) -> io::Result<()> {
+    // SAFETY: the option value is an int of ours, its size given.
+    let r = unsafe {
+        libc::setsockopt(
+            fd,
+            level,
+            name,
+            (&value as *const i32).cast(),
+            std::mem::size_of::<i32>() as libc::socklen_t,
+        )
+    };
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
+/// Reads an integer socket option.
+pub fn getsockopt_int(fd: RawFd, level: i32, name: i32) -> io::Result<i32> {
+    let mut value: i32 = 0;
+    let mut len = std::mem::size_of::<i32>() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `len` bytes into `value`, an int of ours.
+    let r = unsafe { libc::getsockopt(fd, level, name, (&mut value as *mut i32).cast(), &mut len) };
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(value)
+    }
+}
+
+/// Puts a descriptor in non-blocking mode.
+pub fn set_nonblocking(fd: RawFd) -> io::Result<()> {
+    // SAFETY: F_GETFL and F_SETFL take and return plain flags; no pointers.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    // SAFETY: as above.
+    if flags < 0 || unsafe { libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

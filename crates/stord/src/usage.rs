@@ -161,6 +161,7 @@ pub const NBD_SERVER: Plain = Plain {
     option: "--nbd-server",
     synopsis: "addr.type=unix,addr.path=<path>
 | addr.type=inet,addr.host=<host>,addr.port=<port>
+[,addr.keep-alive=on[,addr.keep-alive-count|-idle|-interval=<n>]]
 [,max-connections=<n>][,handshake-max-seconds=<s>]
 [,tls-creds=<id>[,tls-authz=<id>]]",
     about: "the NBD server; with tls-creds every client must use TLS",
@@ -173,7 +174,8 @@ pub const PROCESS: &[Plain] = &[
         synopsis: "socket,id=<id>,path=<path>[,server=on,wait=off]
 | socket,id=<id>,host=<host>,port=<port>[,server=on,wait=off] | stdio,id=<id>
 | ringbuf,id=<id>[,size=<n>] | memory,id=<id>[,size=<n>] | null,id=<id>
-| file,id=<id>,path=<path>[,append=on]",
+| file,id=<id>,path=<path>[,append=on]
+[,logfile=<path>[,logappend=on][,logtimestamp=on]] (any of them)",
         about: "for a monitor, a socket stord listens on (server=on) or
 connects to, or stdin and stdout; besides, a ringbuf
 (ringbuf-read/-write), null or file device",

@@ -160,3 +160,38 @@ fn qmp_fleecing_with_copy_before_write_and_snapshot_access_as_qsd() {
 fn qmp_metrics_listener_serves_openmetrics() {
     run_script("metrics.py");
 }
+
+#[test]
+fn qmp_pull_backup_exports_a_recording_bitmap_by_node_and_name_as_qsd() {
+    run_script("bitmap_pull_export.py");
+}
+
+#[test]
+fn qmp_mirror_target_is_zero_leaves_a_sparse_target_sparse() {
+    run_script("mirror_target_is_zero.py");
+}
+
+#[test]
+fn nbd_keep_alive_reaches_both_ends_sockets() {
+    run_script("keep_alive.py");
+}
+
+#[test]
+fn qmp_qom_list_get_reads_what_qsd_lists_and_gets() {
+    run_script("qom_list_get.py");
+}
+
+#[test]
+fn qmp_block_nodes_report_children_and_limits_as_qemu_10_2() {
+    run_script("block_nodes.py");
+}
+
+#[test]
+fn qmp_monitors_are_made_and_removed_at_run_time_as_qemu_11_1() {
+    run_script("monitor_object.py");
+}
+
+#[test]
+fn qmp_chardev_logs_as_qsd_with_qemu_11_timestamps() {
+    run_script("chardev_log.py");
+}

@@ -6,6 +6,7 @@
 //! written with `ringbuf-read`/`-write`), `null` and `file`. [`table`] holds them while
 //! the daemon runs.
 
+pub mod log;
 pub mod table;
 
 use std::path::PathBuf;
@@ -13,6 +14,7 @@ use std::path::PathBuf;
 use serde_json::Value;
 
 use crate::cli::keyval::{KeyVal, OptionError};
+use log::LogOptions;
 
 /// Where a socket chardev is.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -58,9 +60,10 @@ fn invalid(s: impl Into<String>) -> ChardevError {
 }
 
 impl Chardev {
-    /// A `--chardev` option's id and device (`backend` is the implied first key).
-    pub fn from_options(mut kv: KeyVal) -> Result<(String, Chardev), ChardevError> {
+    /// A `--chardev` option's id, device and log (`backend` is the implied first key).
+    pub fn from_options(mut kv: KeyVal) -> Result<(String, Chardev, LogOptions), ChardevError> {
         let backend = kv.take_required("backend")?;
+        let log = LogOptions::from_options(&mut kv)?;
         let id = kv
             .take("id")
             .ok_or_else(|| invalid("chardev: no id specified"))?;
@@ -86,7 +89,7 @@ impl Chardev {
             return Err(invalid("chardev: mux=on is not supported by stord"));
         }
         kv.finish()?;
-        Ok((id, dev))
+        Ok((id, dev, log))
     }
 }
 
@@ -248,7 +251,9 @@ mod tests {
 
     fn parse(s: &str) -> Result<(String, Chardev), String> {
         let kv = KeyVal::parse("--chardev", s, Some("backend")).map_err(|e| e.to_string())?;
-        Chardev::from_options(kv).map_err(|e| e.to_string())
+        Chardev::from_options(kv)
+            .map(|(id, dev, _)| (id, dev))
+            .map_err(|e| e.to_string())
     }
 
     #[test]

@@ -7,6 +7,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::os::fd::OwnedFd;
 use std::path::PathBuf;
 
+use super::log::SharedLog;
 use super::{Chardev, ChardevError, SocketAddr};
 
 fn invalid(s: impl Into<String>) -> ChardevError {
@@ -72,6 +73,8 @@ struct Entry {
     /// A monitor talks through it.
     used: bool,
     open: Open,
+    /// `logfile`: what it sends is written there too.
+    log: Option<SharedLog>,
 }
 
 /// The chardevs.
@@ -174,6 +177,7 @@ impl Table {
                 dev,
                 used: false,
                 open: Open::Pending,
+                log: None,
             },
         );
         Ok(())
@@ -192,6 +196,37 @@ impl Table {
         let e = self.entries.get_mut(id).filter(|e| !e.used)?;
         e.used = true;
         Some(e.dev.clone())
+    }
+
+    /// A monitor made at run time (`object-add monitor-qmp`) takes device `id`: the
+    /// device, and for a socket already opened a duplicate of its descriptor (the table
+    /// keeps the socket, so the device outlives the monitor, as QEMU's chardev does).
+    pub fn attach_monitor(&mut self, id: &str) -> Result<(Chardev, Option<OwnedFd>), ChardevError> {
+        let Some(e) = self.entries.get_mut(id) else {
+            return Err(invalid(format!("chardev \"{id}\" not found")));
+        };
+        if e.used {
+            return Err(invalid(format!("Device '{id}' is in use")));
+        }
+        let fd = match &e.open {
+            Open::Socket { _fd, .. } => Some(_fd.try_clone().map_err(|err| {
+                invalid(format!("chardev '{id}': {}", crate::sys::os_text(&err)))
+            })?),
+            _ => None,
+        };
+        e.used = true;
+        Ok((e.dev.clone(), fd))
+    }
+
+    /// The monitor on device `id` went: the device is free again (opened, if the
+    /// monitor was the one that opened it).
+    pub fn detach_monitor(&mut self, id: &str) {
+        if let Some(e) = self.entries.get_mut(id) {
+            e.used = false;
+            if matches!(e.open, Open::Pending) {
+                e.open = open(&e.dev).unwrap_or(Open::Nothing);
+            }
+        }
     }
 
     /// Opens every `--chardev` no monitor took.
@@ -223,6 +258,7 @@ impl Table {
                 dev,
                 used: false,
                 open,
+                log: None,
             },
         );
         Ok(())
@@ -256,6 +292,18 @@ impl Table {
                 Ok(())
             }
         }
+    }
+
+    /// Device `id` logs what it sends to `log` (its `logfile`, opened when it was made).
+    pub fn set_log(&mut self, id: &str, log: Option<SharedLog>) {
+        if let Some(e) = self.entries.get_mut(id) {
+            e.log = log;
+        }
+    }
+
+    /// Device `id`'s log, if it has one (the monitor on it writes there too).
+    pub fn log_of(&self, id: &str) -> Option<SharedLog> {
+        self.entries.get(id)?.log.clone()
     }
 
     /// Whether `id` exists (`chardev-send-break` has nobody to tell on a device without

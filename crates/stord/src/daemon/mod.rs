@@ -6,7 +6,8 @@
 //! [`state`] is what the daemon holds, with [`error`] its error; the operations are a
 //! file per concern over it: [`graph`] opens nodes (the driver table, inline children,
 //! rollback), [`nodes`] deletes, resizes and reopens them, [`exports`] and
-//! [`nbd_server`] serve them, [`objects`] holds the `--object` types, [`jobs`] is the
+//! [`nbd_server`] serve them, [`objects`] holds the `--object` types (and [`monitors`],
+//! QMP monitors made at run time), [`jobs`] is the
 //! graph side of each job (a file per job), [`chain`] and [`snapshot`] edit images and
 //! the graph, [`active`] turns nodes inactive and back. This file only hands on the
 //! names the rest of the daemon's users take.
@@ -19,6 +20,8 @@ pub mod exports;
 mod graph;
 pub mod jobs;
 mod lookup;
+pub mod monitor_object;
+pub mod monitors;
 pub mod nbd_server;
 mod new_image;
 pub mod nodes;

@@ -95,6 +95,16 @@ pub const OBJECT_TYPES: &[ObjectType] = &[
         },
     },
     ObjectType {
+        name: "monitor-qmp",
+        create: create_monitor_qmp,
+        help: Help {
+            synopsis: ",chardev=<id>[,pretty=on|off][,close-action=none|delete]",
+            about: "a QMP monitor on a chardev (QEMU 11.1), made and removed at\n\
+                    run time (object-add, object-del); close-action=delete\n\
+                    removes it and its chardev once its client hangs up",
+        },
+    },
+    ObjectType {
         name: "secret",
         create: create_secret,
         help: Help {
@@ -134,6 +144,10 @@ fn create_metrics(st: &mut State, _: &str, id: &str, mut kv: KeyVal) -> Result<(
     })?;
     st.metrics.insert(id.into(), server);
     Ok(())
+}
+
+fn create_monitor_qmp(st: &mut State, _: &str, id: &str, kv: KeyVal) -> Result<(), DaemonError> {
+    st.create_monitor(id, kv)
 }
 
 fn create_secret(st: &mut State, _: &str, id: &str, mut kv: KeyVal) -> Result<(), DaemonError> {
@@ -208,6 +222,7 @@ impl State {
             || self.throttle_groups.contains_key(&id)
             || self.objects.contains_key(&id)
             || self.metrics.contains_key(&id)
+            || self.monitors.contains_key(&id)
         {
             return Err(DaemonError::DuplicateObject(id));
         }
@@ -231,6 +246,7 @@ impl State {
                     .map(|(id, o)| (id.clone(), o.type_name())),
             )
             .chain(self.metrics.keys().map(|id| (id.clone(), "metrics")))
+            .chain(self.monitors.keys().map(|id| (id.clone(), "monitor-qmp")))
             .collect();
         v.sort();
         v
@@ -248,6 +264,9 @@ impl State {
         }
         if self.metrics.remove(id).is_some() {
             return Ok(());
+        }
+        if self.monitors.contains_key(id) {
+            return self.delete_monitor(id);
         }
         if let Some(group) = self.throttle_groups.get(id) {
             // Held by the table and by each throttle node in the group.

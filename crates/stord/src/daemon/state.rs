@@ -18,6 +18,7 @@ use crate::export::{Export, ExportServers};
 
 use super::close;
 use super::error::DaemonError;
+use super::monitor_object::{MonitorObject, OpenMonitor};
 use super::user_object::UserObject;
 
 /// Everything the daemon has created (main thread only).
@@ -63,6 +64,12 @@ pub struct State {
     pub(super) metrics: BTreeMap<String, crate::metrics::MetricsServer>,
     /// The shared state this is (what a metrics scrape reads from later).
     pub(super) me: std::rc::Weak<RefCell<State>>,
+    /// `--object monitor-qmp` / `object-add` monitors by id.
+    pub(super) monitors: BTreeMap<String, MonitorObject>,
+    /// How a monitor is opened (the QMP layer's, installed at start).
+    pub(super) monitor_opener: Option<OpenMonitor>,
+    /// The monitor whose client's command runs now, if made at run time.
+    pub(super) current_monitor: Option<String>,
 
     /// Set to stop the main loop.
     pub(super) quit: Rc<Cell<bool>>,

@@ -22,6 +22,7 @@ use super::handle::Job;
 use super::home::Home;
 use super::in_flight::{stopped, InFlight};
 use super::job_loop::{follow, Step};
+use super::known_zero::KnownZero;
 use super::on_error::{ErrorAction, OnError};
 use super::options::{Finish, Holds};
 use super::stay::Stay;
@@ -180,16 +181,45 @@ impl Copier {
             let (at, n, depth) = run?;
             match self.action(depth) {
                 Action::Skip => {}
-                Action::Zero => self
-                    .target
-                    .write_zeroes(at, n, self.unmap)
-                    .await
-                    .map_err(|e| (e, false))?,
+                Action::Zero => self.zero(at, n).await?,
+                Action::Copy if self.active.known_zero().is_some() => {
+                    copied += self.copy_or_zero(at, n).await?;
+                }
                 Action::Copy => {
                     copy_range(&self.source, &self.target, at, n).await?;
                     copied += n;
                 }
             }
+        }
+        Ok(copied)
+    }
+
+    /// Zeroes to the target, skipped where it reads as zeroes already.
+    async fn zero(&self, at: u64, n: u64) -> Result<(), CopyError> {
+        let r = self.active.zero_target(at, n, self.unmap).await;
+        r.map(drop).map_err(|e| (e, false))
+    }
+
+    /// A `sync=full` copy of an allocated run (QEMU's mirror_iteration by block status):
+    /// what the source reads as zeroes goes as zeroes ([`Copier::zero`]), the rest as data;
+    /// the bytes copied.
+    async fn copy_or_zero(&self, at: u64, n: u64) -> Result<u64, CopyError> {
+        let (mut pos, end, mut copied) = (at, at + n, 0);
+        while pos < end {
+            let st = self
+                .source
+                .block_status(pos, end - pos)
+                .await
+                .map_err(|e| (e, true))?;
+            let len = st.len.min(end - pos);
+            if st.zero {
+                self.zero(pos, len).await?;
+            } else {
+                self.active.target_changes(pos, len);
+                copy_range(&self.source, &self.target, pos, len).await?;
+                copied += len;
+            }
+            pos += len;
         }
         Ok(copied)
     }
@@ -237,6 +267,8 @@ impl Looper {
                     TargetStart::ReadsZero => true,
                     TargetStart::ZeroFirst => target.write_zeroes(0, size, true).await.is_ok(),
                 };
+                let known = KnownZero::new(self.granularity, size, zeroed);
+                self.copier.active.track_zeroes(known);
                 if !zeroed {
                     t.set_granules(0, size.div_ceil(self.granularity));
                     return Ok(());

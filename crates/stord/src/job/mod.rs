@@ -24,8 +24,8 @@
 //! ([`verbs`]) and the queries ([`query`]). Where a job's loop runs: the thread
 //! ([`home`]), a node move seen ([`stay`]), the copies in flight ([`in_flight`]) and the
 //! loop itself, which follows its node ([`job_loop`]). The copy-job driver
-//! ([`copy_job`]) runs stream and commit; mirror (with [`write_blocking`]) and backup
-//! have loops of their own.
+//! ([`copy_job`]) runs stream and commit; mirror (with [`write_blocking`] and
+//! [`known_zero`]) and backup have loops of their own.
 //!
 //! Each job's graph side (QEMU's checks, the permissions and op blockers it holds) is the
 //! daemon's: `crate::daemon::jobs`, a file per job named as the job here.
@@ -40,6 +40,7 @@ pub mod handle;
 pub mod home;
 pub mod in_flight;
 pub mod job_loop;
+pub mod known_zero;
 pub mod lifecycle;
 pub mod mirror;
 pub mod on_error;

@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use serde_json::{Map, Value};
 
+use super::known_zero::KnownZero;
 use crate::block::node::block_node::BlockNode;
 use crate::block::node::dirty_bitmap::DirtyBitmap;
 use crate::block::node::future::BoxFut;
@@ -39,6 +40,8 @@ pub struct WriteBlocking {
     pending: Mutex<Vec<(u64, u64, bool, bool)>>,
     /// Bytes written to the target by writes, not yet counted in the job's progress.
     synced_bytes: AtomicU64,
+    /// What reads as zeroes on the target (a `sync=full` mirror's, once it has started).
+    known_zero: OnceLock<KnownZero>,
 }
 
 impl WriteBlocking {
@@ -53,6 +56,38 @@ impl WriteBlocking {
             ready: AtomicBool::new(false),
             pending: Mutex::new(Vec::new()),
             synced_bytes: AtomicU64::new(0),
+            known_zero: OnceLock::new(),
+        }
+    }
+
+    /// From now on the job keeps track of what reads as zeroes on the target.
+    pub fn track_zeroes(&self, k: KnownZero) {
+        let _ = self.known_zero.set(k);
+    }
+
+    /// What is known to read as zeroes on the target, if the job keeps track.
+    pub fn known_zero(&self) -> Option<&KnownZero> {
+        self.known_zero.get()
+    }
+
+    /// Zeroes to `[offset, offset + len)` of the target, skipped where it reads as zeroes
+    /// already (QEMU's mirror_co_zero); true if they were skipped.
+    pub async fn zero_target(&self, offset: u64, len: u64, unmap: bool) -> std::io::Result<bool> {
+        let known = self.known_zero();
+        if known.is_some_and(|k| k.covers(offset, len)) {
+            return Ok(true);
+        }
+        self.target.write_zeroes(offset, len, unmap).await?;
+        if let Some(k) = known {
+            k.set(offset, len);
+        }
+        Ok(false)
+    }
+
+    /// Data or a discard is about to reach `[offset, offset + len)` of the target.
+    pub fn target_changes(&self, offset: u64, len: u64) {
+        if let Some(k) = self.known_zero() {
+            k.clear(offset, len);
         }
     }
 
@@ -103,6 +138,9 @@ impl WriteBlocking {
         what: Written<'_>,
     ) -> std::io::Result<()> {
         let (skip, len) = ((start - offset) as usize, end - start);
+        if !matches!(what, Written::Zeroes { .. }) {
+            self.target_changes(start, len);
+        }
         match what {
             Written::Data(d) => {
                 let mut buf = request_buf(len as usize);
@@ -114,7 +152,9 @@ impl WriteBlocking {
                 iov.copy_out(skip, &mut buf);
                 self.target.write(start, buf, false).await.0
             }
-            Written::Zeroes { may_unmap } => self.target.write_zeroes(start, len, may_unmap).await,
+            Written::Zeroes { may_unmap } => {
+                self.zero_target(start, len, may_unmap).await.map(drop)
+            }
             Written::Discard => self.target.discard(start, len).await,
         }
     }

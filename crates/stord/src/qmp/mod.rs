@@ -82,8 +82,45 @@ impl From<String> for QmpError {
     }
 }
 
+/// What the connections of one monitor share: the `monitor-qmp` object it is (None: a
+/// command-line monitor), whether it pretty-prints, and its connections now (a monitor
+/// that goes disconnects them).
+#[derive(Default)]
+pub struct Session {
+    pub id: Option<String>,
+    pub pretty: bool,
+    /// The chardev's log: what the monitor sends is written there too.
+    log: Option<crate::chardev::log::SharedLog>,
+    conns: RefCell<Vec<std::rc::Weak<Outbox>>>,
+}
+
+impl Session {
+    /// A session for monitor `id` (None: the command line's).
+    pub fn new(
+        id: Option<String>,
+        pretty: bool,
+        log: Option<crate::chardev::log::SharedLog>,
+    ) -> Rc<Self> {
+        Rc::new(Session {
+            id,
+            pretty,
+            log,
+            conns: RefCell::default(),
+        })
+    }
+
+    /// Disconnects every client (the monitor goes).
+    pub fn disconnect_all(&self) {
+        for c in self.conns.take() {
+            if let Some(out) = c.upgrade() {
+                out.close();
+            }
+        }
+    }
+}
+
 /// Outgoing bytes of one connection, sent by its writer task.
-struct Outbox {
+pub(crate) struct Outbox {
     fd: RawFd,
     buf: RefCell<Vec<u8>>,
     waker: RefCell<Option<Waker>>,
@@ -99,11 +136,20 @@ struct Outbox {
     events: Events,
     /// The reply to `quit`, sent once the stop has torn everything down (qsd's order).
     held: RefCell<Option<Value>>,
+    /// Replies and events pretty-printed (`pretty=on`).
+    pretty: bool,
+    /// The `monitor-qmp` object this connection came through, if any.
+    monitor: Option<String>,
+    /// The chardev's log.
+    log: Option<crate::chardev::log::SharedLog>,
 }
 
 impl Outbox {
     fn new(fd: RawFd, events: Events) -> Self {
         Self {
+            pretty: false,
+            monitor: None,
+            log: None,
             events,
             fd,
             buf: RefCell::default(),
@@ -127,8 +173,17 @@ impl Outbox {
             return;
         }
         let mut b = self.buf.borrow_mut();
-        b.extend_from_slice(text::to_text(v).as_bytes());
+        let text = if self.pretty {
+            // Every line of it ends in CR LF, as QEMU's monitor_puts writes them.
+            text::to_pretty_text(v).replace('\n', "\r\n")
+        } else {
+            text::to_text(v)
+        };
+        b.extend_from_slice(text.as_bytes());
         b.extend_from_slice(b"\r\n");
+        if let Some(log) = &self.log {
+            log.borrow_mut().write(&b[b.len() - text.len() - 2..]);
+        }
         drop(b);
         if self.queued() > MAX_BACKLOG {
             tracing::warn!(
@@ -243,10 +298,15 @@ impl EventSink for Outbox {
     }
 }
 
-async fn serve(conn: OwnedFd, state: SharedState) {
+async fn serve(conn: OwnedFd, state: SharedState, session: Rc<Session>) {
     let fd = conn.as_raw_fd();
     let events = state.borrow().events().clone();
-    let out = Rc::new(Outbox::new(fd, events.clone()));
+    let mut outbox = Outbox::new(fd, events.clone());
+    outbox.pretty = session.pretty;
+    outbox.monitor = session.id.clone();
+    outbox.log = session.log.clone();
+    let out = Rc::new(outbox);
+    session.conns.borrow_mut().push(Rc::downgrade(&out));
     let sink: Rc<dyn EventSink> = out.clone();
     events.subscribe(Rc::downgrade(&sink));
     let writer = stord_aio::spawn(write_loop(fd, out.clone()));
@@ -279,6 +339,12 @@ async fn serve(conn: OwnedFd, state: SharedState) {
     }
     writer.await;
     drop(conn);
+    // A monitor made with close-action=delete goes with its client.
+    if let Some(id) = &session.id {
+        if let Ok(mut st) = state.try_borrow_mut() {
+            st.monitor_closed(id);
+        }
+    }
 }
 
 /// Reads what the client sent into `buf`: the byte count, or None once the connection
@@ -499,6 +565,7 @@ async fn handle(state: &SharedState, out: &Rc<Outbox>, msg: Value) -> Option<Val
     if state.borrow().quit_flag().get() {
         return None;
     }
+    state.borrow_mut().set_current_monitor(out.monitor.clone());
     let r = commands::execute(state, &cmd, args);
     if cmd == "quit" && r.is_ok() {
         *out.held.borrow_mut() = Some(reply(r));

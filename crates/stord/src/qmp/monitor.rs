@@ -17,9 +17,10 @@ use std::time::Duration;
 
 use stord_aio::AioContext;
 
-use super::serve;
+use super::{serve, Session};
 use crate::accept::Acceptor;
 use crate::chardev::{Chardev, SocketAddr};
+use crate::daemon::monitor_object::{MonitorSettings, RuntimeMonitor};
 use crate::daemon::SharedState;
 
 /// How long the stop waits for standard output to take the last replies.
@@ -28,6 +29,7 @@ const STDOUT_FLUSH_LIMIT: Duration = Duration::from_millis(500);
 /// A QMP monitor on one chardev.
 pub struct Monitor {
     kind: Kind,
+    session: std::rc::Rc<Session>,
 }
 
 enum Kind {
@@ -47,11 +49,24 @@ enum Kind {
 }
 
 impl Monitor {
-    /// Opens the monitor on `dev`: listens, connects, or takes over stdio.
-    pub fn open(ctx: &AioContext, dev: &Chardev, state: SharedState) -> io::Result<Monitor> {
-        let kind = match dev {
-            Chardev::Listen(addr) => listen(ctx, addr, state)?,
-            Chardev::Connect(addr) => {
+    /// Opens the monitor on `dev`: listens, connects, or takes over stdio; `fd` is the
+    /// chardev's socket when it is open already (a monitor made at run time serves it).
+    pub fn open(
+        ctx: &AioContext,
+        dev: &Chardev,
+        fd: Option<OwnedFd>,
+        state: SharedState,
+        session: std::rc::Rc<Session>,
+    ) -> io::Result<Monitor> {
+        let s = session.clone();
+        let kind = match (dev, fd) {
+            (Chardev::Listen(_), Some(fd)) => accept_on(ctx, fd, None, state, s)?,
+            (Chardev::Connect(_), Some(fd)) => {
+                stord_aio::spawn_detached(serve(fd, state, s));
+                Kind::Connected
+            }
+            (Chardev::Listen(addr), None) => listen(ctx, addr, state, s)?,
+            (Chardev::Connect(addr), None) => {
                 let conn = connect(addr).map_err(|e| {
                     let to = match addr {
                         SocketAddr::Unix(p) => p.display().to_string(),
@@ -59,29 +74,29 @@ impl Monitor {
                     };
                     io::Error::new(e.kind(), format!("Failed to connect to '{to}': {e}"))
                 })?;
-                stord_aio::spawn_detached(serve(conn, state));
+                stord_aio::spawn_detached(serve(conn, state, s));
                 Kind::Connected
             }
-            Chardev::Stdio => {
+            (Chardev::Stdio, _) => {
                 let (ours, bridge) = UnixStream::pair()?;
                 ours.set_nonblocking(true)?;
                 let stdout_done = bridge_stdio(bridge)?;
                 let served = ours.try_clone()?;
-                stord_aio::spawn_detached(serve(served.into(), state));
+                stord_aio::spawn_detached(serve(served.into(), state, s));
                 Kind::Stdio { ours, stdout_done }
             }
-            Chardev::Null | Chardev::Ringbuf { .. } | Chardev::File { .. } => {
+            (Chardev::Null | Chardev::Ringbuf { .. } | Chardev::File { .. }, _) => {
                 return Err(io::Error::other(format!(
                     "a monitor needs a socket or stdio chardev in stord, not {}",
                     dev.type_name()
                 )))
             }
         };
-        Ok(Monitor { kind })
+        Ok(Monitor { kind, session })
     }
 
-    /// Stops listening (removing a unix socket) or waits, bounded, for standard output to
-    /// take what was sent.
+    /// Stops listening (removing a unix socket it bound) or waits, bounded, for standard
+    /// output to take what was sent.
     pub fn stop(self) {
         match self.kind {
             Kind::Listening { path, _acceptor } => {
@@ -99,7 +114,31 @@ impl Monitor {
     }
 }
 
-fn listen(ctx: &AioContext, addr: &SocketAddr, state: SharedState) -> io::Result<Kind> {
+/// Serves every client that connects to the listening socket `fd` (`path`: a unix
+/// socket's, removed when the monitor stops).
+fn accept_on(
+    ctx: &AioContext,
+    fd: OwnedFd,
+    path: Option<PathBuf>,
+    state: SharedState,
+    session: std::rc::Rc<Session>,
+) -> io::Result<Kind> {
+    crate::sys::set_nonblocking(std::os::fd::AsRawFd::as_raw_fd(&fd))?;
+    let acceptor = Acceptor::start(ctx, "qmp monitor", fd, move |conn| {
+        stord_aio::spawn_detached(serve(conn, state.clone(), session.clone()));
+    })?;
+    Ok(Kind::Listening {
+        path,
+        _acceptor: acceptor,
+    })
+}
+
+fn listen(
+    ctx: &AioContext,
+    addr: &SocketAddr,
+    state: SharedState,
+    session: std::rc::Rc<Session>,
+) -> io::Result<Kind> {
     let (fd, path): (OwnedFd, _) = match addr {
         SocketAddr::Unix(path) => {
             if path.exists() {
@@ -116,13 +155,7 @@ fn listen(ctx: &AioContext, addr: &SocketAddr, state: SharedState) -> io::Result
             (l.into(), None)
         }
     };
-    let acceptor = Acceptor::start(ctx, "qmp monitor", fd, move |conn| {
-        stord_aio::spawn_detached(serve(conn, state.clone()));
-    })?;
-    Ok(Kind::Listening {
-        path,
-        _acceptor: acceptor,
-    })
+    accept_on(ctx, fd, path, state, session)
 }
 
 fn connect(addr: &SocketAddr) -> io::Result<OwnedFd> {
@@ -176,4 +209,30 @@ fn bridge_stdio(bridge: UnixStream) -> io::Result<mpsc::Receiver<()>> {
             let _ = done.send(());
         })?;
     Ok(stdout_done)
+}
+
+/// A `monitor-qmp` object's monitor (what the daemon's
+/// [`crate::daemon::monitor_object::OpenMonitor`] opens).
+pub fn open_object(
+    state: &SharedState,
+    dev: &Chardev,
+    fd: Option<OwnedFd>,
+    settings: &MonitorSettings,
+) -> io::Result<Box<dyn RuntimeMonitor>> {
+    // Its chardev's table is borrowed by the caller: the log comes with the settings.
+    let log = settings.log.clone();
+    let session = Session::new(Some(settings.id.clone()), settings.pretty, log);
+    let opened =
+        stord_aio::with_current_context(|ctx| Monitor::open(ctx, dev, fd, state.clone(), session));
+    let monitor = opened.ok_or_else(|| io::Error::other("not on the main loop"))??;
+    Ok(Box::new(monitor))
+}
+
+impl RuntimeMonitor for Monitor {
+    /// Stops accepting, then disconnects its clients.
+    fn stop(self: Box<Self>) {
+        let session = self.session.clone();
+        Monitor::stop(*self);
+        session.disconnect_all();
+    }
 }

@@ -32,6 +32,60 @@ pub fn to_text(v: &Value) -> String {
     out
 }
 
+/// `v` as a monitor with `pretty=on` sends it (QEMU's JSON writer, pretty): every member
+/// and element on a line of its own, indented four spaces a level, a container's closing
+/// bracket on a line of its own (an empty one too). Without the final line end.
+pub fn to_pretty_text(v: &Value) -> String {
+    let mut out = String::new();
+    write_pretty(&mut out, v, 0);
+    out
+}
+
+fn write_pretty(out: &mut String, v: &Value, depth: usize) {
+    let newline = |out: &mut String, d: usize| {
+        out.push('\n');
+        out.push_str(&"    ".repeat(d));
+    };
+    match v {
+        Value::Array(items) => {
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                newline(out, depth + 1);
+                write_pretty(out, item, depth + 1);
+            }
+            newline(out, depth);
+            out.push(']');
+        }
+        Value::Object(m) => {
+            out.push('{');
+            for (n, (k, v)) in in_qemu_order(m).into_iter().enumerate() {
+                if n > 0 {
+                    out.push(',');
+                }
+                newline(out, depth + 1);
+                quoted(out, k);
+                out.push_str(": ");
+                write_pretty(out, v, depth + 1);
+            }
+            newline(out, depth);
+            out.push('}');
+        }
+        scalar => write(out, scalar),
+    }
+}
+
+/// An object's members in the order QEMU writes them.
+fn in_qemu_order(m: &Map<String, Value>) -> Vec<(&String, &Value)> {
+    let mut members: Vec<(usize, &String, &Value)> =
+        m.iter().enumerate().map(|(i, (k, v))| (i, k, v)).collect();
+    // Bucket order, and the latest inserted first within a bucket.
+    members.sort_by_key(|(i, k, _)| (bucket(k), std::cmp::Reverse(*i)));
+    members.into_iter().map(|(_, k, v)| (k, v)).collect()
+}
+
 fn write(out: &mut String, v: &Value) {
     match v {
         Value::Null => out.push_str("null"),
@@ -53,12 +107,8 @@ fn write(out: &mut String, v: &Value) {
 }
 
 fn object(out: &mut String, m: &Map<String, Value>) {
-    let mut members: Vec<(usize, &String, &Value)> =
-        m.iter().enumerate().map(|(i, (k, v))| (i, k, v)).collect();
-    // Bucket order, and the latest inserted first within a bucket.
-    members.sort_by_key(|(i, k, _)| (bucket(k), std::cmp::Reverse(*i)));
     out.push('{');
-    for (n, (_, k, v)) in members.into_iter().enumerate() {
+    for (n, (k, v)) in in_qemu_order(m).into_iter().enumerate() {
         if n > 0 {
             out.push_str(", ");
         }
@@ -130,6 +180,21 @@ mod tests {
             to_text(&ev),
             r#"{"timestamp": {"seconds": 1, "microseconds": 2}, "event": "JOB_STATUS_CHANGE", "data": {"status": "created", "id": "j"}}"#
         );
+    }
+
+    /// QEMU's pretty form: iotest 184's `"children": [` with its `]` on a line of its
+    /// own, qsd's `{"return": {}}` over a `pretty=on` monitor.
+    #[test]
+    fn pretty_text_as_qemus_json_writer_writes_it() {
+        assert_eq!(
+            to_pretty_text(&json!({ "return": {} })),
+            "{\n    \"return\": {\n    }\n}"
+        );
+        assert_eq!(
+            to_pretty_text(&json!({ "return": [1, {"a": []}], "id": 7 })),
+            "{\n    \"return\": [\n        1,\n        {\n            \"a\": [\n            ]\n        }\n    ],\n    \"id\": 7\n}"
+        );
+        assert_eq!(to_pretty_text(&json!("x")), "\"x\"");
     }
 
     #[test]

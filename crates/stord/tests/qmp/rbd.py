@@ -151,8 +151,10 @@ def run(binary, tag, c):
     entry = [n for n in q.cmd_raw("query-named-block-nodes")["return"]
              if n["node-name"] == "disk"][0]
     assert json.loads(entry["file"][len("json:"):]) == dict(img("disk"), driver="rbd"), entry
-    out.append({k: v for k, v in entry.items() if k not in ("file", "image")})
-    image = {k: v for k, v in entry["image"].items() if k not in ("filename",)}
+    # children and the image's limits: QEMU 10.1's and 10.2's, which the installed qsd
+    # 10.0 lacks (block_nodes.py checks them).
+    out.append({k: v for k, v in entry.items() if k not in ("file", "image", "children")})
+    image = {k: v for k, v in entry["image"].items() if k not in ("filename", "limits")}
     out.append({k: v for k, v in image.items() if k not in ("cluster-size",
                                                            "format-specific")})
     # cache.direct turns librbd's cache off (QEMU's rbd_cache=false); the node says so.

@@ -10,6 +10,9 @@ from common import ok, err
 
 # Arguments stord takes that qsd's schema does not have (stord's own, documented).
 OURS = {("nbd-server-start", "x-buffer-limit")}
+# Arguments of QEMU 10.1 and later that the installed qsd (10.0) lacks: checked against
+# QEMU's schema text instead (qapi/block-core.json).
+NEWER = {("blockdev-mirror", "target-is-zero")}
 
 
 def schema_of(binary, tag):
@@ -57,7 +60,7 @@ def test():
         s_req, s_all = members(ours, cmd)
         if q_req - s_req:
             problems.append(f"{cmd}: qsd requires {sorted(q_req - s_req)}, stord does not")
-        extra = {a for a in s_all - q_all if (cmd, a) not in OURS}
+        extra = {a for a in s_all - q_all if (cmd, a) not in OURS | NEWER}
         if extra:
             problems.append(f"{cmd}: stord declares {sorted(extra)}, qsd has no such argument")
     assert not problems, problems
@@ -68,6 +71,8 @@ def test():
     for ev in events:
         assert ev in theirs, ev
         assert members(ours, ev) == members(theirs, ev), (ev, members(ours, ev), members(theirs, ev))
+
+    newer(ours)
 
     # The declared types are enforced, with QEMU's message.
     d = common.Daemon([])
@@ -81,6 +86,31 @@ def test():
         q.close()
     finally:
         d.stop()
+
+
+def newer(ours):
+    """What QEMU 10.1 to 11.1 added is in stord's schema as QEMU's schema text has it:
+    qom-list-get (qapi/qom.json: `paths`, a list of strings, required), blockdev-mirror's
+    optional `target-is-zero` (block-core.json), nbd-server-start's inet address with
+    `keep-alive` and the 10.1 `keep-alive-count`, `-idle`, `-interval` (sockets.json), and
+    the `monitor-qmp` object type (qom.json's ObjectType, 11.1)."""
+    assert ours["qom-list-get"]["meta-type"] == "command"
+    assert members(ours, "qom-list-get") == ({"paths"}, {"paths"})
+    req, every = members(ours, "blockdev-mirror")
+    assert "target-is-zero" in every and "target-is-zero" not in req
+    addr = [m for m in ours[ours["nbd-server-start"]["arg-type"]]["members"]
+            if m["name"] == "addr"][0]
+    union = ours[addr["type"]]
+    assert union["tag"] == "type", union
+    inet = [v for v in union["variants"] if v["case"] == "inet"][0]
+    data = [m for m in ours[inet["type"]]["members"] if m["name"] == "data"][0]
+    names = {m["name"]: "default" in m for m in ours[data["type"]]["members"]}
+    for k in ("keep-alive", "keep-alive-count", "keep-alive-idle", "keep-alive-interval"):
+        assert names.get(k) is True, (k, names)
+    # object-add's qom-type (ObjectType) has 11.1's monitor-qmp.
+    qom_type = [m for m in ours[ours["object-add"]["arg-type"]]["members"]
+                if m["name"] == "qom-type"][0]
+    assert "monitor-qmp" in ours[qom_type["type"]]["values"], ours[qom_type["type"]]
 
 
 common.main(test)

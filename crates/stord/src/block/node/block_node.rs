@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 use super::future::{unsupported_fut, BoxFut};
 use super::options::{CommonOptions, DetectZeroes};
-use super::{dirty_bitmap, hook, perm, stats};
+use super::{dirty_bitmap, hook, limits, perm, stats};
 use crate::buf::{count_bounce, request_buf, Buf};
 use crate::iov::IoVec;
 
@@ -160,6 +160,9 @@ pub trait BlockDriver: Send + Sync {
     fn cluster_size(&self) -> Option<u64> {
         None
     }
+    /// Puts in the limits the driver knows (QEMU's driver bdrv_refresh_limits), over the
+    /// defaults of a node without children or its children's merged (see [`limits`]).
+    fn refresh_limits(&self, _bl: &mut limits::BlockLimits) {}
     /// The child nodes, each with its role (`file`), for the graph's bookkeeping.
     fn children(&self) -> Vec<(&'static str, Arc<BlockNode>)> {
         Vec::new()
@@ -442,6 +445,21 @@ impl BlockNode {
     /// The child nodes with their roles.
     pub fn children(&self) -> Vec<(&'static str, Arc<BlockNode>)> {
         self.driver.children()
+    }
+
+    /// The node's I/O limits as QEMU's bdrv_refresh_limits finds them: the children's
+    /// merged (a node without children: the protocol defaults), then the driver's own.
+    pub fn limits(&self) -> limits::BlockLimits {
+        let mut bl = limits::BlockLimits::start();
+        let children = self.children();
+        if children.is_empty() {
+            bl.protocol_defaults();
+        }
+        for (_, c) in &children {
+            bl.merge(&c.limits());
+        }
+        self.driver.refresh_limits(&mut bl);
+        bl
     }
 
     /// Puts the node in service (see [`BlockDriver::activate`]); only nodes that carry

@@ -2,7 +2,7 @@
 //! and what hangs off a node whatever its driver.
 //!
 //! Lowest first: the pieces that know nothing of nodes ([`future`], [`options`], [`perm`]'s
-//! model, [`hook`]'s trait, [`stats`], [`dirty_bitmap`], [`range_lock`]); then
+//! model, [`hook`]'s trait, [`stats`], [`dirty_bitmap`], [`range_lock`], [`limits`]); then
 //! [`block_node`]; then what a node does or holds, each an `impl BlockNode` or a holder of
 //! one ([`requests`], [`bitmaps`], [`claim`], [`hook_on`], [`blocker`], [`link`],
 //! [`read_only_again`]).
@@ -15,6 +15,7 @@ pub mod dirty_bitmap;
 pub mod future;
 pub mod hook;
 pub mod hook_on;
+pub mod limits;
 pub mod link;
 pub mod options;
 pub mod perm;

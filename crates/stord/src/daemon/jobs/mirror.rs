@@ -10,6 +10,7 @@ use std::sync::Arc;
 use super::start::{home_of, with_after};
 use crate::block::node::block_node::BlockNode;
 use crate::block::node::link::NodeLink;
+use crate::block::node::options::DetectZeroes;
 use crate::block::node::perm::Perm;
 use crate::daemon::error::{invalid, DaemonError};
 use crate::daemon::state::State;
@@ -39,6 +40,8 @@ pub struct MirrorOptions {
     pub auto_dismiss: bool,
     /// The target is an image just created (drive-mirror): it reads as zeroes.
     pub target_fresh: bool,
+    /// `target-is-zero` (QEMU 10.1): the caller says the target reads as zeroes.
+    pub target_is_zero: bool,
 }
 
 /// The exports a mirror moves, reached through the daemon while the job runs.
@@ -118,15 +121,7 @@ impl State {
             _ => target.default_bitmap_granularity().clamp(4096, 65536),
         };
         let blocking = o.copy_mode.as_deref() == Some("write-blocking");
-        // As QEMU's mirror_dirty_init: a target is zeroed first only if zeroes may unmap
-        // there (`discard=unmap`); else every byte is copied.
-        let target_start = if o.target_fresh {
-            TargetStart::ReadsZero
-        } else if target.unmaps() {
-            TargetStart::ZeroFirst
-        } else {
-            TargetStart::Unknown
-        };
+        let target_start = target_start(&o, &target);
         let mirror = Mirror {
             active: Arc::new(WriteBlocking::new(blocking, granularity, target.clone())),
             granularity,
@@ -154,6 +149,22 @@ impl State {
             true,
             |job| with_after(crate::job::mirror::run(mirror, job), after),
         )
+    }
+}
+
+/// What the target holds when a `sync=full` mirror starts, as QEMU 10.1's
+/// mirror_dirty_init decides: a target that reads as zeroes (`target-is-zero`, or an image
+/// drive-mirror just created) is not written where the source reads zeroes, unless its
+/// `detect-zeroes=unmap` asks for holes punched; otherwise it is zeroed first if zeroes
+/// may unmap there (`discard=unmap`), else every byte is copied.
+fn target_start(o: &MirrorOptions, target: &BlockNode) -> TargetStart {
+    let punch_holes = target.detect_zeroes() == DetectZeroes::Unmap && target.unmaps();
+    if (o.target_fresh || o.target_is_zero) && !punch_holes {
+        TargetStart::ReadsZero
+    } else if target.unmaps() {
+        TargetStart::ZeroFirst
+    } else {
+        TargetStart::Unknown
     }
 }
 

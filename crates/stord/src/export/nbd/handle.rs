@@ -27,7 +27,10 @@ pub struct NbdExportHandle {
 const MAX_EXPORT_BITMAPS: usize = 32;
 
 /// The `bitmaps` an export offers: each a name found on the node or down its chain of
-/// filters and backing files, or `{node, name}` (QEMU's rules and texts).
+/// filters and backing files, or `{node, name}` (QEMU's rules and texts). A read-only
+/// export refuses a recording bitmap only when it was named by a string and found on a
+/// writable node of its own chain; the `{node, name}` form takes the bitmap as given, as
+/// QEMU's nbd_export_create does (a pull backup exports an enabled bitmap that way).
 fn export_bitmaps(
     env: &ExportEnv<'_>,
     kv: &mut KeyVal,
@@ -37,7 +40,7 @@ fn export_bitmaps(
     let mut out: Vec<Arc<DirtyBitmap>> = Vec::new();
     for i in 0.. {
         let key = format!("bitmaps.{i}");
-        let (b, owner) = if let Some(name) = kv.take(&key) {
+        let b = if let Some(name) = kv.take(&key) {
             let mut at = Some(node.clone());
             let mut found = None;
             while let Some(n) = at {
@@ -47,7 +50,14 @@ fn export_bitmaps(
                 }
                 at = n.filtered_or_backing();
             }
-            found.ok_or_else(|| ExportError::Invalid(format!("Bitmap '{name}' is not found")))?
+            let (b, owner) = found
+                .ok_or_else(|| ExportError::Invalid(format!("Bitmap '{name}' is not found")))?;
+            if !writable && !owner.is_read_only() && b.is_recording() {
+                return Err(ExportError::Invalid(format!(
+                    "Enabled bitmap '{name}' incompatible with readonly export"
+                )));
+            }
+            b
         } else if let Some(mut o) = kv.take_prefixed(&key) {
             let node_name = o.take_required("node")?;
             let name = o.take_required("name")?;
@@ -55,21 +65,13 @@ fn export_bitmaps(
             let n = env
                 .node(&kv.what, &node_name)
                 .map_err(|_| ExportError::Invalid(format!("Node '{node_name}' not found")))?;
-            let b = n
-                .bitmap(&name)
-                .map_err(|e| ExportError::Invalid(e.to_string()))?;
-            (b, n)
+            n.bitmap(&name)
+                .map_err(|e| ExportError::Invalid(e.to_string()))?
         } else {
             break;
         };
         b.check(Use::AllowReadOnly)
             .map_err(|e| ExportError::Invalid(e.to_string()))?;
-        if !writable && !owner.is_read_only() && b.is_recording() {
-            return Err(ExportError::Invalid(format!(
-                "Enabled bitmap '{}' incompatible with readonly export",
-                b.name
-            )));
-        }
         if out.len() == MAX_EXPORT_BITMAPS {
             return Err(ExportError::Invalid(format!(
                 "an export offers at most {MAX_EXPORT_BITMAPS} bitmaps"

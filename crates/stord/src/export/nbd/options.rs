@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 
 use crate::cli::keyval::{KeyVal, OptionError};
+use crate::nbd_wire::keepalive::KeepAlive;
 use crate::nbd_wire::proto::MAX_PAYLOAD;
 
 /// Where the server listens.
@@ -44,11 +45,22 @@ impl std::fmt::Display for ListenAddr {
     }
 }
 
+/// The keep-alive members of an inet address (QEMU's InetSocketAddress).
+const KEEP_ALIVE_KEYS: &[&str] = &[
+    "keep-alive",
+    "keep-alive-count",
+    "keep-alive-idle",
+    "keep-alive-interval",
+];
+
 /// How the server listens and treats new connections (`--nbd-server`, `nbd-server-start`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NbdServerOpts {
     /// Where.
     pub addr: ListenAddr,
+    /// An inet address's keep-alive (set on the listening socket; the connections it
+    /// accepts inherit it, as QEMU 10.1 does).
+    pub keep_alive: KeepAlive,
     /// Connections at once (0: no limit), as qsd's `max-connections`.
     pub max_connections: u32,
     /// Time a client has to finish the handshake (0: no limit), as qsd's
@@ -74,12 +86,18 @@ impl NbdServerOpts {
     /// `addr.port`) and of `nbd-server-start` (its legacy `addr.data.*` form, flattened):
     /// the one parser of both.
     pub fn from_options(mut kv: KeyVal) -> Result<Self, OptionError> {
-        for k in ["path", "host", "port"] {
+        let inet = kv.get("addr.type") == Some("inet");
+        let keep_alive_keys = KEEP_ALIVE_KEYS.iter().filter(|_| inet);
+        for k in ["path", "host", "port"].iter().chain(keep_alive_keys) {
             if let Some(v) = kv.take(&format!("addr.data.{k}")) {
                 kv.insert(&format!("addr.{k}"), v);
             }
         }
         let addr = ListenAddr::from_options(&mut kv)?;
+        let keep_alive = match addr {
+            ListenAddr::Inet(..) => KeepAlive::from_options(&mut kv, "addr")?,
+            ListenAddr::Unix(_) => KeepAlive::default(),
+        };
         // QEMU's types: uint32 both (a larger value is refused, not cut down).
         let u32_range = 0..=u64::from(u32::MAX);
         let max_connections = kv
@@ -97,6 +115,7 @@ impl NbdServerOpts {
         kv.finish()?;
         Ok(Self {
             addr,
+            keep_alive,
             max_connections,
             handshake_max_secs,
             tls_creds,

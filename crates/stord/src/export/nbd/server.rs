@@ -62,6 +62,10 @@ impl NbdServer {
             ListenAddr::Inet(h, port) => {
                 let l = TcpListener::bind((h.as_str(), *port))?;
                 l.set_nonblocking(true)?;
+                // Inherited by every connection the socket accepts.
+                opts.keep_alive
+                    .apply(std::os::fd::AsRawFd::as_raw_fd(&l))
+                    .map_err(std::io::Error::other)?;
                 (l.into(), true)
             }
         };

@@ -415,6 +415,11 @@ fn node_fields(n: &crate::block::node::block_node::BlockNode) -> Value {
         "encrypted": false,
         "active": !n.is_inactive(),
         "backing_file_depth": n.backing_depth(),
+        // QEMU 10.1's BlockdevChild list, in the node's child order (QEMU's bs->children:
+        // as they were attached, the file before the backing image).
+        "children": n.children().iter()
+            .map(|(role, c)| json!({ "child": role, "node-name": c.name }))
+            .collect::<Vec<_>>(),
         "detect_zeroes": n.detect_zeroes().name(),
         "write_threshold": n.write_threshold(),
         "bps": 0, "bps_rd": 0, "bps_wr": 0,
@@ -429,6 +434,8 @@ fn node_fields(n: &crate::block::node::block_node::BlockNode) -> Value {
         },
     });
     if let Some(image) = v["image"].as_object_mut() {
+        // QEMU 10.2's BlockLimitsInfo: the limits I/O on the node follows.
+        image.insert("limits".into(), n.limits().to_qmp());
         if !n.reports_host_size() {
             image.remove("actual-size");
         }

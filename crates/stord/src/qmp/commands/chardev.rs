@@ -5,6 +5,7 @@
 use serde_json::{json, Value};
 
 use super::{opt, req, Args, Command, EnumType, Ty};
+use crate::chardev::log::{ChardevLog, LogOptions, SharedLog};
 use crate::chardev::{Chardev, ChardevError, BACKENDS};
 use crate::qmp::QmpError;
 
@@ -20,9 +21,13 @@ static DATA_FORMAT: EnumType = EnumType {
     values: || vec!["utf8", "base64"],
 };
 
-fn backend(a: &mut Args) -> Result<Chardev, QmpError> {
+/// The backend, and its log opened (ChardevCommon's `logfile`, `logappend` and QEMU
+/// 11.0's `logtimestamp`).
+fn backend(a: &mut Args) -> Result<(Chardev, Option<SharedLog>), QmpError> {
     let b = a.take("backend").unwrap_or(Value::Null);
-    Ok(Chardev::from_qmp(&b)?)
+    let dev = Chardev::from_qmp(&b)?;
+    let log = ChardevLog::open(&LogOptions::from_qmp(&b)).map_err(QmpError::generic)?;
+    Ok((dev, log))
 }
 
 pub const CHARDEV_ADD: Command = Command {
@@ -31,9 +36,11 @@ pub const CHARDEV_ADD: Command = Command {
     open: false,
     run: |state, mut a| {
         let id = a.str_req("id")?;
-        let dev = backend(&mut a)
+        let (dev, log) = backend(&mut a)
             .map_err(|e| QmpError::generic(format!("Failed to add chardev '{id}': {}", e.desc)))?;
-        state.borrow_mut().chardevs().add_open(&id, dev)?;
+        let mut st = state.borrow_mut();
+        st.chardevs().add_open(&id, dev)?;
+        st.chardevs().set_log(&id, log);
         Ok(json!({}))
     },
 };
@@ -47,8 +54,10 @@ pub const CHARDEV_CHANGE: Command = Command {
         if !state.borrow().chardev_table().contains(&id) {
             return Err(QmpError::generic(format!("Chardev '{id}' does not exist")));
         }
-        let dev = backend(&mut a)?;
-        state.borrow_mut().chardevs().change(&id, dev)?;
+        let (dev, log) = backend(&mut a)?;
+        let mut st = state.borrow_mut();
+        st.chardevs().change(&id, dev)?;
+        st.chardevs().set_log(&id, log);
         Ok(json!({}))
     },
 };
@@ -120,6 +129,8 @@ pub const RINGBUF_WRITE: Command = Command {
         } else {
             data.into_bytes()
         };
+        // Not logged: QEMU's ringbuf-write puts the bytes in the ring past its chardev
+        // layer (ringbuf_chr_write), and so past the log.
         ring.write(&bytes);
         Ok(json!({}))
     },

@@ -3,14 +3,51 @@
 
 use serde_json::{json, Map, Value};
 
-use super::{opt, req, type_error, Command, Ty};
+use super::{opt, req, type_error, Command, EnumType, Ty, UnionType};
 use crate::export::nbd::options::NbdServerOpts;
 use crate::qmp::QmpError;
+
+/// QEMU's InetSocketAddress, the members stord takes (10.1's keep-alive ones included).
+const INET_SOCKET_ADDRESS: &[super::Arg] = &[
+    req("host", Ty::Str),
+    req("port", Ty::Str),
+    opt("keep-alive", Ty::Bool),
+    opt("keep-alive-count", Ty::Uint),
+    opt("keep-alive-idle", Ty::Uint),
+    opt("keep-alive-interval", Ty::Uint),
+];
+
+/// QEMU's UnixSocketAddress, the member stord takes.
+const UNIX_SOCKET_ADDRESS: &[super::Arg] = &[req("path", Ty::Str)];
+
+static SOCKET_ADDRESS_TYPE: EnumType = EnumType {
+    name: "SocketAddressType",
+    values: || vec!["inet", "unix", "vsock", "fd"],
+};
+
+/// QEMU's SocketAddressLegacy, nbd-server-start's `addr` (vsock and fd are refused when
+/// the server starts).
+static SOCKET_ADDRESS_LEGACY: UnionType = UnionType {
+    name: "SocketAddressLegacy",
+    tag: "type",
+    tag_type: &SOCKET_ADDRESS_TYPE,
+    variants: || {
+        vec![
+            ("inet", INET_WRAPPER),
+            ("unix", UNIX_WRAPPER),
+            ("vsock", OTHER_WRAPPER),
+            ("fd", OTHER_WRAPPER),
+        ]
+    },
+};
+const INET_WRAPPER: &[super::Arg] = &[req("data", Ty::Struct(INET_SOCKET_ADDRESS))];
+const UNIX_WRAPPER: &[super::Arg] = &[req("data", Ty::Struct(UNIX_SOCKET_ADDRESS))];
+const OTHER_WRAPPER: &[super::Arg] = &[req("data", Ty::Object)];
 
 pub const NBD_SERVER_START: Command = Command {
     name: "nbd-server-start",
     args: &[
-        req("addr", Ty::Object),
+        req("addr", Ty::Union(&SOCKET_ADDRESS_LEGACY)),
         opt("max-connections", Ty::Uint),
         opt("handshake-max-seconds", Ty::Uint),
         opt("tls-creds", Ty::Str),

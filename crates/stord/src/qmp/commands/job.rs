@@ -352,10 +352,12 @@ pub const BLOCKDEV_MIRROR: Command = Command {
         opt("copy-mode", Ty::Str),
         opt("auto-finalize", Ty::Bool),
         opt("auto-dismiss", Ty::Bool),
+        opt("target-is-zero", Ty::Bool),
     ],
     open: false,
     run: |state, mut a| {
-        let o = mirror_options(&mut a)?;
+        let mut o = mirror_options(&mut a)?;
+        o.target_is_zero = a.bool("target-is-zero").unwrap_or(false);
         state
             .borrow_mut()
             .blockdev_mirror(o, std::rc::Rc::downgrade(state))?;
@@ -398,6 +400,7 @@ fn mirror_options(a: &mut Args) -> Result<crate::daemon::jobs::mirror::MirrorOpt
         auto_finalize: a.bool("auto-finalize").unwrap_or(true),
         auto_dismiss: a.bool("auto-dismiss").unwrap_or(true),
         target_fresh: false,
+        target_is_zero: false,
     })
 }
 

@@ -49,6 +49,7 @@ pub const COMMANDS: &[Command] = &[
     object::QOM_GET,
     object::QOM_SET,
     object::QOM_LIST,
+    object::QOM_LIST_GET,
     object::QOM_LIST_TYPES,
     object::QOM_LIST_PROPERTIES,
     object::OBJECT_ADD,
@@ -244,11 +245,11 @@ fn check_members(
             None if a.required => return Err(missing(&name)),
             Some((_, Err(Mismatch::Type(expected)))) => return Err(type_error(&name, expected)),
             Some((_, Err(Mismatch::Value(v)))) => return Err(bad_enum_value(&name, &v)),
-            Some((Value::Object(inner), Ok(()))) => {
-                if let Ty::Union(u) = a.ty {
-                    check_union(inner, u, &format!("{name}."))?;
-                }
-            }
+            Some((Value::Object(inner), Ok(()))) => match a.ty {
+                Ty::Union(u) => check_union(inner, u, &format!("{name}."))?,
+                Ty::Struct(members) => check_members(inner, members, false, &format!("{name}."))?,
+                _ => {}
+            },
             _ => {}
         }
     }
@@ -393,6 +394,7 @@ impl SchemaBuilder {
             Ty::Object | Ty::Array | Ty::Any => "any",
             Ty::Enum(e) => return self.enumeration(e),
             Ty::Union(u) => return self.union(u),
+            Ty::Struct(members) => return self.object(members),
         };
         builtin.to_string()
     }

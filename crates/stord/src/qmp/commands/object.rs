@@ -4,7 +4,7 @@
 use serde_json::{json, Map, Value};
 use stord_aio::Remote;
 
-use super::{opt, req, Command, Ty};
+use super::{opt, req, Command, EnumType, Ty};
 use crate::iothread::{self, IoThreadConfig, PropertyError};
 use crate::qmp::QmpError;
 
@@ -14,9 +14,17 @@ impl From<PropertyError> for QmpError {
     }
 }
 
+/// QEMU's ObjectType: the types object-add takes, from the daemon's table (so
+/// query-qmp-schema lists them, `monitor-qmp` among them, and an unknown one gets QEMU's
+/// words).
+static OBJECT_TYPE: EnumType = EnumType {
+    name: "ObjectType",
+    values: || crate::daemon::OBJECT_TYPES.iter().map(|t| t.name).collect(),
+};
+
 pub const OBJECT_ADD: Command = Command {
     name: "object-add",
-    args: &[req("qom-type", Ty::Str), req("id", Ty::Str)],
+    args: &[req("qom-type", Ty::Enum(&OBJECT_TYPE)), req("id", Ty::Str)],
     open: true,
     run: |state, a| {
         if a.rest().get("qom-type").and_then(Value::as_str) == Some("iothread") {
@@ -134,10 +142,11 @@ fn stats(r: &Remote) -> Value {
 /// What a QOM path names (QEMU's object_resolve_path over the containers stord has).
 enum QomPath {
     Root,
-    /// `/objects` or `/chardevs`: the children, by name, with their types.
-    Container(Vec<(String, &'static str)>),
-    /// An object or a chardev, of this type.
-    Object(&'static str),
+    /// `/objects` or `/chardevs`, with its children by name and type.
+    Container(&'static str, Vec<(String, &'static str)>),
+    /// An object or a chardev, of this type, with the property values stord reads (an
+    /// iothread's settings, a monitor's).
+    Object(&'static str, Vec<(&'static str, Value)>),
 }
 
 fn not_found(path: &str) -> QmpError {
@@ -157,17 +166,19 @@ fn resolve(st: &crate::daemon::State, path: &str) -> Result<QomPath, QmpError> {
     let find = |list: &[(String, &'static str)], id: &str| {
         list.iter().find(|(i, _)| i == id).map(|(_, t)| *t)
     };
+    let object = |id: &str, t| QomPath::Object(t, object_values(st, id, t));
     let full = match path.strip_prefix('/') {
         Some(rest) => rest,
         None => {
             // A partial path: the one object or chardev of that name (or a container).
             return match (path, find(&objects, path), find(&chardevs, path)) {
-                ("objects", ..) => Ok(QomPath::Container(objects)),
-                ("chardevs", ..) => Ok(QomPath::Container(chardevs)),
+                ("objects", ..) => Ok(QomPath::Container("objects", objects)),
+                ("chardevs", ..) => Ok(QomPath::Container("chardevs", chardevs)),
                 (_, Some(_), Some(_)) => {
                     Err(QmpError::generic(format!("Path '{path}' is ambiguous")))
                 }
-                (_, Some(t), None) | (_, None, Some(t)) => Ok(QomPath::Object(t)),
+                (_, Some(t), None) => Ok(object(path, t)),
+                (_, None, Some(t)) => Ok(QomPath::Object(t, Vec::new())),
                 _ => Err(not_found(path)),
             };
         }
@@ -175,16 +186,73 @@ fn resolve(st: &crate::daemon::State, path: &str) -> Result<QomPath, QmpError> {
     let parts: Vec<&str> = full.split('/').filter(|p| !p.is_empty()).collect();
     match parts[..] {
         [] => Ok(QomPath::Root),
-        ["objects"] => Ok(QomPath::Container(objects)),
-        ["chardevs"] => Ok(QomPath::Container(chardevs)),
+        ["objects"] => Ok(QomPath::Container("objects", objects)),
+        ["chardevs"] => Ok(QomPath::Container("chardevs", chardevs)),
         ["objects", id] => find(&objects, id)
-            .map(QomPath::Object)
+            .map(|t| object(id, t))
             .ok_or_else(|| not_found(path)),
         ["chardevs", id] => find(&chardevs, id)
-            .map(QomPath::Object)
+            .map(|t| QomPath::Object(t, Vec::new()))
             .ok_or_else(|| not_found(path)),
         _ => Err(not_found(path)),
     }
+}
+
+/// The property values of object `id` (of type `t`) that stord reads.
+fn object_values(st: &crate::daemon::State, id: &str, t: &str) -> Vec<(&'static str, Value)> {
+    if let Some(r) = st.iothread(id) {
+        let c = config(r);
+        return crate::qom::find(t)
+            .map(crate::qom::properties)
+            .unwrap_or_default()
+            .into_iter()
+            .filter_map(|(n, _)| iothread::get(&c, n).ok().map(|v| (n, v)))
+            .collect();
+    }
+    st.monitor_properties(id).unwrap_or_default()
+}
+
+/// The properties at `path` in qom-list's order: name, QOM type, and the value where
+/// stord reads it (QEMU's object_property_get_qobject: a type name, a child's canonical
+/// path, an iothread's settings; None where the property cannot be read).
+fn properties(
+    st: &crate::daemon::State,
+    path: &str,
+) -> Result<Vec<(String, String, Option<Value>)>, QmpError> {
+    let ty = |t: &str| (String::from("type"), "string".into(), Some(Value::from(t)));
+    Ok(match resolve(st, path)? {
+        QomPath::Root => vec![
+            ty("container"),
+            (
+                "objects".into(),
+                "child<container>".into(),
+                Some("/objects".into()),
+            ),
+            (
+                "chardevs".into(),
+                "child<container>".into(),
+                Some("/chardevs".into()),
+            ),
+        ],
+        QomPath::Container(name, children) => std::iter::once(ty("container"))
+            .chain(children.iter().map(|(id, t)| {
+                let value = Value::from(format!("/{name}/{id}"));
+                (id.clone(), format!("child<{t}>"), Some(value))
+            }))
+            .collect(),
+        QomPath::Object(t, values) => crate::qom::find(t)
+            .map(crate::qom::properties)
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(n, pt)| {
+                let value = match n {
+                    "type" => Some(Value::from(t)),
+                    _ => values.iter().find(|(k, _)| *k == n).map(|(_, v)| v.clone()),
+                };
+                (n.to_string(), pt.to_string(), value)
+            })
+            .collect(),
+    })
 }
 
 fn prop(name: &str, ty: &str) -> Value {
@@ -197,28 +265,40 @@ pub const QOM_LIST: Command = Command {
     open: false,
     run: |state, mut a| {
         let path = a.str_req("path")?;
+        let list = properties(&state.borrow(), &path)?;
+        Ok(Value::Array(
+            list.iter().map(|(n, t, _)| prop(n, t)).collect(),
+        ))
+    },
+};
+
+/// QEMU 10.1's qom-list-get: for each path, its properties with their values (a value
+/// left out where the property cannot be read); the first path that resolves to
+/// nothing fails the whole command, as QEMU's does.
+pub const QOM_LIST_GET: Command = Command {
+    name: "qom-list-get",
+    args: &[req("paths", Ty::Array)],
+    open: false,
+    run: |state, mut a| {
         let st = state.borrow();
-        let list: Vec<Value> = match resolve(&st, &path)? {
-            QomPath::Root => vec![
-                prop("type", "string"),
-                prop("objects", "child<container>"),
-                prop("chardevs", "child<container>"),
-            ],
-            QomPath::Container(children) => std::iter::once(prop("type", "string"))
-                .chain(
-                    children
-                        .iter()
-                        .map(|(id, t)| prop(id, &format!("child<{t}>"))),
-                )
-                .collect(),
-            QomPath::Object(t) => crate::qom::find(t)
-                .map(crate::qom::properties)
-                .unwrap_or_default()
+        let mut out = Vec::new();
+        for (i, path) in a.array("paths").unwrap_or_default().iter().enumerate() {
+            let path = path
+                .as_str()
+                .ok_or_else(|| super::type_error(&format!("paths[{i}]"), "string"))?;
+            let props: Vec<Value> = properties(&st, path)?
                 .into_iter()
-                .map(|(n, t)| prop(n, t))
-                .collect(),
-        };
-        Ok(Value::Array(list))
+                .map(|(n, t, v)| {
+                    let mut p = prop(&n, &t);
+                    if let Some(v) = v {
+                        p["value"] = v;
+                    }
+                    p
+                })
+                .collect();
+            out.push(json!({ "properties": props }));
+        }
+        Ok(Value::Array(out))
     },
 };
 

@@ -17,6 +17,7 @@
 pub mod create;
 mod engine;
 mod extent_cache;
+mod limits;
 mod linux_aio;
 pub(crate) mod lock;
 mod threads;
@@ -520,6 +521,10 @@ fn probe_extent(fd: RawFd, offset: u64, size: u64) -> (extent_cache::Extent, boo
 }
 
 impl<E: Engine> BlockDriver for FileDriver<E> {
+    fn refresh_limits(&self, bl: &mut crate::block::node::limits::BlockLimits) {
+        let (align, dev) = (self.align, self.block_device);
+        limits::refresh(bl, self.raw(), align, dev, &self.opts.filename);
+    }
     fn reopen_rw(&self) -> BoxFut<'_, Result<(), String>> {
         Box::pin(async move {
             let name = &self.opts.filename;

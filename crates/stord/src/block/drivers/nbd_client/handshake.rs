@@ -26,6 +26,8 @@ pub struct ExportInfo {
     pub min_block: u32,
     /// Largest request payload the server accepts.
     pub max_block: u32,
+    /// The request size the server prefers (0: it sent no block sizes).
+    pub opt_block: u32,
     /// Replies to reads and block status come as structured chunks.
     pub structured: bool,
     /// The id the server gave the metadata context block status reads, if it has it.
@@ -240,6 +242,7 @@ fn options<S: Read + Write>(
         flags: 0,
         min_block: 1,
         max_block: DEFAULT_MAX_BLOCK,
+        opt_block: 0,
         structured,
         context: ctx_id,
     };
@@ -262,6 +265,7 @@ fn options<S: Read + Write>(
                         // Checked before it bounds the maximum (a hostile minimum).
                         check_limits(&info)?;
                         info.max_block = f(10).clamp(info.min_block, DEFAULT_MAX_BLOCK);
+                        info.opt_block = f(6);
                     }
                     INFO_EXPORT | INFO_BLOCK_SIZE => {
                         return Err(proto("Invalid length in NBD_REP_INFO reply"))
@@ -331,6 +335,7 @@ fn export_name<S: Read + Write>(
         flags,
         min_block: 1,
         max_block: DEFAULT_MAX_BLOCK,
+        opt_block: 0,
         structured,
         context,
     };
@@ -475,6 +480,7 @@ mod tests {
             flags: 0,
             min_block: 512,
             max_block: 1 << 20,
+            opt_block: 4096,
             structured: true,
             context: None,
         };

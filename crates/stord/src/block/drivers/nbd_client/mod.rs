@@ -30,6 +30,7 @@ use crate::block::open::{GraphError, Opened};
 use crate::buf::Buf;
 use crate::cli::keyval::KeyVal;
 use crate::cli::Help;
+use crate::nbd_wire::keepalive::KeepAlive;
 use crate::nbd_wire::proto::*;
 use crate::tls::creds::TlsCreds;
 use crate::tls::error::TlsError;
@@ -42,6 +43,7 @@ pub const DRIVER: DriverDef = DriverDef {
     help: Help {
         synopsis: "server.type=unix,server.path=<path>\n\
                    | server.type=inet,server.host=<host>,server.port=<port>\n\
+                   [,server.keep-alive=on[,server.keep-alive-count|-idle|-interval=<n>]]\n\
                    [,export=<name>][,reconnect-delay=<s>][,open-timeout=<s>]\n\
                    [,x-dirty-bitmap=<context>][,tls-creds=<id>[,tls-hostname=<name>]]\n\
                    [,x-request-timeout=<s>][,x-multi-conn=<n>]",
@@ -92,6 +94,8 @@ impl std::fmt::Display for ServerAddr {
 #[derive(Debug, Clone)]
 pub struct NbdOptions {
     pub server: ServerAddr,
+    /// An inet server's keep-alive, set on each connection (QEMU's inet_set_sockopts).
+    pub keep_alive: KeepAlive,
     /// `export` (QEMU's default: the empty name).
     pub export: String,
     /// `reconnect-delay`: seconds requests wait for a lost connection to come back.
@@ -126,13 +130,12 @@ impl NbdOptions {
             ),
             _ => return Err(kv.missing("server.type").into()),
         };
+        let keep_alive = match server {
+            ServerAddr::Inet(..) => KeepAlive::from_options(kv, "server")?,
+            ServerAddr::Unix(_) => KeepAlive::default(),
+        };
         // Options of QEMU's inet addresses that change nothing on loopback or a LAN.
-        for k in [
-            "server.numeric",
-            "server.keep-alive",
-            "server.ipv4",
-            "server.ipv6",
-        ] {
+        for k in ["server.numeric", "server.ipv4", "server.ipv6"] {
             kv.take_bool(k, false)?;
         }
         let tls_creds = kv.take("tls-creds");
@@ -157,6 +160,7 @@ impl NbdOptions {
             .unwrap_or(1) as u32;
         Ok(NbdOptions {
             server,
+            keep_alive,
             export: kv.take("export").unwrap_or_default(),
             reconnect_delay,
             open_timeout,
@@ -234,6 +238,7 @@ fn connect(
             }
             let s = got.ok_or_else(|| failed(last))?;
             let _ = s.set_nodelay(true);
+            o.keep_alive.apply(std::os::fd::AsRawFd::as_raw_fd(&s))?;
             Sock::Tcp(s)
         }
     };
@@ -740,6 +745,20 @@ impl Drop for NbdDriver {
 impl BlockDriver for NbdDriver {
     fn driver_name(&self) -> &'static str {
         "nbd"
+    }
+    /// As QEMU's nbd_refresh_limits: the server's block sizes (stord sends byte-granular
+    /// requests to a server that gave none); transfers, zeroing and discards bounded as
+    /// QEMU bounds them (32 MiB, INT_MAX).
+    fn refresh_limits(&self, bl: &mut crate::block::node::limits::BlockLimits) {
+        let info = self.info();
+        let (min, max) = (info.min_block, info.max_block.min(32 << 20));
+        bl.request_alignment = min;
+        bl.max_discard = u64::from(i32::MAX as u32 / min * min);
+        bl.max_write_zeroes = u64::from(max);
+        bl.max_transfer = max;
+        if info.opt_block > bl.opt_transfer {
+            bl.opt_transfer = info.opt_block;
+        }
     }
     fn size(&self) -> u64 {
         self.info().size

@@ -65,6 +65,12 @@ impl BlockDriver for Qcow2Driver {
     fn cluster_size(&self) -> Option<u64> {
         Some(self.cluster_size)
     }
+    /// As QEMU's qcow2_refresh_limits: zeroes and discards by (sub)cluster (stord opens no
+    /// image with subclusters or encryption).
+    fn refresh_limits(&self, bl: &mut crate::block::node::limits::BlockLimits) {
+        bl.write_zeroes_alignment = self.cluster_size as u32;
+        bl.discard_alignment = self.cluster_size as u32;
+    }
     fn child_perms(
         &self,
         role: &'static str,
