@@ -96,7 +96,7 @@ fn prepare(mut kv: KeyVal, env: &dyn CreateEnv) -> Result<Creation, GraphError> 
     let job = Job {
         file: file.map(|n| (env.node(&n), n)),
         header: header.map(|n| (env.node(&n), n)),
-        secret: secret_id.map(|id| (env.secret(&id), id)),
+        secret: secret_id.map(|id| (env.secret(&id).map(zeroize::Zeroizing::new), id)),
         falloc,
         size,
         o,
@@ -110,7 +110,7 @@ type Named<T> = Option<(Option<T>, String)>;
 struct Job {
     file: Named<Arc<BlockNode>>,
     header: Named<Arc<BlockNode>>,
-    secret: Named<Vec<u8>>,
+    secret: Named<zeroize::Zeroizing<Vec<u8>>>,
     falloc: bool,
     size: u64,
     o: CreateOptions,

@@ -26,7 +26,7 @@ pub const DRIVER: DriverDef = DriverDef {
     takes_discard: false,
     takes_cache: false,
     help: Help {
-        synopsis: "file=<node> | file.driver=...,key-secret=<secret id>\n\
+        synopsis: "file=<node> | file.driver=...,key-secret=<id>\n\
                    [,header=<node> | ,header.driver=...]",
         about: "a LUKS1 encrypted volume over its child `file`, unlocked with the\n\
                 secret `key-secret` names; `header`: its header on another node",
@@ -40,11 +40,10 @@ pub const DRIVER: DriverDef = DriverDef {
         let Some(id) = secret else {
             return Err(invalid("Parameter 'key-secret' is required for cipher"));
         };
-        let Some(bytes) = g.secret(&id) else {
+        let Some(bytes) = g.secret(&id).map(zeroize::Zeroizing::new) else {
             return Err(invalid(&format!("No secret with id '{id}'")));
         };
         let password = password_of(&id, &bytes).map_err(crypto_err)?;
-        drop(bytes);
         let store = header.clone().unwrap_or_else(|| file.clone());
         // Read access while the header is read, as QEMU attaches children first.
         let (perm, shared) = crate::block::node::perm::storage_perms(false);
