@@ -95,7 +95,7 @@ fn decrypt(
     if iv.len() != 16 {
         return Err(format!("IV should be 16 bytes in length not {}", iv.len()));
     }
-    if data.is_empty() || data.len() % 16 != 0 {
+    if data.is_empty() || !data.len().is_multiple_of(16) {
         return Err(format!(
             "Length {} must be a multiple of the block size 16",
             data.len()

@@ -203,7 +203,7 @@ fn refused(dir: &Path, secret: &str, blockdev: &str) -> String {
 }
 
 #[test]
-fn a_wrong_or_missing_secret_is_refused_with_qemus_words() {
+fn secrets_wrong_missing_and_encrypted_as_qemu_takes_them() {
     let dir = tmpdir("luks-refused");
     let a = dir.join("a.luks").display().to_string();
     let o = "key-secret=sec0,iter-time=10";
@@ -245,6 +245,41 @@ fn a_wrong_or_missing_secret_is_refused_with_qemus_words() {
         format!("driver=luks,node-name=l,key-secret=nope,file.driver=file,file.filename={a}");
     let e = refused(&dir, SECRET, &node);
     assert!(e.contains("No secret with id 'nope'"), "{e}");
+    // The password AES-256-CBC encrypted under another secret, as libvirt passes it.
+    let key: Vec<u8> = (100..132).collect();
+    let iv: Vec<u8> = (7..23).collect();
+    let cipher = openssl::symm::Cipher::aes_256_cbc();
+    let ct = openssl::symm::encrypt(cipher, &key, Some(&iv), b"s3cr3t-pass").unwrap();
+    let b64 = openssl::base64::encode_block;
+    let qmp = dir.join("qmp.sock");
+    let mut args = vec![
+        "--object".to_string(),
+        format!("secret,id=master,data={},format=base64", b64(&key)),
+        "--object".to_string(),
+        format!(
+            "secret,id=sec0,data={},format=base64,keyid=master,iv={}",
+            b64(&ct),
+            b64(&iv)
+        ),
+        "--blockdev".to_string(),
+        format!("driver=luks,node-name=l,key-secret=sec0,file.driver=file,file.filename={a}"),
+    ];
+    args.extend(monitor_args(&qmp));
+    let s = Stord::start(&dir, &args);
+    let mut q = RawQmp::connect(&qmp);
+    let nodes = q.send(r#"{"execute":"query-named-block-nodes"}"#);
+    let l = nodes["return"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|n| n["node-name"] == "l")
+        .unwrap()
+        .clone();
+    assert_eq!(l["drv"], "luks");
+    assert_eq!(l["encrypted"], true, "{l}");
+    assert_eq!(l["image"]["virtual-size"], 1 << 20);
+    drop(q);
+    drop(s);
     let raw = dir.join("raw.img");
     std::fs::write(&raw, vec![0u8; 1 << 20]).unwrap();
     let node = format!(

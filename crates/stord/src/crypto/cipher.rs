@@ -101,7 +101,7 @@ impl std::fmt::Debug for SectorCipher {
 impl SectorCipher {
     /// A cipher for `spec` with `key` (checked against the spec's length, QEMU's texts).
     pub fn new(spec: &CipherSpec, key: &[u8]) -> Result<Self, CryptoError> {
-        if spec.mode == CipherMode::Xts && key.len() % 2 != 0 {
+        if spec.mode == CipherMode::Xts && !key.len().is_multiple_of(2) {
             return Err(CryptoError::Invalid(
                 "XTS cipher key length should be a multiple of 2".into(),
             ));

@@ -98,9 +98,10 @@ pub const OBJECT_TYPES: &[ObjectType] = &[
         name: "secret",
         create: create_secret,
         help: Help {
-            synopsis: ",data=<text> | ,file=<path>[,format=raw|base64][,keyid=<id>,iv=<base64>]",
-            about: "a secret (a passphrase, a LUKS password, a Ceph key); with keyid,\n\
-                    AES-256-CBC encrypted under that secret",
+            synopsis: ",data=<text> | ,file=<path>[,format=raw|base64]\n\
+                       [,keyid=<id>,iv=<base64>]",
+            about: "a secret (a passphrase, a LUKS password, a Ceph key);\n\
+                    with keyid, AES-256-CBC encrypted under that secret",
         },
     },
 ];

@@ -28,7 +28,7 @@ pub struct LuksDriver {
 }
 
 fn eio(e: crate::crypto::CryptoError) -> io::Error {
-    io::Error::new(io::ErrorKind::Other, e.to_string())
+    io::Error::other(e.to_string())
 }
 
 /// The whole sectors that cover `[offset, offset + len)`.
@@ -74,7 +74,7 @@ impl LuksDriver {
     }
 
     async fn read_impl(&self, offset: u64, buf: Buf) -> (io::Result<()>, Buf) {
-        if offset % SECTOR == 0 && buf.len() as u64 % SECTOR == 0 {
+        if offset.is_multiple_of(SECTOR) && (buf.len() as u64).is_multiple_of(SECTOR) {
             return self.read_sectors(offset, buf).await;
         }
         let (start, len) = widen(offset, buf.len());
@@ -139,6 +139,9 @@ impl BlockDriver for LuksDriver {
     }
     fn size(&self) -> u64 {
         self.file.size().saturating_sub(self.payload())
+    }
+    fn encrypted(&self) -> bool {
+        true
     }
     fn reopen_rw(&self) -> BoxFut<'_, Result<(), String>> {
         Box::pin(async { Ok(()) })

@@ -28,8 +28,9 @@ pub const DRIVER: DriverDef = DriverDef {
     help: Help {
         synopsis: "file=<node> | file.driver=...,key-secret=<id>\n\
                    [,header=<node> | ,header.driver=...]",
-        about: "a LUKS1 encrypted volume over its child `file`, unlocked with the\n\
-                secret `key-secret` names; `header`: its header on another node",
+        about: "a LUKS1 encrypted volume over its child `file`, unlocked\n\
+                with the secret `key-secret` names; `header`: its header\n\
+                on another node",
     },
     create: Some(&create::CREATE),
     amend: None,
