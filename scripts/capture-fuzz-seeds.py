@@ -269,6 +269,18 @@ def main():
         with open(img, "rb") as f:
             save("qcow2_header", f.read(65536), name)
 
+    # LUKS headers as qemu-img writes them: a default one (the header alone), and an
+    # AES-128-CBC one with slot 0's material and few iterations, which the fuzz entry
+    # unlocks with its password ("fuzz").
+    for name, opts, keep in [
+            ("aes256-xts-header", "", 592),
+            ("aes128-cbc-unlockable", ",cipher-alg=aes-128,cipher-mode=cbc", 4096 + 16 * 4000)]:
+        img = os.path.join(tmp, f"{name}.luks")
+        run("qemu-img", "create", "-f", "luks", "--object", "secret,id=s,data=fuzz",
+            "-o", f"key-secret=s,iter-time=1{opts}", img, "1M")
+        with open(img, "rb") as f:
+            save("luks_header", f.read(keep), f"qemu-img-{name}")
+
     # Option strings from qemu-storage-daemon(1) and stord's README.
     for i, s in enumerate([
         "iothread,id=iothread0,poll-max-ns=65536,poll-grow=2",

@@ -7,7 +7,7 @@
 //!    for the tables that describe their arguments), [`events`] (QMP events, fanned out
 //!    to the monitors), [`version`] (the QEMU interface version stord reports, and its own).
 //! 2. [`sys`] (syscall wrappers), [`iothread`] (the iothread object's properties),
-//!    [`secret`] (`--object secret`), [`tls`] (credentials, `authz-simple` and sessions
+//!    [`secret`] (`--object secret`), [`crypto`] (LUKS and the sector cipher), [`tls`] (credentials, `authz-simple` and sessions
 //!    for either NBD endpoint), [`trace`] (`--trace`: QEMU's event names mapped onto
 //!    modules).
 //! 3. [`nbd_wire`] (the NBD protocol and socket I/O the server and the client driver
@@ -31,6 +31,7 @@ pub mod block;
 pub mod buf;
 pub mod chardev;
 pub mod cli;
+pub mod crypto;
 pub mod daemon;
 pub mod events;
 pub mod export;

@@ -1,5 +1,7 @@
-//! `--object secret`: a named secret (a key's passphrase, later a LUKS key), given inline
-//! (`data=`) or in a file (`file=`), raw or base64, as in qemu-storage-daemon.
+//! `--object secret`: a named secret (a key's passphrase, a LUKS volume's password),
+//! given inline (`data=`) or in a file (`file=`), raw or base64, and optionally encrypted
+//! with another secret (`keyid=`, `iv=`: AES-256-CBC as QEMU's secret objects decrypt
+//! them), as in qemu-storage-daemon.
 
 use crate::cli::keyval::{KeyVal, OptionError};
 
@@ -18,13 +20,14 @@ pub enum SecretError {
     },
     #[error("{0}: the secret is not valid base64")]
     Base64(String),
-    #[error("{0}: encrypted secrets (keyid, iv) are not supported; give the secret in clear")]
-    Encrypted(String),
+    /// An encrypted secret that does not decrypt (QEMU's texts).
+    #[error("{0}")]
+    Decrypt(String),
 }
 
 /// A secret's bytes.
 pub struct Secret {
-    bytes: Vec<u8>,
+    bytes: zeroize::Zeroizing<Vec<u8>>,
 }
 
 impl std::fmt::Debug for Secret {
@@ -34,11 +37,14 @@ impl std::fmt::Debug for Secret {
 }
 
 impl Secret {
-    pub fn from_object(kv: &mut KeyVal) -> Result<Self, SecretError> {
+    /// The secret the options give; `keys` looks up the secret an encrypted one names.
+    pub fn from_object(
+        kv: &mut KeyVal,
+        keys: &dyn Fn(&str) -> Option<Vec<u8>>,
+    ) -> Result<Self, SecretError> {
         let what = kv.what.clone();
-        if kv.take("keyid").is_some() || kv.take("iv").is_some() {
-            return Err(SecretError::Encrypted(what));
-        }
+        let keyid = kv.take("keyid");
+        let iv = kv.take("iv");
         let base64 = kv.take_choice("format", &["raw", "base64"])?.as_deref() == Some("base64");
         let raw = match (kv.take("data"), kv.take("file")) {
             (Some(d), None) => d.into_bytes(),
@@ -55,7 +61,13 @@ impl Secret {
         } else {
             raw
         };
-        Ok(Self { bytes })
+        let bytes = match keyid {
+            Some(id) => decrypt(&bytes, &id, iv.as_deref(), keys).map_err(SecretError::Decrypt)?,
+            None => bytes,
+        };
+        Ok(Self {
+            bytes: zeroize::Zeroizing::new(bytes),
+        })
     }
 
     /// The secret.
@@ -64,13 +76,60 @@ impl Secret {
     }
 }
 
+/// QEMU's qcrypto_secret_decrypt: AES-256-CBC under the secret `keyid` (32 bytes) with
+/// `iv` (base64, 16 bytes), the padding's length taken from the last byte.
+fn decrypt(
+    data: &[u8],
+    keyid: &str,
+    iv: Option<&str>,
+    keys: &dyn Fn(&str) -> Option<Vec<u8>>,
+) -> Result<Vec<u8>, String> {
+    let key =
+        zeroize::Zeroizing::new(keys(keyid).ok_or_else(|| format!("No secret with id '{keyid}'"))?);
+    if key.len() != 32 {
+        return Err("Key should be 32 bytes in length".into());
+    }
+    let iv = iv.ok_or("IV is required to decrypt secret")?;
+    let iv = openssl::base64::decode_block(iv.trim())
+        .map_err(|_| "Base64 data contains invalid characters".to_string())?;
+    if iv.len() != 16 {
+        return Err(format!("IV should be 16 bytes in length not {}", iv.len()));
+    }
+    if data.is_empty() || !data.len().is_multiple_of(16) {
+        return Err(format!(
+            "Length {} must be a multiple of the block size 16",
+            data.len()
+        ));
+    }
+    let mut c = openssl::symm::Crypter::new(
+        openssl::symm::Cipher::aes_256_cbc(),
+        openssl::symm::Mode::Decrypt,
+        &key,
+        Some(&iv),
+    )
+    .map_err(|e| format!("Cannot initialize cipher: {e}"))?;
+    c.pad(false);
+    let mut plain = zeroize::Zeroizing::new(vec![0u8; data.len() + 16]);
+    let n = c
+        .update(data, &mut plain)
+        .map_err(|e| format!("Cannot decrypt secret: {e}"))?;
+    let pad = plain[n - 1] as usize;
+    if pad > 16 || pad > n {
+        return Err(format!(
+            "Incorrect number of padding bytes ({pad}) found on decrypted data"
+        ));
+    }
+    Ok(plain[..n - pad].to_vec())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn make(s: &str) -> Result<Secret, SecretError> {
         let mut kv = KeyVal::parse("--object", s, None).unwrap();
-        Secret::from_object(&mut kv)
+        // The key of the encrypted secrets below: bytes 0..32.
+        Secret::from_object(&mut kv, &|id| (id == "k").then(|| (0..32).collect()))
     }
 
     #[test]
@@ -99,10 +158,41 @@ mod tests {
         assert!(make("data=a,keyid=k")
             .unwrap_err()
             .to_string()
-            .contains("encrypted"));
+            .contains("IV is required"));
+        assert!(make("data=a,keyid=x,iv=AAAAAAAAAAAAAAAAAAAAAA==")
+            .unwrap_err()
+            .to_string()
+            .contains("No secret with id 'x'"));
         assert!(make("file=/nonexistent/s")
             .unwrap_err()
             .to_string()
             .contains("unable to read"));
+    }
+
+    #[test]
+    fn encrypted_secrets_decrypt_as_qemus() {
+        // "letmein" under AES-256-CBC with key 0..32 and IV 0..16, PKCS#7 padded (what
+        // libvirt sends QEMU), made here with OpenSSL's padding.
+        let key: Vec<u8> = (0..32).collect();
+        let iv: Vec<u8> = (0..16).collect();
+        let ct = openssl::symm::encrypt(
+            openssl::symm::Cipher::aes_256_cbc(),
+            &key,
+            Some(&iv),
+            b"letmein",
+        )
+        .unwrap();
+        let opts = format!(
+            "data={},format=base64,keyid=k,iv={}",
+            openssl::base64::encode_block(&ct),
+            openssl::base64::encode_block(&iv)
+        );
+        assert_eq!(make(&opts).unwrap().bytes(), b"letmein");
+        let bad_iv = format!(
+            "data={},format=base64,keyid=k,iv=AAAA",
+            openssl::base64::encode_block(&ct)
+        );
+        let e = make(&bad_iv).unwrap_err().to_string();
+        assert_eq!(e, "IV should be 16 bytes in length not 3");
     }
 }

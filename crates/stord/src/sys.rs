@@ -135,6 +135,18 @@ pub fn peek_message(
     Ok((n as usize, first))
 }
 
+/// CPU time the calling thread has used (PBKDF2's iteration count is timed with it, as
+/// QEMU times it).
+pub fn thread_cpu_time() -> std::time::Duration {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid timespec for the call to fill; the clock always exists.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    std::time::Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+}
+
 /// The effective user id.
 pub fn euid() -> u32 {
     // SAFETY: geteuid takes nothing and cannot fail.

@@ -108,8 +108,10 @@ pub const OBJECT_TYPES: &[ObjectType] = &[
         name: "secret",
         create: create_secret,
         help: Help {
-            synopsis: ",data=<text> | ,file=<path>[,format=raw|base64]",
-            about: "a secret (the passphrase of an encrypted key, a Ceph key)",
+            synopsis: ",data=<text> | ,file=<path>[,format=raw|base64]\n\
+                       [,keyid=<id>,iv=<base64>]",
+            about: "a secret (a passphrase, a LUKS password, a Ceph key);\n\
+                    with keyid, AES-256-CBC encrypted under that secret",
         },
     },
 ];
@@ -151,7 +153,7 @@ fn create_monitor_qmp(st: &mut State, _: &str, id: &str, kv: KeyVal) -> Result<(
 }
 
 fn create_secret(st: &mut State, _: &str, id: &str, mut kv: KeyVal) -> Result<(), DaemonError> {
-    let s = Secret::from_object(&mut kv)?;
+    let s = Secret::from_object(&mut kv, &|key| st.secret(key))?;
     kv.finish()?;
     st.objects.insert(id.into(), UserObject::Secret(s));
     Ok(())

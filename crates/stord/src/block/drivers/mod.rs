@@ -5,6 +5,7 @@
 
 pub mod copy_before_write;
 pub mod file;
+pub mod luks;
 pub mod nbd_client;
 pub mod null;
 pub mod qcow2;
@@ -23,6 +24,7 @@ pub const BLOCK_DRIVERS: &[&DriverDef] = &[
     &raw::DRIVER,
     &throttle::DRIVER,
     &qcow2::DRIVER,
+    &luks::DRIVER,
     &nbd_client::DRIVER,
     &rbd::DRIVER,
     &copy_before_write::filter::DRIVER,

@@ -125,6 +125,11 @@ pub trait BlockDriver: Send + Sync {
     fn reports_host_size(&self) -> bool {
         true
     }
+    /// The node's data is encrypted (QEMU's bs->encrypted: `luks`), as query commands
+    /// report it.
+    fn encrypted(&self) -> bool {
+        false
+    }
     /// Whether query commands report a dirty flag (QEMU's bdrv_get_info answers; it
     /// does not for an NBD server's export).
     fn has_image_info(&self) -> bool {

@@ -412,7 +412,7 @@ fn node_fields(n: &crate::block::node::block_node::BlockNode) -> Value {
         "drv": n.driver_name(),
         "ro": n.is_read_only(),
         "file": file,
-        "encrypted": false,
+        "encrypted": n.driver().encrypted(),
         "active": !n.is_inactive(),
         "backing_file_depth": n.backing_depth(),
         // QEMU 10.1's BlockdevChild list, in the node's child order (QEMU's bs->children:

@@ -517,7 +517,7 @@ mod tests {
             .iter()
             .map(|v| v["case"].as_str().unwrap())
             .collect();
-        assert_eq!(cases, ["file", "qcow2", "rbd"]);
+        assert_eq!(cases, ["file", "qcow2", "luks", "rbd"]);
     }
 
     #[test]
