@@ -41,6 +41,27 @@ pub fn old_host(m: Mapping) -> u64 {
     }
 }
 
+/// Extended L2 entries: every subcluster allocated (the bitmap's low half).
+pub const ALL_ALLOC: u64 = 0xffff_ffff;
+/// Extended L2 entries: every subcluster reading as zeroes (the high half).
+pub const ALL_ZERO: u64 = ALL_ALLOC << 32;
+
+/// Whether the subcluster `bitmap` of an extended entry may stand beside its cluster's
+/// mapping `map` (QEMU's QCOW2_SUBCLUSTER_INVALID cases): a subcluster cannot be
+/// allocated and zero at once, nor allocated in a cluster without a host cluster. A
+/// compressed cluster's bitmap is not looked at, as QEMU does not.
+pub fn check_bitmap(map: Mapping, bitmap: u64) -> Result<(), String> {
+    match map {
+        Mapping::Data { host, .. } if (bitmap >> 32) & bitmap != 0 => Err(format!(
+            "cluster at {host:#x}: subclusters both allocated and zero (bitmap {bitmap:#x})"
+        )),
+        Mapping::Unallocated if bitmap & ALL_ALLOC != 0 => Err(format!(
+            "unallocated cluster with allocated subclusters (bitmap {bitmap:#x})"
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// The entry word of a mapping that keeps a host cluster (a data cluster, or a zero one
 /// kept for preallocation), as it is written back when only the rest of the entry
 /// changes; 0 for any other.
@@ -83,11 +104,11 @@ impl EntryCodec {
     }
 
     /// Decodes an extended entry `e` with its subcluster `bitmap` (checked against it:
-    /// [`super::subcluster::check`]); for a standard entry `bitmap` is 0 and unused.
+    /// [`check_bitmap`]); for a standard entry `bitmap` is 0 and unused.
     pub fn decode_pair(&self, e: u64, bitmap: u64) -> Result<Mapping, String> {
         let m = self.decode(e)?;
         if self.extended {
-            super::subcluster::check(m, bitmap)?;
+            check_bitmap(m, bitmap)?;
         }
         Ok(m)
     }
@@ -373,6 +394,11 @@ mod tests {
             Ok(Mapping::Unallocated)
         );
         assert_eq!(encode_host(data), COPIED | 0x60000);
+        // Allocated and zero at once; allocated without a host cluster.
+        assert!(check_bitmap(data, 0x8 | 0x8 << 32).is_err());
+        assert!(check_bitmap(Mapping::Unallocated, 0x1).is_err());
+        assert!(check_bitmap(Mapping::Unallocated, ALL_ZERO).is_ok());
+        assert!(check_bitmap(data, 0x7 | 0xffff_fff8 << 32).is_ok());
     }
 
     #[test]
