@@ -702,3 +702,198 @@ fn concurrent_writes_into_subclusters_verify_and_leave_the_image_clean() {
     let m = map(&top);
     assert!(has_subcluster_runs(&m, 128 << 10), "{m:?}");
 }
+
+fn be64(f: &std::fs::File, off: u64) -> u64 {
+    use std::os::unix::fs::FileExt;
+    let mut b = [0u8; 8];
+    f.read_exact_at(&mut b, off).unwrap();
+    u64::from_be_bytes(b)
+}
+
+fn put64(f: &std::fs::File, off: u64, v: u64) {
+    use std::os::unix::fs::FileExt;
+    f.write_all_at(&v.to_be_bytes(), off).unwrap();
+}
+
+/// qemu-io commands through a stord export of `img`: the output and whether every one
+/// succeeded.
+fn through_stord(dir: &Path, img: &str, cmds: &[&str]) -> (String, bool) {
+    let mut s = Stord::with_node(dir, &node(img), true);
+    let mut args = vec!["-f".to_string(), "raw".into()];
+    for c in cmds {
+        args.extend(["-c".to_string(), c.to_string()]);
+    }
+    args.push(s.uri());
+    let a: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = run("qemu-io", &a);
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    s.stop_and_stderr();
+    (
+        text.clone(),
+        out.status.success() && !text.contains("failed"),
+    )
+}
+
+/// Extended entries that make no sense: a subcluster both allocated and zero gets EIO
+/// (QEMU's check calls it corrupt too), and an entry pointing at the L1 table never turns
+/// a guest write into a table write: EIO, the image marked corrupt, the table intact.
+#[test]
+fn invalid_bitmaps_and_entries_on_metadata_get_eio() {
+    const CORRUPT_BIT: u64 = 1 << 1;
+    let dir = tmpdir("subcl-hostile");
+    let img = dir.join("h.qcow2").display().to_string();
+    run_ok(
+        "qemu-img",
+        &[
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-o",
+            "extended_l2=on,cluster_size=64k",
+            &img,
+            "64M",
+        ],
+    );
+    qemu_io(
+        &["-f", "qcow2"],
+        &["write -P 0x11 0 64k", "write -P 0x22 1M 3k"],
+        &img,
+    );
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&img)
+        .unwrap();
+    let l1 = be64(&f, 40);
+    let l2 = be64(&f, l1) & 0x00ff_ffff_ffff_fe00;
+    // Cluster 0: subcluster 0 allocated and zero at once.
+    let bitmap = be64(&f, l2 + 8);
+    assert_eq!(bitmap, 0xffff_ffff);
+    put64(&f, l2 + 8, bitmap | 1 << 32);
+    let check = run("qemu-img", &["check", &img]);
+    assert!(!check.status.success(), "QEMU finds it corrupt too");
+    let (out, ok) = through_stord(&dir, &img, &["read 0 2k"]);
+    assert!(!ok && out.contains("Input/output error"), "{out}");
+    let (out, ok) = through_stord(&dir, &img, &["read -P 0x22 1M 3k"]);
+    assert!(!ok || out.contains("read 3072"), "{out}");
+    put64(&f, l2 + 8, bitmap);
+    // Cluster 16 (1 MiB) pointing at the L1 table, as ours, with its first subcluster
+    // allocated: a write into its second gets EIO, not a write over the table.
+    put64(&f, l2 + 16 * 16, l1 | 1 << 63);
+    let table = {
+        use std::os::unix::fs::FileExt;
+        let mut b = vec![0u8; 512];
+        f.read_exact_at(&mut b, l1).unwrap();
+        b
+    };
+    let (out, ok) = through_stord(&dir, &img, &["write -P 0x33 1052672 1k"]);
+    assert!(!ok && out.contains("Input/output error"), "{out}");
+    let now = {
+        use std::os::unix::fs::FileExt;
+        let mut b = vec![0u8; 512];
+        f.read_exact_at(&mut b, l1).unwrap();
+        b
+    };
+    assert!(now == table, "the L1 table was written over");
+    assert_ne!(be64(&f, 72) & CORRUPT_BIT, 0, "not marked corrupt");
+}
+
+/// A daemon killed when dropped (a failing test leaves none behind).
+struct Daemon(std::process::Child);
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Starts `program` (stord or qemu-storage-daemon) with a QMP monitor and an NBD server
+/// in `dir`: the daemon and the QMP connection.
+fn daemon(program: &str, dir: &Path) -> (Daemon, RawQmp) {
+    let qmp = dir.join(format!("{}.qmp", program.rsplit('/').next().unwrap()));
+    let nbd = dir.join("nbd.sock");
+    for p in [&qmp, &nbd] {
+        let _ = std::fs::remove_file(p);
+    }
+    let mut args = monitor_args(&qmp);
+    args.extend([
+        "--nbd-server".to_string(),
+        format!("addr.type=unix,addr.path={}", nbd.display()),
+    ]);
+    let child = std::process::Command::new(program)
+        .args(&args)
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let start = std::time::Instant::now();
+    while !qmp.exists() {
+        assert!(start.elapsed().as_secs() < 10, "{program} did not start");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    (Daemon(child), RawQmp::connect(&qmp))
+}
+
+/// A persistent dirty bitmap on an image with extended L2 entries, through stord and
+/// through qemu-storage-daemon: stored when the node goes, with the bits the writes set,
+/// the image clean, and the same dirty extents offered over NBD by both afterwards.
+#[test]
+fn persistent_bitmaps_on_an_extended_image_as_qsd_keeps_them() {
+    let dir = tmpdir("subcl-bitmaps");
+    let flow = |program: &str| -> String {
+        let top = proxmox_chain(&dir, "128k");
+        let (child, mut q) = daemon(program, &dir);
+        let add = format!(
+            r#"{{"execute":"blockdev-add","arguments":{{"driver":"qcow2","node-name":"d","file":{{"driver":"file","filename":"{top}"}}}}}}"#
+        );
+        ok(&mut q, &add);
+        ok(
+            &mut q,
+            r#"{"execute":"block-dirty-bitmap-add","arguments":{"node":"d","name":"b0","persistent":true}}"#,
+        );
+        ok(
+            &mut q,
+            r#"{"execute":"block-export-add","arguments":{"type":"nbd","id":"e","node-name":"d","name":"d","writable":true}}"#,
+        );
+        let uri = format!("nbd+unix:///d?socket={}", dir.join("nbd.sock").display());
+        qemu_io(
+            &["-f", "raw"],
+            &[
+                "write -P 0x11 4k 1k",
+                "write -z 1M 64k",
+                "write -P 0x12 5M 300k",
+            ],
+            &uri,
+        );
+        ok(
+            &mut q,
+            r#"{"execute":"block-export-del","arguments":{"id":"e"}}"#,
+        );
+        q.wait_event("BLOCK_EXPORT_DELETED", "id", "e");
+        ok(
+            &mut q,
+            r#"{"execute":"blockdev-del","arguments":{"node-name":"d"}}"#,
+        );
+        check_clean(&top);
+        let info = run_ok("qemu-img", &["info", &top]);
+        assert!(info.contains("b0") && !info.contains("in-use"), "{info}");
+        // Opened again: the bitmap offered over NBD as it was stored.
+        ok(&mut q, &add);
+        ok(
+            &mut q,
+            r#"{"execute":"block-export-add","arguments":{"type":"nbd","id":"e","node-name":"d","name":"d","writable":true,"bitmaps":["b0"]}}"#,
+        );
+        let map = run_ok("nbdinfo", &["--map=qemu:dirty-bitmap:b0", &uri]);
+        drop(child);
+        map
+    };
+    let ours = flow(env!("CARGO_BIN_EXE_stord"));
+    let theirs = flow("qemu-storage-daemon");
+    assert_eq!(ours, theirs);
+    assert!(
+        ours.lines().filter(|l| l.contains("dirty")).count() >= 2,
+        "{ours}"
+    );
+}

@@ -41,12 +41,7 @@ impl Qcow2Driver {
                 return Ok(None);
             };
             // With subclusters, every subcluster written must be allocated already.
-            let sb = self.subcluster_bits;
-            let (first, last) = (
-                ((pos - cstart) >> sb) as u32,
-                ((next - 1 - cstart) >> sb) as u32,
-            );
-            if self.extended_l2 && !subcluster::all_alloc(bitmap, first, last) {
+            if self.extended_l2 && !self.all_alloc(bitmap, pos - cstart, next - cstart) {
                 return Ok(None);
             }
             let h = host + (pos - cstart);
@@ -504,7 +499,7 @@ impl Qcow2Driver {
         let sb = self.subcluster_bits;
         let (from, to) = (within, within + data.len() as u64);
         let keep = matches!(old, Mapping::Data { copied: true, .. });
-        if keep && subcluster::all_alloc(bitmap, (from >> sb) as u32, ((to - 1) >> sb) as u32) {
+        if keep && self.all_alloc(bitmap, from, to) {
             self.file_write(old_host(old) + from, data).await?;
             return Ok(false);
         }
@@ -536,6 +531,13 @@ impl Qcow2Driver {
             self.release(&mut m, old).await?;
         }
         Ok(true)
+    }
+
+    /// Whether `bitmap` has every subcluster of `[from, to)` (bytes into the cluster)
+    /// allocated.
+    fn all_alloc(&self, bitmap: u64, from: u64, to: u64) -> bool {
+        let sb = self.subcluster_bits;
+        subcluster::all_alloc(bitmap, (from >> sb) as u32, ((to - 1) >> sb) as u32)
     }
 
     /// Writes `[start, end)` of the host cluster at `host` for the guest cluster at
