@@ -201,7 +201,10 @@ mod tests {
     /// them, whose subcluster arithmetic is checked).
     #[test]
     fn committed_header_seeds_run_clean() {
-        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../fuzz/corpus/qcow2_header");
+        let dir = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../fuzz/corpus/qcow2_header"
+        );
         let mut extended = 0;
         for e in std::fs::read_dir(dir).expect("the corpus") {
             let data = std::fs::read(e.expect("an entry").path()).expect("a seed");
@@ -209,6 +212,9 @@ mod tests {
             let h = super::Header::parse(&data);
             extended += usize::from(h.is_ok_and(|h| h.extended_l2()));
         }
-        assert!(extended > 0, "no extended-L2 header among the seeds in {dir}");
+        assert!(
+            extended > 0,
+            "no extended-L2 header among the seeds in {dir}"
+        );
     }
 }

@@ -1,5 +1,6 @@
-//! The read path: a guest range mapped cluster by cluster to pieces (host data, zeroes,
-//! the backing node, compressed clusters), neighbours from one source merged, then read;
+//! The read path: a guest range mapped cluster by cluster (subcluster run by subcluster
+//! run, with extended L2 entries) to pieces (host data, zeroes, the backing node,
+//! compressed clusters), neighbours from one source merged, then read;
 //! a range that is one host run goes to the file with the caller's buffer as it is.
 
 use std::io;

@@ -4,7 +4,9 @@
 //! does not overwrite is copied over (backing file, compressed data), then the L2 entry
 //! points at it. A large write over whole clusters that need new ones allocates them
 //! together and writes each host run with one request. `populate` copies the backing
-//! chain's content up the same way.
+//! chain's content up the same way. With extended L2 entries the same holds subcluster by
+//! subcluster: in place only where every subcluster written is allocated, else the
+//! subclusters touched are allocated with their rest copied (the second `impl` below).
 
 use std::io;
 
@@ -14,6 +16,7 @@ use super::driver::{Inflight, Qcow2Driver};
 use super::read::Pieces;
 use super::subcluster;
 use super::table::{old_host, Mapping, COPIED, ZERO};
+use crate::block::node::block_node::{BlockDriver, BlockNode};
 use crate::block::node::stats::Op;
 use crate::buf::{request_buf, Buf};
 use crate::iov::IoVec;
@@ -426,9 +429,12 @@ impl Qcow2Driver {
             return Ok(());
         };
         if self.extended_l2 {
+            // Whole subclusters (QEMU's copy-on-read rounds to them), within the image.
             let sc = 1u64 << self.subcluster_bits;
-            let range = (offset & !(sc - 1), (offset + len).div_ceil(sc) * sc);
-            return self.populate_subclusters(range, &backing).await;
+            let stop = ((offset + len).div_ceil(sc) * sc).min(self.size());
+            return self
+                .populate_subclusters((offset & !(sc - 1), stop), &backing)
+                .await;
         }
         let zero_clusters = self.version >= 3;
         let mut pos = start;
@@ -571,13 +577,14 @@ impl Qcow2Driver {
     }
 
     /// [`populate_impl`](Self::populate_impl) with subclusters, over `[start, end)`
-    /// (subcluster-aligned; the caller holds its clusters): each run of subclusters this
-    /// image leaves to the backing chain gets its content, subclusters of zeroes made zero
-    /// subclusters, the others written as a guest write would.
+    /// (subcluster-aligned, `end` unless it is the image's end; the caller holds its
+    /// clusters): each run of subclusters this image leaves to the backing chain gets its
+    /// content, subclusters of zeroes made zero subclusters (where QEMU's copy-on-read
+    /// looks at a whole run at once), the others written as a guest write would.
     async fn populate_subclusters(
         &self,
         (start, end): (u64, u64),
-        backing: &std::sync::Arc<crate::block::node::block_node::BlockNode>,
+        backing: &std::sync::Arc<BlockNode>,
     ) -> io::Result<()> {
         let sc = 1u64 << self.subcluster_bits;
         let mut pos = start;
