@@ -828,8 +828,9 @@ fn daemon(program: &str, dir: &Path) -> (Daemon, RawQmp) {
         .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap();
+    // The socket is there once bound, and takes connections once listening.
     let start = std::time::Instant::now();
-    while !qmp.exists() {
+    while std::os::unix::net::UnixStream::connect(&qmp).is_err() {
         assert!(start.elapsed().as_secs() < 10, "{program} did not start");
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
@@ -869,7 +870,7 @@ fn persistent_bitmaps_on_an_extended_image_as_qsd_keeps_them() {
         );
         ok(
             &mut q,
-            r#"{"execute":"block-export-del","arguments":{"id":"e"}}"#,
+            r#"{"execute":"block-export-del","arguments":{"id":"e","mode":"hard"}}"#,
         );
         q.wait_event("BLOCK_EXPORT_DELETED", "id", "e");
         ok(
@@ -896,4 +897,58 @@ fn persistent_bitmaps_on_an_extended_image_as_qsd_keeps_them() {
         ours.lines().filter(|l| l.contains("dirty")).count() >= 2,
         "{ours}"
     );
+}
+
+/// Block status and allocation depth over NBD, per subcluster: stord and
+/// qemu-storage-daemon, each exporting the same Proxmox overlay read-only, describe it
+/// extent for extent (data, zero and backing subclusters; local, backing and absent).
+#[test]
+fn block_status_and_allocation_depth_per_subcluster_as_qsd() {
+    let dir = tmpdir("subcl-status");
+    let top = proxmox_chain(&dir, "128k");
+    qemu_io(&["-f", "qcow2"], GUEST_OPS, &top);
+    let maps = |program: &str| -> (String, String) {
+        let sock = dir.join("status.sock");
+        let _ = std::fs::remove_file(&sock);
+        let child = std::process::Command::new(program)
+            .args([
+                "--blockdev",
+                &format!("driver=file,node-name=f,filename={top},read-only=on"),
+                "--blockdev",
+                "driver=qcow2,node-name=q,file=f,read-only=on",
+                "--nbd-server",
+                &format!("addr.type=unix,addr.path={}", sock.display()),
+                "--export",
+                "type=nbd,id=e,node-name=q,name=q,allocation-depth=on",
+            ])
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let _d = Daemon(child);
+        let start = std::time::Instant::now();
+        while std::os::unix::net::UnixStream::connect(&sock).is_err() {
+            assert!(start.elapsed().as_secs() < 10, "{program} did not start");
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        let uri = format!("nbd+unix:///q?socket={}", sock.display());
+        (
+            run_ok("nbdinfo", &["--map", &uri]),
+            run_ok("nbdinfo", &["--map=qemu:allocation-depth", &uri]),
+        )
+    };
+    let (status, depth) = maps(env!("CARGO_BIN_EXE_stord"));
+    let (qsd_status, qsd_depth) = maps("qemu-storage-daemon");
+    assert_eq!(status, qsd_status);
+    assert_eq!(depth, qsd_depth);
+    // Runs shorter than a cluster: the subclusters show.
+    let short = |m: &str| {
+        m.lines().any(|l| {
+            let len: u64 = l.split_whitespace().nth(1).unwrap().parse().unwrap();
+            !len.is_multiple_of(128 << 10)
+        })
+    };
+    assert!(short(&status) && short(&depth), "{status}\n{depth}");
+    for want in ["local", "backing depth 2", "absent"] {
+        assert!(depth.contains(want), "{depth}");
+    }
 }
