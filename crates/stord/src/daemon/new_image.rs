@@ -69,6 +69,7 @@ pub(super) fn create_image(
         backing_file,
         backing_fmt,
         zstd: false,
+        extended_l2: false,
     };
     let r = crate::block::helper_thread::block_on_helper(move || async move {
         create_qcow2(&node, &q).await

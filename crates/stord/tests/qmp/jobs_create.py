@@ -15,6 +15,7 @@ IMG_OPTS = [
     ("big", {"cluster-size": 2 << 20, "refcount-bits": 64, "lazy-refcounts": True}),
     ("zstd", {"compression-type": "zstd"}),
     ("backed", {"backing-file": "base.raw", "backing-fmt": "raw"}),
+    ("extl2", {"extended-l2": True, "cluster-size": 128 << 10}),
 ]
 
 
@@ -98,7 +99,7 @@ def info(img):
     spec = v.get("format-specific", {}).get("data", {})
     return (v["format"], v["virtual-size"], v["cluster-size"], v.get("backing-filename"),
             v.get("backing-filename-format"), spec.get("compat"), spec.get("lazy-refcounts"),
-            spec.get("refcount-bits"), spec.get("compression-type"))
+            spec.get("refcount-bits"), spec.get("compression-type"), spec.get("extended-l2"))
 
 
 def test():

@@ -205,9 +205,11 @@ impl BlockNode {
         self.has_bitmaps.load(Relaxed) && self.bitmaps().iter().any(|b| b.is_persistent())
     }
 
-    /// The granularity a new bitmap gets by default: the image's cluster size, else
-    /// 64 KiB (QEMU's bdrv_get_default_bitmap_granularity).
+    /// The granularity a new bitmap gets by default: the image's cluster size within
+    /// 4 KiB to 64 KiB, else 64 KiB (QEMU's bdrv_get_default_bitmap_granularity).
     pub fn default_bitmap_granularity(&self) -> u64 {
-        self.driver.cluster_size().unwrap_or(65536).max(512)
+        self.driver
+            .cluster_size()
+            .map_or(65536, |cs| cs.clamp(4096, 65536))
     }
 }

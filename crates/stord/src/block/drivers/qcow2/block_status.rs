@@ -1,11 +1,13 @@
 //! Block status and allocation depth: what the mapping says about a guest range (data,
-//! zeroes, or the backing node's, asked further down), in runs of one kind; from the
-//! cached tables alone when they hold the answer, without a future.
+//! zeroes, or the backing node's, asked further down), in runs of one kind (of
+//! subclusters, with extended L2 entries); from the cached tables alone when they hold the
+//! answer, without a future.
 
 use std::io;
 
-use super::driver::Qcow2Driver;
+use super::driver::{Meta, Qcow2Driver};
 use super::read::{Piece, Source};
+use super::subcluster::{self, Kind};
 use super::table::Mapping;
 use crate::block::node::block_node::BlockStatus;
 
@@ -40,29 +42,47 @@ impl Qcow2Driver {
         }
     }
 
-    /// Block status from cached tables, without a future: the first cluster's kind and
-    /// the run of clusters of the same kind after it (within one L2 table's reach). None
-    /// when a table is not cached, the metadata is busy, or the backing node must answer.
+    /// Block status from cached tables, without a future: the first cluster's (or, with
+    /// extended L2 entries, subcluster's) kind and the run of the same kind after it
+    /// (within one L2 table's reach). None when a table is not cached, the metadata is
+    /// busy, or the backing node must answer.
     pub(super) fn block_status_from_cache(&self, offset: u64, len: u64) -> Option<BlockStatus> {
         let mut m = self.meta.try_lock()?;
         let no_backing = !self.has_backing();
-        // (allocated, zero) of a mapping; None for one the backing node answers for.
-        let kind = |mp: Mapping| match mp {
-            Mapping::Data { .. } | Mapping::Compressed { .. } => Some((true, false)),
-            Mapping::Zero { .. } => Some((false, true)),
-            Mapping::Unallocated => no_backing.then_some((false, true)),
+        // (allocated, zero) of a subcluster's kind; None for one the backing node answers for.
+        let class = |k: Kind| match k {
+            Kind::Data | Kind::Compressed => Some((true, false)),
+            Kind::Zero => Some((false, true)),
+            Kind::Unallocated => no_backing.then_some((false, true)),
         };
-        let first = kind(self.lookup_cached(&mut m, offset)?.ok()?)?;
-        let reach = len.min(self.cluster_size << self.l2_bits);
-        let mut run = self.cluster_start(offset) + self.cluster_size - offset;
-        while run < reach {
-            match self.lookup_cached(&mut m, offset + run) {
-                Some(Ok(mp)) if kind(mp) == Some(first) => run += self.cluster_size,
+        // The kind at `pos` and where its run ends within the cluster.
+        let run_at = |m: &mut Meta, pos: u64| -> Option<(Option<(bool, bool)>, u64)> {
+            let (map, bitmap) = self.lookup_cached(m, pos)?.ok()?;
+            let cstart = self.cluster_start(pos);
+            if self.extended_l2 {
+                let sc = ((pos - cstart) >> self.subcluster_bits) as u32;
+                let (kind, n) = subcluster::run(map, bitmap, sc);
+                let next = cstart + (u64::from(sc + n) << self.subcluster_bits);
+                return Some((class(kind), next));
+            }
+            let kind = match map {
+                Mapping::Data { .. } | Mapping::Compressed { .. } => Kind::Data,
+                Mapping::Zero { .. } => Kind::Zero,
+                Mapping::Unallocated => Kind::Unallocated,
+            };
+            Some((class(kind), cstart + self.cluster_size))
+        };
+        let (first, mut end) = run_at(&mut m, offset)?;
+        let first = first?;
+        let reach = offset + len.min(self.cluster_size << self.l2_bits);
+        while end < reach {
+            match run_at(&mut m, end) {
+                Some((Some(c), next)) if c == first => end = next,
                 _ => break,
             }
         }
         Some(BlockStatus {
-            len: run.min(len),
+            len: (end - offset).min(len),
             allocated: first.0,
             zero: first.1,
         })

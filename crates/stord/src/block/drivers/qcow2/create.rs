@@ -1,7 +1,7 @@
 //! Creating a qcow2 image (`blockdev-create`, `blockdev-snapshot-sync`): written on an
-//! opened node: header (version 3 with compression type, or 2), one refcount table, the refcount
-//! blocks and an empty L1 table for the virtual size, every metadata cluster counted once;
-//! `qemu-img check` finds it clean.
+//! opened node: header (version 3 with compression type, or 2; extended L2 entries on
+//! request), one refcount table, the refcount blocks and an empty L1 table for the
+//! virtual size, every metadata cluster counted once; `qemu-img check` finds it clean.
 
 use std::io;
 use std::sync::Arc;
@@ -55,10 +55,8 @@ fn prepare(mut kv: KeyVal, env: &dyn CreateEnv) -> Result<Creation, GraphError> 
             return Err(unsupported(&format!("'{k}'")));
         }
     }
-    for k in ["data-file-raw", "extended-l2"] {
-        if kv.take_bool(k, false)? {
-            return Err(unsupported(&format!("'{k}'")));
-        }
+    if kv.take_bool("data-file-raw", false)? {
+        return Err(unsupported("'data-file-raw'"));
     }
     match kv.take("preallocation").as_deref() {
         None | Some("off") => {}
@@ -73,6 +71,7 @@ fn prepare(mut kv: KeyVal, env: &dyn CreateEnv) -> Result<Creation, GraphError> 
         backing_file: kv.take("backing-file"),
         backing_fmt: kv.take("backing-fmt"),
         zstd: kv.take("compression-type").as_deref() == Some("zstd"),
+        extended_l2: kv.take_bool("extended-l2", false)?,
     };
     kv.finish()?;
     // Looked up now, while the graph is at hand; as in QEMU a missing node fails the job
@@ -102,6 +101,8 @@ pub struct Qcow2Create {
     pub backing_file: Option<String>,
     pub backing_fmt: Option<String>,
     pub zstd: bool,
+    /// Extended L2 entries (subclusters).
+    pub extended_l2: bool,
 }
 
 impl Qcow2Create {
@@ -110,9 +111,18 @@ impl Qcow2Create {
         if !self.size.is_multiple_of(512) {
             return Err("Image size must be a multiple of 512 bytes".into());
         }
+        if self.extended_l2 && !self.v3 {
+            return Err("Extended L2 entries are only supported with compatibility level 1.1 and above (use version=v3 or greater)".into());
+        }
         let cs = self.cluster_size;
         if !cs.is_power_of_two() || !(512..=2 << 20).contains(&cs) {
             return Err("Cluster size must be a power of two between 512 and 2048k".into());
+        }
+        if self.extended_l2 && cs < 16384 {
+            return Err(
+                "Extended L2 entries are only supported with cluster sizes of at least 16384 bytes"
+                    .into(),
+            );
         }
         if !self.refcount_bits.is_power_of_two() || self.refcount_bits > 64 {
             return Err("Refcount width must be a power of two and may not exceed 64 bits".into());
@@ -146,7 +156,8 @@ struct Layout {
 impl Layout {
     fn new(o: &Qcow2Create) -> Layout {
         let cs = o.cluster_size;
-        let l1_entries = o.size.div_ceil(cs * (cs / 8));
+        let entry_bytes = if o.extended_l2 { 16 } else { 8 };
+        let l1_entries = o.size.div_ceil(cs * (cs / entry_bytes));
         let l1_clusters = (l1_entries * 8).div_ceil(cs).max(1);
         let per_block = cs * 8 / o.refcount_bits;
         let (mut rt, mut rb) = (1, 1);
@@ -190,7 +201,7 @@ fn header(o: &Qcow2Create, l: &Layout) -> Vec<u8> {
     put32(&mut h, 56, l.reftable_clusters as u32);
     let mut end = 72;
     if o.v3 {
-        let incompatible = if o.zstd { 1 << 3 } else { 0 };
+        let incompatible = u64::from(o.zstd) << 3 | u64::from(o.extended_l2) << 4;
         put64(&mut h, 72, incompatible);
         put64(&mut h, 80, u64::from(o.lazy_refcounts));
         put32(&mut h, 96, o.refcount_bits.trailing_zeros());
@@ -301,6 +312,7 @@ mod tests {
             backing_file: None,
             backing_fmt: None,
             zstd: false,
+            extended_l2: false,
         }
     }
 
@@ -331,5 +343,15 @@ mod tests {
         assert!(o.check().unwrap_err().contains("refcount widths"));
         o.refcount_bits = 16;
         assert!(o.check().is_ok());
+        o.extended_l2 = true;
+        assert!(o.check().unwrap_err().contains("compatibility level 1.1"));
+        o.v3 = true;
+        o.cluster_size = 8192;
+        assert!(o.check().unwrap_err().contains("at least 16384 bytes"));
+        o.cluster_size = 16384;
+        assert!(o.check().is_ok());
+        // An L2 table of 16 KiB maps 1024 clusters with extended entries: 16 MiB.
+        o.size = 64 << 20;
+        assert_eq!(Layout::new(&o).l1_entries, 4);
     }
 }

@@ -33,6 +33,10 @@ pub struct Qcow2Driver {
     pub(super) cluster_size: u64,
     /// log2 of the entries per L2 table.
     pub(super) l2_bits: u32,
+    /// Extended L2 entries (subclusters: [`super::subcluster`]).
+    pub(super) extended_l2: bool,
+    /// log2 of the subcluster size (the cluster size's without extended L2 entries).
+    pub(super) subcluster_bits: u32,
     pub(super) refcount_order: u32,
     /// The virtual size (grows with `block_resize`).
     pub(super) size: std::sync::atomic::AtomicU64,

@@ -13,7 +13,8 @@ use super::driver::Qcow2Driver;
 use super::header::Header;
 use super::image::Image;
 use super::options::Qcow2Options;
-use super::table::{EntryCodec, RefcountCodec};
+use super::subcluster;
+use super::table::{EntryCodec, Mapping, RefcountCodec};
 use crate::block::drivers::file;
 use crate::block::drivers::file::{AioMode, DiscardMode, FileOptions, NativeTuning};
 use crate::block::node::block_node::{BlockDriver, BlockNode};
@@ -105,22 +106,65 @@ pub fn fuzz_image(data: &[u8]) {
 }
 
 /// Fuzz entry (`fuzz/fuzz_targets/qcow2_header.rs`): `data` as the start of an image; if
-/// its header parses, every 8 bytes of it decoded as an L2 entry and all of it read as a
-/// refcount block, with the header's geometry.
+/// its header parses, every 8 bytes of it (16 with extended L2 entries: entry and
+/// subcluster bitmap, then the subcluster arithmetic over them) decoded as an L2 entry
+/// and all of it read as a refcount block, with the header's geometry.
 pub fn fuzz_header(data: &[u8]) {
     let _ = Header::bytes_needed(data);
     let Ok(h) = Header::parse(data) else {
         return;
     };
     assert!((9..=21).contains(&h.cluster_bits) && h.refcount_order <= 6);
-    let codec = EntryCodec::new(h.cluster_bits, h.version);
-    for w in data.chunks_exact(8) {
-        let _ = codec.decode(u64::from_be_bytes(w.try_into().expect("8 bytes")));
+    let codec = EntryCodec::new(h.cluster_bits, h.version, h.extended_l2());
+    let word = |w: &[u8]| u64::from_be_bytes(w.try_into().expect("8 bytes"));
+    for w in data.chunks_exact(8 * codec.words()) {
+        let (e, bitmap) = if h.extended_l2() {
+            (word(&w[..8]), word(&w[8..]))
+        } else {
+            (word(w), 0)
+        };
+        if let (Ok(map), true) = (codec.decode_pair(e, bitmap), h.extended_l2()) {
+            check_subclusters(map, bitmap, h.cluster_bits - 5);
+        }
     }
     let rc = RefcountCodec::new(h.refcount_order);
     let entries = (data.len() * 8) >> h.refcount_order;
     for i in 0..entries {
         assert!(rc.get(data, i) <= rc.max());
+    }
+}
+
+/// The subcluster arithmetic over an entry that decoded: runs cover the cluster and stay
+/// in it, and a copy-on-write span holds the write, stays in the cluster, and leaves the
+/// written subclusters allocated and not zero.
+fn check_subclusters(map: Mapping, bitmap: u64, sc_bits: u32) {
+    let mut sc = 0;
+    while sc < subcluster::PER_CLUSTER {
+        let (_, n) = subcluster::run(map, bitmap, sc);
+        assert!(
+            n >= 1 && sc + n <= subcluster::PER_CLUSTER,
+            "run {n} at {sc}"
+        );
+        sc += n;
+    }
+    let cs = u64::from(subcluster::PER_CLUSTER) << sc_bits;
+    // A write picked from the bitmap's bits, so every shape gets tried.
+    let from = (bitmap.rotate_left(7) % cs) & !511;
+    let to = (from + 512 + (bitmap >> 40) % cs).min(cs);
+    for keep in [false, matches!(map, Mapping::Data { copied: true, .. })] {
+        let (a, b) = subcluster::cow_span(map, bitmap, keep, (from, to), sc_bits);
+        assert!(
+            a <= from && to <= b && b <= cs,
+            "span {a}..{b} for {from}..{to}"
+        );
+        let after = subcluster::written(bitmap, (a, b), sc_bits);
+        let first = (from >> sc_bits) as u32;
+        assert!(subcluster::all_alloc(
+            after,
+            first,
+            ((to - 1) >> sc_bits) as u32
+        ));
+        assert_eq!(after & (after >> 32), 0, "allocated and zero at once");
     }
 }
 
@@ -151,5 +195,26 @@ mod tests {
             }
         }
         assert!(n > 0, "no seeds in {dir}");
+    }
+
+    /// The header target's committed seeds (an extended-L2 header with entries among
+    /// them, whose subcluster arithmetic is checked).
+    #[test]
+    fn committed_header_seeds_run_clean() {
+        let dir = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../fuzz/corpus/qcow2_header"
+        );
+        let mut extended = 0;
+        for e in std::fs::read_dir(dir).expect("the corpus") {
+            let data = std::fs::read(e.expect("an entry").path()).expect("a seed");
+            super::fuzz_header(&data);
+            let h = super::Header::parse(&data);
+            extended += usize::from(h.is_ok_and(|h| h.extended_l2()));
+        }
+        assert!(
+            extended > 0,
+            "no extended-L2 header among the seeds in {dir}"
+        );
     }
 }

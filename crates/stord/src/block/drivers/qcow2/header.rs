@@ -367,9 +367,9 @@ impl Header {
         Ok(())
     }
 
-    /// Refuses a refcount width past 64 bits and the incompatible features stord does not
-    /// serve (unknown ones, external data files, extended L2 entries), and a compression
-    /// type its feature bit contradicts.
+    /// Refuses a refcount width past 64 bits, the incompatible features stord does not
+    /// serve (unknown ones, external data files), subclusters smaller than 512 bytes, and
+    /// a compression type its feature bit contradicts.
     fn check_features(&self) -> Result<(), HeaderError> {
         if self.refcount_order > 6 {
             return Err(invalid(
@@ -385,10 +385,12 @@ impl Header {
         if self.incompatible & incompat::DATA_FILE != 0 {
             return Err(HeaderError::Unsupported("An external data file".into()));
         }
-        if self.incompatible & incompat::EXTL2 != 0 {
-            return Err(HeaderError::Unsupported(
-                "Extended L2 entries (subclusters)".into(),
-            ));
+        // QEMU's rule: subclusters of at least 512 bytes (clusters of 16 KiB or more).
+        if self.extended_l2() && self.cluster_bits < 9 + 5 {
+            return Err(invalid(format!(
+                "Unsupported subcluster size: {}",
+                self.cluster_size() >> 5
+            )));
         }
         if (self.incompatible & incompat::COMPRESSION != 0)
             != (self.compression != Compression::Zlib)
@@ -415,7 +417,7 @@ impl Header {
             return Err(invalid("Reference count table too large"));
         }
         // Every guest cluster must have an L1 entry.
-        let l2_coverage = cluster_size * (cluster_size / 8);
+        let l2_coverage = cluster_size * (cluster_size / self.l2_entry_bytes());
         let needed = self.size.div_ceil(l2_coverage);
         if needed > self.l1_size as u64 {
             return Err(invalid(format!(
@@ -491,6 +493,16 @@ impl Header {
     pub fn cluster_size(&self) -> u64 {
         1 << self.cluster_bits
     }
+
+    /// Whether L2 entries are extended (subclusters: see [`super::subcluster`]).
+    pub fn extended_l2(&self) -> bool {
+        self.incompatible & incompat::EXTL2 != 0
+    }
+
+    /// Bytes per L2 entry: 16 when extended, else 8.
+    pub fn l2_entry_bytes(&self) -> u64 {
+        8 << u64::from(self.extended_l2())
+    }
 }
 
 #[cfg(test)]
@@ -519,6 +531,30 @@ mod tests {
         assert_eq!((h.version, h.cluster_size(), h.size), (3, 65536, 1 << 30));
         assert_eq!((h.l1_size, h.refcount_order), (2, 4));
         assert_eq!(h.backing_file, None);
+    }
+
+    #[test]
+    fn extended_l2_entries_need_16k_clusters_and_halve_the_l2_reach() {
+        let ext = |bits: u32, l1: u32| {
+            let mut b = v3();
+            b[72..80].copy_from_slice(&incompat::EXTL2.to_be_bytes());
+            b[20..24].copy_from_slice(&bits.to_be_bytes());
+            b[36..40].copy_from_slice(&l1.to_be_bytes());
+            b[40..48].copy_from_slice(&(3u64 << bits).to_be_bytes());
+            b[48..56].copy_from_slice(&(1u64 << bits).to_be_bytes());
+            Header::parse(&b)
+        };
+        assert_eq!(
+            ext(13, 1024).unwrap_err().to_string(),
+            "qcow2: Unsupported subcluster size: 256"
+        );
+        // 16 KiB clusters: an L2 table maps 1024 clusters (16 MiB), so 1 GiB needs 64.
+        assert_eq!(
+            ext(14, 63).unwrap_err().to_string(),
+            "qcow2: L1 table too small for the image size (63 entries, 64 needed)"
+        );
+        let h = ext(14, 64).unwrap();
+        assert_eq!((h.extended_l2(), h.l2_entry_bytes()), (true, 16));
     }
 
     #[test]
@@ -589,10 +625,12 @@ mod tests {
         assert!(matches!(set32(56, 1 << 20), HeaderError::Invalid(_)));
         assert!(matches!(set32(96, 7), HeaderError::Invalid(_)));
         assert!(matches!(set32(100, 200_000), HeaderError::Invalid(_)));
+        // Extended L2 entries halve an L2 table's reach: 2 L1 entries no longer map 1 GiB.
         assert!(matches!(
             set64(72, incompat::EXTL2),
-            HeaderError::Unsupported(_)
+            HeaderError::Invalid(_)
         ));
+
         assert!(matches!(
             set64(72, incompat::DATA_FILE),
             HeaderError::Unsupported(_)

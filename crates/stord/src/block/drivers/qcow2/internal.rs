@@ -151,7 +151,8 @@ impl Qcow2Driver {
             }
             self.load_l2(m, l2_off).await?;
             let table = m.l2.get(l2_off).expect("just loaded").clone();
-            for e in &table {
+            // With extended entries each entry's bitmap follows it.
+            for e in table.iter().step_by(codec.words()) {
                 let map = codec.decode(*e).map_err(corrupt)?;
                 for host in self.clusters_of(map) {
                     if self.change_refcount(m, host, delta).await? == 0 {
@@ -191,7 +192,7 @@ impl Qcow2Driver {
             self.load_l2(m, l2_off).await?;
             let mut table = m.l2.get(l2_off).expect("just loaded").clone();
             let mut changed = false;
-            for e in table.iter_mut() {
+            for e in table.iter_mut().step_by(codec.words()) {
                 let host = match codec.decode(*e).map_err(corrupt)? {
                     Mapping::Data { host, .. }
                     | Mapping::Zero {

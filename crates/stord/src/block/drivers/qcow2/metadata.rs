@@ -81,8 +81,14 @@ impl Qcow2Driver {
         ((guest >> self.cluster_bits) & ((1 << self.l2_bits) - 1)) as usize
     }
 
+    /// Where the entry of the guest cluster containing `guest` starts in its L2 table's
+    /// words (its bitmap follows it when entries are extended).
+    pub(super) fn l2_slot(&self, guest: u64) -> usize {
+        self.l2_index(guest) << u32::from(self.extended_l2)
+    }
+
     pub(super) fn entries(&self) -> EntryCodec {
-        EntryCodec::new(self.cluster_bits, self.version)
+        EntryCodec::new(self.cluster_bits, self.version, self.extended_l2)
     }
 
     pub(super) fn refcounts(&self) -> RefcountCodec {
@@ -134,32 +140,90 @@ impl Qcow2Driver {
         Ok(())
     }
 
-    /// What the image says about the guest cluster containing `guest`.
+    /// What the image says about the guest cluster containing `guest`. With extended L2
+    /// entries this is the cluster's mapping only: what its subclusters hold is
+    /// [`lookup_entry`](Self::lookup_entry)'s.
     pub(super) async fn lookup(&self, m: &mut Meta, guest: u64) -> io::Result<Mapping> {
+        self.lookup_entry(m, guest).await.map(|(map, _)| map)
+    }
+
+    /// The guest cluster containing `guest`: its mapping and, with extended L2 entries, its
+    /// subcluster bitmap (0 otherwise).
+    pub(super) async fn lookup_entry(
+        &self,
+        m: &mut Meta,
+        guest: u64,
+    ) -> io::Result<(Mapping, u64)> {
         self.check_not_corrupt()?;
         let l2_off = m.l1[self.l1_index(guest)] & OFFSET_MASK;
         if l2_off == 0 {
-            return Ok(Mapping::Unallocated);
+            return Ok((Mapping::Unallocated, 0));
         }
         self.load_l2(m, l2_off).await?;
-        let e = m.l2.get(l2_off).expect("just loaded")[self.l2_index(guest)];
-        self.entries().decode(e).map_err(corrupt)
+        let table = m.l2.get(l2_off).expect("just loaded");
+        self.decode_slot(table, guest)
     }
 
-    /// As [`lookup`](Self::lookup), from cached tables only: None when the L2 table is not
-    /// in the cache.
-    pub(super) fn lookup_cached(&self, m: &mut Meta, guest: u64) -> Option<io::Result<Mapping>> {
+    /// The entry of `guest`'s cluster in its L2 table `table`, decoded with its bitmap.
+    fn decode_slot(&self, table: &[u64], guest: u64) -> io::Result<(Mapping, u64)> {
+        let i = self.l2_slot(guest);
+        let bitmap = if self.extended_l2 { table[i + 1] } else { 0 };
+        let map = self.entries().decode_pair(table[i], bitmap);
+        map.map(|map| (map, bitmap)).map_err(corrupt)
+    }
+
+    /// As [`lookup_entry`](Self::lookup_entry), from cached tables only: None when the L2
+    /// table is not in the cache.
+    pub(super) fn lookup_cached(
+        &self,
+        m: &mut Meta,
+        guest: u64,
+    ) -> Option<io::Result<(Mapping, u64)>> {
         let l2_off = m.l1[self.l1_index(guest)] & OFFSET_MASK;
         if l2_off == 0 {
-            return Some(Ok(Mapping::Unallocated));
+            return Some(Ok((Mapping::Unallocated, 0)));
         }
-        let e = m.l2.get(l2_off)?[self.l2_index(guest)];
-        Some(self.entries().decode(e).map_err(corrupt))
+        Some(self.decode_slot(m.l2.get(l2_off)?, guest))
     }
 
-    /// Sets the L2 entry of the guest cluster containing `guest`, allocating its L2 table
-    /// if it has none.
-    pub(super) async fn set_l2(&self, m: &mut Meta, guest: u64, entry: u64) -> io::Result<()> {
+    /// Sets the L2 entry of the guest cluster containing `guest` (with extended entries,
+    /// its subcluster bitmap too; `bitmap` is unused otherwise), allocating its L2 table if
+    /// it has none.
+    pub(super) async fn set_l2(
+        &self,
+        m: &mut Meta,
+        guest: u64,
+        entry: u64,
+        bitmap: u64,
+    ) -> io::Result<()> {
+        let l2_off = self.l2_table_to_write(m, guest).await?;
+        let i = self.l2_slot(guest);
+        let table = m.l2.get_mut(l2_off).expect("just loaded");
+        table[i] = entry;
+        if self.extended_l2 {
+            table[i + 1] = bitmap;
+        }
+        Ok(())
+    }
+
+    /// Sets only the subcluster bitmap of the guest cluster containing `guest` (extended
+    /// L2 entries), allocating its L2 table if it has none.
+    pub(super) async fn set_l2_bitmap(
+        &self,
+        m: &mut Meta,
+        guest: u64,
+        bitmap: u64,
+    ) -> io::Result<()> {
+        debug_assert!(self.extended_l2);
+        let l2_off = self.l2_table_to_write(m, guest).await?;
+        let i = self.l2_slot(guest);
+        m.l2.get_mut(l2_off).expect("just loaded")[i + 1] = bitmap;
+        Ok(())
+    }
+
+    /// The L2 table that maps `guest`, cached and the active image's own: allocated if
+    /// there is none, copied if an internal snapshot shares it. Its host offset.
+    pub(super) async fn l2_table_to_write(&self, m: &mut Meta, guest: u64) -> io::Result<u64> {
         let i1 = self.l1_index(guest);
         let mut l2_off = m.l1[i1] & OFFSET_MASK;
         if l2_off != 0 && m.l1[i1] & COPIED == 0 {
@@ -183,7 +247,7 @@ impl Qcow2Driver {
             if m.l2.full_of_dirty() {
                 self.write_back(m).await?;
             }
-            m.l2.insert(table, vec![0; 1 << self.l2_bits], true);
+            m.l2.insert(table, vec![0; (self.cluster_size / 8) as usize], true);
             m.add_region(self.cluster_bits, table, self.cluster_size, MetaKind::L2);
             m.l1[i1] = table | COPIED;
             m.l1_dirty.insert(i1);
@@ -191,8 +255,7 @@ impl Qcow2Driver {
         } else {
             self.load_l2(m, l2_off).await?;
         }
-        m.l2.get_mut(l2_off).expect("just loaded")[self.l2_index(guest)] = entry;
-        Ok(())
+        Ok(l2_off)
     }
 
     /// Moves the L1 table to a larger one of `need` entries, as QEMU's

@@ -15,12 +15,14 @@
 //! Images with internal snapshots are written as QEMU writes them: tables and clusters
 //! the active image shares with a snapshot are copied before they change ([`snapshot`]).
 //!
+//! Images with extended L2 entries (subclusters, as Proxmox makes its snapshot overlays)
+//! are read, written, zeroed and reported per subcluster ([`subcluster`]).
+//!
 //! Not supported, and refused at open with a clear error rather than served wrongly:
-//! encryption, external data files, extended L2 entries; writing to
-//! images marked dirty or corrupt.
+//! encryption, external data files; writing to images marked corrupt.
 //!
 //! The files, from the bottom up: the on-disk formats, parsed with no I/O ([`bytes`],
-//! [`header`], [`table`], [`snapshot`], [`bitmap_dir`]); the driver's state
+//! [`header`], [`table`], [`subcluster`], [`snapshot`], [`bitmap_dir`]); the driver's state
 //! ([`driver`]); its methods by concern ([`metadata`], [`refcount`], [`writeback`],
 //! [`read`], [`write`], [`discard`], [`block_status`], [`header_update`], [`bitmaps`],
 //! [`internal`]); an image read at open ([`image`], with [`repair`]); and the faces:
@@ -49,6 +51,7 @@ mod read;
 mod refcount;
 mod repair;
 mod snapshot;
+mod subcluster;
 mod table;
 mod write;
 mod writeback;

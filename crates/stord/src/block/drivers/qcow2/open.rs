@@ -88,7 +88,7 @@ impl Qcow2Driver {
         opts: &Qcow2Options,
     ) -> Self {
         let h = image.header.clone();
-        let cache = opts.cache_tables(h.size, h.cluster_size());
+        let cache = opts.cache_tables(h.size, h.cluster_size(), h.l2_entry_bytes());
         let writable = image.writable;
         let meta = Self::meta_of(image, cache);
         Self {
@@ -98,7 +98,9 @@ impl Qcow2Driver {
             version: h.version,
             cluster_bits: h.cluster_bits,
             cluster_size: h.cluster_size(),
-            l2_bits: h.cluster_bits - 3,
+            l2_bits: h.cluster_bits - 3 - u32::from(h.extended_l2()),
+            extended_l2: h.extended_l2(),
+            subcluster_bits: h.cluster_bits - 5 * u32::from(h.extended_l2()),
             refcount_order: h.refcount_order,
             size: h.size.into(),
             discard: opts.discard,
@@ -171,7 +173,10 @@ impl Qcow2Driver {
             probe
         };
         let h = &image.header;
-        if h.cluster_bits != self.cluster_bits || h.refcount_order != self.refcount_order {
+        if h.cluster_bits != self.cluster_bits
+            || h.refcount_order != self.refcount_order
+            || h.extended_l2() != self.extended_l2
+        {
             return Err(io::Error::other("the image's layout changed"));
         }
         self.size.store(h.size, Ordering::Relaxed);

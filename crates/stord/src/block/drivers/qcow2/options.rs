@@ -55,9 +55,15 @@ impl Qcow2Options {
         Ok(o)
     }
 
-    /// Tables in the L2 and refcount caches, for an image of `size` bytes.
-    pub(super) fn cache_tables(&self, size: u64, cluster_size: u64) -> (usize, usize) {
-        let whole_disk = size.div_ceil(cluster_size * (cluster_size / 8)) * cluster_size;
+    /// Tables in the L2 and refcount caches, for an image of `size` bytes whose L2 entries
+    /// take `entry_bytes` (8, or 16 when extended).
+    pub(super) fn cache_tables(
+        &self,
+        size: u64,
+        cluster_size: u64,
+        entry_bytes: u64,
+    ) -> (usize, usize) {
+        let whole_disk = size.div_ceil(cluster_size * (cluster_size / entry_bytes)) * cluster_size;
         let (l2, rc) = match (self.l2_cache, self.refcount_cache, self.cache) {
             (Some(l2), Some(rc), _) => (l2.min(whole_disk), rc),
             (Some(l2), None, Some(total)) => (l2.min(whole_disk), total - l2),
@@ -102,8 +108,10 @@ mod tests {
         // l2 beyond the whole disk is cut to it: a 1 GiB image with 64 KiB clusters needs
         // 128 KiB of L2 tables (2 tables).
         let o = opts("l2-cache-size=1T").unwrap();
-        assert_eq!(o.cache_tables(1 << 30, 65536).0, 2);
+        assert_eq!(o.cache_tables(1 << 30, 65536, 8).0, 2);
+        // Extended entries: twice the tables for the same disk.
+        assert_eq!(o.cache_tables(1 << 30, 65536, 16).0, 4);
         let o = opts("cache-size=4M,l2-cache-size=1M").unwrap();
-        assert_eq!(o.cache_tables(1 << 40, 65536), (16, 48));
+        assert_eq!(o.cache_tables(1 << 40, 65536, 8), (16, 48));
     }
 }

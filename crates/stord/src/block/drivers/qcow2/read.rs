@@ -1,5 +1,6 @@
-//! The read path: a guest range mapped cluster by cluster to pieces (host data, zeroes,
-//! the backing node, compressed clusters), neighbours from one source merged, then read;
+//! The read path: a guest range mapped cluster by cluster (subcluster run by subcluster
+//! run, with extended L2 entries) to pieces (host data, zeroes, the backing node,
+//! compressed clusters), neighbours from one source merged, then read;
 //! a range that is one host run goes to the file with the caller's buffer as it is.
 
 use std::io;
@@ -10,6 +11,7 @@ use stord_aio::sys::now_ns;
 
 use super::driver::{corrupt, Inflight, Meta, Qcow2Driver};
 use super::header::Compression;
+use super::subcluster::{self, Kind};
 use super::table::Mapping;
 use crate::block::node::block_node::BlockNode;
 use crate::block::node::stats::Op;
@@ -46,6 +48,20 @@ pub(super) struct Piece {
     pub(super) guest: u64,
     pub(super) len: u64,
     pub(super) src: Source,
+}
+
+/// Adds a piece of `len` bytes at `guest` reading from `src` to `pieces`, merged into the
+/// last one where it continues it.
+fn push_piece(pieces: &mut Pieces, guest: u64, len: u64, src: Source) {
+    match (pieces.last_mut(), src) {
+        (Some(last), Source::Host(h)) if matches!(last.src, Source::Host(lh) if lh + last.len == h) => {
+            last.len += len
+        }
+        (Some(last), Source::Zero | Source::Unmapped | Source::Backing) if last.src == src => {
+            last.len += len
+        }
+        _ => pieces.push(Piece { guest, len, src }),
+    }
 }
 
 impl Qcow2Driver {
@@ -86,36 +102,57 @@ impl Qcow2Driver {
         while pos < end {
             let cstart = self.cluster_start(pos);
             let n = (cstart + self.cluster_size).min(end) - pos;
-            let within = pos - cstart;
-            let src = match self.lookup(m, pos).await? {
-                Mapping::Data { host, .. } => Source::Host(host + within),
-                Mapping::Zero { .. } => Source::Zero,
-                Mapping::Unallocated if has_backing => Source::Backing,
-                Mapping::Unallocated => Source::Unmapped,
-                Mapping::Compressed { offset, len } => Source::Compressed {
-                    offset,
-                    len,
-                    within,
-                },
-            };
-            match (pieces.last_mut(), src) {
-                (Some(last), Source::Host(h)) if matches!(last.src, Source::Host(lh) if lh + last.len == h) => {
-                    last.len += n
-                }
-                (Some(last), Source::Zero | Source::Unmapped | Source::Backing)
-                    if last.src == src =>
-                {
-                    last.len += n
-                }
-                _ => pieces.push(Piece {
-                    guest: pos,
-                    len: n,
-                    src,
-                }),
+            let (map, bitmap) = self.lookup_entry(m, pos).await?;
+            if self.extended_l2 {
+                self.subcluster_pieces(&mut pieces, (pos, n), map, bitmap, has_backing);
+            } else {
+                let src = Self::source(map, Kind::Data, pos - cstart, has_backing);
+                push_piece(&mut pieces, pos, n, src);
             }
             pos += n;
         }
         Ok(pieces)
+    }
+
+    /// Where `[pos, pos + n)`, within one cluster mapped by `map` and `bitmap` (extended
+    /// L2 entries), reads from: a piece per run of subclusters of one kind, added to
+    /// `pieces`.
+    pub(super) fn subcluster_pieces(
+        &self,
+        pieces: &mut Pieces,
+        (pos, n): (u64, u64),
+        map: Mapping,
+        bitmap: u64,
+        has_backing: bool,
+    ) {
+        let cstart = self.cluster_start(pos);
+        let sb = self.subcluster_bits;
+        let mut p = pos;
+        while p < pos + n {
+            let sc = ((p - cstart) >> sb) as u32;
+            let (kind, count) = subcluster::run(map, bitmap, sc);
+            let run_end = (cstart + (u64::from(sc + count) << sb)).min(pos + n);
+            let src = Self::source(map, kind, p - cstart, has_backing);
+            push_piece(pieces, p, run_end - p, src);
+            p = run_end;
+        }
+    }
+
+    /// Where bytes `within` a cluster mapped by `map` read from, the subcluster there
+    /// being of `kind` (always [`Kind::Data`] with standard L2 entries, where the mapping
+    /// alone says).
+    fn source(map: Mapping, kind: Kind, within: u64, has_backing: bool) -> Source {
+        match (map, kind) {
+            (Mapping::Compressed { offset, len }, _) => Source::Compressed {
+                offset,
+                len,
+                within,
+            },
+            (Mapping::Zero { .. }, _) | (_, Kind::Zero) => Source::Zero,
+            (Mapping::Data { host, .. }, Kind::Data) => Source::Host(host + within),
+            _ if has_backing => Source::Backing,
+            _ => Source::Unmapped,
+        }
     }
 
     /// Reads `dst.len()` bytes of the backing node at `guest` (zeroes past its end).
@@ -172,7 +209,7 @@ impl Qcow2Driver {
     }
 
     /// Fills `buf` (the guest range at `offset`) from its pieces.
-    async fn read_pieces(
+    pub(super) async fn read_pieces(
         &self,
         offset: u64,
         pieces: &[Piece],

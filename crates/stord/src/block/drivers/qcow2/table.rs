@@ -41,24 +41,80 @@ pub fn old_host(m: Mapping) -> u64 {
     }
 }
 
+/// Extended L2 entries: every subcluster allocated (the bitmap's low half).
+pub const ALL_ALLOC: u64 = 0xffff_ffff;
+/// Extended L2 entries: every subcluster reading as zeroes (the high half).
+pub const ALL_ZERO: u64 = ALL_ALLOC << 32;
+
+/// Whether the subcluster `bitmap` of an extended entry may stand beside its cluster's
+/// mapping `map` (QEMU's QCOW2_SUBCLUSTER_INVALID cases): a subcluster cannot be
+/// allocated and zero at once, nor allocated in a cluster without a host cluster. A
+/// compressed cluster's bitmap is not looked at, as QEMU does not.
+pub fn check_bitmap(map: Mapping, bitmap: u64) -> Result<(), String> {
+    match map {
+        Mapping::Data { host, .. } if (bitmap >> 32) & bitmap != 0 => Err(format!(
+            "cluster at {host:#x}: subclusters both allocated and zero (bitmap {bitmap:#x})"
+        )),
+        Mapping::Unallocated if bitmap & ALL_ALLOC != 0 => Err(format!(
+            "unallocated cluster with allocated subclusters (bitmap {bitmap:#x})"
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// The entry word of a mapping that keeps a host cluster (a data cluster, or a zero one
+/// kept for preallocation), as it is written back when only the rest of the entry
+/// changes; 0 for any other.
+pub fn encode_host(m: Mapping) -> u64 {
+    match m {
+        Mapping::Data { host, copied } => host | if copied { COPIED } else { 0 },
+        Mapping::Zero {
+            host: Some(host),
+            copied,
+        } => host | ZERO | if copied { COPIED } else { 0 },
+        Mapping::Zero { host: None, .. } => ZERO,
+        _ => 0,
+    }
+}
+
 /// Decodes L2 entries for one cluster size.
 #[derive(Debug, Clone, Copy)]
 pub struct EntryCodec {
     cluster_bits: u32,
     /// Version 3 (the zero flag exists).
     v3: bool,
+    /// Extended L2 entries: 128 bits, the zero flag unused (the bitmap says it).
+    extended: bool,
 }
 
 impl EntryCodec {
-    /// A codec for `cluster_bits` and the image version.
-    pub fn new(cluster_bits: u32, version: u32) -> Self {
+    /// A codec for `cluster_bits`, the image version and whether its L2 entries are
+    /// extended ([`super::subcluster`]).
+    pub fn new(cluster_bits: u32, version: u32, extended: bool) -> Self {
         Self {
             cluster_bits,
             v3: version >= 3,
+            extended,
         }
     }
 
-    /// Decodes `e`; an offset that is not cluster-aligned is corruption.
+    /// 64-bit words per L2 entry: 2 for extended entries (entry, bitmap), else 1.
+    pub fn words(&self) -> usize {
+        1 + usize::from(self.extended)
+    }
+
+    /// Decodes an extended entry `e` with its subcluster `bitmap` (checked against it:
+    /// [`check_bitmap`]); for a standard entry `bitmap` is 0 and unused.
+    pub fn decode_pair(&self, e: u64, bitmap: u64) -> Result<Mapping, String> {
+        let m = self.decode(e)?;
+        if self.extended {
+            check_bitmap(m, bitmap)?;
+        }
+        Ok(m)
+    }
+
+    /// Decodes the entry word `e` (for an extended entry, its cluster's mapping, the
+    /// bitmap aside); an offset that is not cluster-aligned is corruption.
     pub fn decode(&self, e: u64) -> Result<Mapping, String> {
         if e & COMPRESSED != 0 {
             // x = 62 - (cluster_bits - 8): the offset below it, the sector count above.
@@ -75,7 +131,7 @@ impl EntryCodec {
                 "L2 entry {e:#x}: cluster offset {host:#x} unaligned"
             ));
         }
-        if self.v3 && e & ZERO != 0 {
+        if self.v3 && !self.extended && e & ZERO != 0 {
             let host = (host != 0).then_some(host);
             return Ok(Mapping::Zero { host, copied });
         }
@@ -287,7 +343,7 @@ mod tests {
 
     #[test]
     fn l2_entries_decode() {
-        let c = EntryCodec::new(16, 3);
+        let c = EntryCodec::new(16, 3, false);
         assert_eq!(c.decode(0), Ok(Mapping::Unallocated));
         assert_eq!(
             c.decode(COPIED | 0x30000),
@@ -315,9 +371,34 @@ mod tests {
         );
         // Version 2 has no zero flag: bit 0 is ignored.
         assert_eq!(
-            EntryCodec::new(16, 2).decode(ZERO),
+            EntryCodec::new(16, 2, false).decode(ZERO),
             Ok(Mapping::Unallocated)
         );
+    }
+
+    #[test]
+    fn extended_entries_decode_with_their_bitmap() {
+        let c = EntryCodec::new(17, 3, true);
+        assert_eq!(c.words(), 2);
+        // The zero flag means nothing in an extended entry: the bitmap says zero.
+        assert_eq!(c.decode(ZERO), Ok(Mapping::Unallocated));
+        let data = Mapping::Data {
+            host: 0x60000,
+            copied: true,
+        };
+        assert_eq!(c.decode_pair(COPIED | 0x60000, 0xf | 0xf0 << 32), Ok(data));
+        assert!(c.decode_pair(COPIED | 0x60000, 0x1 | 0x1 << 32).is_err());
+        assert!(c.decode_pair(0, 0x1).is_err());
+        assert_eq!(
+            c.decode_pair(0, 0xffff_ffff << 32),
+            Ok(Mapping::Unallocated)
+        );
+        assert_eq!(encode_host(data), COPIED | 0x60000);
+        // Allocated and zero at once; allocated without a host cluster.
+        assert!(check_bitmap(data, 0x8 | 0x8 << 32).is_err());
+        assert!(check_bitmap(Mapping::Unallocated, 0x1).is_err());
+        assert!(check_bitmap(Mapping::Unallocated, ALL_ZERO).is_ok());
+        assert!(check_bitmap(data, 0x7 | 0xffff_fff8 << 32).is_ok());
     }
 
     #[test]

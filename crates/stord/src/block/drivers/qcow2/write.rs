@@ -4,14 +4,19 @@
 //! does not overwrite is copied over (backing file, compressed data), then the L2 entry
 //! points at it. A large write over whole clusters that need new ones allocates them
 //! together and writes each host run with one request. `populate` copies the backing
-//! chain's content up the same way.
+//! chain's content up the same way. With extended L2 entries the same holds subcluster by
+//! subcluster: in place only where every subcluster written is allocated, else the
+//! subclusters touched are allocated with their rest copied (the second `impl` below).
 
 use std::io;
 
 use stord_aio::sys::now_ns;
 
 use super::driver::{Inflight, Qcow2Driver};
+use super::read::Pieces;
+use super::subcluster;
 use super::table::{old_host, Mapping, COPIED, ZERO};
+use crate::block::node::block_node::{BlockDriver, BlockNode};
 use crate::block::node::stats::Op;
 use crate::buf::{request_buf, Buf};
 use crate::iov::IoVec;
@@ -33,16 +38,22 @@ impl Qcow2Driver {
         let end = offset + len;
         while pos < end {
             let cstart = self.cluster_start(pos);
-            let Mapping::Data { host, copied: true } = self.lookup(&mut m, pos).await? else {
+            let next = (cstart + self.cluster_size).min(end);
+            let (map, bitmap) = self.lookup_entry(&mut m, pos).await?;
+            let Mapping::Data { host, copied: true } = map else {
                 return Ok(None);
             };
+            // With subclusters, every subcluster written must be allocated already.
+            if self.extended_l2 && !self.all_alloc(bitmap, pos - cstart, next - cstart) {
+                return Ok(None);
+            }
             let h = host + (pos - cstart);
             match start {
                 None => start = Some(h),
                 Some(s) if s + (pos - offset) == h => {}
                 Some(_) => return Ok(None),
             }
-            pos = (cstart + self.cluster_size).min(end);
+            pos = next;
         }
         if let Some(s) = start {
             // An L2 entry pointing at metadata must not turn guest data into tables.
@@ -81,6 +92,10 @@ impl Qcow2Driver {
         data: &[u8],
         old: Mapping,
     ) -> io::Result<()> {
+        debug_assert!(
+            !self.extended_l2,
+            "subclusters are written by write_subclusters"
+        );
         let cs = self.cluster_size;
         // A preallocated zero cluster of ours is reused; anything else gets a new one.
         let (host, fresh) = match old {
@@ -116,7 +131,7 @@ impl Qcow2Driver {
             }
             return Err(e);
         }
-        self.set_l2(&mut m, cstart, host | COPIED).await?;
+        self.set_l2(&mut m, cstart, host | COPIED, 0).await?;
         if host != old_host(old) {
             self.release(&mut m, old).await?;
         }
@@ -162,6 +177,10 @@ impl Qcow2Driver {
         if olds.len() < 2 {
             return Ok(None);
         }
+        if self.extended_l2 {
+            // As write_subclusters: the L2 table before the data clusters.
+            self.l2_table_to_write(&mut m, pos).await?;
+        }
         let mut hosts = Vec::with_capacity(olds.len());
         for _ in 0..olds.len() {
             match self.alloc_cluster(&mut m).await {
@@ -197,7 +216,9 @@ impl Qcow2Driver {
         }
         let next = pos + plan.olds.len() as u64 * cs;
         for (k, (old, host)) in plan.olds.into_iter().zip(plan.hosts).enumerate() {
-            self.set_l2(&mut m, pos + k as u64 * cs, host | COPIED)
+            // Written whole: with subclusters, every one allocated.
+            let guest = pos + k as u64 * cs;
+            self.set_l2(&mut m, guest, host | COPIED, subcluster::ALL_ALLOC)
                 .await?;
             self.release(&mut m, old).await?;
         }
@@ -283,7 +304,7 @@ impl Qcow2Driver {
 
     /// [`write_slow`](Self::write_slow) with the guest range held; `allocated`: the
     /// caller allocated clusters already (a FUA write then flushes the metadata too).
-    async fn write_locked(
+    pub(super) async fn write_locked(
         &self,
         offset: u64,
         data: &[u8],
@@ -304,9 +325,9 @@ impl Qcow2Driver {
             let cstart = self.cluster_start(pos);
             let chunk_end = (cstart + self.cluster_size).min(end);
             let chunk = &data[(pos - offset) as usize..(chunk_end - offset) as usize];
-            let old = {
+            let (old, bitmap) = {
                 let mut m = self.meta.lock().await;
-                let old = self.lookup(&mut m, pos).await?;
+                let (old, bitmap) = self.lookup_entry(&mut m, pos).await?;
                 if let Mapping::Data { host, .. }
                 | Mapping::Zero {
                     host: Some(host), ..
@@ -315,8 +336,15 @@ impl Qcow2Driver {
                     self.check_overlap(&m, host, self.cluster_size, None)
                         .await?;
                 }
-                old
+                (old, bitmap)
             };
+            if self.extended_l2 {
+                allocated |= self
+                    .write_subclusters(cstart, pos - cstart, chunk, (old, bitmap))
+                    .await?;
+                pos = chunk_end;
+                continue;
+            }
             match old {
                 Mapping::Data { host, copied: true } => {
                     self.file_write(host + (pos - cstart), chunk).await?;
@@ -400,6 +428,14 @@ impl Qcow2Driver {
         let Some(backing) = self.backing() else {
             return Ok(());
         };
+        if self.extended_l2 {
+            // Whole subclusters (QEMU's copy-on-read rounds to them), within the image.
+            let sc = 1u64 << self.subcluster_bits;
+            let stop = ((offset + len).div_ceil(sc) * sc).min(self.size());
+            return self
+                .populate_subclusters((offset & !(sc - 1), stop), &backing)
+                .await;
+        }
         let zero_clusters = self.version >= 3;
         let mut pos = start;
         while pos < end {
@@ -424,7 +460,7 @@ impl Qcow2Driver {
             while p < run_end {
                 if zero_at(p) {
                     let mut m = self.meta.lock().await;
-                    self.set_l2(&mut m, p, ZERO).await?;
+                    self.set_l2(&mut m, p, ZERO, 0).await?;
                     p += cs;
                     continue;
                 }
@@ -445,5 +481,165 @@ impl Qcow2Driver {
             pos = run_end;
         }
         Ok(())
+    }
+}
+
+/// Writes with extended L2 entries (subclusters): as QEMU's handle_copied, handle_alloc and
+/// calculate_l2_meta, a write allocates only the subclusters it touches, copying from the
+/// old content just the parts of them it does not overwrite; a cluster that must be
+/// replaced (unallocated, compressed, shared with a snapshot) takes every allocated
+/// subcluster of the old one along.
+impl Qcow2Driver {
+    /// Writes `data` at `within` bytes into the guest cluster at `cstart`, which `old`
+    /// maps (with its subcluster bitmap), under the caller's allocation lock: in place
+    /// where the cluster is ours and every subcluster written is allocated; otherwise into
+    /// this cluster or a new one with the copy-on-write around it, and then the entry
+    /// changed. Whether the metadata changed.
+    pub(super) async fn write_subclusters(
+        &self,
+        cstart: u64,
+        within: u64,
+        data: &[u8],
+        (old, bitmap): (Mapping, u64),
+    ) -> io::Result<bool> {
+        let sb = self.subcluster_bits;
+        let (from, to) = (within, within + data.len() as u64);
+        let keep = matches!(old, Mapping::Data { copied: true, .. });
+        if keep && self.all_alloc(bitmap, from, to) {
+            self.file_write(old_host(old) + from, data).await?;
+            return Ok(false);
+        }
+        let span = subcluster::cow_span(old, bitmap, keep, (from, to), sb);
+        let host = if keep {
+            old_host(old)
+        } else {
+            // The L2 table first, then the data cluster, as QEMU allocates them (the same
+            // writes give the same layout).
+            let mut m = self.meta.lock().await;
+            self.l2_table_to_write(&mut m, cstart).await?;
+            self.alloc_cluster(&mut m).await?.0
+        };
+        let r = self
+            .write_with_cow(cstart, host, span, (from, data), (old, bitmap))
+            .await;
+        let mut m = self.meta.lock().await;
+        if let Err(e) = r {
+            if !keep {
+                // Nothing references the new cluster: give it back now.
+                self.change_refcount(&mut m, host, -1).await?;
+            }
+            return Err(e);
+        }
+        let new_bitmap = subcluster::written(bitmap, span, sb);
+        self.set_l2(&mut m, cstart, host | COPIED, new_bitmap)
+            .await?;
+        if !keep {
+            self.release(&mut m, old).await?;
+        }
+        Ok(true)
+    }
+
+    /// Whether `bitmap` has every subcluster of `[from, to)` (bytes into the cluster)
+    /// allocated.
+    fn all_alloc(&self, bitmap: u64, from: u64, to: u64) -> bool {
+        let sb = self.subcluster_bits;
+        subcluster::all_alloc(bitmap, (from >> sb) as u32, ((to - 1) >> sb) as u32)
+    }
+
+    /// Writes `[start, end)` of the host cluster at `host` for the guest cluster at
+    /// `cstart`: `data` at `from`, and around it the guest cluster's old content as `old`
+    /// maps it (the backing file's, zeroes, the old host cluster's or the compressed
+    /// data), in one request.
+    async fn write_with_cow(
+        &self,
+        cstart: u64,
+        host: u64,
+        (start, end): (u64, u64),
+        (from, data): (u64, &[u8]),
+        (old, bitmap): (Mapping, u64),
+    ) -> io::Result<()> {
+        let to = from + data.len() as u64;
+        let mut buf = request_buf((end - start) as usize);
+        let backing = self.backing();
+        for (a, b) in [(start, from), (to, end)] {
+            if a >= b {
+                continue;
+            }
+            let mut pieces = Pieces::new();
+            let range = (cstart + a, b - a);
+            self.subcluster_pieces(&mut pieces, range, old, bitmap, backing.is_some());
+            let dst = &mut buf[(a - start) as usize..(b - start) as usize];
+            self.read_pieces(cstart + a, &pieces, backing.as_ref(), dst)
+                .await?;
+        }
+        buf[(from - start) as usize..(to - start) as usize].copy_from_slice(data);
+        self.file_write_buf(host + start, buf).await.0
+    }
+
+    /// [`populate_impl`](Self::populate_impl) with subclusters, over `[start, end)`
+    /// (subcluster-aligned, `end` unless it is the image's end; the caller holds its
+    /// clusters): each run of subclusters this image leaves to the backing chain gets its
+    /// content, subclusters of zeroes made zero subclusters (where QEMU's copy-on-read
+    /// looks at a whole run at once), the others written as a guest write would.
+    async fn populate_subclusters(
+        &self,
+        (start, end): (u64, u64),
+        backing: &std::sync::Arc<BlockNode>,
+    ) -> io::Result<()> {
+        let sc = 1u64 << self.subcluster_bits;
+        let mut pos = start;
+        while pos < end {
+            let (run_end, unallocated) = self.subcluster_run(pos, end).await?;
+            if !unallocated {
+                pos = run_end;
+                continue;
+            }
+            let mut data = vec![0u8; (run_end - pos) as usize];
+            Self::read_backing(Some(backing), pos, &mut data).await?;
+            let zero_at = |p: u64| {
+                let i = (p - pos) as usize;
+                data[i..(i + sc as usize).min(data.len())]
+                    .iter()
+                    .all(|&b| b == 0)
+            };
+            let mut p = pos;
+            while p < run_end {
+                let zero = zero_at(p);
+                let mut q = p + sc;
+                while q < run_end && zero_at(q) == zero {
+                    q += sc;
+                }
+                let q = q.min(run_end);
+                if zero {
+                    self.zero_subclusters_locked((p, q), false).await?;
+                } else {
+                    let bytes = &data[(p - pos) as usize..(q - pos) as usize];
+                    self.write_locked(p, bytes, false, true).await?;
+                }
+                p = q;
+            }
+            pos = run_end;
+        }
+        Ok(())
+    }
+
+    /// From `pos` (subcluster-aligned) to at most `end`: where the run of subclusters that
+    /// are all unallocated here, or all not, ends, and which it is.
+    async fn subcluster_run(&self, pos: u64, end: u64) -> io::Result<(u64, bool)> {
+        let mut m = self.meta.lock().await;
+        let sb = self.subcluster_bits;
+        let mut p = pos;
+        let mut first = None;
+        while p < end {
+            let cstart = self.cluster_start(p);
+            let (map, bitmap) = self.lookup_entry(&mut m, p).await?;
+            let (kind, n) = subcluster::run(map, bitmap, ((p - cstart) >> sb) as u32);
+            let unallocated = kind == subcluster::Kind::Unallocated;
+            if *first.get_or_insert(unallocated) != unallocated {
+                break;
+            }
+            p = cstart + (u64::from(((p - cstart) >> sb) as u32 + n) << sb);
+        }
+        Ok((p.min(end), first.unwrap_or(false)))
     }
 }
