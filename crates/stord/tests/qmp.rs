@@ -132,6 +132,11 @@ fn qmp_backup_push_and_pull_as_qsd() {
 }
 
 #[test]
+fn qmp_backup_compress_writes_compressed_clusters_as_qsd() {
+    run_script("backup_compress.py");
+}
+
+#[test]
 fn qmp_smaller_qsd_commands_answer_as_qsd() {
     run_script("qsd_commands.py");
 }

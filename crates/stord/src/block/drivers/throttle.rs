@@ -82,6 +82,16 @@ impl BlockDriver for ThrottleDriver {
             self.child.driver().write(offset, buf, fua).await
         })
     }
+    /// As QEMU's throttle_co_pwritev_compressed: throttled as a write, then passed on.
+    fn write_compressed(&self, offset: u64, buf: Buf) -> BoxFut<'_, (io::Result<()>, Buf)> {
+        Box::pin(async move {
+            self.group.admit(true, buf.len() as u64).await;
+            self.child.driver().write_compressed(offset, buf).await
+        })
+    }
+    fn supports_compressed_writes(&self) -> bool {
+        self.child.supports_compressed_writes()
+    }
     fn readv(&self, offset: u64, iov: IoVec) -> BoxFut<'_, (io::Result<()>, IoVec)> {
         Box::pin(async move {
             self.group.admit(false, iov.len() as u64).await;

@@ -77,6 +77,19 @@ pub trait BlockDriver: Send + Sync {
             (r, iov)
         })
     }
+    /// Writes `buf` at `offset` compressed (QEMU's BDRV_REQ_WRITE_COMPRESSED, which backup's
+    /// `compress` sets): whole clusters, or the image's last one. ENOTSUP from drivers
+    /// that cannot ([`supports_compressed_writes`](Self::supports_compressed_writes)).
+    fn write_compressed(&self, _offset: u64, buf: Buf) -> BoxFut<'_, (io::Result<()>, Buf)> {
+        let e = io::Error::from_raw_os_error(libc::ENOTSUP);
+        Box::pin(std::future::ready((Err(e), buf)))
+    }
+    /// Whether [`write_compressed`](Self::write_compressed) works here (QEMU's
+    /// bdrv_supports_compressed_writes): a format that compresses, or a filter whose child
+    /// takes them.
+    fn supports_compressed_writes(&self) -> bool {
+        false
+    }
     /// Makes completed writes durable.
     fn flush(&self) -> BoxFut<'_, io::Result<()>>;
     /// Drops the data of a range (may do nothing).
@@ -520,6 +533,11 @@ impl BlockNode {
             .iter()
             .find(|(role, _)| *role == "backing")
             .map_or(0, |(_, b)| 1 + b.backing_depth())
+    }
+
+    /// See [`BlockDriver::supports_compressed_writes`].
+    pub fn supports_compressed_writes(&self) -> bool {
+        self.driver.supports_compressed_writes()
     }
 
     /// Whether discards and zero writes that may unmap reach the driver (`discard=unmap`;

@@ -126,6 +126,24 @@ impl BlockNode {
 
     /// Writes `buf` at `offset`.
     pub async fn write(&self, offset: u64, buf: Buf, fua: bool) -> (io::Result<()>, Buf) {
+        self.write_as(offset, buf, fua, false).await
+    }
+
+    /// Writes `buf` at `offset` compressed (QEMU's BDRV_REQ_WRITE_COMPRESSED: see
+    /// [`BlockDriver::write_compressed`](super::block_node::BlockDriver::write_compressed)).
+    /// As in QEMU, `detect-zeroes` turns zeroes into a zero write first.
+    pub async fn write_compressed(&self, offset: u64, buf: Buf) -> (io::Result<()>, Buf) {
+        self.write_as(offset, buf, false, true).await
+    }
+
+    /// [`write`](Self::write), or with `compressed` [`write_compressed`](Self::write_compressed).
+    async fn write_as(
+        &self,
+        offset: u64,
+        buf: Buf,
+        fua: bool,
+        compressed: bool,
+    ) -> (io::Result<()>, Buf) {
         let start = now_ns();
         let len = buf.len() as u64;
         let hooks = self.hooks.current();
@@ -138,6 +156,7 @@ impl BlockNode {
         };
         let (r, buf) = match self.zero_write(|| is_zero(&buf)) {
             Some(may_unmap) => (self.zeroes_then_fua(offset, len, may_unmap, fua).await, buf),
+            None if compressed => self.driver.write_compressed(offset, buf).await,
             None => self.driver.write(offset, buf, fua).await,
         };
         self.wrote(start, offset, len, &r);

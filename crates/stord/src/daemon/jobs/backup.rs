@@ -137,7 +137,8 @@ fn check_backup(
     if Arc::ptr_eq(source, target) {
         return Err(invalid("Source and target cannot be the same"));
     }
-    if o.compress {
+    // QEMU names the target's device here, which a node of qsd's never has.
+    if o.compress && !target.supports_compressed_writes() {
         return Err(invalid("Compression is not supported for this drive "));
     }
     source.check_not_busy()?;
@@ -232,6 +233,9 @@ impl State {
             cluster,
             unallocated,
         ));
+        if o.compress {
+            copy.set_compress();
+        }
         match &bitmap {
             Some(b) if sync == "bitmap" => mark_from(&copy, b, source.size()),
             _ => copy.mark(0, source.size()),

@@ -35,6 +35,12 @@ impl BlockDriver for Qcow2Driver {
     fn writev(&self, offset: u64, iov: IoVec, fua: bool) -> BoxFut<'_, (io::Result<()>, IoVec)> {
         Box::pin(self.writev_impl(offset, iov, fua))
     }
+    fn write_compressed(&self, offset: u64, buf: Buf) -> BoxFut<'_, (io::Result<()>, Buf)> {
+        Box::pin(self.write_compressed_impl(offset, buf))
+    }
+    fn supports_compressed_writes(&self) -> bool {
+        true
+    }
     fn flush(&self) -> BoxFut<'_, io::Result<()>> {
         Box::pin(self.flush_impl())
     }

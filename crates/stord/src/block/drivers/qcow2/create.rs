@@ -215,6 +215,14 @@ fn header(o: &Qcow2Create, l: &Layout) -> Vec<u8> {
         h[end + 8..end + 8 + fmt.len()].copy_from_slice(fmt.as_bytes());
         end += 8 + fmt.len().div_ceil(8) * 8;
     }
+    // QEMU names the feature bits it knows, in images whose clusters leave room for it.
+    if o.v3 && cs > 4096 {
+        let table = feature_table();
+        put32(&mut h, end, 0x6803_f857);
+        put32(&mut h, end + 4, table.len() as u32);
+        h[end + 8..end + 8 + table.len()].copy_from_slice(&table);
+        end += 8 + table.len();
+    }
     // End of the extensions.
     end += 8;
     if let Some(b) = &o.backing_file {
@@ -223,6 +231,29 @@ fn header(o: &Qcow2Create, l: &Layout) -> Vec<u8> {
         h[end..end + b.len()].copy_from_slice(b.as_bytes());
     }
     h
+}
+
+/// The feature name table extension's contents as QEMU's qcow2_update_header writes them:
+/// 48 bytes per feature (type, bit, name padded with NULs).
+fn feature_table() -> Vec<u8> {
+    const FEATURES: [(u8, u8, &str); 8] = [
+        (0, 0, "dirty bit"),
+        (0, 1, "corrupt bit"),
+        (0, 2, "external data file"),
+        (0, 3, "compression type"),
+        (0, 4, "extended L2 entries"),
+        (1, 0, "lazy refcounts"),
+        (2, 0, "bitmaps"),
+        (2, 1, "raw external data"),
+    ];
+    let mut t = vec![0u8; FEATURES.len() * 48];
+    for (i, (kind, bit, name)) in FEATURES.iter().enumerate() {
+        let e = &mut t[i * 48..(i + 1) * 48];
+        e[0] = *kind;
+        e[1] = *bit;
+        e[2..2 + name.len()].copy_from_slice(name.as_bytes());
+    }
+    t
 }
 
 /// Writes a new qcow2 image on `file` (its contents are replaced).
@@ -245,8 +276,13 @@ pub async fn create_qcow2(file: &Arc<BlockNode>, o: &Qcow2Create) -> io::Result<
     // The metadata's area reads as zeroes: grown if the file is smaller (a new file),
     // zeroed where it held something. The rest is left as it is (as QEMU's qcow2_co_create
     // leaves it): storage that cannot change size (an NBD export, a block device) or
-    // should not (an RBD image) keeps its size.
-    let (have, need) = (file.size(), total * cs);
+    // should not (an RBD image) keeps its size. A new file ends where QEMU's does, after
+    // the L1 table's last entry.
+    let need = match l.l1_entries {
+        0 => total * cs,
+        n => (total - l.l1_clusters) * cs + n * 8,
+    };
+    let have = file.size();
     if have < need {
         file.resize(need).await?;
     }

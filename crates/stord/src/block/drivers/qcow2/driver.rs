@@ -49,7 +49,7 @@ pub struct Qcow2Driver {
     pub(super) io_inflight: AtomicUsize,
     /// The header's incompatible feature bits as opened.
     pub(super) incompatible: u64,
-    /// How compressed clusters are compressed (read only: stord never compresses).
+    /// How compressed clusters are compressed (read, and written by `compress`).
     pub(super) compression: Compression,
     /// A write on metadata was prevented: every request fails from now on.
     pub(super) corrupt: std::sync::atomic::AtomicBool,
@@ -148,6 +148,9 @@ pub(super) struct Meta {
     /// Host clusters whose refcount drops once the tables that referenced them are
     /// durable (see `writeback`'s docs).
     pub pending_free: Vec<u64>,
+    /// Where the next compressed cluster may go in the host cluster the last one went to
+    /// (QEMU's free_byte_offset); 0 for none (that cluster is full, or freed).
+    pub free_byte_offset: u64,
     /// Metadata was written since the last fsync.
     pub needs_sync: bool,
     /// The persistent bitmaps' directory as the image holds it.

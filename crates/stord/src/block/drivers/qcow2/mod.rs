@@ -18,13 +18,17 @@
 //! Images with extended L2 entries (subclusters, as Proxmox makes its snapshot overlays)
 //! are read, written, zeroed and reported per subcluster ([`subcluster`]).
 //!
+//! Compressed clusters are read (zlib or zstd, as the header says), and written where a
+//! request asks for it (backup's `compress`: [`compress`]), packed into shared host
+//! clusters as QEMU packs them.
+//!
 //! Not supported, and refused at open with a clear error rather than served wrongly:
 //! encryption, external data files; writing to images marked corrupt.
 //!
 //! The files, from the bottom up: the on-disk formats, parsed with no I/O ([`bytes`],
 //! [`header`], [`table`], [`subcluster`], [`snapshot`], [`bitmap_dir`]); the driver's state
 //! ([`driver`]); its methods by concern ([`metadata`], [`refcount`], [`writeback`],
-//! [`read`], [`write`], [`discard`], [`block_status`], [`header_update`], [`bitmaps`],
+//! [`read`], [`write`], [`compress`], [`discard`], [`block_status`], [`header_update`], [`bitmaps`],
 //! [`internal`]); an image read at open ([`image`], with [`repair`]); and the faces:
 //! [`open`] (the driver table's entry, with [`options`]) and [`block_driver`].
 
@@ -34,6 +38,7 @@ mod bitmaps;
 mod block_driver;
 mod block_status;
 mod bytes;
+mod compress;
 pub mod create;
 mod discard;
 mod driver;

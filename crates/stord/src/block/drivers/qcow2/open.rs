@@ -141,6 +141,7 @@ impl Qcow2Driver {
             file_end: image.file_end,
             used_end,
             pending_free: Vec::new(),
+            free_byte_offset: 0,
             needs_sync: false,
             bitmap_dir: image.bitmaps.map(|l| l.dir).unwrap_or_default(),
         }
@@ -176,6 +177,7 @@ impl Qcow2Driver {
         if h.cluster_bits != self.cluster_bits
             || h.refcount_order != self.refcount_order
             || h.extended_l2() != self.extended_l2
+            || h.compression != self.compression
         {
             return Err(io::Error::other("the image's layout changed"));
         }

@@ -337,7 +337,29 @@ impl Qcow2Driver {
         if new == 0 && c < m.free_hint {
             m.free_hint = c;
         }
+        if new == 0 && m.free_byte_offset >> self.cluster_bits == c {
+            // Compressed clusters are packed into it no more: it may be handed out whole.
+            m.free_byte_offset = 0;
+        }
         Ok(new)
+    }
+
+    /// The refcount of the host cluster at `host`.
+    pub(super) async fn refcount(&self, m: &mut Meta, host: u64) -> io::Result<u64> {
+        let bits = self.refblock_bits();
+        let c = host >> self.cluster_bits;
+        let rb_off = m
+            .reftable
+            .get((c >> bits) as usize)
+            .map_or(0, |e| e & OFFSET_MASK);
+        if rb_off == 0 {
+            return Ok(0);
+        }
+        self.load_refblock(m, rb_off).await?;
+        let block = m.refblocks.get(rb_off).expect("just loaded");
+        Ok(self
+            .refcounts()
+            .get(block, (c & ((1 << bits) - 1)) as usize))
     }
 
     /// Queues the host clusters behind a mapping that is being replaced for freeing. A
