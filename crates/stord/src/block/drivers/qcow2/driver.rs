@@ -14,6 +14,7 @@ use std::sync::Arc;
 use stord_aio::AsyncMutex;
 
 use super::bitmap_dir::Directory;
+use super::data_file::DataFile;
 use super::header::Compression;
 use super::table::TableCache;
 use crate::block::node::block_node::BlockNode;
@@ -57,6 +58,8 @@ pub struct Qcow2Driver {
     pub(super) writable: std::sync::atomic::AtomicBool,
     /// The table caches' sizes (L2, refcount blocks), for a reload.
     pub(super) cache: (usize, usize),
+    /// The external data file guest data lives in, if the image has one.
+    pub(super) data: Option<DataFile>,
 }
 
 /// Counts a request in `io_inflight` until dropped.
