@@ -23,12 +23,12 @@
 //!   compressed clusters.
 
 use std::io;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use stord_aio::sys::now_ns;
 
-use super::driver::{Meta, Qcow2Driver};
+use super::driver::{DataFile, Meta, Qcow2Driver, PREALLOC_NO, PREALLOC_UNKNOWN, PREALLOC_YES};
 use super::header::Header;
 use super::table::{Mapping, COPIED};
 use crate::block::node::block_node::{BlockNode, BlockStatus};
@@ -36,21 +36,6 @@ use crate::block::node::stats::Op;
 use crate::block::open::{Graph, GraphError};
 use crate::buf::{request_buf, Buf};
 use crate::cli::keyval::KeyVal;
-
-/// The external data file of an image.
-pub(super) struct DataFile {
-    pub(super) node: Arc<BlockNode>,
-    /// `data-file-raw`: the data file is a raw image of the disk by itself.
-    pub(super) raw: bool,
-    /// Whether the image looks metadata-preallocated (QEMU's heuristic, decided at the
-    /// first block status): 0 not known yet, 1 no, 2 yes.
-    preallocated: AtomicU8,
-}
-
-/// [`DataFile::preallocated`]'s values.
-const PREALLOC_UNKNOWN: u8 = 0;
-const PREALLOC_NO: u8 = 1;
-const PREALLOC_YES: u8 = 2;
 
 /// The `data-file` option: a node, an inline one, or none.
 pub(super) fn given_data_file(
@@ -95,11 +80,7 @@ pub(super) fn open_data_file(
             ))
         }
     };
-    Ok(Some(DataFile {
-        node,
-        raw: header.data_file_raw(),
-        preallocated: AtomicU8::new(PREALLOC_UNKNOWN),
-    }))
+    Ok(Some(DataFile::new(node, header.data_file_raw())))
 }
 
 impl Qcow2Driver {

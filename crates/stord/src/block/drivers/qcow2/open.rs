@@ -33,9 +33,9 @@ pub const DRIVER: DriverDef = DriverDef {
                    [,backing=<node>|null | ,backing.driver=...][,l2-cache-size=<size>]\n\
                    [,data-file=<node> | ,data-file.driver=...]\n\
                    [,refcount-cache-size=<size>][,cache-size=<size>][,discard=unmap|ignore]",
-        about: "the qcow2 format over its child `file`; the backing file and the\n\
-                external data file an image names open by themselves unless `backing`\n\
-                and `data-file` say otherwise",
+        about: "the qcow2 format over its child `file`; the backing file and\n\
+                the data file an image names open by themselves unless\n\
+                `backing` and `data-file` say otherwise",
     },
     create: Some(&create::CREATE),
     amend: Some(&amend::AMEND),
