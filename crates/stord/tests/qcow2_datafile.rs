@@ -371,6 +371,12 @@ fn persistent_bitmaps_on_a_data_file_image_as_qsd_keeps_them() {
         check_clean(&img);
         let text = run_ok("qemu-img", &["info", &img]);
         assert!(text.contains("b0") && !text.contains("in-use"), "{text}");
+        // The header rewrites that stored the bitmap kept the data file's name and bits.
+        let d = &info(&img)["format-specific"]["data"];
+        assert_eq!(
+            (&d["data-file"], &d["data-file-raw"]),
+            (&data.as_str().into(), &raw.into())
+        );
         // The bitmap is metadata: the data file holds the guest's bytes only.
         assert_eq!(std::fs::metadata(&data).unwrap().len(), data_len);
         ok(&mut q, &add);
@@ -506,32 +512,51 @@ fn refusals_and_relative_names_as_qsd() {
     );
 }
 
-/// An L2 entry that maps a cluster away from its guest offset in the data file: QEMU
-/// calls it corruption; stord answers EIO and marks the image corrupt, as QEMU does.
+/// L2 entries an image with a data file cannot have: a cluster mapped away from its guest
+/// offset there, a compressed cluster. QEMU calls them corruption; stord answers EIO and
+/// marks the image corrupt, as QEMU does with its copy.
 #[test]
-fn a_cluster_mapped_elsewhere_in_the_data_file_marks_the_image_corrupt() {
+fn clusters_mapped_elsewhere_or_compressed_mark_the_image_corrupt() {
     const CORRUPT_BIT: u64 = 1 << 1;
     let dir = tmpdir("datafile-corrupt");
-    let (img, _) = make(&dir, "c", false);
-    qemu_io(&["-f", "qcow2"], &["write -P 0x11 0 128k"], &img);
-    let l1 = peek64(&img, 40);
-    let l2 = peek64(&img, l1) & 0x00ff_ffff_ffff_fe00;
-    // Guest cluster 1 (64 KiB) pointing at the data file's cluster 2.
-    assert_eq!(peek64(&img, l2 + 8), 65536 | 1 << 63);
-    poke64(&img, l2 + 8, 131072 | 1 << 63);
-    let mut s = Stord::with_node(
-        &dir,
-        &format!("driver=qcow2,file.driver=file,file.filename={img}"),
-        true,
-    );
-    qemu_io(&["-f", "raw"], &["read -P 0x11 0 64k"], &s.uri());
-    let out = run("qemu-io", &["-f", "raw", "-c", "read 64k 64k", &s.uri()]);
-    let text =
-        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
-    assert!(text.contains("Input/output error"), "{text}");
-    s.stop_and_stderr();
-    assert_ne!(peek64(&img, 72) & CORRUPT_BIT, 0, "not marked corrupt");
-    assert_eq!(info(&img)["format-specific"]["data"]["corrupt"], true);
+    // Guest cluster 1 (64 KiB) pointing at the data file's cluster 2; then compressed.
+    for (name, entry) in [("away", 131072 | 1 << 63), ("compressed", 1 << 62 | 327680)] {
+        let (img, data) = make(&dir, name, false);
+        qemu_io(&["-f", "qcow2"], &["write -P 0x11 0 128k"], &img);
+        let l1 = peek64(&img, 40);
+        let l2 = peek64(&img, l1) & 0x00ff_ffff_ffff_fe00;
+        assert_eq!(peek64(&img, l2 + 8), 65536 | 1 << 63);
+        poke64(&img, l2 + 8, entry);
+        let (r_img, _) = copy(&dir, (&img, &data), &format!("{name}-ref"));
+        let mut s = Stord::with_node(
+            &dir,
+            &format!("driver=qcow2,file.driver=file,file.filename={img}"),
+            true,
+        );
+        qemu_io(&["-f", "raw"], &["read -P 0x11 0 64k"], &s.uri());
+        let text = |out: std::process::Output| {
+            String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr)
+        };
+        let ours = text(run(
+            "qemu-io",
+            &["-f", "raw", "-c", "read 64k 64k", &s.uri()],
+        ));
+        let theirs = text(run(
+            "qemu-io",
+            &["-f", "qcow2", "-c", "read 64k 64k", &r_img],
+        ));
+        s.stop_and_stderr();
+        assert!(ours.contains("Input/output error"), "{name}: {ours}");
+        assert!(theirs.contains("Input/output error"), "{name}: {theirs}");
+        for image in [&img, &r_img] {
+            assert_ne!(
+                peek64(image, 72) & CORRUPT_BIT,
+                0,
+                "{image} not marked corrupt"
+            );
+        }
+        assert_eq!(info(&img)["format-specific"]["data"]["corrupt"], true);
+    }
 }
 
 /// Waits until job `id` has concluded: its query-jobs entry.
@@ -647,6 +672,43 @@ fn blockdev_create_with_a_data_file_as_qemu_makes_it() {
         run_ok("qemu-img", &["compare", &ours.0, &theirs.0]);
         assert_same_bytes(&ours.1, &theirs.1);
     }
+    // data-file-raw over a raw disk that has data already: the image wraps it, every
+    // cluster mapped to it (libvirt's <dataStore> over an existing disk).
+    let (img, disk) = (path(&dir, "wrap.qcow2"), path(&dir, "wrap.raw"));
+    std::fs::File::create(&img).unwrap();
+    run_ok("qemu-img", &["create", "-q", "-f", "raw", &disk, "32M"]);
+    qemu_io(
+        &["-f", "raw"],
+        &["write -P 0x5a 0 1M", "write -P 0x5b 31M 1M"],
+        &disk,
+    );
+    {
+        let (_d, mut q) = daemon(stord_bin(), &dir);
+        for (node, file) in [("f", &img), ("df", &disk)] {
+            ok(
+                &mut q,
+                &format!(
+                    r#"{{"execute":"blockdev-add","arguments":{{"driver":"file","node-name":"{node}","filename":"{file}"}}}}"#
+                ),
+            );
+        }
+        let j = create_job(
+            &mut q,
+            "w",
+            r#"{"driver":"qcow2","file":"f","data-file":"df","data-file-raw":true,"size":33554432}"#,
+        );
+        assert!(j.get("error").is_none(), "{j}");
+    }
+    check_clean(&img);
+    qemu_io(
+        &["-f", "qcow2"],
+        &["read -P 0x5a 0 1M", "read -P 0x5b 31M 1M"],
+        &img,
+    );
+    run_ok(
+        "qemu-img",
+        &["compare", "-f", "raw", "-F", "qcow2", &disk, &img],
+    );
     // QEMU's refusals, as the job's error.
     let refusals = |program: &str| -> Vec<String> {
         let (_d, mut q) = daemon(program, &dir);
