@@ -19,6 +19,9 @@
 //! - With `data-file-raw` (autoclear bit 1) the data file is a raw image of the disk by
 //!   itself: write-zeroes zero it before the L2 entries change, a resize maps the new
 //!   clusters one to one (QEMU's metadata preallocation), and no backing file may be set.
+//! - Block status of data asks the data file too (zero where it has a hole) once the image
+//!   looks metadata-preallocated by QEMU's guess (qcow2_detect_metadata_preallocation,
+//!   BDRV_BLOCK_RECURSE), as a raw data file qemu-img made does.
 //! - Internal snapshots are refused (ENOTSUP, as QEMU's qcow2_snapshot_*), and so are
 //!   compressed clusters.
 
