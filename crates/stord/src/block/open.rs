@@ -62,6 +62,12 @@ pub trait Graph {
         format: Option<String>,
     ) -> Result<Arc<BlockNode>, GraphError>;
 
+    /// The external data file an image names (qcow2's `data-file` from its header): a
+    /// protocol node (`file`, `host_device` for a device) of that name as it stands (QEMU
+    /// resolves a relative one against the working directory), with what children inherit
+    /// from the image being opened (read-only among it).
+    fn data_file(&mut self, name: &str) -> Result<Arc<BlockNode>, GraphError>;
+
     /// The throttle group `id`.
     fn throttle_group(&self, id: &str) -> Option<Arc<ThrottleGroup>>;
 

@@ -22,6 +22,15 @@ fn chain_contains(top: &Arc<BlockNode>, image: &Arc<BlockNode>) -> bool {
         || crate::block::drivers::copy_before_write::block_copy::reads_through(top, image)
 }
 
+/// QEMU's error when the snapshot list cannot be had (bdrv_snapshot_find_by_id_and_name):
+/// a qcow2 image with an external data file refuses internal snapshots this way.
+fn snapshot_list_failed(e: &std::io::Error) -> DaemonError {
+    invalid(format!(
+        "Failed to get a snapshot list: {}",
+        crate::sys::os_text(e)
+    ))
+}
+
 impl State {
     /// `change-backing-file`: `image_node_name` (in `device`'s chain) names
     /// `backing_file` in its header from now on, with its own format as the backing
@@ -105,18 +114,22 @@ impl State {
         let date = (now.as_secs() as u32, now.subsec_micros() * 1000);
         let (n, name_owned) = (node.clone(), name.to_string());
         let r = crate::block::helper_thread::block_on_helper(move || async move {
-            let list = n.driver().list_snapshots().await?;
+            let list = match n.driver().list_snapshots().await {
+                Ok(list) => list,
+                Err(e) => return Ok(Err(Some(e))),
+            };
             if list.iter().any(|s| s.name == name_owned) {
-                return Ok(Err(()));
+                return Ok(Err(None));
             }
             n.driver().create_snapshot(&name_owned, date).await.map(Ok)
         })
         .and_then(|r| r);
         match r {
             Ok(Ok(info)) => Ok(info),
-            Ok(Err(())) => Err(invalid(format!(
+            Ok(Err(None)) => Err(invalid(format!(
                 "Snapshot with name '{name}' already exists on device '{device}'"
             ))),
+            Ok(Err(Some(e))) => Err(snapshot_list_failed(&e)),
             Err(e) => Err(invalid(format!(
                 "Failed to create snapshot '{name}' on device '{device}': {}",
                 crate::sys::os_text(&e)
@@ -142,14 +155,20 @@ impl State {
             name.map(str::to_string),
         );
         let r = crate::block::helper_thread::block_on_helper(move || async move {
+            // Looked up first, as QEMU's bdrv_snapshot_find_by_id_and_name.
+            if let Err(e) = n.driver().list_snapshots().await {
+                return Ok(Err(e));
+            }
             n.driver()
                 .delete_snapshot(i.as_deref(), nm.as_deref())
                 .await
+                .map(Ok)
         })
         .and_then(|r| r);
         match r {
-            Ok(Some(info)) => Ok(info),
-            Ok(None) => Err(invalid(format!(
+            Ok(Err(e)) => Err(snapshot_list_failed(&e)),
+            Ok(Ok(Some(info))) => Ok(info),
+            Ok(Ok(None)) => Err(invalid(format!(
                 "Snapshot with id '{}' and name '{}' does not exist on device '{device}'",
                 id.unwrap_or("null"),
                 name.unwrap_or("null")

@@ -308,6 +308,21 @@ impl Graph for Builder<'_> {
         r
     }
 
+    fn data_file(&mut self, name: &str) -> Result<Arc<BlockNode>, GraphError> {
+        // QEMU's bdrv_find_protocol without protocol prefixes: a device by what it is,
+        // anything else a file.
+        let device = std::fs::metadata(name).is_ok_and(|m| {
+            use std::os::unix::fs::FileTypeExt;
+            m.file_type().is_block_device() || m.file_type().is_char_device()
+        });
+        let driver = if device { "host_device" } else { "file" };
+        let pairs = [
+            ("driver".to_string(), driver.to_string()),
+            ("filename".to_string(), name.to_string()),
+        ];
+        self.open_inline(KeyVal::from_pairs(&format!("data file '{name}'"), pairs))
+    }
+
     fn throttle_group(&self, id: &str) -> Option<Arc<ThrottleGroup>> {
         self.st.throttle_groups.get(id).cloned()
     }

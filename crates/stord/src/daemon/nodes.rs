@@ -163,20 +163,24 @@ impl State {
         Ok(())
     }
 
-    /// Makes `node` writable with the nodes it stores its data on (its `file`, and
-    /// theirs), as QEMU's reopen with read-only off: bottom-up, each node writable and its
+    /// Makes `node` writable with the nodes it stores its data on (its `file`, a qcow2's
+    /// `data-file`, and theirs), as QEMU's reopen with read-only off: bottom-up, each node writable and its
     /// permissions taken on its children (their locks) before its driver reopens (a file
     /// its descriptor read-write, an image its metadata for writing), then its own locks
     /// taken again. On a failure every node changed goes back. The nodes it changed,
     /// top first (to be made read-only again).
     pub fn make_writable(&self, node: &Arc<BlockNode>) -> Result<Vec<Arc<BlockNode>>, DaemonError> {
+        // The node and what stores it (files, a qcow2's data file), down to the bottom.
         let mut chain = vec![node.clone()];
-        while let Some(file) = chain
-            .last()
-            .and_then(|n| n.children().into_iter().find(|(r, _)| *r == "file"))
-            .map(|(_, c)| c)
-        {
-            chain.push(file);
+        let mut i = 0;
+        while i < chain.len() {
+            let below = chain[i].children().into_iter();
+            chain.extend(
+                below
+                    .filter(|(r, _)| matches!(*r, "file" | "data-file"))
+                    .map(|(_, c)| c),
+            );
+            i += 1;
         }
         if let Some(n) = chain.iter().find(|n| n.is_inactive()) {
             return Err(DaemonError::Invalid(format!(

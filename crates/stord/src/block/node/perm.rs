@@ -213,6 +213,21 @@ pub fn storage_perms(writable: bool) -> (Perm, Perm) {
     (perm, Perm::CONSISTENT_READ | Perm::WRITE_UNCHANGED)
 }
 
+/// What an image takes of the child that stores only its data (qcow2's `data-file`; QEMU's
+/// `bdrv_default_perms_for_storage` for a data child): what its users take and share, but
+/// nobody else resizes it, writing includes resizing (writes may go past its end), and an
+/// unchanged write is a write (a copy-on-read still writes there).
+pub fn data_perms(perm: Perm, shared: Perm) -> (Perm, Perm) {
+    let mut p = perm;
+    if p.contains(Perm::WRITE_UNCHANGED) {
+        p = p | Perm::WRITE;
+    }
+    if p.contains(Perm::WRITE) {
+        p = p | Perm::RESIZE;
+    }
+    (p, shared & Perm::RESIZE.complement())
+}
+
 /// What an image takes of its backing node (QEMU's `bdrv_default_perms_for_cow`): reads if
 /// its users read; others may write there only if every user of the image allows writes.
 pub fn backing_perms(perm: Perm, shared: Perm) -> (Perm, Perm) {
@@ -239,5 +254,13 @@ mod tests {
         assert_eq!(p, Perm::CONSISTENT_READ);
         assert!(!s.intersects(Perm::WRITE));
         assert!(backing_perms(Perm::NONE, Perm::ALL).1.contains(Perm::WRITE));
+        // A data child: the users' own, writing with resizing, resizing unshared.
+        assert_eq!(
+            data_perms(Perm::NONE, Perm::ALL),
+            (Perm::NONE, Perm::ALL & Perm::RESIZE.complement())
+        );
+        let (p, s) = data_perms(Perm::CONSISTENT_READ | Perm::WRITE_UNCHANGED, Perm::ALL);
+        assert_eq!(p, Perm::ALL);
+        assert!(!s.contains(Perm::RESIZE));
     }
 }

@@ -65,8 +65,13 @@ impl BlockDriver for Qcow2Driver {
     fn filename(&self) -> Option<String> {
         self.file.filename()
     }
+    /// The file's, and the data file's with it (QEMU sums a format node's storage children).
     fn allocated_bytes(&self) -> Option<u64> {
-        self.file.allocated_bytes()
+        let file = self.file.allocated_bytes();
+        match &self.data {
+            Some(d) => Some(file? + d.node.allocated_bytes()?),
+            None => file,
+        }
     }
     fn cluster_size(&self) -> Option<u64> {
         Some(self.cluster_size)
@@ -86,6 +91,7 @@ impl BlockDriver for Qcow2Driver {
     ) -> (Perm, Perm) {
         match role {
             "backing" => crate::block::node::perm::backing_perms(perm, shared),
+            "data-file" => crate::block::node::perm::data_perms(perm, shared),
             _ => crate::block::node::perm::storage_perms(writable),
         }
     }
@@ -148,8 +154,13 @@ impl BlockDriver for Qcow2Driver {
     ) -> BoxFut<'a, io::Result<()>> {
         Box::pin(self.change_backing_file_impl(backing))
     }
+    /// The file, the data file, then the backing node: a new backing node's claim goes
+    /// last (see `BlockNode::set_backing`).
     fn children(&self) -> Vec<(&'static str, Arc<BlockNode>)> {
         let mut v = vec![("file", self.file.clone())];
+        if let Some(d) = &self.data {
+            v.push(("data-file", d.node.clone()));
+        }
         if let Some(b) = self.backing() {
             v.push(("backing", b));
         }

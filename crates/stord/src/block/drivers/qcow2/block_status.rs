@@ -74,6 +74,9 @@ impl Qcow2Driver {
         };
         let (first, mut end) = run_at(&mut m, offset)?;
         let first = first?;
+        if first == (true, false) && self.may_ask_data_file() {
+            return None;
+        }
         let reach = offset + len.min(self.cluster_size << self.l2_bits);
         while end < reach {
             match run_at(&mut m, end) {
@@ -105,6 +108,9 @@ impl Qcow2Driver {
             .map(|p| p.len)
             .sum();
         match first.src {
+            Source::Host(h) if self.metadata_preallocated().await => {
+                Ok(self.data_file_status(h, first.len).await)
+            }
             Source::Host(_) | Source::Compressed { .. } => Ok(BlockStatus {
                 len: run,
                 allocated: true,

@@ -77,11 +77,15 @@ impl Qcow2Driver {
         (r, buf)
     }
 
-    /// Writes `data` at `offset` a cluster at a time; EINVAL unless it starts on a cluster
-    /// and ends on one or at the image's end (QEMU's checks).
+    /// Writes `data` at `offset` a cluster at a time; ENOTSUP on an image with an external
+    /// data file, EINVAL unless it starts on a cluster and ends on one or at the image's end
+    /// (QEMU's checks, in its order).
     async fn write_compressed_all(&self, offset: u64, data: &[u8]) -> io::Result<()> {
         let cs = self.cluster_size;
         let end = offset + data.len() as u64;
+        if self.has_data_file() {
+            return Err(io::Error::from_raw_os_error(libc::ENOTSUP));
+        }
         if data.is_empty() {
             return Ok(());
         }

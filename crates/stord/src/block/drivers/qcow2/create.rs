@@ -2,6 +2,12 @@
 //! opened node: header (version 3 with compression type, or 2; extended L2 entries on
 //! request), one refcount table, the refcount blocks and an empty L1 table for the
 //! virtual size, every metadata cluster counted once; `qemu-img check` finds it clean.
+//!
+//! With an external data file (`data-file`, a node) the header names it and the data file
+//! is sized to the disk, as QEMU's qcow2_co_create and its truncate do; `data-file-raw`
+//! (or `preallocation=metadata`) also maps every cluster to its offset there, in L2 tables
+//! that follow the L1 table (QEMU's metadata preallocation), so the data file reads as the
+//! disk by itself.
 
 use std::io;
 use std::sync::Arc;
@@ -50,18 +56,10 @@ fn prepare(mut kv: KeyVal, env: &dyn CreateEnv) -> Result<Creation, GraphError> 
     let Some(file) = kv.take("file") else {
         return Err(unsupported("an inline 'file' (name a node)"));
     };
-    for k in ["data-file", "encrypt"] {
-        if kv.take(k).is_some() || kv.take_prefixed(k).is_some() {
-            return Err(unsupported(&format!("'{k}'")));
-        }
+    if kv.take("encrypt").is_some() || kv.take_prefixed("encrypt").is_some() {
+        return Err(unsupported("'encrypt'"));
     }
-    if kv.take_bool("data-file-raw", false)? {
-        return Err(unsupported("'data-file-raw'"));
-    }
-    match kv.take("preallocation").as_deref() {
-        None | Some("off") => {}
-        Some(p) => return Err(unsupported(&format!("preallocation={p}"))),
-    }
+    let data = DataFileOptions::take(&mut kv)?;
     let opts = Qcow2Create {
         size: kv.take_u64("size", false)?.unwrap_or(0),
         v3: kv.take("version").as_deref() != Some("v2"),
@@ -77,15 +75,89 @@ fn prepare(mut kv: KeyVal, env: &dyn CreateEnv) -> Result<Creation, GraphError> 
     // Looked up now, while the graph is at hand; as in QEMU a missing node fails the job
     // (after QEMU's checks of the values), not the command.
     let node = env.node(&file);
+    let data_node = data.node.as_ref().map(|n| (n.clone(), env.node(n)));
     Ok(Box::pin(async move {
         opts.check()?;
+        data.check(&opts)?;
+        let not_found = |n: &str| format!("Cannot find device='{n}' nor node-name='{n}'");
         let Some(node) = node else {
-            return Err(format!(
-                "Cannot find device='{file}' nor node-name='{file}'"
-            ));
+            return Err(not_found(&file));
         };
-        create_qcow2(&node, &opts).await.map_err(|e| e.to_string())
+        let new_data = match data_node {
+            None => None,
+            Some((name, None)) => return Err(not_found(&name)),
+            Some((_, Some(d))) => Some(NewDataFile {
+                name: d.filename().unwrap_or_default(),
+                node: d,
+                raw: data.raw,
+                prealloc: data.raw || data.metadata,
+            }),
+        };
+        create_image(&node, &opts, new_data.as_ref())
+            .await
+            .map_err(|e| e.to_string())
     }))
+}
+
+/// `blockdev-create`'s options for an external data file, as given.
+struct DataFileOptions {
+    /// `data-file`: the node's name.
+    node: Option<String>,
+    raw: bool,
+    /// `preallocation=metadata` asked for.
+    metadata: bool,
+}
+
+impl DataFileOptions {
+    /// Takes `data-file`, `data-file-raw` and `preallocation`: only `off`, or `metadata`
+    /// with a data file, where it maps the clusters there one to one.
+    fn take(kv: &mut KeyVal) -> Result<Self, GraphError> {
+        if kv.take_prefixed("data-file").is_some() {
+            return Err(unsupported("an inline 'data-file' (name a node)"));
+        }
+        let node = kv.take("data-file");
+        let raw = kv.take_bool("data-file-raw", false)?;
+        let metadata = match kv.take("preallocation").as_deref() {
+            None | Some("off") => false,
+            Some("metadata") if node.is_some() => true,
+            Some(p) => return Err(unsupported(&format!("preallocation={p}"))),
+        };
+        Ok(Self {
+            node,
+            raw,
+            metadata,
+        })
+    }
+
+    /// QEMU's checks and texts (qcow2_co_create), after those of [`Qcow2Create::check`].
+    fn check(&self, o: &Qcow2Create) -> Result<(), String> {
+        if o.backing_file.is_some() && self.metadata && !o.extended_l2 {
+            return Err("Backing file and preallocation can only be used at the same time if extended_l2 is on".into());
+        }
+        if self.raw && self.node.is_none() {
+            return Err("data-file-raw requires data-file".into());
+        }
+        if self.raw && o.backing_file.is_some() {
+            return Err("Backing file and data-file-raw cannot be used at the same time".into());
+        }
+        if self.node.is_some() && !o.v3 {
+            return Err("External data files are only supported with compatibility level 1.1 and above (use version=v3 or greater)".into());
+        }
+        Ok(())
+    }
+}
+
+/// The external data file of an image being created.
+pub struct NewDataFile {
+    /// The node the guest data goes to.
+    pub node: Arc<BlockNode>,
+    /// The name the header gives it (QEMU writes the node's file name).
+    pub name: String,
+    /// `data-file-raw`: the data file reads as the disk by itself.
+    pub raw: bool,
+    /// Every cluster mapped to its offset in the data file (QEMU's metadata
+    /// preallocation, which `data-file-raw` implies).
+    pub prealloc: bool,
 }
 
 /// `blockdev-create` of `driver=qcow2` (the options QEMU checks before it starts the job
@@ -151,18 +223,22 @@ struct Layout {
     refblocks: u64,
     l1_entries: u64,
     l1_clusters: u64,
+    /// Preallocated L2 tables after the L1 table, one per L1 entry (or none).
+    l2_tables: u64,
 }
 
 impl Layout {
-    fn new(o: &Qcow2Create) -> Layout {
+    /// The layout of `o`, with an L2 table for every L1 entry if `prealloc`.
+    fn new(o: &Qcow2Create, prealloc: bool) -> Layout {
         let cs = o.cluster_size;
         let entry_bytes = if o.extended_l2 { 16 } else { 8 };
         let l1_entries = o.size.div_ceil(cs * (cs / entry_bytes));
         let l1_clusters = (l1_entries * 8).div_ceil(cs).max(1);
+        let l2_tables = if prealloc { l1_entries } else { 0 };
         let per_block = cs * 8 / o.refcount_bits;
         let (mut rt, mut rb) = (1, 1);
         loop {
-            let total = 1 + rt + rb + l1_clusters;
+            let total = 1 + rt + rb + l1_clusters + l2_tables;
             let rb2 = total.div_ceil(per_block);
             let rt2 = (rb2 * 8).div_ceil(cs);
             if (rb2, rt2) == (rb, rt) {
@@ -175,18 +251,26 @@ impl Layout {
             refblocks: rb,
             l1_entries,
             l1_clusters,
+            l2_tables,
         }
     }
 
+    /// Where the L1 table starts, in clusters.
+    fn l1_start(&self) -> u64 {
+        1 + self.reftable_clusters + self.refblocks
+    }
+
     fn clusters(&self) -> u64 {
-        1 + self.reftable_clusters + self.refblocks + self.l1_clusters
+        self.l1_start() + self.l1_clusters + self.l2_tables
     }
 }
 
-/// The header cluster: fields, extensions (backing format, end) and the backing file name.
-fn header(o: &Qcow2Create, l: &Layout) -> Vec<u8> {
+/// The header cluster: fields, extensions (backing format, data file name, end) and the
+/// backing file name, in QEMU's order (qcow2_update_header); None when they do not fit in
+/// one cluster.
+fn header(o: &Qcow2Create, l: &Layout, data: Option<&NewDataFile>) -> Option<Vec<u8>> {
     let cs = o.cluster_size;
-    let mut h = vec![0u8; cs as usize];
+    let mut h = vec![0u8; 112];
     let put32 =
         |h: &mut Vec<u8>, at: usize, v: u32| h[at..at + 4].copy_from_slice(&v.to_be_bytes());
     let put64 =
@@ -196,41 +280,50 @@ fn header(o: &Qcow2Create, l: &Layout) -> Vec<u8> {
     put32(&mut h, 20, cs.trailing_zeros());
     put64(&mut h, 24, o.size);
     put32(&mut h, 36, l.l1_entries as u32);
-    put64(&mut h, 40, (1 + l.reftable_clusters + l.refblocks) * cs);
+    put64(&mut h, 40, l.l1_start() * cs);
     put64(&mut h, 48, cs);
     put32(&mut h, 56, l.reftable_clusters as u32);
-    let mut end = 72;
+    h.truncate(72);
     if o.v3 {
-        let incompatible = u64::from(o.zstd) << 3 | u64::from(o.extended_l2) << 4;
+        h.resize(112, 0);
+        let incompatible =
+            u64::from(data.is_some()) << 2 | u64::from(o.zstd) << 3 | u64::from(o.extended_l2) << 4;
         put64(&mut h, 72, incompatible);
         put64(&mut h, 80, u64::from(o.lazy_refcounts));
+        put64(&mut h, 88, u64::from(data.is_some_and(|d| d.raw)) << 1);
         put32(&mut h, 96, o.refcount_bits.trailing_zeros());
         put32(&mut h, 100, 112);
         h[104] = u8::from(o.zstd);
-        end = 112;
     }
+    let ext = |h: &mut Vec<u8>, ty: u32, data: &[u8]| {
+        h.extend_from_slice(&ty.to_be_bytes());
+        h.extend_from_slice(&(data.len() as u32).to_be_bytes());
+        h.extend_from_slice(data);
+        h.resize(h.len().div_ceil(8) * 8, 0);
+    };
     if let Some(fmt) = &o.backing_fmt {
-        put32(&mut h, end, 0xe279_2aca);
-        put32(&mut h, end + 4, fmt.len() as u32);
-        h[end + 8..end + 8 + fmt.len()].copy_from_slice(fmt.as_bytes());
-        end += 8 + fmt.len().div_ceil(8) * 8;
+        ext(&mut h, 0xe279_2aca, fmt.as_bytes());
+    }
+    if let Some(d) = data {
+        ext(&mut h, 0x4441_5441, d.name.as_bytes());
     }
     // QEMU names the feature bits it knows, in images whose clusters leave room for it.
     if o.v3 && cs > 4096 {
-        let table = feature_table();
-        put32(&mut h, end, 0x6803_f857);
-        put32(&mut h, end + 4, table.len() as u32);
-        h[end + 8..end + 8 + table.len()].copy_from_slice(&table);
-        end += 8 + table.len();
+        ext(&mut h, 0x6803_f857, &feature_table());
     }
     // End of the extensions.
-    end += 8;
+    h.extend_from_slice(&[0; 8]);
     if let Some(b) = &o.backing_file {
+        let end = h.len();
         put64(&mut h, 8, end as u64);
         put32(&mut h, 16, b.len() as u32);
-        h[end..end + b.len()].copy_from_slice(b.as_bytes());
+        h.extend_from_slice(b.as_bytes());
     }
-    h
+    if h.len() as u64 > cs {
+        return None;
+    }
+    h.resize(cs as usize, 0);
+    Some(h)
 }
 
 /// The feature name table extension's contents as QEMU's qcow2_update_header writes them:
@@ -258,29 +351,42 @@ fn feature_table() -> Vec<u8> {
 
 /// Writes a new qcow2 image on `file` (its contents are replaced).
 pub async fn create_qcow2(file: &Arc<BlockNode>, o: &Qcow2Create) -> io::Result<()> {
+    create_image(file, o, None).await
+}
+
+/// Writes a new qcow2 image on `file` whose guest data lives in `data` (when given).
+pub async fn create_image(
+    file: &Arc<BlockNode>,
+    o: &Qcow2Create,
+    data: Option<&NewDataFile>,
+) -> io::Result<()> {
     let cs = o.cluster_size;
-    let l = Layout::new(o);
-    let h = header(o, &l);
-    if h.len() as u64 > cs || o.backing_file.as_ref().is_some_and(|b| b.len() > 1023) {
+    let l = Layout::new(o, data.is_some_and(|d| d.prealloc));
+    if o.backing_file.as_ref().is_some_and(|b| b.len() > 1023) {
         return Err(io::Error::other("Backing file name too long"));
     }
-    let _claim = file
-        .claim(
-            "blockdev-create",
-            "file",
-            Perm::WRITE | Perm::RESIZE,
-            Perm::ALL & Perm::RESIZE.complement(),
-        )
-        .map_err(io::Error::other)?;
+    let Some(h) = header(o, &l, data) else {
+        return Err(io::Error::other(
+            "Could not update qcow2 header: No space left on device",
+        ));
+    };
+    let claim = |node: &Arc<BlockNode>, role| {
+        let shared = Perm::ALL & Perm::RESIZE.complement();
+        node.claim("blockdev-create", role, Perm::WRITE | Perm::RESIZE, shared)
+            .map_err(io::Error::other)
+    };
+    let _claim = claim(file, "file")?;
+    let _data_claim = data.map(|d| claim(&d.node, "data-file")).transpose()?;
     let total = l.clusters();
     // The metadata's area reads as zeroes: grown if the file is smaller (a new file),
     // zeroed where it held something. The rest is left as it is (as QEMU's qcow2_co_create
     // leaves it): storage that cannot change size (an NBD export, a block device) or
-    // should not (an RBD image) keeps its size. A new file ends where QEMU's does, after
-    // the L1 table's last entry.
-    let need = match l.l1_entries {
-        0 => total * cs,
-        n => (total - l.l1_clusters) * cs + n * 8,
+    // should not (an RBD image) keeps its size. A new file ends where QEMU's does: after
+    // the L1 table's last entry, or after the last L2 table preallocation wrote.
+    let need = match (l.l1_entries, l.l2_tables) {
+        (0, _) => total * cs,
+        (n, 0) => (total - l.l1_clusters) * cs + n * 8,
+        _ => total * cs,
     };
     let have = file.size();
     if have < need {
@@ -289,31 +395,85 @@ pub async fn create_qcow2(file: &Arc<BlockNode>, o: &Qcow2Create) -> io::Result<
     if have > 0 {
         file.write_zeroes(0, have.min(need), false).await?;
     }
-    let write = |offset: u64, bytes: &[u8]| {
-        let mut buf = crate::buf::new_buf(bytes.len().div_ceil(512) * 512);
-        buf[..bytes.len()].copy_from_slice(bytes);
-        let file = file.clone();
-        async move { file.write(offset, buf, false).await.0 }
-    };
-    write(0, &h).await?;
-    // Refcount table: one entry per refcount block, which follow it.
+    write_at(file, 0, &h).await?;
+    write_refcounts(file, o, &l).await?;
+    if let Some(d) = data {
+        write_identity_tables(file, o, &l).await?;
+        size_data_file(d, o.size).await?;
+    }
+    file.flush().await
+}
+
+/// Writes `bytes` at `offset` of `node`, padded to whole sectors.
+async fn write_at(node: &Arc<BlockNode>, offset: u64, bytes: &[u8]) -> io::Result<()> {
+    let mut buf = crate::buf::new_buf(bytes.len().div_ceil(512) * 512);
+    buf[..bytes.len()].copy_from_slice(bytes);
+    node.write(offset, buf, false).await.0
+}
+
+/// The refcount table (one entry per refcount block, which follow it) and the blocks,
+/// in which every metadata cluster counts 1.
+async fn write_refcounts(file: &Arc<BlockNode>, o: &Qcow2Create, l: &Layout) -> io::Result<()> {
+    let cs = o.cluster_size;
     let mut rt = Vec::with_capacity(l.refblocks as usize * 8);
     for i in 0..l.refblocks {
         rt.extend_from_slice(&((1 + l.reftable_clusters + i) * cs).to_be_bytes());
     }
-    write(cs, &rt).await?;
-    // Refcount blocks: every metadata cluster counts 1.
+    write_at(file, cs, &rt).await?;
     let per_block = cs * 8 / o.refcount_bits;
     for b in 0..l.refblocks {
         let mut block = vec![0u8; cs as usize];
         let first = b * per_block;
-        for c in first..(first + per_block).min(total) {
+        for c in first..(first + per_block).min(l.clusters()) {
             set_refcount(&mut block, (c - first) as usize, o.refcount_bits, 1);
         }
-        write((1 + l.reftable_clusters + b) * cs, &block).await?;
+        write_at(file, (1 + l.reftable_clusters + b) * cs, &block).await?;
     }
-    // The L1 table is all zero already (zeroed above).
-    file.flush().await
+    Ok(())
+}
+
+/// With a data file mapped one to one: the L1 table naming the L2 tables after it, and
+/// those mapping every guest cluster to its offset in the data file, COPIED (an extended
+/// entry's subclusters left unallocated, as QEMU's preallocation leaves them). Without,
+/// the L1 table stays zero (zeroed before).
+async fn write_identity_tables(
+    file: &Arc<BlockNode>,
+    o: &Qcow2Create,
+    l: &Layout,
+) -> io::Result<()> {
+    const COPIED: u64 = 1 << 63;
+    if l.l2_tables == 0 {
+        return Ok(());
+    }
+    let cs = o.cluster_size;
+    let first_l2 = l.l1_start() + l.l1_clusters;
+    let l1: Vec<u8> = (0..l.l1_entries)
+        .flat_map(|i| (((first_l2 + i) * cs) | COPIED).to_be_bytes())
+        .collect();
+    write_at(file, l.l1_start() * cs, &l1).await?;
+    let words = if o.extended_l2 { 2 } else { 1 };
+    let per_table = cs / (8 * words);
+    let clusters = o.size.div_ceil(cs);
+    for t in 0..l.l2_tables {
+        let mut table = vec![0u8; cs as usize];
+        for i in 0..per_table.min(clusters - t * per_table) {
+            let guest = (t * per_table + i) * cs;
+            let at = (i * words * 8) as usize;
+            table[at..at + 8].copy_from_slice(&(guest | COPIED).to_be_bytes());
+        }
+        write_at(file, (first_l2 + t) * cs, &table).await?;
+    }
+    Ok(())
+}
+
+/// The data file sized for a disk of `size` bytes, as QEMU's truncate of a new image
+/// sizes it: to `size` exactly, or, mapped one to one, grown to it if shorter.
+async fn size_data_file(d: &NewDataFile, size: u64) -> io::Result<()> {
+    let have = d.node.size();
+    if have != size && !(d.prealloc && have > size) {
+        d.node.resize(size).await?;
+    }
+    d.node.flush().await
 }
 
 /// Sets entry `i` of a refcount block of `bits`-wide entries (big-endian, MSB first).
@@ -355,15 +515,62 @@ mod tests {
     #[test]
     fn the_layout_counts_its_own_refcount_blocks() {
         // QEMU's 64 MiB image: header, reftable, refblock, one L1 cluster.
-        let l = Layout::new(&opts(64 << 20, 65536, 16));
+        let l = Layout::new(&opts(64 << 20, 65536, 16), false);
         assert_eq!(l.clusters(), 4);
         assert_eq!(l.l1_entries, 1);
         // 512 B clusters, 1-bit refcounts, 1 GiB: L1 of 32768 entries in 512 clusters,
         // which several refcount blocks must cover.
-        let l = Layout::new(&opts(1 << 30, 512, 1));
+        let l = Layout::new(&opts(1 << 30, 512, 1), false);
         assert_eq!(l.l1_clusters, 512);
         assert!(l.refblocks * 512 * 8 >= l.clusters());
         assert!(l.reftable_clusters * 512 / 8 >= l.refblocks);
+    }
+
+    #[test]
+    fn a_data_file_is_named_and_its_clusters_mapped_one_to_one() {
+        let o = opts(1 << 30, 65536, 16);
+        // QEMU's layout: header, refcount table and block, L1 table, then two L2 tables.
+        let l = Layout::new(&o, true);
+        assert_eq!((l.l1_start(), l.l2_tables, l.clusters()), (3, 2, 6));
+        let d = NewDataFile {
+            node: crate::block::drivers::null::test_node("d"),
+            name: "/images/disk.raw".into(),
+            raw: true,
+            prealloc: true,
+        };
+        let h = super::super::header::Header::parse(&header(&o, &l, Some(&d)).unwrap()).unwrap();
+        assert_eq!(h.data_file.as_deref(), Some("/images/disk.raw"));
+        assert!(h.has_data_file() && h.data_file_raw());
+        assert_eq!(h.l1_table_offset, 3 * 65536);
+        // A name that does not fit in the first cluster.
+        let small = opts(1 << 20, 512, 16);
+        let long = NewDataFile {
+            name: "x".repeat(500),
+            ..d
+        };
+        assert!(header(&small, &Layout::new(&small, false), Some(&long)).is_none());
+        // QEMU's rules for the options.
+        let given = |node: bool, raw: bool| DataFileOptions {
+            node: node.then(|| "d".to_string()),
+            raw,
+            metadata: false,
+        };
+        assert_eq!(
+            given(false, true).check(&o).unwrap_err(),
+            "data-file-raw requires data-file"
+        );
+        let mut b = opts(1 << 20, 65536, 16);
+        b.backing_file = Some("base.qcow2".into());
+        assert!(given(true, true)
+            .check(&b)
+            .unwrap_err()
+            .contains("data-file-raw cannot"));
+        let mut v2 = opts(1 << 20, 65536, 16);
+        v2.v3 = false;
+        assert!(given(true, false)
+            .check(&v2)
+            .unwrap_err()
+            .contains("compatibility level 1.1"));
     }
 
     #[test]
@@ -388,6 +595,6 @@ mod tests {
         assert!(o.check().is_ok());
         // An L2 table of 16 KiB maps 1024 clusters with extended entries: 16 MiB.
         o.size = 64 << 20;
-        assert_eq!(Layout::new(&o).l1_entries, 4);
+        assert_eq!(Layout::new(&o, false).l1_entries, 4);
     }
 }

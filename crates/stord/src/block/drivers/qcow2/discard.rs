@@ -45,6 +45,8 @@ impl Qcow2Driver {
                 if entry & OFFSET_MASK != old_host(old) || old_host(old) == 0 {
                     self.release(&mut m, old).await?;
                 }
+                drop(m);
+                self.discard_freed_data(pos, old, entry).await;
             }
             pos += self.cluster_size;
         }
@@ -73,8 +75,9 @@ impl Qcow2Driver {
         self.unmap_clusters(start, end, |old, _| match old {
             Mapping::Unallocated if !backing => None,
             Mapping::Zero { host: None, .. } => None,
-            // With a backing file a discarded cluster must not show the backing's data.
-            _ if backing && v3 => Some((ZERO, 0)),
+            // As QEMU's discard_in_l2_slice (a guest discard is not a full one): a zero
+            // cluster on version 3, so no backing file's data shows through either.
+            _ if v3 => Some((ZERO, 0)),
             // Version 2 cannot say "zero" over a backing file: keep the data.
             _ if backing => None,
             _ => Some((0, 0)),
@@ -102,6 +105,8 @@ impl Qcow2Driver {
         for (a, b) in [(offset, start.min(end)), (whole_end.max(start), end)] {
             self.write_zero_bytes(a, b).await?;
         }
+        self.zero_raw_data(start, whole_end - start, may_unmap)
+            .await?;
         self.unmap_clusters(start, whole_end, |old, _| match old {
             Mapping::Zero { .. } if !may_unmap => None,
             Mapping::Data { host, copied: true } if !may_unmap => Some((host | COPIED | ZERO, 0)),
@@ -215,6 +220,7 @@ impl Qcow2Driver {
         may_unmap: bool,
     ) -> io::Result<()> {
         let (cs, size) = (self.cluster_size, self.size());
+        self.zero_raw_data(start, end - start, may_unmap).await?;
         let mut pos = start;
         while pos < end {
             let cstart = self.cluster_start(pos);

@@ -57,6 +57,33 @@ pub struct Qcow2Driver {
     pub(super) writable: std::sync::atomic::AtomicBool,
     /// The table caches' sizes (L2, refcount blocks), for a reload.
     pub(super) cache: (usize, usize),
+    /// The external data file guest data lives in, if the image has one.
+    pub(super) data: Option<DataFile>,
+}
+
+/// The external data file of an image (see `data_file`).
+pub(super) struct DataFile {
+    pub(super) node: Arc<BlockNode>,
+    /// `data-file-raw`: the data file is a raw image of the disk by itself.
+    pub(super) raw: bool,
+    /// Whether the image looks metadata-preallocated (QEMU's guess, made at the first
+    /// block status): [`PREALLOC_UNKNOWN`], [`PREALLOC_NO`] or [`PREALLOC_YES`].
+    pub(super) preallocated: std::sync::atomic::AtomicU8,
+}
+
+/// [`DataFile::preallocated`]'s values.
+pub(super) const PREALLOC_UNKNOWN: u8 = 0;
+pub(super) const PREALLOC_NO: u8 = 1;
+pub(super) const PREALLOC_YES: u8 = 2;
+
+impl DataFile {
+    pub(super) fn new(node: Arc<BlockNode>, raw: bool) -> Self {
+        Self {
+            node,
+            raw,
+            preallocated: PREALLOC_UNKNOWN.into(),
+        }
+    }
 }
 
 /// Counts a request in `io_inflight` until dropped.

@@ -56,6 +56,9 @@ pub mod autoclear {
     /// The bitmaps extension is consistent with the image (a program that does not keep
     /// the bitmaps clears it on a read-write open, which invalidates them).
     pub const BITMAPS: u64 = 1;
+    /// The external data file reads as the guest disk by itself, a raw image (its
+    /// clusters mapped one to one).
+    pub const DATA_FILE_RAW: u64 = 1 << 1;
 }
 
 /// Byte offsets of fields written back by the driver.
@@ -261,6 +264,8 @@ pub struct Header {
     /// The bitmaps extension's bytes as stored, if the image has one (checked by
     /// [`super::bitmaps`] when the autoclear bit says it is valid).
     pub bitmaps_ext: Option<Vec<u8>>,
+    /// The external data file's name, as stored (its extension, up to a NUL byte).
+    pub data_file: Option<String>,
 }
 
 fn invalid(s: impl Into<String>) -> HeaderError {
@@ -336,6 +341,7 @@ impl Header {
             backing_file: None,
             backing_format: None,
             bitmaps_ext: None,
+            data_file: None,
         };
         if be32(buf, 32) != 0 {
             return Err(HeaderError::Unsupported("Encryption".into()));
@@ -368,8 +374,8 @@ impl Header {
     }
 
     /// Refuses a refcount width past 64 bits, the incompatible features stord does not
-    /// serve (unknown ones, external data files), subclusters smaller than 512 bytes, and
-    /// a compression type its feature bit contradicts.
+    /// know, subclusters smaller than 512 bytes, and a compression type its feature bit
+    /// contradicts.
     fn check_features(&self) -> Result<(), HeaderError> {
         if self.refcount_order > 6 {
             return Err(invalid(
@@ -381,9 +387,6 @@ impl Header {
             return Err(HeaderError::Unsupported(format!(
                 "Incompatible feature bits {unknown:#x}"
             )));
-        }
-        if self.incompatible & incompat::DATA_FILE != 0 {
-            return Err(HeaderError::Unsupported("An external data file".into()));
         }
         // QEMU's rule: subclusters of at least 512 bytes (clusters of 16 KiB or more).
         if self.extended_l2() && self.cluster_bits < 9 + 5 {
@@ -454,7 +457,11 @@ impl Header {
                     self.backing_format = Some(s.trim_end_matches('\0').to_string());
                 }
                 ext::DATA_FILE => {
-                    return Err(HeaderError::Unsupported("An external data file".into()));
+                    // QEMU reads it as a C string: it ends at the first NUL byte.
+                    let name = data.split(|&b| b == 0).next().unwrap_or_default();
+                    let s = std::str::from_utf8(name)
+                        .map_err(|_| invalid("data file name is not UTF-8"))?;
+                    self.data_file = Some(s.to_string());
                 }
                 ext::BITMAPS => self.bitmaps_ext = Some(data.to_vec()),
                 // Feature names, encryption, unknown: nothing to act on.
@@ -497,6 +504,16 @@ impl Header {
     /// Whether L2 entries are extended (subclusters: see [`super::subcluster`]).
     pub fn extended_l2(&self) -> bool {
         self.incompatible & incompat::EXTL2 != 0
+    }
+
+    /// Whether guest data lives in an external data file.
+    pub fn has_data_file(&self) -> bool {
+        self.incompatible & incompat::DATA_FILE != 0
+    }
+
+    /// Whether the external data file is a raw image of the guest disk by itself.
+    pub fn data_file_raw(&self) -> bool {
+        self.autoclear & autoclear::DATA_FILE_RAW != 0
     }
 
     /// Bytes per L2 entry: 16 when extended, else 8.
@@ -601,6 +618,27 @@ mod tests {
     }
 
     #[test]
+    fn an_external_data_file_is_named_and_kept_on_rewrites() {
+        let mut b = v3();
+        b[72..80].copy_from_slice(&incompat::DATA_FILE.to_be_bytes());
+        b[88..96].copy_from_slice(&autoclear::DATA_FILE_RAW.to_be_bytes());
+        // The name, NUL-padded to its 8-byte boundary as QEMU stores it.
+        b[112..116].copy_from_slice(&ext::DATA_FILE.to_be_bytes());
+        b[116..120].copy_from_slice(&8u32.to_be_bytes());
+        b[120..128].copy_from_slice(b"disk.raw");
+        let h = Header::parse(&b).unwrap();
+        assert_eq!(h.data_file.as_deref(), Some("disk.raw"));
+        assert!(h.has_data_file() && h.data_file_raw());
+        // A backing file set and the bitmaps written keep the name and the bits.
+        let changed = with_backing(&b, Some(("base.qcow2", Some("qcow2")))).unwrap();
+        let changed = with_bitmaps_ext(&changed, None, h.autoclear).unwrap();
+        let h2 = Header::parse(&changed).unwrap();
+        assert_eq!(h2.data_file.as_deref(), Some("disk.raw"));
+        assert!(h2.has_data_file() && h2.data_file_raw());
+        assert_eq!(h2.backing_file.as_deref(), Some("base.qcow2"));
+    }
+
+    #[test]
     fn bad_headers_are_refused_with_a_reason() {
         let set32 = |at: usize, v: u32| {
             let mut b = v3();
@@ -629,11 +667,6 @@ mod tests {
         assert!(matches!(
             set64(72, incompat::EXTL2),
             HeaderError::Invalid(_)
-        ));
-
-        assert!(matches!(
-            set64(72, incompat::DATA_FILE),
-            HeaderError::Unsupported(_)
         ));
         assert!(matches!(set64(72, 1 << 40), HeaderError::Unsupported(_)));
         assert!(matches!(

@@ -1,6 +1,6 @@
 //! Requests that change an open image's header: `block_resize` (the L1 table grown
-//! first when it must cover more, then the size field) and changing the backing file
-//! (its name and format).
+//! first when it must cover more, then the data file's part, then the size field) and
+//! changing the backing file (its name and format).
 
 use std::io;
 use std::sync::atomic::Ordering;
@@ -33,6 +33,7 @@ impl Qcow2Driver {
         if need > m.l1.len() {
             self.grow_l1(&mut m, need).await?;
         }
+        self.grow_data_file(&mut m, old, new).await?;
         self.file_write(header::field::SIZE, &new.to_be_bytes())
             .await?;
         self.file.driver().flush().await?;
@@ -44,6 +45,7 @@ impl Qcow2Driver {
         &self,
         backing: Option<(&str, Option<&str>)>,
     ) -> io::Result<()> {
+        self.refuse_backing(backing.is_some())?;
         let m = self.meta.lock().await;
         let c0 = self.file_read(0, self.cluster_size as usize).await?;
         let new = header::with_backing(&c0, backing)

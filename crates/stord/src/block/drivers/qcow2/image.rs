@@ -154,13 +154,14 @@ async fn load_bitmaps(
 }
 
 /// Clears on disk the autoclear bits of features stord does not keep (that is their
-/// contract); the bitmaps bit stays while there are bitmaps to keep (`keep_bitmaps`).
+/// contract); the bitmaps bit stays while there are bitmaps to keep (`keep_bitmaps`), the
+/// raw data file's always (stord keeps the data file a raw image).
 async fn clear_foreign_autoclear(
     f: &dyn BlockDriver,
     header: &mut Header,
     keep_bitmaps: bool,
 ) -> io::Result<()> {
-    let keep = if keep_bitmaps { autoclear::BITMAPS } else { 0 };
+    let keep = autoclear::DATA_FILE_RAW | if keep_bitmaps { autoclear::BITMAPS } else { 0 };
     if header.autoclear & !keep != 0 {
         header.autoclear &= keep;
         let mut b = request_buf(8);

@@ -72,6 +72,7 @@ impl Qcow2Driver {
 
     /// The internal snapshots.
     pub(super) async fn list_snapshots_impl(&self) -> io::Result<Vec<SnapshotInfo>> {
+        self.refuse_snapshots()?;
         let _m = self.meta.lock().await;
         Ok(self
             .read_snapshots()
@@ -220,6 +221,7 @@ impl Qcow2Driver {
         name: &str,
         (date_sec, date_nsec): (u32, u32),
     ) -> io::Result<SnapshotInfo> {
+        self.refuse_snapshots()?;
         let mut m = self.meta.lock().await;
         self.check_not_corrupt()?;
         self.write_back(&mut m).await?;
@@ -286,6 +288,7 @@ impl Qcow2Driver {
         id: Option<&str>,
         name: Option<&str>,
     ) -> io::Result<Option<SnapshotInfo>> {
+        self.refuse_snapshots()?;
         let mut m = self.meta.lock().await;
         self.check_not_corrupt()?;
         let (mut entries, old, old_len) = self.read_snapshots().await?;

@@ -89,6 +89,7 @@ impl Qcow2Driver {
 
     pub(super) fn entries(&self) -> EntryCodec {
         EntryCodec::new(self.cluster_bits, self.version, self.extended_l2)
+            .with_data_file(self.has_data_file())
     }
 
     pub(super) fn refcounts(&self) -> RefcountCodec {
@@ -161,7 +162,11 @@ impl Qcow2Driver {
         }
         self.load_l2(m, l2_off).await?;
         let table = m.l2.get(l2_off).expect("just loaded");
-        self.decode_slot(table, guest)
+        let (map, bitmap) = self.decode_slot(table, guest)?;
+        if let Some(what) = self.data_mapping_error(map, guest, l2_off) {
+            return Err(self.signal_corruption(&what).await);
+        }
+        Ok((map, bitmap))
     }
 
     /// The entry of `guest`'s cluster in its L2 table `table`, decoded with its bitmap.
@@ -183,7 +188,12 @@ impl Qcow2Driver {
         if l2_off == 0 {
             return Some(Ok((Mapping::Unallocated, 0)));
         }
-        Some(self.decode_slot(m.l2.get(l2_off)?, guest))
+        let r = self.decode_slot(m.l2.get(l2_off)?, guest);
+        match r {
+            // The image is corrupt there: the lookup that marks it so answers.
+            Ok((map, _)) if self.data_mapping_error(map, guest, l2_off).is_some() => None,
+            r => Some(r),
+        }
     }
 
     /// Sets the L2 entry of the guest cluster containing `guest` (with extended entries,

@@ -22,14 +22,19 @@
 //! request asks for it (backup's `compress`: [`compress`]), packed into shared host
 //! clusters as QEMU packs them.
 //!
+//! Images whose guest data lives in an external data file (`data-file`, with or without
+//! `data-file-raw`) keep their metadata here and their data there, cluster for cluster at
+//! the guest's offsets ([`data_file`]).
+//!
 //! Not supported, and refused at open with a clear error rather than served wrongly:
-//! encryption, external data files; writing to images marked corrupt.
+//! encryption; writing to images marked corrupt.
 //!
 //! The files, from the bottom up: the on-disk formats, parsed with no I/O ([`bytes`],
 //! [`header`], [`table`], [`subcluster`], [`snapshot`], [`bitmap_dir`]); the driver's state
 //! ([`driver`]); its methods by concern ([`metadata`], [`refcount`], [`writeback`],
-//! [`read`], [`write`], [`compress`], [`discard`], [`block_status`], [`header_update`], [`bitmaps`],
-//! [`internal`]); an image read at open ([`image`], with [`repair`]); and the faces:
+//! [`read`], [`write`], [`compress`], [`discard`], [`block_status`], [`header_update`],
+//! [`bitmaps`], [`internal`], [`data_file`]); an image read at open ([`image`], with
+//! [`repair`]); and the faces:
 //! [`open`] (the driver table's entry, with [`options`]) and [`block_driver`].
 
 mod amend;
@@ -40,6 +45,7 @@ mod block_status;
 mod bytes;
 mod compress;
 pub mod create;
+mod data_file;
 mod discard;
 mod driver;
 #[cfg(any(test, fuzzing))]

@@ -12,7 +12,7 @@ use super::driver::{Meta, Qcow2Driver};
 use super::image::Image;
 use super::options::Qcow2Options;
 use super::table::TableCache;
-use super::{amend, create};
+use super::{amend, create, data_file};
 use crate::block::driver_def::DriverDef;
 use crate::block::node::block_node::BlockNode;
 use crate::block::node::range_lock::RangeLocks;
@@ -21,7 +21,9 @@ use crate::cli::Help;
 
 /// The driver table's entry: a qcow2 image over its `file`; its backing node is
 /// `backing=NAME`, inline `backing.driver=...`, none with `backing=null`, else the one the
-/// image names (opened read-only, relative to the image's directory, as QEMU does).
+/// image names (opened read-only, relative to the image's directory, as QEMU does); its
+/// external data file, if it has one, `data-file=NAME`, inline `data-file.driver=...`, else
+/// the one the image names ([`data_file`](super::data_file)).
 pub const DRIVER: DriverDef = DriverDef {
     names: &["qcow2"],
     takes_discard: true,
@@ -29,16 +31,22 @@ pub const DRIVER: DriverDef = DriverDef {
     help: Help {
         synopsis: "file=<node> | file.driver=...\n\
                    [,backing=<node>|null | ,backing.driver=...][,l2-cache-size=<size>]\n\
+                   [,data-file=<node> | ,data-file.driver=...]\n\
                    [,refcount-cache-size=<size>][,cache-size=<size>][,discard=unmap|ignore]",
-        about: "the qcow2 format over its child `file`; the backing file an\n\
-                image names opens by itself unless `backing` says otherwise",
+        about: "the qcow2 format over its child `file`; the backing file and\n\
+                the data file an image names open by themselves unless\n\
+                `backing` and `data-file` say otherwise",
     },
     create: Some(&create::CREATE),
     amend: Some(&amend::AMEND),
     open: |g, kv, flags| {
         let file = g.child(kv, "file")?;
         let opts = Qcow2Options::from_opts(kv)?;
-        let ro = flags.read_only || file.is_read_only();
+        let given_data = data_file::given_data_file(g, kv)?;
+        // A file or data file that cannot be written makes the image read-only.
+        let ro = flags.read_only
+            || file.is_read_only()
+            || given_data.as_ref().is_some_and(|d| d.is_read_only());
         // An inactive image is read as a read-only one; activation reads it again.
         let writes = !ro && !flags.inactive;
         let given = g.optional_child(kv, "backing")?;
@@ -54,6 +62,8 @@ pub const DRIVER: DriverDef = DriverDef {
         .and_then(|r| r.map_err(io::Error::other))
         .map_err(|e| GraphError::Invalid(format!("{}: {e}", kv.what)))?;
         drop(opening);
+        // The one the header names inherits the image's read-only state.
+        let data = data_file::open_data_file(g, given_data, &image.header)?;
         let backing = match given {
             Some(b) => b,
             None => match image.header.backing_file.clone() {
@@ -71,7 +81,7 @@ pub const DRIVER: DriverDef = DriverDef {
             .map(|l| std::mem::take(&mut l.bitmaps))
             .unwrap_or_default();
         Ok(Opened {
-            driver: Box::new(Qcow2Driver::new(file, backing, image, &opts)),
+            driver: Box::new(Qcow2Driver::new(file, backing, image, &opts).with_data_file(data)),
             read_only: ro,
             direct,
             bitmaps,
@@ -112,6 +122,7 @@ impl Qcow2Driver {
             compression: h.compression,
             corrupt: Default::default(),
             writable: writable.into(),
+            data: None,
         }
     }
 

@@ -223,7 +223,7 @@ impl Qcow2Driver {
                 Source::Zero | Source::Unmapped => dst.fill(0),
                 Source::Backing => Self::read_backing(backing, p.guest, dst).await?,
                 Source::Host(h) => {
-                    let b = self.file_read(h, dst.len()).await?;
+                    let b = self.data_read(h, dst.len()).await?;
                     dst.copy_from_slice(&b);
                 }
                 Source::Compressed {
@@ -249,11 +249,10 @@ impl Qcow2Driver {
             ..
         }] = pieces[..]
         {
-            let (start, len) = (now_ns(), buf.len() as u64);
-            let r = self.file.driver().read(h, buf).await;
+            let (start, len, node) = (now_ns(), buf.len() as u64, self.data_node());
+            let r = node.driver().read(h, buf).await;
             drop(inflight);
-            self.file
-                .count_direct(Op::Read, start, h + len, len, r.0.is_ok());
+            node.count_direct(Op::Read, start, h + len, len, r.0.is_ok());
             return r;
         }
         let r = self
@@ -275,11 +274,10 @@ impl Qcow2Driver {
             ..
         }] = pieces[..]
         {
-            let (start, len) = (now_ns(), iov.len() as u64);
-            let r = self.file.driver().readv(h, iov).await;
+            let (start, len, node) = (now_ns(), iov.len() as u64, self.data_node());
+            let r = node.driver().readv(h, iov).await;
             drop(inflight);
-            self.file
-                .count_direct(Op::Read, start, h + len, len, r.0.is_ok());
+            node.count_direct(Op::Read, start, h + len, len, r.0.is_ok());
             return r;
         }
         crate::buf::count_bounce();

@@ -305,6 +305,23 @@ impl Qcow2Driver {
         Ok(start * cs)
     }
 
+    /// The refcount of host cluster number `c` (0 where no refcount block counts it).
+    pub(super) async fn refcount_of(&self, m: &mut Meta, c: u64) -> io::Result<u64> {
+        let bits = self.refblock_bits();
+        let rb_off = m
+            .reftable
+            .get((c >> bits) as usize)
+            .map_or(0, |e| e & OFFSET_MASK);
+        if rb_off == 0 {
+            return Ok(0);
+        }
+        self.load_refblock(m, rb_off).await?;
+        let block = m.refblocks.get(rb_off).expect("just loaded");
+        Ok(self
+            .refcounts()
+            .get(block, (c & ((1 << bits) - 1)) as usize))
+    }
+
     /// Adds `delta` (+1 or -1) to the refcount of the host cluster at `host`: the new
     /// refcount.
     pub(super) async fn change_refcount(
@@ -367,6 +384,10 @@ impl Qcow2Driver {
     /// table) is not freed, as its discard would destroy the table: the image is marked
     /// corrupt and the request fails.
     pub(super) async fn release(&self, m: &mut Meta, old: Mapping) -> io::Result<()> {
+        if self.has_data_file() {
+            // Data clusters in a data file are not counted (see `data_file`).
+            return Ok(());
+        }
         let (start, len) = match old {
             Mapping::Data { host, .. }
             | Mapping::Zero {

@@ -121,6 +121,10 @@ async fn count_l2_tables(
                 continue;
             }
             counts.range(l2, cs);
+            if h.has_data_file() {
+                // Data clusters live in the data file: the image counts none of them.
+                continue;
+            }
             let (r, b) = f.read(l2, request_buf(cs as usize)).await;
             r?;
             // An extended entry's bitmap says nothing of the clusters it holds: skipped.

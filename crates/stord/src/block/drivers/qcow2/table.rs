@@ -85,6 +85,9 @@ pub struct EntryCodec {
     v3: bool,
     /// Extended L2 entries: 128 bits, the zero flag unused (the bitmap says it).
     extended: bool,
+    /// Guest data in an external data file, where offset 0 is a cluster like any other
+    /// (its entry's COPIED flag tells it from an unallocated one).
+    data_file: bool,
 }
 
 impl EntryCodec {
@@ -95,7 +98,16 @@ impl EntryCodec {
             cluster_bits,
             v3: version >= 3,
             extended,
+            data_file: false,
         }
+    }
+
+    /// The codec for an image whose data lives in an external data file (QEMU's
+    /// qcow2_get_cluster_type: an entry of offset 0 with COPIED set maps the data file's
+    /// first cluster).
+    pub fn with_data_file(mut self, data_file: bool) -> Self {
+        self.data_file = data_file;
+        self
     }
 
     /// 64-bit words per L2 entry: 2 for extended entries (entry, bitmap), else 1.
@@ -135,7 +147,7 @@ impl EntryCodec {
             let host = (host != 0).then_some(host);
             return Ok(Mapping::Zero { host, copied });
         }
-        if host == 0 {
+        if host == 0 && !(self.data_file && copied) {
             return Ok(Mapping::Unallocated);
         }
         Ok(Mapping::Data { host, copied })
@@ -373,6 +385,29 @@ mod tests {
         assert_eq!(
             EntryCodec::new(16, 2, false).decode(ZERO),
             Ok(Mapping::Unallocated)
+        );
+    }
+
+    #[test]
+    fn offset_zero_is_a_cluster_of_an_external_data_file() {
+        let c = EntryCodec::new(16, 3, false);
+        assert_eq!(c.decode(COPIED), Ok(Mapping::Unallocated));
+        let d = c.with_data_file(true);
+        assert_eq!(
+            d.decode(COPIED),
+            Ok(Mapping::Data {
+                host: 0,
+                copied: true
+            })
+        );
+        assert_eq!(d.decode(0), Ok(Mapping::Unallocated));
+        // A zero flag with offset 0 stays a plain zero cluster, as in QEMU.
+        assert_eq!(
+            d.decode(COPIED | ZERO),
+            Ok(Mapping::Zero {
+                host: None,
+                copied: true
+            })
         );
     }
 

@@ -57,7 +57,7 @@ impl Qcow2Driver {
         }
         if let Some(s) = start {
             // An L2 entry pointing at metadata must not turn guest data into tables.
-            self.check_overlap(&m, s, len, None).await?;
+            self.check_data_overlap(&m, s, len).await?;
         }
         let inflight = Inflight::new(&self.io_inflight);
         drop(m);
@@ -77,7 +77,7 @@ impl Qcow2Driver {
                 }
                 _ => Ok(None),
             },
-            Mapping::Data { host, .. } => Ok(Some(self.file_read(host, cs).await?.to_vec())),
+            Mapping::Data { host, .. } => Ok(Some(self.data_read(host, cs).await?.to_vec())),
             Mapping::Compressed { offset, len } => Ok(Some(self.decompress(offset, len).await?)),
         }
     }
@@ -105,20 +105,20 @@ impl Qcow2Driver {
             } => (h, false),
             _ => {
                 let mut m = self.meta.lock().await;
-                self.alloc_cluster(&mut m).await?
+                self.alloc_data(&mut m, cstart).await?
             }
         };
         let r = async {
             if within == 0 && data.len() as u64 == cs {
-                return self.file_write(host, data).await;
+                return self.data_write(host, data).await;
             }
             match self.cluster_content(cstart, old).await? {
                 // Untouched bytes of a fresh cluster already read as zeroes.
-                None if fresh => self.file_write(host + within, data).await,
+                None if fresh => self.data_write(host + within, data).await,
                 content => {
                     let mut c = content.unwrap_or_else(|| vec![0u8; cs as usize]);
                     c[within as usize..within as usize + data.len()].copy_from_slice(data);
-                    self.file_write(host, &c).await
+                    self.data_write(host, &c).await
                 }
             }
         }
@@ -127,7 +127,7 @@ impl Qcow2Driver {
         if let Err(e) = r {
             if host != old_host(old) {
                 // Nothing references the new cluster: give it back now.
-                self.change_refcount(&mut m, host, -1).await?;
+                self.give_back(&mut m, host).await?;
             }
             return Err(e);
         }
@@ -182,12 +182,12 @@ impl Qcow2Driver {
             self.l2_table_to_write(&mut m, pos).await?;
         }
         let mut hosts = Vec::with_capacity(olds.len());
-        for _ in 0..olds.len() {
-            match self.alloc_cluster(&mut m).await {
+        for k in 0..olds.len() as u64 {
+            match self.alloc_data(&mut m, pos + k * cs).await {
                 Ok((h, _)) => hosts.push(h),
                 Err(e) => {
                     for h in hosts {
-                        self.change_refcount(&mut m, h, -1).await?;
+                        self.give_back(&mut m, h).await?;
                     }
                     return Err(e);
                 }
@@ -210,7 +210,7 @@ impl Qcow2Driver {
         if let Err(e) = written {
             // Nothing references the new clusters: give them back now.
             for h in plan.hosts {
-                self.change_refcount(&mut m, h, -1).await?;
+                self.give_back(&mut m, h).await?;
             }
             return Err(e);
         }
@@ -260,7 +260,7 @@ impl Qcow2Driver {
             };
             return (r, buf);
         }
-        let (written, buf) = self.file_write_buf(plan.hosts[0], buf).await;
+        let (written, buf) = self.data_write_buf(plan.hosts[0], buf).await;
         let r = match self.settle_whole_clusters(offset, plan, written).await {
             Ok(_) if fua => self.flush_impl().await,
             r => r.map(|_| ()),
@@ -286,7 +286,7 @@ impl Qcow2Driver {
                 j += 1;
             }
             let bytes = &data[i * cs as usize..j * cs as usize];
-            r = self.file_write(hosts[i], bytes).await;
+            r = self.data_write(hosts[i], bytes).await;
             i = j;
         }
         self.settle_whole_clusters(pos, plan, r).await
@@ -333,8 +333,7 @@ impl Qcow2Driver {
                     host: Some(host), ..
                 } = old
                 {
-                    self.check_overlap(&m, host, self.cluster_size, None)
-                        .await?;
+                    self.check_data_overlap(&m, host, self.cluster_size).await?;
                 }
                 (old, bitmap)
             };
@@ -347,7 +346,7 @@ impl Qcow2Driver {
             }
             match old {
                 Mapping::Data { host, copied: true } => {
-                    self.file_write(host + (pos - cstart), chunk).await?;
+                    self.data_write(host + (pos - cstart), chunk).await?;
                 }
                 _ => {
                     self.allocating_write(cstart, pos - cstart, chunk, old)
@@ -361,7 +360,7 @@ impl Qcow2Driver {
             if allocated {
                 self.flush_impl().await?;
             } else {
-                self.file.driver().flush().await?;
+                self.data_node().driver().flush().await?;
             }
         }
         Ok(())
@@ -376,12 +375,11 @@ impl Qcow2Driver {
         match self.in_place(offset, buf.len() as u64).await {
             Err(e) => return (Err(e), buf),
             Ok(Some((host, inflight))) => {
-                let (start, len) = (now_ns(), buf.len() as u64);
-                self.file.note_write(host, len);
-                let r = self.file.driver().write(host, buf, fua).await;
+                let (start, len, node) = (now_ns(), buf.len() as u64, self.data_node());
+                node.note_write(host, len);
+                let r = node.driver().write(host, buf, fua).await;
                 drop(inflight);
-                self.file
-                    .count_direct(Op::Write, start, host + len, len, r.0.is_ok());
+                node.count_direct(Op::Write, start, host + len, len, r.0.is_ok());
                 return r;
             }
             Ok(None) => {}
@@ -400,12 +398,11 @@ impl Qcow2Driver {
         match self.in_place(offset, iov.len() as u64).await {
             Err(e) => return (Err(e), iov),
             Ok(Some((host, inflight))) => {
-                let (start, len) = (now_ns(), iov.len() as u64);
-                self.file.note_write(host, len);
-                let r = self.file.driver().writev(host, iov, fua).await;
+                let (start, len, node) = (now_ns(), iov.len() as u64, self.data_node());
+                node.note_write(host, len);
+                let r = node.driver().writev(host, iov, fua).await;
                 drop(inflight);
-                self.file
-                    .count_direct(Op::Write, start, host + len, len, r.0.is_ok());
+                node.count_direct(Op::Write, start, host + len, len, r.0.is_ok());
                 return r;
             }
             Ok(None) => {}
@@ -506,7 +503,7 @@ impl Qcow2Driver {
         let (from, to) = (within, within + data.len() as u64);
         let keep = matches!(old, Mapping::Data { copied: true, .. });
         if keep && self.all_alloc(bitmap, from, to) {
-            self.file_write(old_host(old) + from, data).await?;
+            self.data_write(old_host(old) + from, data).await?;
             return Ok(false);
         }
         let span = subcluster::cow_span(old, bitmap, keep, (from, to), sb);
@@ -517,7 +514,7 @@ impl Qcow2Driver {
             // writes give the same layout).
             let mut m = self.meta.lock().await;
             self.l2_table_to_write(&mut m, cstart).await?;
-            self.alloc_cluster(&mut m).await?.0
+            self.alloc_data(&mut m, cstart).await?.0
         };
         let r = self
             .write_with_cow(cstart, host, span, (from, data), (old, bitmap))
@@ -526,7 +523,7 @@ impl Qcow2Driver {
         if let Err(e) = r {
             if !keep {
                 // Nothing references the new cluster: give it back now.
-                self.change_refcount(&mut m, host, -1).await?;
+                self.give_back(&mut m, host).await?;
             }
             return Err(e);
         }
@@ -573,7 +570,7 @@ impl Qcow2Driver {
                 .await?;
         }
         buf[(from - start) as usize..(to - start) as usize].copy_from_slice(data);
-        self.file_write_buf(host + start, buf).await.0
+        self.data_write_buf(host + start, buf).await.0
     }
 
     /// [`populate_impl`](Self::populate_impl) with subclusters, over `[start, end)`

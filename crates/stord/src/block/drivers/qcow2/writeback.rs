@@ -26,6 +26,8 @@ impl Qcow2Driver {
     /// Writes every dirty table back in order, makes it durable, then applies the frees
     /// that waited for it.
     pub(super) async fn flush_impl(&self) -> io::Result<()> {
+        // Guest data in a data file is durable before the tables that point at it.
+        self.flush_data_file().await?;
         let mut m = self.meta.lock().await;
         self.write_back(&mut m).await?;
         self.file.driver().flush().await?;
