@@ -1,7 +1,8 @@
 //! Creating a qcow2 image (`blockdev-create`, `blockdev-snapshot-sync`): written on an
 //! opened node: header (version 3 with compression type, or 2; extended L2 entries on
 //! request), one refcount table, the refcount blocks and an empty L1 table for the
-//! virtual size, every metadata cluster counted once; `qemu-img check` finds it clean.
+//! virtual size, then an encrypted image's LUKS header ([`super::create_crypt`]), every
+//! metadata cluster counted once; `qemu-img check` finds it clean.
 
 use std::io;
 use std::sync::Arc;
@@ -11,6 +12,7 @@ use crate::block::node::block_node::BlockNode;
 use crate::block::node::perm::Perm;
 use crate::block::open::GraphError;
 use crate::cli::keyval::KeyVal;
+use crate::crypto::luks::create::Created;
 use crate::schema::{opt, req, EnumType, Ty};
 
 static VERSION: EnumType = EnumType {
@@ -50,11 +52,10 @@ fn prepare(mut kv: KeyVal, env: &dyn CreateEnv) -> Result<Creation, GraphError> 
     let Some(file) = kv.take("file") else {
         return Err(unsupported("an inline 'file' (name a node)"));
     };
-    for k in ["data-file", "encrypt"] {
-        if kv.take(k).is_some() || kv.take_prefixed(k).is_some() {
-            return Err(unsupported(&format!("'{k}'")));
-        }
+    if kv.take("data-file").is_some() || kv.take_prefixed("data-file").is_some() {
+        return Err(unsupported("'data-file'"));
     }
+    let encrypt = super::create_crypt::take_options(&mut kv, env)?;
     if kv.take_bool("data-file-raw", false)? {
         return Err(unsupported("'data-file-raw'"));
     }
@@ -84,7 +85,13 @@ fn prepare(mut kv: KeyVal, env: &dyn CreateEnv) -> Result<Creation, GraphError> 
                 "Cannot find device='{file}' nor node-name='{file}'"
             ));
         };
-        create_qcow2(&node, &opts).await.map_err(|e| e.to_string())
+        let crypt = match encrypt {
+            Some(e) => Some(e.make().await?),
+            None => None,
+        };
+        create_qcow2_with(&node, &opts, crypt.as_ref())
+            .await
+            .map_err(|e| e.to_string())
     }))
 }
 
@@ -151,10 +158,12 @@ struct Layout {
     refblocks: u64,
     l1_entries: u64,
     l1_clusters: u64,
+    /// Clusters after the L1 table (an encrypted image's LUKS header).
+    extra: u64,
 }
 
 impl Layout {
-    fn new(o: &Qcow2Create) -> Layout {
+    fn new(o: &Qcow2Create, extra: u64) -> Layout {
         let cs = o.cluster_size;
         let entry_bytes = if o.extended_l2 { 16 } else { 8 };
         let l1_entries = o.size.div_ceil(cs * (cs / entry_bytes));
@@ -162,7 +171,7 @@ impl Layout {
         let per_block = cs * 8 / o.refcount_bits;
         let (mut rt, mut rb) = (1, 1);
         loop {
-            let total = 1 + rt + rb + l1_clusters;
+            let total = 1 + rt + rb + l1_clusters + extra;
             let rb2 = total.div_ceil(per_block);
             let rt2 = (rb2 * 8).div_ceil(cs);
             if (rb2, rt2) == (rb, rt) {
@@ -175,16 +184,23 @@ impl Layout {
             refblocks: rb,
             l1_entries,
             l1_clusters,
+            extra,
         }
     }
 
+    /// Where the clusters after the L1 table start.
+    fn extra_offset(&self, cs: u64) -> u64 {
+        (1 + self.reftable_clusters + self.refblocks + self.l1_clusters) * cs
+    }
+
     fn clusters(&self) -> u64 {
-        1 + self.reftable_clusters + self.refblocks + self.l1_clusters
+        1 + self.reftable_clusters + self.refblocks + self.l1_clusters + self.extra
     }
 }
 
-/// The header cluster: fields, extensions (backing format, end) and the backing file name.
-fn header(o: &Qcow2Create, l: &Layout) -> Vec<u8> {
+/// The header cluster: fields, extensions (backing format, the LUKS header's place, end)
+/// and the backing file name.
+fn header(o: &Qcow2Create, l: &Layout, crypt: Option<(u64, u64)>) -> Vec<u8> {
     let cs = o.cluster_size;
     let mut h = vec![0u8; cs as usize];
     let put32 =
@@ -215,6 +231,14 @@ fn header(o: &Qcow2Create, l: &Layout) -> Vec<u8> {
         h[end + 8..end + 8 + fmt.len()].copy_from_slice(fmt.as_bytes());
         end += 8 + fmt.len().div_ceil(8) * 8;
     }
+    if let Some((offset, length)) = crypt {
+        put32(&mut h, 32, super::header::crypt::LUKS);
+        put32(&mut h, end, super::header::ext::CRYPTO_HEADER);
+        put32(&mut h, end + 4, 16);
+        put64(&mut h, end + 8, offset);
+        put64(&mut h, end + 16, length);
+        end += 24;
+    }
     // End of the extensions.
     end += 8;
     if let Some(b) = &o.backing_file {
@@ -227,9 +251,20 @@ fn header(o: &Qcow2Create, l: &Layout) -> Vec<u8> {
 
 /// Writes a new qcow2 image on `file` (its contents are replaced).
 pub async fn create_qcow2(file: &Arc<BlockNode>, o: &Qcow2Create) -> io::Result<()> {
+    create_qcow2_with(file, o, None).await
+}
+
+/// [`create_qcow2`], encrypted with the volume `crypt` when given.
+async fn create_qcow2_with(
+    file: &Arc<BlockNode>,
+    o: &Qcow2Create,
+    crypt: Option<&Created>,
+) -> io::Result<()> {
     let cs = o.cluster_size;
-    let l = Layout::new(o);
-    let h = header(o, &l);
+    let luks_len = crypt.map_or(0, |c| c.header_size);
+    let l = Layout::new(o, luks_len.div_ceil(cs));
+    let luks_at = l.extra_offset(cs);
+    let h = header(o, &l, crypt.map(|_| (luks_at, luks_len)));
     if h.len() as u64 > cs || o.backing_file.as_ref().is_some_and(|b| b.len() > 1023) {
         return Err(io::Error::other("Backing file name too long"));
     }
@@ -276,7 +311,13 @@ pub async fn create_qcow2(file: &Arc<BlockNode>, o: &Qcow2Create) -> io::Result<
         }
         write((1 + l.reftable_clusters + b) * cs, &block).await?;
     }
-    // The L1 table is all zero already (zeroed above).
+    // The L1 table is all zero already (zeroed above), and so is the LUKS header's area:
+    // slot 0's key material goes in, then the header.
+    if let Some(c) = crypt {
+        let (offset, _) = c.luks.material(0);
+        write(luks_at + offset, &c.material).await?;
+        write(luks_at, &c.luks.header.encode()).await?;
+    }
     file.flush().await
 }
 
@@ -319,12 +360,12 @@ mod tests {
     #[test]
     fn the_layout_counts_its_own_refcount_blocks() {
         // QEMU's 64 MiB image: header, reftable, refblock, one L1 cluster.
-        let l = Layout::new(&opts(64 << 20, 65536, 16));
+        let l = Layout::new(&opts(64 << 20, 65536, 16), 0);
         assert_eq!(l.clusters(), 4);
         assert_eq!(l.l1_entries, 1);
         // 512 B clusters, 1-bit refcounts, 1 GiB: L1 of 32768 entries in 512 clusters,
         // which several refcount blocks must cover.
-        let l = Layout::new(&opts(1 << 30, 512, 1));
+        let l = Layout::new(&opts(1 << 30, 512, 1), 0);
         assert_eq!(l.l1_clusters, 512);
         assert!(l.refblocks * 512 * 8 >= l.clusters());
         assert!(l.reftable_clusters * 512 / 8 >= l.refblocks);
@@ -352,6 +393,6 @@ mod tests {
         assert!(o.check().is_ok());
         // An L2 table of 16 KiB maps 1024 clusters with extended entries: 16 MiB.
         o.size = 64 << 20;
-        assert_eq!(Layout::new(&o).l1_entries, 4);
+        assert_eq!(Layout::new(&o, 0).l1_entries, 4);
     }
 }

@@ -18,14 +18,17 @@
 //! Images with extended L2 entries (subclusters, as Proxmox makes its snapshot overlays)
 //! are read, written, zeroed and reported per subcluster ([`subcluster`]).
 //!
+//! Encrypted images (`encrypt.format=luks`) decrypt what they read and encrypt what they
+//! write, by sector of the host file ([`crypt`]).
+//!
 //! Not supported, and refused at open with a clear error rather than served wrongly:
-//! encryption, external data files; writing to images marked corrupt.
+//! legacy AES encryption, external data files; writing to images marked corrupt.
 //!
 //! The files, from the bottom up: the on-disk formats, parsed with no I/O ([`bytes`],
 //! [`header`], [`table`], [`subcluster`], [`snapshot`], [`bitmap_dir`]); the driver's state
 //! ([`driver`]); its methods by concern ([`metadata`], [`refcount`], [`writeback`],
-//! [`read`], [`write`], [`discard`], [`block_status`], [`header_update`], [`bitmaps`],
-//! [`internal`]); an image read at open ([`image`], with [`repair`]); and the faces:
+//! [`read`], [`write`], [`crypt`], [`discard`], [`block_status`], [`header_update`],
+//! [`bitmaps`], [`internal`]); an image read at open ([`image`], with [`repair`]); and the faces:
 //! [`open`] (the driver table's entry, with [`options`]) and [`block_driver`].
 
 mod amend;
@@ -35,6 +38,8 @@ mod block_driver;
 mod block_status;
 mod bytes;
 pub mod create;
+mod create_crypt;
+mod crypt;
 mod discard;
 mod driver;
 #[cfg(any(test, fuzzing))]

@@ -38,6 +38,7 @@ pub const DRIVER: DriverDef = DriverDef {
     open: |g, kv, flags| {
         let file = g.child(kv, "file")?;
         let opts = Qcow2Options::from_opts(kv)?;
+        let encrypt = super::crypt::take_options(kv)?;
         let ro = flags.read_only || file.is_read_only();
         // An inactive image is read as a read-only one; activation reads it again.
         let writes = !ro && !flags.inactive;
@@ -53,6 +54,7 @@ pub const DRIVER: DriverDef = DriverDef {
         })
         .and_then(|r| r.map_err(io::Error::other))
         .map_err(|e| GraphError::Invalid(format!("{}: {e}", kv.what)))?;
+        let crypt = super::crypt::open(g, encrypt, &image.header, &file)?;
         drop(opening);
         let backing = match given {
             Some(b) => b,
@@ -70,8 +72,10 @@ pub const DRIVER: DriverDef = DriverDef {
             .as_mut()
             .map(|l| std::mem::take(&mut l.bitmaps))
             .unwrap_or_default();
+        let mut driver = Qcow2Driver::new(file, backing, image, &opts);
+        driver.crypt = crypt.map(Box::new);
         Ok(Opened {
-            driver: Box::new(Qcow2Driver::new(file, backing, image, &opts)),
+            driver: Box::new(driver),
             read_only: ro,
             direct,
             bitmaps,
@@ -112,6 +116,7 @@ impl Qcow2Driver {
             compression: h.compression,
             corrupt: Default::default(),
             writable: writable.into(),
+            crypt: None,
         }
     }
 
@@ -176,6 +181,7 @@ impl Qcow2Driver {
         if h.cluster_bits != self.cluster_bits
             || h.refcount_order != self.refcount_order
             || h.extended_l2() != self.extended_l2
+            || h.crypto_header != self.crypt.as_ref().map(|c| c.header)
         {
             return Err(io::Error::other("the image's layout changed"));
         }

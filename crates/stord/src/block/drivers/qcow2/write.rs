@@ -31,7 +31,11 @@ struct WholeClusters {
 impl Qcow2Driver {
     /// Where a write of `[offset, offset + len)` can go in place: one host range, every
     /// cluster allocated with refcount one.
-    async fn in_place(&self, offset: u64, len: u64) -> io::Result<Option<(u64, Inflight<'_>)>> {
+    pub(super) async fn in_place(
+        &self,
+        offset: u64,
+        len: u64,
+    ) -> io::Result<Option<(u64, Inflight<'_>)>> {
         let mut m = self.meta.lock().await;
         let mut start = None;
         let mut pos = offset;
@@ -77,7 +81,7 @@ impl Qcow2Driver {
                 }
                 _ => Ok(None),
             },
-            Mapping::Data { host, .. } => Ok(Some(self.file_read(host, cs).await?.to_vec())),
+            Mapping::Data { host, .. } => Ok(Some(self.data_read(host, cs).await?.to_vec())),
             Mapping::Compressed { offset, len } => Ok(Some(self.decompress(offset, len).await?)),
         }
     }
@@ -110,15 +114,16 @@ impl Qcow2Driver {
         };
         let r = async {
             if within == 0 && data.len() as u64 == cs {
-                return self.file_write(host, data).await;
+                return self.data_write(host, data).await;
             }
             match self.cluster_content(cstart, old).await? {
-                // Untouched bytes of a fresh cluster already read as zeroes.
-                None if fresh => self.file_write(host + within, data).await,
+                // Untouched bytes of a fresh cluster already read as zeroes (not so
+                // through a cipher: an encrypted image's get encrypted zeroes).
+                None if fresh && self.crypt.is_none() => self.file_write(host + within, data).await,
                 content => {
                     let mut c = content.unwrap_or_else(|| vec![0u8; cs as usize]);
                     c[within as usize..within as usize + data.len()].copy_from_slice(data);
-                    self.file_write(host, &c).await
+                    self.data_write(host, &c).await
                 }
             }
         }
@@ -229,7 +234,12 @@ impl Qcow2Driver {
     /// covers whole clusters that all get new ones in one host run (a large write into
     /// an empty image, a mirror's or a backup's target), the buffer goes to the file as it
     /// is; otherwise as [`write_slow`](Self::write_slow), which copies what it writes.
-    async fn write_owned(&self, offset: u64, buf: Buf, fua: bool) -> (io::Result<()>, Buf) {
+    pub(super) async fn write_owned(
+        &self,
+        offset: u64,
+        buf: Buf,
+        fua: bool,
+    ) -> (io::Result<()>, Buf) {
         let cs = self.cluster_size;
         let len = buf.len() as u64;
         if offset != self.cluster_start(offset) || !len.is_multiple_of(cs) {
@@ -260,7 +270,7 @@ impl Qcow2Driver {
             };
             return (r, buf);
         }
-        let (written, buf) = self.file_write_buf(plan.hosts[0], buf).await;
+        let (written, buf) = self.data_write_buf(plan.hosts[0], buf).await;
         let r = match self.settle_whole_clusters(offset, plan, written).await {
             Ok(_) if fua => self.flush_impl().await,
             r => r.map(|_| ()),
@@ -286,7 +296,7 @@ impl Qcow2Driver {
                 j += 1;
             }
             let bytes = &data[i * cs as usize..j * cs as usize];
-            r = self.file_write(hosts[i], bytes).await;
+            r = self.data_write(hosts[i], bytes).await;
             i = j;
         }
         self.settle_whole_clusters(pos, plan, r).await
@@ -347,7 +357,7 @@ impl Qcow2Driver {
             }
             match old {
                 Mapping::Data { host, copied: true } => {
-                    self.file_write(host + (pos - cstart), chunk).await?;
+                    self.data_write(host + (pos - cstart), chunk).await?;
                 }
                 _ => {
                     self.allocating_write(cstart, pos - cstart, chunk, old)
@@ -373,6 +383,12 @@ impl Qcow2Driver {
         buf: Buf,
         fua: bool,
     ) -> (io::Result<()>, Buf) {
+        if self.crypt.is_some() {
+            let r = self
+                .crypt_write((offset, buf.len()), fua, |b| b.copy_from_slice(&buf))
+                .await;
+            return (r, buf);
+        }
         match self.in_place(offset, buf.len() as u64).await {
             Err(e) => return (Err(e), buf),
             Ok(Some((host, inflight))) => {
@@ -397,6 +413,12 @@ impl Qcow2Driver {
         iov: IoVec,
         fua: bool,
     ) -> (io::Result<()>, IoVec) {
+        if self.crypt.is_some() {
+            let r = self
+                .crypt_write((offset, iov.len()), fua, |b| iov.copy_out(0, b))
+                .await;
+            return (r, iov);
+        }
         match self.in_place(offset, iov.len() as u64).await {
             Err(e) => return (Err(e), iov),
             Ok(Some((host, inflight))) => {
@@ -506,7 +528,7 @@ impl Qcow2Driver {
         let (from, to) = (within, within + data.len() as u64);
         let keep = matches!(old, Mapping::Data { copied: true, .. });
         if keep && self.all_alloc(bitmap, from, to) {
-            self.file_write(old_host(old) + from, data).await?;
+            self.data_write(old_host(old) + from, data).await?;
             return Ok(false);
         }
         let span = subcluster::cow_span(old, bitmap, keep, (from, to), sb);
@@ -573,7 +595,7 @@ impl Qcow2Driver {
                 .await?;
         }
         buf[(from - start) as usize..(to - start) as usize].copy_from_slice(data);
-        self.file_write_buf(host + start, buf).await.0
+        self.data_write_buf(host + start, buf).await.0
     }
 
     /// [`populate_impl`](Self::populate_impl) with subclusters, over `[start, end)`
