@@ -10,8 +10,8 @@ use crate::block::node::range_lock::RangeLocks;
 use crate::buf::{request_buf, Buf};
 use crate::crypto::cipher::{SectorCipher, SECTOR_SIZE};
 use crate::crypto::luks::Luks;
-use stord_aio::AsyncMutex;
 use crate::iov::IoVec;
+use stord_aio::AsyncMutex;
 
 const SECTOR: u64 = SECTOR_SIZE as u64;
 /// Zeroes are written through the cipher in pieces of this size (QEMU's bounce size).
@@ -161,6 +161,10 @@ impl BlockDriver for LuksDriver {
     }
     fn encrypted(&self) -> bool {
         true
+    }
+    /// As QEMU's block_crypto_refresh_limits: requests by sector.
+    fn refresh_limits(&self, bl: &mut crate::block::node::limits::BlockLimits) {
+        bl.request_alignment = SECTOR_SIZE as u32;
     }
     fn reopen_rw(&self) -> BoxFut<'_, Result<(), String>> {
         Box::pin(async { Ok(()) })
