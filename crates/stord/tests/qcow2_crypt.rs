@@ -407,6 +407,81 @@ fn mirror_backup_and_commit_between_encrypted_and_plain_images() {
     check_clean(&plain(&p("plain-target.qcow2")));
 }
 
+/// An internal snapshot taken through stord's QMP, then writes into the clusters it
+/// shares: the copies are encrypted again at their new place, and QEMU reads both the
+/// image and the snapshot as they should be.
+#[test]
+fn internal_snapshots_of_an_encrypted_image() {
+    let dir = tmpdir("qcrypt-snapshot");
+    let a = dir.join("a.qcow2").display().to_string();
+    create(&["-o", ENC_OPTS, &a, "8M"]);
+    qemu_io(
+        &qopts(&a, None),
+        &["write -P 0x31 0 1M", "write -P 0x32 4M 64k"],
+    );
+    let sock = dir.join("qmp.sock");
+    let nbd = dir.join("nbd.sock");
+    let mut args = vec![
+        "--object".to_string(),
+        secret("sec0", PASS0),
+        "--blockdev".into(),
+        format!(
+            "driver=qcow2,node-name=disk,file.driver=file,file.filename={a},\
+             encrypt.format=luks,encrypt.key-secret=sec0"
+        ),
+        "--nbd-server".into(),
+        format!("addr.type=unix,addr.path={}", nbd.display()),
+        "--export".into(),
+        "type=nbd,id=exp0,node-name=disk,name=disk,writable=on".into(),
+    ];
+    args.extend(monitor_args(&sock));
+    let s = Stord::start(&dir, &args);
+    let mut q = RawQmp::connect(&sock);
+    ok(
+        &mut q,
+        r#"{"execute":"blockdev-snapshot-internal-sync","arguments":{"device":"disk","name":"s1"}}"#,
+    );
+    let after = [
+        "write -P 0x51 100k 8k",
+        "write -P 0x52 4100k 1k",
+        "write -P 0x53 7M 3k",
+    ];
+    qemu_io(&s.uri(), &after);
+    drop(q);
+    drop(s);
+    let now = [
+        "read -P 0x31 0 100k",
+        "read -P 0x51 100k 8k",
+        "read -P 0x31 108k 916k",
+        "read -P 0x32 4M 4k",
+        "read -P 0x52 4100k 1k",
+        "read -P 0x32 4101k 59k",
+        "read -P 0x53 7M 3k",
+    ];
+    qemu_io(&qopts(&a, None), &now);
+    check_clean(&qopts(&a, None));
+    let snap = dir.join("s1.raw").display().to_string();
+    qemu_img(
+        "convert",
+        &[
+            "-l",
+            "snapshot.name=s1",
+            &qopts(&a, None),
+            "-O",
+            "raw",
+            &snap,
+        ],
+    );
+    qemu_io(
+        &format!("driver=raw,file.filename={snap}"),
+        &[
+            "read -P 0x31 0 1M",
+            "read -P 0x32 4M 64k",
+            "read -P 0 7M 3k",
+        ],
+    );
+}
+
 /// Runs `blockdev-create` with `options` to its end; the job's error, if any.
 fn blockdev_create(q: &mut RawQmp, id: &str, options: &str) -> Option<String> {
     ok(
@@ -892,6 +967,7 @@ fn refusals_and_queries_as_qemu_gives_them() {
         .find(|n| n["node-name"] == "n")
         .unwrap();
     assert_eq!(n["encrypted"], true, "{n}");
+    assert_eq!(n["image"]["encrypted"], true, "{n}");
     assert!(!r.to_string().contains(PASS0), "{r}");
     drop(q);
     let err = s.stop_and_stderr();

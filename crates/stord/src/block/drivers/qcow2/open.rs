@@ -29,9 +29,11 @@ pub const DRIVER: DriverDef = DriverDef {
     help: Help {
         synopsis: "file=<node> | file.driver=...\n\
                    [,backing=<node>|null | ,backing.driver=...][,l2-cache-size=<size>]\n\
-                   [,refcount-cache-size=<size>][,cache-size=<size>][,discard=unmap|ignore]",
+                   [,refcount-cache-size=<size>][,cache-size=<size>][,discard=unmap|ignore]\n\
+                   [,encrypt.format=luks,encrypt.key-secret=<id>]",
         about: "the qcow2 format over its child `file`; the backing file an\n\
-                image names opens by itself unless `backing` says otherwise",
+                image names opens by itself unless `backing` says otherwise;\n\
+                an encrypted image is unlocked with `encrypt.key-secret`",
     },
     create: Some(&create::CREATE),
     amend: Some(&amend::AMEND),
