@@ -170,6 +170,9 @@ impl Qcow2Driver {
 
     /// Reads the guest range at `offset` into `dst` through a buffer of whole sectors.
     pub(super) async fn crypt_read(&self, offset: u64, dst: &mut [u8]) -> io::Result<()> {
+        if dst.is_empty() {
+            return Ok(());
+        }
         let (start, wlen) = widen(offset, dst.len());
         let (pieces, inflight, backing) = self.map_range(start, wlen as u64).await?;
         let mut b = request_buf(wlen);
@@ -191,6 +194,9 @@ impl Qcow2Driver {
         fua: bool,
         src: impl FnOnce(&mut [u8]),
     ) -> io::Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
         let (start, wlen) = widen(offset, len);
         let _span = self
             .crypt_state()

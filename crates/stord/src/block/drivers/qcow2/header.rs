@@ -24,6 +24,9 @@ const V3_HEADER_LEN: usize = 104;
 pub(super) const MAX_L1_BYTES: u64 = 32 << 20;
 /// The largest refcount table QEMU opens (8 MiB).
 pub(super) const MAX_REFTABLE_BYTES: u64 = 8 << 20;
+/// The longest LUKS header stord accepts in an encrypted image (QEMU makes them of about
+/// 2 MiB).
+const MAX_CRYPTO_HEADER: u64 = 64 << 20;
 /// The longest backing file name QEMU accepts.
 const MAX_BACKING_NAME: u32 = 1023;
 
@@ -515,10 +518,12 @@ impl Header {
                 self.cluster_size()
             )));
         }
-        if offset.checked_add(length).is_none() {
-            return Err(invalid(
-                "CRYPTO header extension runs past the end of the image",
-            ));
+        // A LUKS1 header with its eight slots' key material takes about 2 MiB at most;
+        // one said to take far more is refused before anything walks its clusters.
+        if length > MAX_CRYPTO_HEADER || offset.checked_add(length).is_none() {
+            return Err(invalid(format!(
+                "CRYPTO header extension length {length} is too large"
+            )));
         }
         Ok((offset, length))
     }
@@ -679,6 +684,16 @@ mod tests {
             with(crypt::LUKS, 8, 4 << 16).unwrap_err(),
             "qcow2: CRYPTO header extension size 8, but expected size 16"
         );
+        let mut b = v3();
+        b[32..36].copy_from_slice(&crypt::LUKS.to_be_bytes());
+        b[112..116].copy_from_slice(&ext::CRYPTO_HEADER.to_be_bytes());
+        b[116..120].copy_from_slice(&16u32.to_be_bytes());
+        b[120..128].copy_from_slice(&(4u64 << 16).to_be_bytes());
+        b[128..136].copy_from_slice(&(1u64 << 62).to_be_bytes());
+        assert!(Header::parse(&b)
+            .unwrap_err()
+            .to_string()
+            .contains("too large"));
         assert_eq!(
             with(crypt::LUKS, 16, 4096).unwrap_err(),
             "qcow2: Encryption header offset '4096' is not a multiple of cluster size '65536'"
