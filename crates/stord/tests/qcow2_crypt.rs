@@ -603,9 +603,14 @@ fn blockdev_create_makes_what_qemu_img_makes() {
     assert!(e.contains("encrypt.format"), "{r}");
 }
 
-/// Key slots of the image behind `opts`: which are active.
-fn active_slots(file: &str) -> Vec<bool> {
-    let out = run_ok("qemu-img", &["info", "--output=json", "-U", file]);
+/// Key slots of `image` (a file, or image options): which are active.
+fn active_slots(image: &str) -> Vec<bool> {
+    let mut args = vec!["info", "--output=json", "-U"];
+    if image.starts_with("driver=") {
+        args.push("--image-opts");
+    }
+    args.push(image);
+    let out = run_ok("qemu-img", &args);
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     let d = &v["format-specific"]["data"];
     let slots = d["encrypt"]["slots"].as_array().or(d["slots"].as_array());
@@ -798,6 +803,53 @@ fn amend_adds_and_erases_key_slots_as_qemu_img_amend() {
         })
         .collect();
     amend_side_by_side(&dir, "qcow2", |f| qopts(f, None), "encrypt.", &steps);
+}
+
+/// A key slot added to a detached LUKS header (made by stord's `blockdev-create`): the
+/// header's node is written, and QEMU opens the volume with the new secret.
+#[test]
+fn amend_writes_a_detached_header() {
+    let dir = tmpdir("qcrypt-amend-detached");
+    let p = |n: &str| dir.join(n).display().to_string();
+    let (_s, mut q) = stord_qmp(&dir);
+    for (node, f) in [("h", "vol.hdr"), ("d", "vol.img")] {
+        std::fs::write(p(f), b"").unwrap();
+        ok(
+            &mut q,
+            &format!(
+                r#"{{"execute":"blockdev-add","arguments":{{"driver":"file","node-name":"{node}","filename":"{}"}}}}"#,
+                p(f)
+            ),
+        );
+    }
+    let opts = r#"{"driver":"luks","header":"h","file":"d","size":1048576,"key-secret":"sec0","iter-time":10}"#;
+    assert_eq!(blockdev_create(&mut q, "c", opts), None);
+    ok(
+        &mut q,
+        r#"{"execute":"blockdev-add","arguments":{"driver":"luks","node-name":"l","file":"d","header":"h","key-secret":"sec0"}}"#,
+    );
+    let add = r#"{"driver":"luks","state":"active","new-secret":"sec1","iter-time":10}"#;
+    assert_eq!(amend(&mut q, "a", "l", add, false), None);
+    let before = std::fs::read(p("vol.img")).unwrap();
+    let erase = r#"{"driver":"luks","state":"inactive","keyslot":0}"#;
+    assert_eq!(amend(&mut q, "b", "l", erase, false), None);
+    assert_eq!(
+        std::fs::read(p("vol.img")).unwrap(),
+        before,
+        "the payload untouched"
+    );
+    let vol = format!(
+        "driver=luks,file.filename={},header.driver=file,header.filename={},key-secret=sec0",
+        p("vol.img"),
+        p("vol.hdr")
+    );
+    qemu_io(&vol.replace("sec0", "sec1"), &["write -P 0x3c 0 64k"]);
+    assert!(opens_with(&vol, PASS1));
+    assert!(!opens_with(&vol, PASS0));
+    assert_eq!(
+        active_slots(&vol),
+        [false, true, false, false, false, false, false, false]
+    );
 }
 
 /// Refusals of `x-blockdev-amend` in QEMU's words, the image left as it was.

@@ -159,7 +159,10 @@ async fn read_area(store: &HeaderStore, luks: &Luks) -> Result<Vec<u8>, String> 
         })
         .max()
         .unwrap_or(0);
-    let len = end.div_ceil(512) * 512;
+    // No further than the node (or qcow2's extension) reaches: a detached header's slots
+    // may say they lie anywhere.
+    let room = store.node.size().saturating_sub(store.base);
+    let len = (end.div_ceil(512) * 512).min(room);
     let len = store.limit.map_or(len, |l| len.min(l));
     let (r, b) = store
         .node
