@@ -233,7 +233,8 @@ impl Qcow2Driver {
     /// A write the in-place path did not take, with the request's own buffer: when it
     /// covers whole clusters that all get new ones in one host run (a large write into
     /// an empty image, a mirror's or a backup's target), the buffer goes to the file as it
-    /// is; otherwise as [`write_slow`](Self::write_slow), which copies what it writes.
+    /// is; otherwise as [`write_slow`](Self::write_slow), which copies what it writes. An
+    /// encrypted image's writes come here in a buffer of the driver's, encrypted in place.
     pub(super) async fn write_owned(
         &self,
         offset: u64,
