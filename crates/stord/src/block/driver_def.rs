@@ -2,7 +2,9 @@
 //! names, its `open` ([`super::open`]), its help text and, if it creates or amends images,
 //! its `blockdev-create` ([`super::create`]) and `x-blockdev-amend` parts.
 
-use super::create::CreateDef;
+use std::sync::Arc;
+
+use super::create::{CreateDef, CreateEnv, Creation};
 use super::node::block_node::BlockNode;
 use super::open::Open;
 use crate::cli::Help;
@@ -29,6 +31,17 @@ pub struct DriverDef {
 pub struct AmendDef {
     /// The members of the driver's BlockdevAmendOptions variant.
     pub args: &'static [crate::schema::Arg],
-    /// The amendment, checked against `args`: an error fails the `amend` job.
-    pub run: fn(&BlockNode, &serde_json::Map<String, serde_json::Value>) -> Result<(), String>,
+    /// Prepares the amendment of the node's image from the options (checked against
+    /// `args`) and the command's `force`, looking up what it needs in the daemon now (the
+    /// secrets it names), as a creation is prepared: an error fails the command (QEMU's
+    /// bdrv_amend_pre_run), the work's error fails the `amend` job.
+    pub prepare: AmendPrepare,
 }
+
+/// See [`AmendDef::prepare`].
+pub type AmendPrepare = fn(
+    &Arc<BlockNode>,
+    &serde_json::Map<String, serde_json::Value>,
+    bool,
+    &dyn CreateEnv,
+) -> Result<Creation, String>;

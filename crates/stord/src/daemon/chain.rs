@@ -235,6 +235,7 @@ impl State {
         job_id: &str,
         node_name: &str,
         options: serde_json::Map<String, serde_json::Value>,
+        force: bool,
     ) -> Result<(), DaemonError> {
         let node = self.find_node("", node_name)?;
         let driver = options.get("driver").and_then(|d| d.as_str()).unwrap_or("");
@@ -246,11 +247,12 @@ impl State {
         let Some(def) = crate::block::drivers::driver(driver).and_then(|d| d.amend) else {
             return Err(invalid("Driver does not support x-blockdev-amend"));
         };
+        let work = (def.prepare)(&node, &options, force, &*self).map_err(invalid)?;
         let opts = crate::job::JobOptions::plain(true, false);
         self.jobs
             .start(job_id, "amend", opts, &self.events, move |job| async move {
                 job.set_progress(0, 1);
-                let r = (def.run)(&node, &options);
+                let r = work.await;
                 job.set_progress(1, 1);
                 r.map(|()| None)
             })?;

@@ -1,8 +1,9 @@
 //! LUKS1 as QEMU's crypto/block-luks.c does it: the header ([`header`]), unlocking the
 //! master key from a key slot with a password, making key slots, and new volumes
-//! ([`create`]). I/O stays with the caller: reads come through a closure, and what is to
-//! be written comes back as buffers with their offsets.
+//! ([`create`]), key slot changes ([`amend`]). I/O stays with the caller: reads come
+//! through a closure, and what is to be written comes back as buffers with their offsets.
 
+pub mod amend;
 pub mod create;
 pub mod header;
 

@@ -442,6 +442,10 @@ fn node_fields(n: &crate::block::node::block_node::BlockNode) -> Value {
         if !n.has_image_info() {
             image.remove("dirty-flag");
         }
+        // QEMU's ImageInfo names only an encrypted image's encryption.
+        if n.driver().encrypted() {
+            image.insert("encrypted".into(), true.into());
+        }
     }
     v
 }

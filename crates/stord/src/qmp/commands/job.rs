@@ -50,7 +50,10 @@ pub const X_BLOCKDEV_AMEND: Command = Command {
         let Some(Value::Object(options)) = a.take("options") else {
             return Err(super::missing("options"));
         };
-        state.borrow_mut().blockdev_amend(&id, &node, options)?;
+        let force = a.bool("force").unwrap_or(false);
+        state
+            .borrow_mut()
+            .blockdev_amend(&id, &node, options, force)?;
         Ok(json!({}))
     },
 };

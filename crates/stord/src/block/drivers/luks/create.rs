@@ -50,7 +50,7 @@ pub const CREATE: CreateDef = CreateDef {
 };
 
 /// The options, checked as the schema's enums were.
-fn options(kv: &mut KeyVal) -> Result<CreateOptions, GraphError> {
+pub(crate) fn options(kv: &mut KeyVal) -> Result<CreateOptions, GraphError> {
     let d = CreateOptions::default();
     let iter_time = kv.take_u64("iter-time", false)?;
     Ok(CreateOptions {

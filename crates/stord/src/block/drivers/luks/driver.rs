@@ -11,16 +11,29 @@ use crate::buf::{request_buf, Buf};
 use crate::crypto::cipher::{SectorCipher, SECTOR_SIZE};
 use crate::crypto::luks::Luks;
 use crate::iov::IoVec;
+use stord_aio::AsyncMutex;
 
 const SECTOR: u64 = SECTOR_SIZE as u64;
 /// Zeroes are written through the cipher in pieces of this size (QEMU's bounce size).
 const ZERO_CHUNK: u64 = 1 << 20;
 
+/// What a volume's keys are: its header as opened (changed by amendments, one at a time)
+/// and the secret it was unlocked with.
+#[derive(Clone)]
+pub(crate) struct Keys {
+    pub luks: Arc<AsyncMutex<Luks>>,
+    pub opened_with: String,
+}
+
 /// See the module docs.
 pub struct LuksDriver {
     file: Arc<BlockNode>,
     header: Option<Arc<BlockNode>>,
-    luks: Luks,
+    /// Where the payload starts on `file`.
+    payload: u64,
+    /// The header as opened (key slots change with `x-blockdev-amend`), and the secret
+    /// that opened it.
+    keys: Keys,
     cipher: SectorCipher,
     /// Held over the sectors a write covers, so a read-modify-write of a partial sector
     /// never interleaves with another write to it.
@@ -39,28 +52,34 @@ fn widen(offset: u64, len: usize) -> (u64, usize) {
 }
 
 impl LuksDriver {
+    /// A driver for the volume `luks` describes, unlocked with the secret `opened_with`.
     pub fn new(
-        file: Arc<BlockNode>,
-        header: Option<Arc<BlockNode>>,
+        (file, header): (Arc<BlockNode>, Option<Arc<BlockNode>>),
         luks: Luks,
+        opened_with: String,
         cipher: SectorCipher,
     ) -> Self {
         Self {
             file,
             header,
-            luks,
+            payload: luks.payload_offset(),
+            keys: Keys {
+                luks: Arc::new(AsyncMutex::new(luks)),
+                opened_with,
+            },
             cipher,
             locks: RangeLocks::default(),
         }
     }
 
-    /// The volume's header as opened.
-    pub fn luks(&self) -> &Luks {
-        &self.luks
+    /// The node that holds the header, and the keys (for `x-blockdev-amend`).
+    pub(crate) fn key_store(&self) -> (Arc<BlockNode>, Keys) {
+        let node = self.header.clone().unwrap_or_else(|| self.file.clone());
+        (node, self.keys.clone())
     }
 
     fn payload(&self) -> u64 {
-        self.luks.payload_offset()
+        self.payload
     }
 
     /// Reads whole sectors at `offset` (a multiple of 512) and decrypts them in `buf`.
@@ -142,6 +161,10 @@ impl BlockDriver for LuksDriver {
     }
     fn encrypted(&self) -> bool {
         true
+    }
+    /// As QEMU's block_crypto_refresh_limits: requests by sector.
+    fn refresh_limits(&self, bl: &mut crate::block::node::limits::BlockLimits) {
+        bl.request_alignment = SECTOR_SIZE as u32;
     }
     fn reopen_rw(&self) -> BoxFut<'_, Result<(), String>> {
         Box::pin(async { Ok(()) })

@@ -3,9 +3,11 @@
 //! `secret` object `key-secret` names. Requests are whole 512-byte sectors of the payload
 //! encrypted by sector number ([`crate::crypto`]); a partial sector is read, decrypted,
 //! patched and encrypted again under a lock on its sectors. Data is encrypted into a
-//! buffer of ours, never in the caller's. `blockdev-create` is [`create`].
+//! buffer of ours, never in the caller's. `blockdev-create` is [`create`], key slot
+//! changes (`x-blockdev-amend`) are [`amend`].
 
-mod create;
+pub(crate) mod amend;
+pub(crate) mod create;
 mod driver;
 
 use std::io;
@@ -33,7 +35,7 @@ pub const DRIVER: DriverDef = DriverDef {
                 on another node",
     },
     create: Some(&create::CREATE),
-    amend: None,
+    amend: Some(&amend::AMEND),
     open: |g, kv, flags| {
         let file = g.child(kv, "file")?;
         let header = g.optional_child(kv, "header")?.flatten();
@@ -58,7 +60,7 @@ pub const DRIVER: DriverDef = DriverDef {
         Ok(Opened {
             read_only: flags.read_only || file.is_read_only(),
             direct: file.direct,
-            driver: Box::new(LuksDriver::new(file, header, luks, cipher)),
+            driver: Box::new(LuksDriver::new((file, header), luks, id, cipher)),
             bitmaps: Vec::new(),
         })
     },

@@ -45,10 +45,22 @@ impl BlockDriver for Qcow2Driver {
         Box::pin(self.flush_impl())
     }
     fn discard(&self, offset: u64, len: u64) -> BoxFut<'_, io::Result<()>> {
+        if self.crypt.is_some() {
+            return Box::pin(self.crypt_discard(offset, len));
+        }
         Box::pin(self.discard_impl(offset, len))
     }
     fn write_zeroes(&self, offset: u64, len: u64, may_unmap: bool) -> BoxFut<'_, io::Result<()>> {
+        if self.crypt.is_some() {
+            return Box::pin(self.crypt_write_zeroes(offset, len, may_unmap));
+        }
         Box::pin(self.write_zeroes_impl(offset, len, may_unmap))
+    }
+    fn encrypted(&self) -> bool {
+        self.crypt.is_some()
+    }
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        Some(self)
     }
     fn block_status(&self, offset: u64, len: u64) -> BoxFut<'_, io::Result<BlockStatus>> {
         Box::pin(self.block_status_impl(offset, len))
@@ -76,9 +88,12 @@ impl BlockDriver for Qcow2Driver {
     fn cluster_size(&self) -> Option<u64> {
         Some(self.cluster_size)
     }
-    /// As QEMU's qcow2_refresh_limits: zeroes and discards by (sub)cluster (stord opens no
-    /// image with subclusters or encryption).
+    /// As QEMU's qcow2_refresh_limits: zeroes and discards by (sub)cluster, and an
+    /// encrypted image's requests by sector.
     fn refresh_limits(&self, bl: &mut crate::block::node::limits::BlockLimits) {
+        if self.crypt.is_some() {
+            bl.request_alignment = crate::crypto::cipher::SECTOR_SIZE as u32;
+        }
         bl.write_zeroes_alignment = self.cluster_size as u32;
         bl.discard_alignment = self.cluster_size as u32;
     }

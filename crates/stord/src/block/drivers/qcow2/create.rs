@@ -1,7 +1,8 @@
 //! Creating a qcow2 image (`blockdev-create`, `blockdev-snapshot-sync`): written on an
 //! opened node: header (version 3 with compression type, or 2; extended L2 entries on
 //! request), one refcount table, the refcount blocks and an empty L1 table for the
-//! virtual size, every metadata cluster counted once; `qemu-img check` finds it clean.
+//! virtual size, then an encrypted image's LUKS header ([`super::create_crypt`]), every
+//! metadata cluster counted once; `qemu-img check` finds it clean.
 //!
 //! With an external data file (`data-file`, a node) the header names it and the data file
 //! is sized to the disk, as QEMU's qcow2_co_create and its truncate do; `data-file-raw`
@@ -17,6 +18,7 @@ use crate::block::node::block_node::BlockNode;
 use crate::block::node::perm::Perm;
 use crate::block::open::GraphError;
 use crate::cli::keyval::KeyVal;
+use crate::crypto::luks::create::Created;
 use crate::schema::{opt, req, EnumType, Ty};
 
 static VERSION: EnumType = EnumType {
@@ -56,9 +58,7 @@ fn prepare(mut kv: KeyVal, env: &dyn CreateEnv) -> Result<Creation, GraphError> 
     let Some(file) = kv.take("file") else {
         return Err(unsupported("an inline 'file' (name a node)"));
     };
-    if kv.take("encrypt").is_some() || kv.take_prefixed("encrypt").is_some() {
-        return Err(unsupported("'encrypt'"));
-    }
+    let encrypt = super::create_crypt::take_options(&mut kv, env)?;
     let data = DataFileOptions::take(&mut kv)?;
     let opts = Qcow2Create {
         size: kv.take_u64("size", false)?.unwrap_or(0),
@@ -93,7 +93,11 @@ fn prepare(mut kv: KeyVal, env: &dyn CreateEnv) -> Result<Creation, GraphError> 
                 prealloc: data.raw || data.metadata,
             }),
         };
-        create_image(&node, &opts, new_data.as_ref())
+        let crypt = match encrypt {
+            Some(e) => Some(e.make().await?),
+            None => None,
+        };
+        create_image(&node, &opts, new_data.as_ref(), crypt.as_ref())
             .await
             .map_err(|e| e.to_string())
     }))
@@ -216,20 +220,24 @@ impl Qcow2Create {
 }
 
 /// Where the metadata of a new image goes, in clusters from the start: the header, the
-/// refcount table, the refcount blocks, then the L1 table.
+/// refcount table, the refcount blocks, the L1 table, an encrypted image's LUKS header,
+/// then preallocated L2 tables (QEMU allocates them in that order).
 #[derive(Debug, PartialEq, Eq)]
 struct Layout {
     reftable_clusters: u64,
     refblocks: u64,
     l1_entries: u64,
     l1_clusters: u64,
-    /// Preallocated L2 tables after the L1 table, one per L1 entry (or none).
+    /// Clusters after the L1 table for an encrypted image's LUKS header (or none).
+    luks: u64,
+    /// Preallocated L2 tables after those, one per L1 entry (or none).
     l2_tables: u64,
 }
 
 impl Layout {
-    /// The layout of `o`, with an L2 table for every L1 entry if `prealloc`.
-    fn new(o: &Qcow2Create, prealloc: bool) -> Layout {
+    /// The layout of `o`, with `luks` clusters for a LUKS header and an L2 table for every
+    /// L1 entry if `prealloc`.
+    fn new(o: &Qcow2Create, luks: u64, prealloc: bool) -> Layout {
         let cs = o.cluster_size;
         let entry_bytes = if o.extended_l2 { 16 } else { 8 };
         let l1_entries = o.size.div_ceil(cs * (cs / entry_bytes));
@@ -238,7 +246,7 @@ impl Layout {
         let per_block = cs * 8 / o.refcount_bits;
         let (mut rt, mut rb) = (1, 1);
         loop {
-            let total = 1 + rt + rb + l1_clusters + l2_tables;
+            let total = 1 + rt + rb + l1_clusters + luks + l2_tables;
             let rb2 = total.div_ceil(per_block);
             let rt2 = (rb2 * 8).div_ceil(cs);
             if (rb2, rt2) == (rb, rt) {
@@ -251,6 +259,7 @@ impl Layout {
             refblocks: rb,
             l1_entries,
             l1_clusters,
+            luks,
             l2_tables,
         }
     }
@@ -260,15 +269,30 @@ impl Layout {
         1 + self.reftable_clusters + self.refblocks
     }
 
+    /// Where the LUKS header starts, in clusters.
+    fn luks_start(&self) -> u64 {
+        self.l1_start() + self.l1_clusters
+    }
+
+    /// Where the preallocated L2 tables start, in clusters.
+    fn l2_start(&self) -> u64 {
+        self.luks_start() + self.luks
+    }
+
     fn clusters(&self) -> u64 {
-        self.l1_start() + self.l1_clusters + self.l2_tables
+        self.l2_start() + self.l2_tables
     }
 }
 
 /// The header cluster: fields, extensions (backing format, data file name, end) and the
 /// backing file name, in QEMU's order (qcow2_update_header); None when they do not fit in
 /// one cluster.
-fn header(o: &Qcow2Create, l: &Layout, data: Option<&NewDataFile>) -> Option<Vec<u8>> {
+fn header(
+    o: &Qcow2Create,
+    l: &Layout,
+    data: Option<&NewDataFile>,
+    luks: Option<(u64, u64)>,
+) -> Option<Vec<u8>> {
     let cs = o.cluster_size;
     let mut h = vec![0u8; 112];
     let put32 =
@@ -306,6 +330,11 @@ fn header(o: &Qcow2Create, l: &Layout, data: Option<&NewDataFile>) -> Option<Vec
     }
     if let Some(d) = data {
         ext(&mut h, 0x4441_5441, d.name.as_bytes());
+    }
+    if let Some((offset, length)) = luks {
+        put32(&mut h, 32, super::header::crypt::LUKS);
+        let place = [offset.to_be_bytes(), length.to_be_bytes()].concat();
+        ext(&mut h, super::header::ext::CRYPTO_HEADER, &place);
     }
     // QEMU names the feature bits it knows, in images whose clusters leave room for it.
     if o.v3 && cs > 4096 {
@@ -351,21 +380,26 @@ fn feature_table() -> Vec<u8> {
 
 /// Writes a new qcow2 image on `file` (its contents are replaced).
 pub async fn create_qcow2(file: &Arc<BlockNode>, o: &Qcow2Create) -> io::Result<()> {
-    create_image(file, o, None).await
+    create_image(file, o, None, None).await
 }
 
-/// Writes a new qcow2 image on `file` whose guest data lives in `data` (when given).
+/// Writes a new qcow2 image on `file` whose guest data lives in `data` (when given),
+/// encrypted with the LUKS volume `crypt` (when given).
 pub async fn create_image(
     file: &Arc<BlockNode>,
     o: &Qcow2Create,
     data: Option<&NewDataFile>,
+    crypt: Option<&Created>,
 ) -> io::Result<()> {
     let cs = o.cluster_size;
-    let l = Layout::new(o, data.is_some_and(|d| d.prealloc));
+    let luks_len = crypt.map_or(0, |c| c.header_size);
+    let prealloc = data.is_some_and(|d| d.prealloc);
+    let l = Layout::new(o, luks_len.div_ceil(cs), prealloc);
     if o.backing_file.as_ref().is_some_and(|b| b.len() > 1023) {
         return Err(io::Error::other("Backing file name too long"));
     }
-    let Some(h) = header(o, &l, data) else {
+    let luks_at = l.luks_start() * cs;
+    let Some(h) = header(o, &l, data, crypt.map(|_| (luks_at, luks_len))) else {
         return Err(io::Error::other(
             "Could not update qcow2 header: No space left on device",
         ));
@@ -377,15 +411,32 @@ pub async fn create_image(
     };
     let _claim = claim(file, "file")?;
     let _data_claim = data.map(|d| claim(&d.node, "data-file")).transpose()?;
+    clear_metadata_area(file, &l, cs).await?;
+    write_at(file, 0, &h).await?;
+    write_refcounts(file, o, &l).await?;
+    // The LUKS header's area is all zero already: slot 0's key material goes in, then the
+    // header.
+    if let Some(c) = crypt {
+        let (offset, _) = c.luks.material(0);
+        write_at(file, luks_at + offset, &c.material).await?;
+        write_at(file, luks_at, &c.luks.header.encode()).await?;
+    }
+    if let Some(d) = data {
+        write_identity_tables(file, o, &l).await?;
+        size_data_file(d, o.size).await?;
+    }
+    file.flush().await
+}
+
+/// The metadata's area reads as zeroes: grown if the file is smaller (a new file), zeroed
+/// where it held something. The rest is left as it is (as QEMU's qcow2_co_create leaves
+/// it): storage that cannot change size (an NBD export, a block device) or should not (an
+/// RBD image) keeps its size. A new file ends where QEMU's does: after the L1 table's last
+/// entry, or after the last cluster of a LUKS header or of preallocated L2 tables.
+async fn clear_metadata_area(file: &Arc<BlockNode>, l: &Layout, cs: u64) -> io::Result<()> {
     let total = l.clusters();
-    // The metadata's area reads as zeroes: grown if the file is smaller (a new file),
-    // zeroed where it held something. The rest is left as it is (as QEMU's qcow2_co_create
-    // leaves it): storage that cannot change size (an NBD export, a block device) or
-    // should not (an RBD image) keeps its size. A new file ends where QEMU's does: after
-    // the L1 table's last entry, or after the last L2 table preallocation wrote.
-    let need = match (l.l1_entries, l.l2_tables) {
-        (0, _) => total * cs,
-        (n, 0) => (total - l.l1_clusters) * cs + n * 8,
+    let need = match (l.l1_entries, l.luks + l.l2_tables) {
+        (n, 0) if n > 0 => (total - l.l1_clusters) * cs + n * 8,
         _ => total * cs,
     };
     let have = file.size();
@@ -395,13 +446,7 @@ pub async fn create_image(
     if have > 0 {
         file.write_zeroes(0, have.min(need), false).await?;
     }
-    write_at(file, 0, &h).await?;
-    write_refcounts(file, o, &l).await?;
-    if let Some(d) = data {
-        write_identity_tables(file, o, &l).await?;
-        size_data_file(d, o.size).await?;
-    }
-    file.flush().await
+    Ok(())
 }
 
 /// Writes `bytes` at `offset` of `node`, padded to whole sectors.
@@ -446,7 +491,7 @@ async fn write_identity_tables(
         return Ok(());
     }
     let cs = o.cluster_size;
-    let first_l2 = l.l1_start() + l.l1_clusters;
+    let first_l2 = l.l2_start();
     let l1: Vec<u8> = (0..l.l1_entries)
         .flat_map(|i| (((first_l2 + i) * cs) | COPIED).to_be_bytes())
         .collect();
@@ -515,12 +560,12 @@ mod tests {
     #[test]
     fn the_layout_counts_its_own_refcount_blocks() {
         // QEMU's 64 MiB image: header, reftable, refblock, one L1 cluster.
-        let l = Layout::new(&opts(64 << 20, 65536, 16), false);
+        let l = Layout::new(&opts(64 << 20, 65536, 16), 0, false);
         assert_eq!(l.clusters(), 4);
         assert_eq!(l.l1_entries, 1);
         // 512 B clusters, 1-bit refcounts, 1 GiB: L1 of 32768 entries in 512 clusters,
         // which several refcount blocks must cover.
-        let l = Layout::new(&opts(1 << 30, 512, 1), false);
+        let l = Layout::new(&opts(1 << 30, 512, 1), 0, false);
         assert_eq!(l.l1_clusters, 512);
         assert!(l.refblocks * 512 * 8 >= l.clusters());
         assert!(l.reftable_clusters * 512 / 8 >= l.refblocks);
@@ -530,7 +575,7 @@ mod tests {
     fn a_data_file_is_named_and_its_clusters_mapped_one_to_one() {
         let o = opts(1 << 30, 65536, 16);
         // QEMU's layout: header, refcount table and block, L1 table, then two L2 tables.
-        let l = Layout::new(&o, true);
+        let l = Layout::new(&o, 0, true);
         assert_eq!((l.l1_start(), l.l2_tables, l.clusters()), (3, 2, 6));
         let d = NewDataFile {
             node: crate::block::drivers::null::test_node("d"),
@@ -538,7 +583,8 @@ mod tests {
             raw: true,
             prealloc: true,
         };
-        let h = super::super::header::Header::parse(&header(&o, &l, Some(&d)).unwrap()).unwrap();
+        let h =
+            super::super::header::Header::parse(&header(&o, &l, Some(&d), None).unwrap()).unwrap();
         assert_eq!(h.data_file.as_deref(), Some("/images/disk.raw"));
         assert!(h.has_data_file() && h.data_file_raw());
         assert_eq!(h.l1_table_offset, 3 * 65536);
@@ -548,7 +594,7 @@ mod tests {
             name: "x".repeat(500),
             ..d
         };
-        assert!(header(&small, &Layout::new(&small, false), Some(&long)).is_none());
+        assert!(header(&small, &Layout::new(&small, 0, false), Some(&long), None).is_none());
         // QEMU's rules for the options.
         let given = |node: bool, raw: bool| DataFileOptions {
             node: node.then(|| "d".to_string()),
@@ -595,6 +641,6 @@ mod tests {
         assert!(o.check().is_ok());
         // An L2 table of 16 KiB maps 1024 clusters with extended entries: 16 MiB.
         o.size = 64 << 20;
-        assert_eq!(Layout::new(&o, false).l1_entries, 4);
+        assert_eq!(Layout::new(&o, 0, false).l1_entries, 4);
     }
 }

@@ -108,8 +108,9 @@ impl Qcow2Driver {
         self.data.as_ref().map_or(&self.file, |d| &d.node)
     }
 
-    /// Reads `len` bytes of guest data at host offset `offset`.
-    pub(super) async fn data_read(&self, offset: u64, len: usize) -> io::Result<Buf> {
+    /// Reads `len` bytes of guest data at host offset `offset`, as stored (an encrypted
+    /// image's encrypted: [`data_read`](Self::data_read) decrypts).
+    pub(super) async fn host_read(&self, offset: u64, len: usize) -> io::Result<Buf> {
         let node = self.data_node();
         let start = now_ns();
         let (r, buf) = node.driver().read(offset, request_buf(len)).await;
@@ -118,16 +119,9 @@ impl Qcow2Driver {
         r.map(|_| buf)
     }
 
-    /// Writes guest data `data` at host offset `offset`.
-    pub(super) async fn data_write(&self, offset: u64, data: &[u8]) -> io::Result<()> {
-        let mut buf = request_buf(data.len());
-        buf.copy_from_slice(data);
-        self.data_write_buf(offset, buf).await.0
-    }
-
     /// Writes `buf` as guest data at host offset `offset` as it is (no copy), and gives it
     /// back.
-    pub(super) async fn data_write_buf(&self, offset: u64, buf: Buf) -> (io::Result<()>, Buf) {
+    pub(super) async fn host_write_buf(&self, offset: u64, buf: Buf) -> (io::Result<()>, Buf) {
         let node = self.data_node();
         let (start, len) = (now_ns(), buf.len() as u64);
         node.note_write(offset, len);

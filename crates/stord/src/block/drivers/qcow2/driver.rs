@@ -59,6 +59,8 @@ pub struct Qcow2Driver {
     pub(super) cache: (usize, usize),
     /// The external data file guest data lives in, if the image has one.
     pub(super) data: Option<DataFile>,
+    /// The encryption of an `encrypt.format=luks` image ([`super::crypt`]).
+    pub(super) crypt: Option<Box<Crypt>>,
 }
 
 /// The external data file of an image (see `data_file`).
@@ -84,6 +86,19 @@ impl DataFile {
             preallocated: PREALLOC_UNKNOWN.into(),
         }
     }
+}
+
+/// An encrypted image's keys and cipher ([`super::crypt`]).
+pub(super) struct Crypt {
+    pub(super) cipher: crate::crypto::cipher::SectorCipher,
+    /// The LUKS header as opened (`x-blockdev-amend` changes its slots) and the secret
+    /// that unlocked it.
+    pub(super) keys: crate::block::drivers::luks::amend::Keys,
+    /// Where the LUKS header lies in the file: offset and length.
+    pub(super) header: (u64, u64),
+    /// Held over the guest sectors a write covers (a partial sector is read, patched and
+    /// written whole under it).
+    pub(super) rmw: RangeLocks,
 }
 
 /// Counts a request in `io_inflight` until dropped.
@@ -131,6 +146,9 @@ pub(super) enum MetaKind {
     Snapshots,
     InactiveL1,
     BitmapDir,
+    /// The LUKS header of an encrypted image (QEMU counts it in its refcount check and
+    /// has no overlap check of its own for it).
+    CryptoHeader,
 }
 
 impl MetaKind {
@@ -144,6 +162,7 @@ impl MetaKind {
             MetaKind::Snapshots => "snapshot table",
             MetaKind::InactiveL1 => "inactive L1 table",
             MetaKind::BitmapDir => "bitmap directory",
+            MetaKind::CryptoHeader => "encryption header",
         }
     }
 }

@@ -24,6 +24,9 @@ const V3_HEADER_LEN: usize = 104;
 pub(super) const MAX_L1_BYTES: u64 = 32 << 20;
 /// The largest refcount table QEMU opens (8 MiB).
 pub(super) const MAX_REFTABLE_BYTES: u64 = 8 << 20;
+/// The longest LUKS header stord accepts in an encrypted image (QEMU makes them of about
+/// 2 MiB).
+const MAX_CRYPTO_HEADER: u64 = 64 << 20;
 /// The longest backing file name QEMU accepts.
 const MAX_BACKING_NAME: u32 = 1023;
 
@@ -49,6 +52,17 @@ pub(super) mod ext {
     pub const BACKING_FORMAT: u32 = 0xe279_2aca;
     pub const DATA_FILE: u32 = 0x4441_5441;
     pub const BITMAPS: u32 = 0x2385_2875;
+    /// Where the LUKS header of an encrypted image lies (offset and length, 16 bytes).
+    pub const CRYPTO_HEADER: u32 = 0x0537_be77;
+}
+
+/// The header's `crypt_method`.
+pub mod crypt {
+    pub const NONE: u32 = 0;
+    /// QEMU's legacy AES-CBC, refused.
+    pub const AES: u32 = 1;
+    /// LUKS, its header in clusters the crypto header extension points at.
+    pub const LUKS: u32 = 2;
 }
 
 /// Autoclear feature bits.
@@ -266,6 +280,11 @@ pub struct Header {
     pub bitmaps_ext: Option<Vec<u8>>,
     /// The external data file's name, as stored (its extension, up to a NUL byte).
     pub data_file: Option<String>,
+    /// `crypt_method` ([`crypt`]).
+    pub crypt_method: u32,
+    /// Where the LUKS header of an encrypted image lies: offset (cluster-aligned) and
+    /// length in bytes.
+    pub crypto_header: Option<(u64, u64)>,
 }
 
 fn invalid(s: impl Into<String>) -> HeaderError {
@@ -300,11 +319,17 @@ impl Header {
         h.check_tables(cluster_size)?;
         h.parse_extensions(buf, cluster_size)?;
         h.parse_backing_name(buf, cluster_size)?;
+        if h.crypt_method == crypt::LUKS && h.crypto_header.is_none() {
+            return Err(invalid(format!(
+                "Missing CRYPTO header for crypt method {}",
+                h.crypt_method
+            )));
+        }
         Ok(h)
     }
 
     /// The fields both versions have (the magic, version and cluster size checked, and
-    /// encryption refused); version 3's take their version 2 values.
+    /// encryption other than LUKS refused); version 3's take their version 2 values.
     fn parse_v2_fields(buf: &[u8]) -> Result<Header, HeaderError> {
         if buf.len() < 4 || be32(buf, 0) != MAGIC {
             return Err(HeaderError::NotQcow2);
@@ -342,11 +367,18 @@ impl Header {
             backing_format: None,
             bitmaps_ext: None,
             data_file: None,
+            crypt_method: be32(buf, 32),
+            crypto_header: None,
         };
-        if be32(buf, 32) != 0 {
-            return Err(HeaderError::Unsupported("Encryption".into()));
+        match h.crypt_method {
+            crypt::NONE | crypt::LUKS => Ok(h),
+            // QEMU's words where it refuses these images (its system emulators).
+            crypt::AES => Err(invalid(
+                "Use of AES-CBC encrypted qcow2 images is no longer supported in system \
+                 emulators",
+            )),
+            m => Err(invalid(format!("Unsupported encryption method {m}"))),
         }
-        Ok(h)
     }
 
     /// Version 3's fields: feature bits, refcount width, header length, compression type.
@@ -464,12 +496,43 @@ impl Header {
                     self.data_file = Some(s.to_string());
                 }
                 ext::BITMAPS => self.bitmaps_ext = Some(data.to_vec()),
-                // Feature names, encryption, unknown: nothing to act on.
+                ext::CRYPTO_HEADER => self.crypto_header = Some(self.crypto_ext(data)?),
+                // Feature names, unknown: nothing to act on.
                 _ => {}
             }
             at += len.div_ceil(8) * 8;
         }
         Ok(())
+    }
+
+    /// The crypto header extension's offset and length, checked as QEMU checks them.
+    fn crypto_ext(&self, data: &[u8]) -> Result<(u64, u64), HeaderError> {
+        if self.crypt_method != crypt::LUKS {
+            return Err(invalid(
+                "CRYPTO header extension only expected with LUKS encryption method",
+            ));
+        }
+        if data.len() != 16 {
+            return Err(invalid(format!(
+                "CRYPTO header extension size {}, but expected size 16",
+                data.len()
+            )));
+        }
+        let (offset, length) = (be64(data, 0), be64(data, 8));
+        if !offset.is_multiple_of(self.cluster_size()) {
+            return Err(invalid(format!(
+                "Encryption header offset '{offset}' is not a multiple of cluster size '{}'",
+                self.cluster_size()
+            )));
+        }
+        // A LUKS1 header with its eight slots' key material takes about 2 MiB at most;
+        // one said to take far more is refused before anything walks its clusters.
+        if length > MAX_CRYPTO_HEADER || offset.checked_add(length).is_none() {
+            return Err(invalid(format!(
+                "CRYPTO header extension length {length} is too large"
+            )));
+        }
+        Ok((offset, length))
     }
 
     fn parse_backing_name(&mut self, buf: &[u8], cluster_size: u64) -> Result<(), HeaderError> {
@@ -639,6 +702,43 @@ mod tests {
     }
 
     #[test]
+    fn the_crypto_header_extension_is_checked_as_qemu_checks_it() {
+        let with = |method: u32, len: u32, offset: u64| {
+            let mut b = v3();
+            b[32..36].copy_from_slice(&method.to_be_bytes());
+            b[112..116].copy_from_slice(&ext::CRYPTO_HEADER.to_be_bytes());
+            b[116..120].copy_from_slice(&len.to_be_bytes());
+            b[120..128].copy_from_slice(&offset.to_be_bytes());
+            b[128..136].copy_from_slice(&2068480u64.to_be_bytes());
+            Header::parse(&b).map_err(|e| e.to_string())
+        };
+        let h = with(crypt::LUKS, 16, 4 << 16).unwrap();
+        assert_eq!(h.crypto_header, Some((4 << 16, 2068480)));
+        assert_eq!(
+            with(crypt::NONE, 16, 4 << 16).unwrap_err(),
+            "qcow2: CRYPTO header extension only expected with LUKS encryption method"
+        );
+        assert_eq!(
+            with(crypt::LUKS, 8, 4 << 16).unwrap_err(),
+            "qcow2: CRYPTO header extension size 8, but expected size 16"
+        );
+        let mut b = v3();
+        b[32..36].copy_from_slice(&crypt::LUKS.to_be_bytes());
+        b[112..116].copy_from_slice(&ext::CRYPTO_HEADER.to_be_bytes());
+        b[116..120].copy_from_slice(&16u32.to_be_bytes());
+        b[120..128].copy_from_slice(&(4u64 << 16).to_be_bytes());
+        b[128..136].copy_from_slice(&(1u64 << 62).to_be_bytes());
+        assert!(Header::parse(&b)
+            .unwrap_err()
+            .to_string()
+            .contains("too large"));
+        assert_eq!(
+            with(crypt::LUKS, 16, 4096).unwrap_err(),
+            "qcow2: Encryption header offset '4096' is not a multiple of cluster size '65536'"
+        );
+    }
+
+    #[test]
     fn bad_headers_are_refused_with_a_reason() {
         let set32 = |at: usize, v: u32| {
             let mut b = v3();
@@ -654,7 +754,18 @@ mod tests {
         assert_eq!(set32(4, 1), HeaderError::Version(1));
         assert!(matches!(set32(20, 8), HeaderError::Invalid(_)));
         assert!(matches!(set32(20, 22), HeaderError::Invalid(_)));
-        assert!(matches!(set32(32, 1), HeaderError::Unsupported(_)));
+        assert_eq!(
+            set32(32, 1).to_string(),
+            "qcow2: Use of AES-CBC encrypted qcow2 images is no longer supported in system emulators"
+        );
+        assert_eq!(
+            set32(32, 2).to_string(),
+            "qcow2: Missing CRYPTO header for crypt method 2"
+        );
+        assert_eq!(
+            set32(32, 3).to_string(),
+            "qcow2: Unsupported encryption method 3"
+        );
         // The L1 table cannot map the whole disk.
         assert!(matches!(set32(36, 1), HeaderError::Invalid(_)));
         assert!(matches!(set32(36, u32::MAX), HeaderError::Invalid(_)));

@@ -282,6 +282,9 @@ fn metadata_regions(
     if let Some((off, len)) = bitmap_dir {
         add(off, len, MetaKind::BitmapDir, "bitmap directory")?;
     }
+    if let Some((off, len)) = h.crypto_header {
+        add(off, len, MetaKind::CryptoHeader, "encryption header")?;
+    }
     for (i, e) in l1.iter().enumerate() {
         let off = e & OFFSET_MASK;
         if off != 0 {

@@ -26,15 +26,18 @@
 //! `data-file-raw`) keep their metadata here and their data there, cluster for cluster at
 //! the guest's offsets ([`data_file`]).
 //!
+//! Encrypted images (`encrypt.format=luks`) decrypt what they read and encrypt what they
+//! write, by sector of the host file ([`crypt`]).
+//!
 //! Not supported, and refused at open with a clear error rather than served wrongly:
-//! encryption; writing to images marked corrupt.
+//! legacy AES encryption; writing to images marked corrupt.
 //!
 //! The files, from the bottom up: the on-disk formats, parsed with no I/O ([`bytes`],
 //! [`header`], [`table`], [`subcluster`], [`snapshot`], [`bitmap_dir`]); the driver's state
 //! ([`driver`]); its methods by concern ([`metadata`], [`refcount`], [`writeback`],
-//! [`read`], [`write`], [`compress`], [`discard`], [`block_status`], [`header_update`],
-//! [`bitmaps`], [`internal`], [`data_file`]); an image read at open ([`image`], with
-//! [`repair`]); and the faces:
+//! [`read`], [`write`], [`compress`], [`crypt`], [`discard`], [`block_status`],
+//! [`header_update`], [`bitmaps`], [`internal`], [`data_file`]); an image read at open
+//! ([`image`], with [`repair`]); and the faces:
 //! [`open`] (the driver table's entry, with [`options`]) and [`block_driver`].
 
 mod amend;
@@ -45,6 +48,8 @@ mod block_status;
 mod bytes;
 mod compress;
 pub mod create;
+mod create_crypt;
+mod crypt;
 mod data_file;
 mod discard;
 mod driver;

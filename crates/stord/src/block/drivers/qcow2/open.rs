@@ -32,10 +32,12 @@ pub const DRIVER: DriverDef = DriverDef {
         synopsis: "file=<node> | file.driver=...\n\
                    [,backing=<node>|null | ,backing.driver=...][,l2-cache-size=<size>]\n\
                    [,data-file=<node> | ,data-file.driver=...]\n\
-                   [,refcount-cache-size=<size>][,cache-size=<size>][,discard=unmap|ignore]",
+                   [,refcount-cache-size=<size>][,cache-size=<size>][,discard=unmap|ignore]\n\
+                   [,encrypt.format=luks,encrypt.key-secret=<id>]",
         about: "the qcow2 format over its child `file`; the backing file and\n\
                 the data file an image names open by themselves unless\n\
-                `backing` and `data-file` say otherwise",
+                `backing` and `data-file` say otherwise; an encrypted image\n\
+                is unlocked with `encrypt.key-secret`",
     },
     create: Some(&create::CREATE),
     amend: Some(&amend::AMEND),
@@ -43,6 +45,7 @@ pub const DRIVER: DriverDef = DriverDef {
         let file = g.child(kv, "file")?;
         let opts = Qcow2Options::from_opts(kv)?;
         let given_data = data_file::given_data_file(g, kv)?;
+        let encrypt = super::crypt::take_options(kv)?;
         // A file or data file that cannot be written makes the image read-only.
         let ro = flags.read_only
             || file.is_read_only()
@@ -61,6 +64,7 @@ pub const DRIVER: DriverDef = DriverDef {
         })
         .and_then(|r| r.map_err(io::Error::other))
         .map_err(|e| GraphError::Invalid(format!("{}: {e}", kv.what)))?;
+        let crypt = super::crypt::open(g, encrypt, &image.header, &file)?;
         drop(opening);
         // The one the header names inherits the image's read-only state.
         let data = data_file::open_data_file(g, given_data, &image.header)?;
@@ -80,8 +84,10 @@ pub const DRIVER: DriverDef = DriverDef {
             .as_mut()
             .map(|l| std::mem::take(&mut l.bitmaps))
             .unwrap_or_default();
+        let mut driver = Qcow2Driver::new(file, backing, image, &opts);
+        driver.crypt = crypt.map(Box::new);
         Ok(Opened {
-            driver: Box::new(Qcow2Driver::new(file, backing, image, &opts).with_data_file(data)),
+            driver: Box::new(driver.with_data_file(data)),
             read_only: ro,
             direct,
             bitmaps,
@@ -123,6 +129,7 @@ impl Qcow2Driver {
             corrupt: Default::default(),
             writable: writable.into(),
             data: None,
+            crypt: None,
         }
     }
 
@@ -189,6 +196,7 @@ impl Qcow2Driver {
             || h.refcount_order != self.refcount_order
             || h.extended_l2() != self.extended_l2
             || h.compression != self.compression
+            || h.crypto_header != self.crypt.as_ref().map(|c| c.header)
         {
             return Err(io::Error::other("the image's layout changed"));
         }

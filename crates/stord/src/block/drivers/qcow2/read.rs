@@ -240,6 +240,10 @@ impl Qcow2Driver {
     }
 
     pub(super) async fn read_impl(&self, offset: u64, mut buf: Buf) -> (io::Result<()>, Buf) {
+        if self.crypt.is_some() {
+            let r = self.crypt_read(offset, &mut buf).await;
+            return (r, buf);
+        }
         let (pieces, inflight, backing) = match self.map_range(offset, buf.len() as u64).await {
             Ok(p) => p,
             Err(e) => return (Err(e), buf),
@@ -265,6 +269,15 @@ impl Qcow2Driver {
     /// [`read_impl`](Self::read_impl) into the caller's I/O vector: passed to the file as it
     /// is when the range is one host run, else read into a bounce buffer and copied in.
     pub(super) async fn readv_impl(&self, offset: u64, iov: IoVec) -> (io::Result<()>, IoVec) {
+        if self.crypt.is_some() {
+            let mut buf = request_buf(iov.len());
+            let r = self.crypt_read(offset, &mut buf).await;
+            let mut iov = iov;
+            if r.is_ok() {
+                iov.copy_in(0, &buf);
+            }
+            return (r, iov);
+        }
         let (pieces, inflight, backing) = match self.map_range(offset, iov.len() as u64).await {
             Ok(p) => p,
             Err(e) => return (Err(e), iov),

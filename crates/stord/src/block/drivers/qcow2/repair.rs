@@ -6,8 +6,9 @@
 //! allocating from them would hand out clusters still in use. The repair counts every
 //! reference the tables make (header, L1 and refcount tables, refcount blocks, L2 tables
 //! and data clusters through the active L1 and every snapshot's, the snapshot table, the
-//! persistent bitmaps), writes the refcount blocks that disagree, and clears the dirty
-//! bit, each step durable before the next. stord itself keeps refcounts exact, so it never sets the bit.
+//! persistent bitmaps, an encrypted image's LUKS header), writes the refcount blocks that
+//! disagree, and clears the dirty bit, each step durable before the next. stord itself
+//! keeps refcounts exact, so it never sets the bit.
 
 use std::collections::BTreeMap;
 use std::io;
@@ -96,6 +97,10 @@ fn count_metadata(
     }
     for s in snapshots {
         counts.range(s.offset, s.entries as u64 * 8);
+    }
+    // An encrypted image's LUKS header (QEMU's check counts it too).
+    if let Some((off, len)) = h.crypto_header {
+        counts.range(off, len);
     }
     counts
 }

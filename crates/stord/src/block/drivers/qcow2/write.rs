@@ -31,7 +31,11 @@ struct WholeClusters {
 impl Qcow2Driver {
     /// Where a write of `[offset, offset + len)` can go in place: one host range, every
     /// cluster allocated with refcount one.
-    async fn in_place(&self, offset: u64, len: u64) -> io::Result<Option<(u64, Inflight<'_>)>> {
+    pub(super) async fn in_place(
+        &self,
+        offset: u64,
+        len: u64,
+    ) -> io::Result<Option<(u64, Inflight<'_>)>> {
         let mut m = self.meta.lock().await;
         let mut start = None;
         let mut pos = offset;
@@ -113,8 +117,9 @@ impl Qcow2Driver {
                 return self.data_write(host, data).await;
             }
             match self.cluster_content(cstart, old).await? {
-                // Untouched bytes of a fresh cluster already read as zeroes.
-                None if fresh => self.data_write(host + within, data).await,
+                // Untouched bytes of a fresh cluster already read as zeroes (not so
+                // through a cipher: an encrypted image's get encrypted zeroes).
+                None if fresh && self.crypt.is_none() => self.data_write(host + within, data).await,
                 content => {
                     let mut c = content.unwrap_or_else(|| vec![0u8; cs as usize]);
                     c[within as usize..within as usize + data.len()].copy_from_slice(data);
@@ -228,8 +233,14 @@ impl Qcow2Driver {
     /// A write the in-place path did not take, with the request's own buffer: when it
     /// covers whole clusters that all get new ones in one host run (a large write into
     /// an empty image, a mirror's or a backup's target), the buffer goes to the file as it
-    /// is; otherwise as [`write_slow`](Self::write_slow), which copies what it writes.
-    async fn write_owned(&self, offset: u64, buf: Buf, fua: bool) -> (io::Result<()>, Buf) {
+    /// is; otherwise as [`write_slow`](Self::write_slow), which copies what it writes. An
+    /// encrypted image's writes come here in a buffer of the driver's, encrypted in place.
+    pub(super) async fn write_owned(
+        &self,
+        offset: u64,
+        buf: Buf,
+        fua: bool,
+    ) -> (io::Result<()>, Buf) {
         let cs = self.cluster_size;
         let len = buf.len() as u64;
         if offset != self.cluster_start(offset) || !len.is_multiple_of(cs) {
@@ -372,6 +383,12 @@ impl Qcow2Driver {
         buf: Buf,
         fua: bool,
     ) -> (io::Result<()>, Buf) {
+        if self.crypt.is_some() {
+            let r = self
+                .crypt_write((offset, buf.len()), fua, |b| b.copy_from_slice(&buf))
+                .await;
+            return (r, buf);
+        }
         match self.in_place(offset, buf.len() as u64).await {
             Err(e) => return (Err(e), buf),
             Ok(Some((host, inflight))) => {
@@ -395,6 +412,12 @@ impl Qcow2Driver {
         iov: IoVec,
         fua: bool,
     ) -> (io::Result<()>, IoVec) {
+        if self.crypt.is_some() {
+            let r = self
+                .crypt_write((offset, iov.len()), fua, |b| iov.copy_out(0, b))
+                .await;
+            return (r, iov);
+        }
         match self.in_place(offset, iov.len() as u64).await {
             Err(e) => return (Err(e), iov),
             Ok(Some((host, inflight))) => {
