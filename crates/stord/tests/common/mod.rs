@@ -11,13 +11,39 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::time::{Duration, Instant};
 
-/// A fresh directory for one test.
+/// A fresh directory for one test. It goes with what it holds when the test process
+/// exits (set STORD_KEEP_TEST_DIRS to keep them, to look at).
 pub fn tmpdir(name: &str) -> PathBuf {
     let d =
         Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("stord-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
+    remove_at_exit(&d);
     d
+}
+
+/// The test directories this process made, removed when it exits.
+static MADE: std::sync::Mutex<Vec<PathBuf>> = std::sync::Mutex::new(Vec::new());
+
+fn remove_at_exit(d: &Path) {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: registers a plain function with no state of its own; it runs once, at
+        // exit, after the test harness is done with every test.
+        unsafe { libc::atexit(remove_made) };
+    });
+    MADE.lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .push(d.to_path_buf());
+}
+
+extern "C" fn remove_made() {
+    if std::env::var_os("STORD_KEEP_TEST_DIRS").is_some() {
+        return;
+    }
+    for d in MADE.lock().unwrap_or_else(|e| e.into_inner()).drain(..) {
+        let _ = std::fs::remove_dir_all(d);
+    }
 }
 
 /// A sparse file of `size` bytes.
