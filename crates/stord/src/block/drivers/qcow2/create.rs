@@ -338,7 +338,7 @@ fn header(
     }
     // QEMU names the feature bits it knows, in images whose clusters leave room for it.
     if o.v3 && cs > 4096 {
-        ext(&mut h, 0x6803_f857, &feature_table());
+        ext(&mut h, super::header::ext::FEATURE_TABLE, &feature_table());
     }
     // End of the extensions.
     h.extend_from_slice(&[0; 8]);

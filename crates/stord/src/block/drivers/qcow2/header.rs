@@ -54,6 +54,8 @@ pub(super) mod ext {
     pub const BITMAPS: u32 = 0x2385_2875;
     /// Where the LUKS header of an encrypted image lies (offset and length, 16 bytes).
     pub const CRYPTO_HEADER: u32 = 0x0537_be77;
+    /// The names of the feature bits (48 bytes each: type, bit, name).
+    pub const FEATURE_TABLE: u32 = 0x6803_f857;
 }
 
 /// The header's `crypt_method`.
@@ -234,7 +236,7 @@ pub enum HeaderError {
     #[error("qcow2: {0}")]
     Invalid(String),
     /// A feature the driver does not implement (it is never served wrongly).
-    #[error("qcow2: {0} is not supported by stord")]
+    #[error("Unsupported qcow2 feature(s): {0}")]
     Unsupported(String),
 }
 
@@ -315,7 +317,7 @@ impl Header {
         if h.version == 3 {
             h.parse_v3_fields(buf, cluster_size)?;
         }
-        h.check_features()?;
+        h.check_features(buf)?;
         h.check_tables(cluster_size)?;
         h.parse_extensions(buf, cluster_size)?;
         h.parse_backing_name(buf, cluster_size)?;
@@ -408,7 +410,7 @@ impl Header {
     /// Refuses a refcount width past 64 bits, the incompatible features stord does not
     /// know, subclusters smaller than 512 bytes, and a compression type its feature bit
     /// contradicts.
-    fn check_features(&self) -> Result<(), HeaderError> {
+    fn check_features(&self, buf: &[u8]) -> Result<(), HeaderError> {
         if self.refcount_order > 6 {
             return Err(invalid(
                 "Reference count entry width too large; may not exceed 64 bits",
@@ -416,9 +418,7 @@ impl Header {
         }
         let unknown = self.incompatible & !incompat::KNOWN;
         if unknown != 0 {
-            return Err(HeaderError::Unsupported(format!(
-                "Incompatible feature bits {unknown:#x}"
-            )));
+            return Err(HeaderError::Unsupported(self.feature_names(buf, unknown)));
         }
         // QEMU's rule: subclusters of at least 512 bytes (clusters of 16 KiB or more).
         if self.extended_l2() && self.cluster_bits < 9 + 5 {
@@ -464,6 +464,36 @@ impl Header {
             return Err(invalid("Image size too large"));
         }
         Ok(())
+    }
+
+    /// QEMU's words for incompatible feature bits `mask` (report_unsupported_feature):
+    /// the names the image's own feature name table gives them, then the rest in hex.
+    fn feature_names(&self, buf: &[u8], mut mask: u64) -> String {
+        let mut names = Vec::new();
+        let end = (self.cluster_size() as usize).min(buf.len());
+        let mut at = self.header_length as usize;
+        while at + 8 <= end {
+            let (ty, len) = (be32(buf, at), be32(buf, at + 4) as usize);
+            at += 8;
+            if ty == ext::END || len > end - at {
+                break;
+            }
+            if ty == ext::FEATURE_TABLE {
+                for f in buf[at..at + len].chunks_exact(48) {
+                    let (kind, bit) = (f[0], u32::from(f[1]));
+                    if kind == 0 && bit < 64 && mask & (1 << bit) != 0 {
+                        let name = f[2..].split(|&b| b == 0).next().unwrap_or_default();
+                        names.push(String::from_utf8_lossy(name).into_owned());
+                        mask &= !(1 << bit);
+                    }
+                }
+            }
+            at += len.div_ceil(8) * 8;
+        }
+        if mask != 0 {
+            names.push(format!("Unknown incompatible feature: {mask:x}"));
+        }
+        names.join(", ")
     }
 
     fn parse_extensions(&mut self, buf: &[u8], cluster_size: u64) -> Result<(), HeaderError> {
