@@ -51,7 +51,7 @@ def make_image(kind):
     if kind == "qcow2-luks":
         qemu_img("create", *obj, "-f", "qcow2", "-o",
                  "encrypt.format=luks,encrypt.key-secret=sec0,encrypt.iter-time=10", img, SIZE)
-        node = f"driver=qcow2,node-name=n,encrypt.key-secret=sec0,{file}"
+        node = f"driver=qcow2,node-name=n,encrypt.format=luks,encrypt.key-secret=sec0,{file}"
         fill(node)
         return node
     if kind == "subclusters":
@@ -73,13 +73,17 @@ def fill(node):
 
 
 def start(who, binary, node, sock):
+    """The daemon serving `node` over NBD at `sock`, once it listens; its error if it
+    exits first."""
     args = [binary, "--object", SECRET, "--object", "iothread,id=io0", "--blockdev", node,
             "--nbd-server", f"addr.type=unix,addr.path={sock}",
             "--export", "type=nbd,id=e,node-name=n,name=n,writable=on,iothread=io0"]
-    p = subprocess.Popen(args, stderr=subprocess.DEVNULL)
+    p = subprocess.Popen(args, stderr=subprocess.PIPE)
     for _ in range(400):
         if os.path.exists(sock):
             return p
+        if p.poll() is not None:
+            raise RuntimeError(f"{who} exited: {p.stderr.read().decode()}")
         time.sleep(0.05)
     p.kill()
     raise RuntimeError(f"{who} did not start")
