@@ -309,6 +309,10 @@ fn same_as_qemu(root: &Path, k: &Kind) {
         (k.make)(&theirs);
     }
     {
+        // The daemon's socket and pid file in a short folder of their own: a kind's folder
+        // name can take a socket path past the 108 bytes of sun_path.
+        let run_dir = root.join("run");
+        std::fs::create_dir_all(&run_dir).unwrap();
         let args: Vec<String> = [
             "--object",
             SECRET,
@@ -319,7 +323,7 @@ fn same_as_qemu(root: &Path, k: &Kind) {
             "--nbd-server",
             &format!(
                 "addr.type=unix,addr.path={}",
-                ours.join("nbd.sock").display()
+                run_dir.join("nbd.sock").display()
             ),
             "--export",
             "type=nbd,id=exp0,node-name=disk,name=disk,writable=on,iothread=io0",
@@ -327,7 +331,7 @@ fn same_as_qemu(root: &Path, k: &Kind) {
         .iter()
         .map(|s| s.to_string())
         .collect();
-        let s = Stord::start(&ours, &args);
+        let s = Stord::start(&run_dir, &args);
         qemu_io(&["-f", "raw", &s.uri()]);
     }
     let theirs_opts = format!("discard=unmap,{}", (k.opts)(&theirs));

@@ -173,7 +173,11 @@ fn start_daemon(
     image: &Path,
 ) -> Child {
     let _ = std::fs::remove_file(sock);
-    let mut args: Vec<String> = Vec::new();
+    // Ready once the pid file is there: qsd (and stord) write it after the NBD server
+    // and the exports exist. The socket's file appears earlier, before the export is added.
+    let pidfile = dir.join("daemon.pid");
+    let _ = std::fs::remove_file(&pidfile);
+    let mut args: Vec<String> = vec!["--pidfile".into(), pidfile.display().to_string()];
     for o in objects {
         args.push("--object".into());
         args.push(o.clone());
@@ -194,7 +198,7 @@ fn start_daemon(
         .spawn()
         .unwrap_or_else(|e| panic!("spawn {program}: {e}"));
     let start = Instant::now();
-    while !sock.exists() {
+    while !pidfile.exists() {
         if let Some(st) = child.try_wait().unwrap() {
             panic!("{program} exited early: {st}");
         }

@@ -27,14 +27,17 @@ def tcp_sockets(pid):
     """The daemon's TCP sockets, as duplicates of its descriptors."""
     pfd = libc.syscall(SYS_PIDFD_OPEN, pid, 0)
     assert pfd >= 0, os.strerror(ctypes.get_errno())
-    out = []
+    out, seen = [], set()
     try:
         for fd in os.listdir(f"/proc/{pid}/fd"):
             try:
-                if not os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:"):
-                    continue
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
             except OSError:
                 continue
+            # One entry per socket: the epoll reactor waits on a duplicate of a descriptor.
+            if not link.startswith("socket:") or link in seen:
+                continue
+            seen.add(link)
             n = libc.syscall(SYS_PIDFD_GETFD, pfd, int(fd), 0)
             assert n >= 0, os.strerror(ctypes.get_errno())
             s = socket.socket(fileno=n)
