@@ -1,10 +1,14 @@
 #!/usr/bin/env python3
 """The house rules CI holds the code to, beside clippy's one-screen limit on functions:
 
-- no import circle among the files of a crate (`use` paths and `crate::`/`super::` paths
-  in code, tests aside; a child's `use super::X` of its folder's mod.rs counts);
+- no import circle among the files of a crate (`use` paths, and `crate::`, `super::`,
+  `self::` and bare child-module paths in code, tests aside; a child's `use super::X` of
+  its folder's mod.rs counts, so a mod.rs that both defines what its children use and
+  lists them is a circle: the list goes in a file of its own);
 - no function (tests aside) over 80 lines from its `fn` line to its closing brace, comments
   included (clippy's too_many_lines counts code lines only);
+- each top-level module imports only modules of lower layers than its own, in the
+  numbered list of the crate's lib.rs docs (where it has one);
 - no source file over 1,000 lines before its `#[cfg(test)]` tests;
 - no README line over 400 characters.
 
@@ -27,7 +31,7 @@ MAX_FN_LINES = 80
 MAX_README_LINE = 400
 
 USE = re.compile(r"^\s*(?:pub(?:\([^)]*\))?\s+)?use\s+([^;]+);", re.M)
-INLINE = re.compile(r"\b((?:crate|super)(?:::[A-Za-z_][A-Za-z0-9_]*)+)")
+INLINE = re.compile(r"\b((?:crate|super|self)(?:::[A-Za-z_][A-Za-z0-9_]*)+)")
 
 
 def strip_tests(text):
@@ -191,8 +195,13 @@ def resolve(path, here, mods, reexp=None, depth=0):
     target = resolve_module(path, here, mods)
     if target is None or reexp is None or depth > 8:
         return mods.get(target) if target is not None else None
-    module, rest = target, path.split("::")[len(path.split("::")) - 1 :]
-    name = path.split("::")[-1]
+    module = target
+    # The name the path takes from that module: the first segment past the module's own
+    # (`super::Args::from_map` takes `Args`).
+    segs = [x for x in path.split("::") if x not in ("self", "*")]
+    names = [x for x in segs if x not in ("crate", "super")]
+    inside = [x for x in names if x not in module]
+    name = inside[0] if inside else segs[-1]
     handed = reexp.get(module, {}).get(name)
     if handed and not path.endswith("::" + handed):
         via = resolve(handed, module, mods, reexp, depth + 1)
@@ -227,6 +236,17 @@ def resolve_module(path, here, mods):
     return None
 
 
+def child_paths(code, here, mods):
+    """Paths in code that start with a child module's bare name (`nbd::handle::create`,
+    2018's uniform paths), which name no `crate::`, `super::` or `self::`."""
+    children = {m[len(here)] for m in mods if len(m) == len(here) + 1 and m[: len(here)] == here}
+    if not children:
+        return []
+    names = "|".join(sorted(map(re.escape, children)))
+    pat = re.compile(r"(?<![A-Za-z0-9_:])((?:%s)(?:::[A-Za-z_][A-Za-z0-9_]*)+)" % names)
+    return pat.findall(code)
+
+
 def edges(src):
     mods = modules(src)
     reexp = reexports(mods)
@@ -237,6 +257,7 @@ def edges(src):
         text = strip_tests(open(f).read())
         paths = [p for t in USE.findall(text) for p in flatten(t)]
         paths += INLINE.findall(text)
+        paths += child_paths(strip_tests(blank_literals(open(f).read())), here, mods)
         for p in paths:
             to = resolve(p, here, mods, reexp)
             if to and to != f:
@@ -277,9 +298,48 @@ def cycles(graph):
     return out
 
 
+def layers(src):
+    """Top-level module -> layer, from the numbered list in the crate's lib.rs docs
+    (`//! 3. [`crypto`] ...`): a module is in the layer whose item names it first."""
+    lib = os.path.join(src, "lib.rs")
+    if not os.path.exists(lib):
+        return {}
+    out, layer = {}, None
+    for line in open(lib):
+        if not line.startswith("//!"):
+            break
+        m = re.match(r"//!\s+(\d+)\.\s", line)
+        if m:
+            layer = int(m.group(1))
+        if layer is not None:
+            for name in re.findall(r"\[`([a-z_0-9]+)`\]", line):
+                out.setdefault(name, layer)
+    return out
+
+
+def upward(src, graph):
+    """Imports between top-level modules that do not run to a lower layer of lib.rs's
+    list (and top-level modules the list leaves out)."""
+    order = layers(src)
+    if not order:
+        return []
+    mods = modules(src)
+    top = {f: m[0] for m, f in mods.items() if m}
+    bad = sorted({f"{m}: a top-level module lib.rs's layer list leaves out"
+                  for m in set(top.values()) if m not in order})
+    for f, targets in graph.items():
+        a = top.get(f)
+        for t in targets:
+            b = top.get(t)
+            if a and b and a != b and a in order and b in order and order[b] >= order[a]:
+                bad.append(f"{os.path.relpath(f, ROOT)} imports {b} (layer {order[b]}) "
+                           f"from layer {order[a]} ({a})")
+    return sorted(set(bad))
+
+
 def check_crate(src):
     graph = edges(src)
-    bad = []
+    bad = upward(src, graph)
     for c in [] if os.path.relpath(src, ROOT) in CIRCLES_ALLOWED else cycles(graph):
         bad.append("import circle: " + " -> ".join(os.path.relpath(f, ROOT) for f in c))
     for f in graph:
@@ -306,7 +366,8 @@ def main():
     if bad:
         sys.exit(1)
     print(
-        f"structure: {', '.join(crates)}: no circle, no function over {MAX_FN_LINES} lines, "
+        f"structure: {', '.join(crates)}: no circle, no import up a layer, no function over "
+        f"{MAX_FN_LINES} lines, "
         f"no file over {MAX_FILE_LINES} lines before its tests"
     )
 

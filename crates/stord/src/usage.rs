@@ -8,7 +8,7 @@ pub mod man;
 use crate::block::drivers::BLOCK_DRIVERS;
 use crate::cli::Help;
 use crate::daemon::objects::OBJECT_TYPES;
-use crate::export::EXPORT_TYPES;
+use crate::export::types::EXPORT_TYPES;
 
 /// Where an entry's text starts and where its description does.
 const INDENT: usize = 2;

@@ -10,7 +10,8 @@ use crate::block::node::block_node::BlockNode;
 use crate::block::node::link::NodeLink;
 use crate::cli::id_wellformed;
 use crate::cli::keyval::KeyVal;
-use crate::export::{ExportEnv, EXPORT_TYPES};
+use crate::export::types::EXPORT_TYPES;
+use crate::export::ExportEnv;
 
 use super::error::DaemonError;
 use super::state::State;

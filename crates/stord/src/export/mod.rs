@@ -1,5 +1,5 @@
 //! Exports: how block nodes reach clients. One folder per export type, each implementing
-//! [`Export`] and registered once in [`EXPORT_TYPES`]; the daemon keeps one table of
+//! [`Export`] and registered once in [`types::EXPORT_TYPES`]; the daemon keeps one table of
 //! `Box<dyn Export>` and knows no protocol by name. `virtio_blk/` is no type of its own:
 //! it is the device the two virtio transports (`vhost_user_blk/`, `vduse_blk/`) serve.
 //!
@@ -15,6 +15,7 @@ pub mod fuse;
 #[doc(hidden)]
 pub mod fuzz_loop;
 pub mod nbd;
+pub mod types;
 pub mod vduse_blk;
 pub mod vhost_user_blk;
 pub mod virtio_blk;
@@ -177,62 +178,6 @@ pub struct ExportType {
     /// Its options beside `type`, `id` and `node-name`, for `--help` and docs/usage.md.
     pub help: Help,
 }
-
-/// Every export type: adding one is its module plus an entry here.
-pub const EXPORT_TYPES: &[ExportType] = &[
-    ExportType {
-        name: "nbd",
-        create: nbd::handle::create,
-        supports_inactive: true,
-        help: Help {
-            synopsis: "\n\
-                       [,name=<export name>][,description=<text>][,writable=on|off]\n\
-                       [,multi-conn=on|off|auto][,allocation-depth=on|off]\n\
-                       [,bitmaps.0=<bitmap>,bitmaps.1=<bitmap>...]\n\
-                       [,iothread=<id> | ,iothread.0=<id>,iothread.1=<id>...]\n\
-                       [,allow-inactive=on|off][,x-buffer-limit=<size>]",
-            about: "a node over NBD, on the --nbd-server's socket (each bitmap as\n\
-                    qemu:dirty-bitmap:<name>)",
-        },
-    },
-    ExportType {
-        name: "fuse",
-        create: fuse::export::create,
-        supports_inactive: false,
-        help: Help {
-            synopsis: "mountpoint=<file>\n\
-                       [,writable=on|off][,growable=on|off]\n\
-                       [,allow-other=on|off|auto][,io-uring=on|off|auto]\n\
-                       [,iothread=<id> | ,iothread.0=<id>...]",
-            about: "a node as a regular file (FUSE, over /dev/fuse or\n\
-                    FUSE-over-io_uring)",
-        },
-    },
-    ExportType {
-        name: "vhost-user-blk",
-        create: vhost_user_blk::create,
-        supports_inactive: false,
-        help: Help {
-            synopsis: "addr.type=unix,addr.path=<path>\n\
-                       [,writable=on|off][,num-queues=<n>][,logical-block-size=<n>]\n\
-                       [,iothread=<id> | ,iothread.0=<id>...]",
-            about: "a node as a virtual machine's virtio disk (vhost-user-blk)",
-        },
-    },
-    ExportType {
-        name: "vduse-blk",
-        create: vduse_blk::create,
-        supports_inactive: false,
-        help: Help {
-            synopsis: "name=<vduse name>\n\
-                       [,writable=on|off][,num-queues=<n>][,queue-size=<n>]\n\
-                       [,logical-block-size=<n>][,serial=<str>]\n\
-                       [,iothread=<id> | ,iothread.0=<id>...]",
-            about: "a node as a virtio-blk device of the host kernel (VDUSE;\n\
-                    attach it with `vdpa dev add name <name> mgmtdev vduse`)",
-        },
-    },
-];
 
 /// Waits until `drained` is ready, for at most `limit` (None: no limit); true if it was.
 /// On a loop thread the loop keeps running meanwhile (a request being waited for may

@@ -11,6 +11,7 @@
 //! up beyond [`MAX_BACKLOG`] is disconnected. Connections run as tasks on the main loop.
 
 mod commands;
+pub mod error;
 pub mod monitor;
 pub mod stream;
 pub mod text;
@@ -25,6 +26,7 @@ use stord_aio::{op, Interest, Slice};
 
 use crate::daemon::SharedState;
 use crate::events::{EventSink, Events};
+pub use error::QmpError;
 use stream::{JsonStream, Piece};
 
 /// Largest message a client may send (a bigger one closes its connection).
@@ -34,53 +36,6 @@ pub const MAX_QUEUED: usize = 1 << 20;
 /// Bytes waiting for a client (events, which do not wait for commands) beyond which it is
 /// disconnected.
 pub const MAX_BACKLOG: usize = 16 << 20;
-
-/// An error reply.
-#[derive(Debug, Clone)]
-pub struct QmpError {
-    /// QAPI error class (GenericError, CommandNotFound, ...).
-    pub class: &'static str,
-    /// Human-readable description.
-    pub desc: String,
-}
-
-impl QmpError {
-    /// A GenericError.
-    pub fn generic(desc: impl Into<String>) -> Self {
-        Self {
-            class: "GenericError",
-            desc: desc.into(),
-        }
-    }
-}
-
-impl From<crate::daemon::DaemonError> for QmpError {
-    /// The error's message; a hint on the lines after it (a lock's "Is another process
-    /// using the image") is for the command line only, as QEMU's error_append_hint.
-    fn from(e: crate::daemon::DaemonError) -> Self {
-        let text = e.to_string();
-        let desc = match text.split_once('\n') {
-            Some((first, _)) => first.to_string(),
-            None => text,
-        };
-        Self {
-            class: e.qmp_class(),
-            desc,
-        }
-    }
-}
-
-impl From<crate::cli::keyval::OptionError> for QmpError {
-    fn from(e: crate::cli::keyval::OptionError) -> Self {
-        QmpError::generic(e.to_string())
-    }
-}
-
-impl From<String> for QmpError {
-    fn from(s: String) -> Self {
-        QmpError::generic(s)
-    }
-}
 
 /// What the connections of one monitor share: the `monitor-qmp` object it is (None: a
 /// command-line monitor), whether it pretty-prints, and its connections now (a monitor
@@ -495,6 +450,42 @@ fn error_reply(id: Option<&Value>, e: &QmpError) -> Value {
     v
 }
 
+/// The command and its arguments out of a request (its `id` taken already), or QEMU's
+/// words for a request of the wrong shape.
+fn parse_request(
+    obj: &mut serde_json::Map<String, Value>,
+) -> Result<(String, serde_json::Map<String, Value>), QmpError> {
+    if obj.contains_key("exec-oob") {
+        return Err(QmpError::generic(
+            "QMP input member 'exec-oob' is unexpected (out-of-band is not offered)",
+        ));
+    }
+    let cmd = match obj.remove("execute") {
+        Some(Value::String(c)) => c,
+        Some(_) => {
+            return Err(QmpError::generic(
+                "QMP input member 'execute' must be a string",
+            ))
+        }
+        None => return Err(QmpError::generic("QMP input lacks member 'execute'")),
+    };
+    let args = match obj.remove("arguments") {
+        None => serde_json::Map::new(),
+        Some(Value::Object(m)) => m,
+        Some(_) => {
+            return Err(QmpError::generic(
+                "QMP input member 'arguments' must be an object",
+            ))
+        }
+    };
+    if let Some(k) = obj.keys().next() {
+        return Err(QmpError::generic(format!(
+            "QMP input member '{k}' is unexpected"
+        )));
+    }
+    Ok((cmd, args))
+}
+
 async fn handle(state: &SharedState, out: &Rc<Outbox>, msg: Value) -> Option<Value> {
     let Value::Object(mut obj) = msg else {
         return Some(error_reply(
@@ -513,38 +504,10 @@ async fn handle(state: &SharedState, out: &Rc<Outbox>, msg: Value) -> Option<Val
         }
         Err(e) => error_reply(id.as_ref(), &e),
     };
-    if obj.contains_key("exec-oob") {
-        return Some(reply(Err(QmpError::generic(
-            "QMP input member 'exec-oob' is unexpected (out-of-band is not offered)",
-        ))));
-    }
-    let cmd = match obj.remove("execute") {
-        Some(Value::String(c)) => c,
-        Some(_) => {
-            return Some(reply(Err(QmpError::generic(
-                "QMP input member 'execute' must be a string",
-            ))))
-        }
-        None => {
-            return Some(reply(Err(QmpError::generic(
-                "QMP input lacks member 'execute'",
-            ))))
-        }
+    let (cmd, args) = match parse_request(&mut obj) {
+        Ok(request) => request,
+        Err(e) => return Some(reply(Err(e))),
     };
-    let args = match obj.remove("arguments") {
-        None => serde_json::Map::new(),
-        Some(Value::Object(m)) => m,
-        Some(_) => {
-            return Some(reply(Err(QmpError::generic(
-                "QMP input member 'arguments' must be an object",
-            ))))
-        }
-    };
-    if let Some(k) = obj.keys().next() {
-        return Some(reply(Err(QmpError::generic(format!(
-            "QMP input member '{k}' is unexpected"
-        )))));
-    }
     if !out.negotiated.get() {
         if cmd == "qmp_capabilities" {
             out.negotiated.set(true);
@@ -566,6 +529,10 @@ async fn handle(state: &SharedState, out: &Rc<Outbox>, msg: Value) -> Option<Val
         return None;
     }
     state.borrow_mut().set_current_monitor(out.monitor.clone());
+    // QEMU's handle_qmp_command trace, with the arguments' names only: their values can
+    // be secrets (`object-add` of a secret's data).
+    let names: Vec<&str> = args.keys().map(String::as_str).collect();
+    tracing::debug!("qmp: {cmd} ({})", names.join(", "));
     let r = commands::execute(state, &cmd, args);
     if cmd == "quit" && r.is_ok() {
         *out.held.borrow_mut() = Some(reply(r));

@@ -4,6 +4,7 @@
 use super::super::algs::{CipherAlg, CipherMode, HashAlg, IvGenAlg};
 use super::super::cipher::CipherSpec;
 use super::super::CryptoError;
+use crate::bytes::be32;
 
 pub const MAGIC: [u8; 6] = *b"LUKS\xba\xbe";
 pub const VERSION: u16 = 1;
@@ -50,10 +51,6 @@ pub struct LuksHeader {
     pub master_key_iterations: u32,
     pub uuid: [u8; UUID_LEN],
     pub key_slots: [KeySlot; NUM_KEY_SLOTS],
-}
-
-fn be32(b: &[u8], at: usize) -> u32 {
-    u32::from_be_bytes(b[at..at + 4].try_into().expect("4 bytes"))
 }
 
 fn arr<const N: usize>(b: &[u8], at: usize) -> [u8; N] {

@@ -1,9 +1,9 @@
-//! The monitor and the process: version, the command list and schema, `transaction`,
-//! `quit`.
+//! The monitor and the process: version, `transaction`, `quit` (the command list and
+//! schema are the table's own, in `mod.rs`).
 
 use serde_json::{json, Value};
 
-use super::{opt, req, Command, Ty, COMMANDS};
+use super::{opt, req, Command, Ty};
 use crate::qmp::QmpError;
 
 pub const QUERY_VERSION: Command = Command {
@@ -11,23 +11,6 @@ pub const QUERY_VERSION: Command = Command {
     args: &[],
     open: false,
     run: |_, _| Ok(crate::version::version_info()),
-};
-
-pub const QUERY_COMMANDS: Command = Command {
-    name: "query-commands",
-    args: &[],
-    open: false,
-    run: |_, _| {
-        let names = std::iter::once("qmp_capabilities").chain(COMMANDS.iter().map(|c| c.name));
-        Ok(Value::Array(names.map(|c| json!({ "name": c })).collect()))
-    },
-};
-
-pub const QUERY_QMP_SCHEMA: Command = Command {
-    name: "query-qmp-schema",
-    args: &[],
-    open: false,
-    run: |_, _| Ok(super::schema()),
 };
 
 /// `transaction`: every action or none. Of QEMU's actions stord has the snapshot and dirty
