@@ -1,7 +1,7 @@
 //! The algorithms QEMU names (QAPI's QCryptoCipherAlgo, QCryptoCipherMode,
 //! QCryptoIVGenAlgo and QCryptoHashAlgo), with QEMU's spellings, and what OpenSSL gives
-//! for each. QEMU knows more ciphers than OpenSSL has (serpent, twofish, cast5): they
-//! parse, so a header naming them is understood, and are refused when a cipher is made.
+//! for each. The ciphers OpenSSL lacks (serpent, twofish, cast5) run on RustCrypto's;
+//! SM4, which QEMU's own builds here refuse, runs where OpenSSL has it.
 
 use openssl::hash::MessageDigest;
 

@@ -1,8 +1,10 @@
 //! The sector cipher (QEMU's QCryptoBlock cipher with its IV generator): encrypts and
 //! decrypts a run of 512-byte sectors in place, each sector with the IV its number gives
-//! (QEMU's qcrypto_block_cipher_encrypt_helper). The key schedule is made once per run and
-//! only the IV is set again per sector, on OpenSSL's EVP paths (AES-NI where the CPU has
-//! it); ECB, which has no IV, takes the run whole.
+//! (QEMU's qcrypto_block_cipher_encrypt_helper). Where OpenSSL has the cipher and mode,
+//! the key schedule is made once per run on its EVP path (AES-NI where the CPU has it)
+//! and only the IV is set again per sector; ECB, which has no IV, takes the run whole.
+//! The rest (AES-192-XTS, Serpent, Twofish, CAST5) and ESSIV's IVs come from RustCrypto
+//! ([`super::soft`]).
 //!
 //! OpenSSL's contexts cannot move between threads, so each run makes its own from the
 //! fetched cipher and the key this holds; the key is wiped when this is dropped.
@@ -12,6 +14,7 @@ use openssl::cipher_ctx::CipherCtx;
 use zeroize::{Zeroize, Zeroizing};
 
 use super::algs::{CipherAlg, CipherMode, HashAlg, IvGenAlg};
+use super::soft::{self, OneBlock, SectorMode};
 use super::CryptoError;
 
 /// The unit of encryption: each sector has its own IV.
@@ -46,47 +49,53 @@ impl CipherSpec {
     }
 }
 
-/// OpenSSL's cipher for `alg` in `mode`, or QEMU's refusal.
-fn fetch(alg: CipherAlg, mode: CipherMode) -> Result<Cipher, CryptoError> {
+/// OpenSSL's cipher for `alg` in `mode`, where it has one.
+fn fetch(alg: CipherAlg, mode: CipherMode) -> Option<Cipher> {
     let name = match alg.luks_name() {
         "aes" => format!("AES-{}-{}", alg.key_len() * 8, mode.name()),
         "sm4" => format!("SM4-{}", mode.name()),
-        _ => String::new(),
+        _ => return None,
     };
-    if name.is_empty() {
-        return Err(unsupported(alg));
-    }
-    Cipher::fetch(None, &name.to_uppercase(), None).map_err(|_| unsupported(alg))
+    Cipher::fetch(None, &name.to_uppercase(), None).ok()
 }
 
-fn unsupported(alg: CipherAlg) -> CryptoError {
-    CryptoError::Invalid(format!("Unsupported cipher algorithm {}", alg.name()))
+/// What runs the data cipher: OpenSSL's EVP where it has the cipher and mode, RustCrypto's
+/// otherwise (AES-192-XTS, Serpent, Twofish, CAST5).
+enum Engine {
+    Evp {
+        cipher: Cipher,
+        key: Zeroizing<Vec<u8>>,
+    },
+    Soft(Box<dyn SectorMode>),
+}
+
+impl Engine {
+    fn new(spec: &CipherSpec, key: &[u8]) -> Result<Self, CryptoError> {
+        Ok(match fetch(spec.alg, spec.mode) {
+            Some(cipher) => Engine::Evp {
+                cipher,
+                key: Zeroizing::new(key.to_vec()),
+            },
+            None => Engine::Soft(soft::sector_mode(spec.alg, spec.mode, key)?),
+        })
+    }
 }
 
 /// How each sector's IV is made.
 enum IvGen {
     Plain,
     Plain64,
-    /// ECB of the sector number under the hash of the key.
+    /// The sector number encrypted (ECB) under the hash of the key.
     Essiv {
-        cipher: Cipher,
-        key: Zeroizing<Vec<u8>>,
+        cipher: Box<dyn OneBlock>,
         block: usize,
     },
-}
-
-/// A run's contexts: the data cipher's and ESSIV's.
-struct RunCtx {
-    data: CipherCtx,
-    essiv: Option<CipherCtx>,
-    encrypt: bool,
 }
 
 /// See the module docs.
 pub struct SectorCipher {
     spec: CipherSpec,
-    cipher: Cipher,
-    key: Zeroizing<Vec<u8>>,
+    engine: Engine,
     ivgen: IvGen,
 }
 
@@ -115,7 +124,7 @@ impl SectorCipher {
                 want / f
             )));
         }
-        let cipher = fetch(spec.alg, spec.mode)?;
+        let engine = Engine::new(spec, key)?;
         let ivgen = match spec.ivgen {
             IvGenAlg::Plain => IvGen::Plain,
             IvGenAlg::Plain64 => IvGen::Plain64,
@@ -123,8 +132,7 @@ impl SectorCipher {
         };
         Ok(Self {
             spec: *spec,
-            cipher,
-            key: Zeroizing::new(key.to_vec()),
+            engine,
             ivgen,
         })
     }
@@ -146,54 +154,62 @@ impl SectorCipher {
     }
 
     fn run(&self, encrypt: bool, sector: u64, buf: &mut [u8]) -> Result<(), CryptoError> {
-        let mut ctx = self.contexts(encrypt)?;
+        match &self.engine {
+            Engine::Evp { cipher, key } => self.run_evp(cipher, key, encrypt, sector, buf),
+            Engine::Soft(mode) => self.run_soft(mode.as_ref(), encrypt, sector, buf),
+        }
+    }
+
+    /// One OpenSSL context for the run, keyed once; only the IV is set again per sector.
+    fn run_evp(
+        &self,
+        cipher: &Cipher,
+        key: &[u8],
+        encrypt: bool,
+        sector: u64,
+        buf: &mut [u8],
+    ) -> Result<(), CryptoError> {
+        let mut ctx = context(cipher, key, encrypt)?;
         let niv = self.spec.iv_len();
         if niv == 0 {
-            return update(&mut ctx.data, buf);
+            return update(&mut ctx, buf);
         }
         let mut iv = [0u8; 16];
         for (i, chunk) in buf.chunks_mut(SECTOR_SIZE).enumerate() {
-            self.iv(&mut ctx, sector.wrapping_add(i as u64), &mut iv[..niv])?;
-            let set = if ctx.encrypt {
-                ctx.data.encrypt_init(None, None, Some(&iv[..niv]))
+            self.iv(sector.wrapping_add(i as u64), &mut iv[..niv]);
+            let set = if encrypt {
+                ctx.encrypt_init(None, None, Some(&iv[..niv]))
             } else {
-                ctx.data.decrypt_init(None, None, Some(&iv[..niv]))
+                ctx.decrypt_init(None, None, Some(&iv[..niv]))
             };
             set.map_err(CryptoError::backend("Unable to set the cipher IV"))?;
-            update(&mut ctx.data, chunk)?;
+            update(&mut ctx, chunk)?;
         }
         Ok(())
     }
 
-    /// The run's contexts, keyed.
-    fn contexts(&self, encrypt: bool) -> Result<RunCtx, CryptoError> {
-        let err = CryptoError::backend("Unable to initialize the cipher");
-        let mut data = CipherCtx::new().map_err(err)?;
-        let init = if encrypt {
-            data.encrypt_init(Some(&self.cipher), Some(&self.key), None)
-        } else {
-            data.decrypt_init(Some(&self.cipher), Some(&self.key), None)
-        };
-        init.map_err(err)?;
-        data.set_padding(false);
-        let essiv = match &self.ivgen {
-            IvGen::Essiv { cipher, key, .. } => {
-                let mut c = CipherCtx::new().map_err(err)?;
-                c.encrypt_init(Some(cipher), Some(key), None).map_err(err)?;
-                c.set_padding(false);
-                Some(c)
+    fn run_soft(
+        &self,
+        mode: &dyn SectorMode,
+        encrypt: bool,
+        sector: u64,
+        buf: &mut [u8],
+    ) -> Result<(), CryptoError> {
+        let niv = self.spec.iv_len();
+        let mut iv = [0u8; 16];
+        for (i, chunk) in buf.chunks_mut(SECTOR_SIZE).enumerate() {
+            self.iv(sector.wrapping_add(i as u64), &mut iv[..niv]);
+            if encrypt {
+                mode.encrypt(&iv[..niv], chunk)?;
+            } else {
+                mode.decrypt(&iv[..niv], chunk)?;
             }
-            _ => None,
-        };
-        Ok(RunCtx {
-            data,
-            essiv,
-            encrypt,
-        })
+        }
+        Ok(())
     }
 
     /// Sector `sector`'s IV (QEMU's ivgen-plain, -plain64, -essiv).
-    fn iv(&self, ctx: &mut RunCtx, sector: u64, iv: &mut [u8]) -> Result<(), CryptoError> {
+    fn iv(&self, sector: u64, iv: &mut [u8]) {
         iv.fill(0);
         match &self.ivgen {
             IvGen::Plain => {
@@ -206,17 +222,29 @@ impl SectorCipher {
                 let n = iv.len().min(8);
                 iv[..n].copy_from_slice(&b[..n]);
             }
-            IvGen::Essiv { block, .. } => {
-                let mut data = [0u8; 16];
+            IvGen::Essiv { cipher, block } => {
+                let mut data = Zeroizing::new([0u8; 16]);
                 data[..8].copy_from_slice(&sector.to_le_bytes());
-                let essiv = ctx.essiv.as_mut().expect("an ESSIV run has its context");
-                update(essiv, &mut data[..*block])?;
+                cipher.encrypt_block(&mut data[..*block]);
                 let n = iv.len().min(*block);
                 iv[..n].copy_from_slice(&data[..n]);
             }
         }
-        Ok(())
     }
+}
+
+/// An OpenSSL context for `cipher`, keyed, without padding.
+fn context(cipher: &Cipher, key: &[u8], encrypt: bool) -> Result<CipherCtx, CryptoError> {
+    let err = CryptoError::backend("Unable to initialize the cipher");
+    let mut ctx = CipherCtx::new().map_err(err)?;
+    let init = if encrypt {
+        ctx.encrypt_init(Some(cipher), Some(key), None)
+    } else {
+        ctx.decrypt_init(Some(cipher), Some(key), None)
+    };
+    init.map_err(err)?;
+    ctx.set_padding(false);
+    Ok(ctx)
 }
 
 /// ESSIV's cipher, keyed with the hash of the whole key (QEMU's qcrypto_ivgen_essiv_init).
@@ -229,8 +257,7 @@ fn essiv(spec: &CipherSpec, key: &[u8]) -> Result<IvGen, CryptoError> {
     let nkey = spec.ivgen_cipher.key_len().min(digest.len());
     let salt = Zeroizing::new(digest[..nkey].to_vec());
     Ok(IvGen::Essiv {
-        cipher: fetch(spec.ivgen_cipher, CipherMode::Ecb)?,
-        key: salt,
+        cipher: soft::one_block(spec.ivgen_cipher, &salt)?,
         block: spec.ivgen_cipher.block_len(),
     })
 }
@@ -297,6 +324,14 @@ mod tests {
             (Aes192, Cbc, Plain64),
             (Aes256, Ecb, Plain64),
             (Aes256, Ctr, Plain64),
+            (Aes192, Xts, Plain64),
+            (Serpent256, Xts, Plain64),
+            (Serpent128, Cbc, Essiv),
+            (Twofish192, Xts, Plain),
+            (Twofish256, Ctr, Plain64),
+            (Cast5_128, Cbc, Plain64),
+            (Cast5_128, Ctr, Plain64),
+            (Cast5_128, Ecb, Plain64),
         ] {
             let s = spec(a, m, i);
             let key: Vec<u8> = (0..s.key_len() as u8).map(|b| b.wrapping_mul(7)).collect();
@@ -336,15 +371,46 @@ mod tests {
     }
 
     #[test]
+    fn rustcryptos_modes_agree_with_openssls() {
+        use CipherAlg::*;
+        use CipherMode::*;
+        use IvGenAlg::*;
+        for (a, m, i) in [
+            (Aes256, Xts, Plain64),
+            (Aes128, Xts, Plain),
+            (Aes128, Cbc, Essiv),
+            (Aes192, Cbc, Plain64),
+            (Aes256, Ecb, Plain64),
+            (Aes256, Ctr, Plain64),
+        ] {
+            let s = spec(a, m, i);
+            let key: Vec<u8> = (0..s.key_len() as u8).map(|b| b ^ 0xa5).collect();
+            let evp = SectorCipher::new(&s, &key).unwrap();
+            assert!(matches!(evp.engine, Engine::Evp { .. }), "{a:?} {m:?}");
+            let soft = SectorCipher {
+                engine: Engine::Soft(soft::sector_mode(a, m, &key).unwrap()),
+                ..SectorCipher::new(&s, &key).unwrap()
+            };
+            let plain: Vec<u8> = (0..8 * SECTOR_SIZE).map(|b| (b * 31 % 251) as u8).collect();
+            let (mut x, mut y) = (plain.clone(), plain.clone());
+            evp.encrypt(77, &mut x).unwrap();
+            soft.encrypt(77, &mut y).unwrap();
+            assert_eq!(x, y, "{a:?} {m:?} {i:?}");
+            soft.decrypt(77, &mut x).unwrap();
+            assert_eq!(x, plain);
+        }
+    }
+
+    #[test]
     fn wrong_key_lengths_are_refused_with_qemus_words() {
         let s = spec(CipherAlg::Aes256, CipherMode::Xts, IvGenAlg::Plain64);
         let e = SectorCipher::new(&s, &[0; 63]).unwrap_err().to_string();
         assert_eq!(e, "XTS cipher key length should be a multiple of 2");
         let e = SectorCipher::new(&s, &[0; 32]).unwrap_err().to_string();
         assert_eq!(e, "Cipher key length 16 should be 32");
-        let s = spec(CipherAlg::Serpent256, CipherMode::Cbc, IvGenAlg::Plain64);
+        let s = spec(CipherAlg::Cast5_128, CipherMode::Xts, IvGenAlg::Plain64);
         let e = SectorCipher::new(&s, &[0; 32]).unwrap_err().to_string();
-        assert_eq!(e, "Unsupported cipher algorithm serpent-256");
+        assert_eq!(e, "Unsupported cipher mode xts");
     }
 
     fn hex(s: &str) -> Vec<u8> {

@@ -5,9 +5,11 @@
 //! qcow2's `encrypt.format=luks` can use per cluster.
 //!
 //! It sits below the block layer and knows nothing of nodes: reads and writes of a
-//! header come in as closures or go out as buffers for the caller to write. Every
-//! primitive is OpenSSL's (EVP ciphers with AES-NI, PBKDF2, digests, random bytes); keys
-//! live in zeroed-on-drop buffers and never reach a log, an error text or QMP.
+//! header come in as closures or go out as buffers for the caller to write. No primitive
+//! is written here: OpenSSL's EVP ciphers (AES-NI), PBKDF2, digests and random bytes, and
+//! RustCrypto's block ciphers and modes for what OpenSSL lacks (AES-192-XTS, Serpent,
+//! Twofish, CAST5: [`soft`]); keys live in zeroed-on-drop buffers and never reach a log,
+//! an error text or QMP.
 
 pub mod afsplit;
 pub mod algs;
@@ -16,6 +18,7 @@ pub mod cipher;
 pub mod fuzz;
 pub mod luks;
 pub mod pbkdf;
+mod soft;
 
 /// Why an encryption step failed; texts are QEMU's.
 #[derive(Debug, thiserror::Error)]

@@ -113,9 +113,12 @@ impl Luks {
     pub fn find_key(&self, password: &[u8], read: ReadFn<'_>) -> Result<MasterKey, CryptoError> {
         for i in 0..NUM_KEY_SLOTS {
             if let Some(k) = self.load_key(i, password, read)? {
+                // QEMU's qcrypto_block_luks_load_key trace: the slot, never a key.
+                tracing::debug!("luks: key slot {i} unlocked the volume ({:?})", self.spec);
                 return Ok(k);
             }
         }
+        tracing::debug!("luks: no key slot unlocked the volume");
         Err(CryptoError::BadPassword)
     }
 
