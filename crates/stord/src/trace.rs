@@ -138,6 +138,10 @@ pub const GROUPS: &[Group] = &[
         qemu: "qcrypto_tls",
         targets: &["stord::tls"],
     },
+    Group {
+        qemu: "qcrypto_block",
+        targets: &["stord::crypto", "stord::block::drivers::luks"],
+    },
 ];
 
 /// What the `--trace` options ask for.

@@ -1,5 +1,5 @@
 //! LUKS volumes side by side with QEMU's own `luks` driver: volumes qemu-img made with
-//! each cipher, mode, IV generator and hash OpenSSL gives, opened by stord with
+//! each cipher, mode, IV generator and hash it offers, opened by stord with
 //! `key-secret`; the same qemu-io writes through a stord NBD export and through QEMU on a
 //! copy leave the two files byte for byte equal (same key, same sectors), and each reads
 //! what the other wrote. A wrong secret is refused with QEMU's words; detached headers
@@ -183,6 +183,48 @@ fn aes_256_ctr_plain64() {
     side_by_side("ctr", ",cipher-mode=ctr");
 }
 
+// The ciphers OpenSSL has no EVP cipher for, which stord runs on RustCrypto's; with them,
+// the hashes the tests above leave out.
+#[test]
+fn aes_192_xts_plain64_sha384() {
+    side_by_side("aes192-xts", ",cipher-alg=aes-192,hash-alg=sha384");
+}
+
+#[test]
+fn serpent_256_xts_plain64_sha224() {
+    side_by_side("serpent-xts", ",cipher-alg=serpent-256,hash-alg=sha224");
+}
+
+#[test]
+fn twofish_128_cbc_essiv_sha256_ripemd160() {
+    side_by_side(
+        "twofish-essiv",
+        ",cipher-alg=twofish-128,cipher-mode=cbc,ivgen-alg=essiv,ivgen-hash-alg=sha256,hash-alg=ripemd160",
+    );
+}
+
+#[test]
+fn twofish_192_xts_plain() {
+    side_by_side("twofish-xts", ",cipher-alg=twofish-192,ivgen-alg=plain");
+}
+
+#[test]
+fn cast5_128_cbc_essiv_md5_and_ctr() {
+    side_by_side(
+        "cast5-essiv",
+        ",cipher-alg=cast5-128,cipher-mode=cbc,ivgen-alg=essiv,ivgen-hash-alg=md5,hash-alg=md5",
+    );
+    side_by_side("cast5-ctr", ",cipher-alg=cast5-128,cipher-mode=ctr");
+}
+
+#[test]
+fn serpent_128_ecb_sm3() {
+    side_by_side(
+        "serpent-ecb",
+        ",cipher-alg=serpent-128,cipher-mode=ecb,hash-alg=sm3",
+    );
+}
+
 /// stord's error for `--blockdev opts` (it must refuse to start).
 fn refused(dir: &Path, secret: &str, blockdev: &str) -> String {
     let out = run(
@@ -288,6 +330,80 @@ fn secrets_wrong_missing_and_encrypted_as_qemu_takes_them() {
     );
     let e = refused(&dir, SECRET, &node);
     assert!(e.contains("Volume is not in LUKS format"), "{e}");
+}
+
+/// Passwords reach no log, error or QMP reply: a volume opened with a canary password
+/// read from a `file=` secret, a second one added over QMP with `data`, every trace group
+/// on, a wrong password tried, the nodes and objects queried; neither canary is anywhere
+/// in stderr, the trace file or a reply.
+#[test]
+fn passwords_reach_no_log_error_or_qmp_reply() {
+    let dir = tmpdir("luks-no-leak");
+    let canary = "canary-Zq81-first";
+    let other = "canary-Yx42-second";
+    let a = dir.join("a.luks").display().to_string();
+    let pw = dir.join("pw.txt");
+    std::fs::write(&pw, canary).unwrap();
+    let file_secret = format!("secret,id=sec0,file={}", pw.display());
+    run_ok(
+        "qemu-img",
+        &[
+            "create",
+            "-q",
+            "-f",
+            "luks",
+            "--object",
+            &file_secret,
+            "-o",
+            "key-secret=sec0,iter-time=10",
+            &a,
+            "1M",
+        ],
+    );
+    let (qmp, trace) = (dir.join("qmp.sock"), dir.join("trace.log"));
+    let mut args = vec![
+        "--trace".to_string(),
+        format!("enable=*,file={}", trace.display()),
+    ];
+    args.extend(["--object".into(), file_secret.clone(), "--blockdev".into()]);
+    args.push(format!(
+        "driver=luks,node-name=l,key-secret=sec0,file.driver=file,file.filename={a}"
+    ));
+    args.extend(monitor_args(&qmp));
+    let mut s = Stord::start(&dir, &args);
+    let mut q = RawQmp::connect(&qmp);
+    let mut replies = String::new();
+    for cmd in [
+        format!(
+            r#"{{"execute":"object-add","arguments":{{"qom-type":"secret","id":"sec1","data":"{other}"}}}}"#
+        ),
+        // sec1 opens nothing here: a wrong password, refused.
+        format!(
+            r#"{{"execute":"blockdev-add","arguments":{{"driver":"luks","node-name":"w","key-secret":"sec1","file":{{"driver":"file","filename":"{a}"}}}}}}"#
+        ),
+        r#"{"execute":"query-named-block-nodes"}"#.to_string(),
+        r#"{"execute":"qom-list","arguments":{"path":"/objects"}}"#.to_string(),
+        r#"{"execute":"qom-list-get","arguments":{"paths":["/objects/sec0","/objects/sec1"]}}"#
+            .to_string(),
+        r#"{"execute":"qom-get","arguments":{"path":"/objects/sec1","property":"data"}}"#
+            .to_string(),
+        r#"{"execute":"query-block"}"#.to_string(),
+    ] {
+        replies.push_str(&q.send(&cmd).to_string());
+    }
+    assert!(
+        replies.contains("Invalid password, cannot unlock any keyslot"),
+        "{replies}"
+    );
+    drop(q);
+    let stderr = s.stop_and_stderr();
+    let log = std::fs::read_to_string(&trace).unwrap_or_default();
+    assert!(!log.is_empty(), "the trace file is empty");
+    for (what, text) in [("stderr", &stderr), ("trace", &log), ("QMP", &replies)] {
+        for c in [canary, other] {
+            assert!(!text.contains(c), "{c} in {what}: {text}");
+        }
+    }
 }
 
 /// A qemu-storage-daemon, killed when dropped (a failing test leaves none behind).
