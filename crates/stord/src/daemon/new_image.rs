@@ -6,6 +6,7 @@
 use std::sync::Arc;
 
 use super::error::{invalid, DaemonError};
+use crate::block::create::Prealloc;
 use crate::block::drivers::file;
 use crate::block::drivers::file::create::{create_file, FileCreate};
 use crate::block::drivers::file::{AioMode, FileOptions};
@@ -28,7 +29,7 @@ pub(super) fn create_image(
             return create_file(&FileCreate {
                 filename: path.to_string(),
                 size,
-                falloc: false,
+                prealloc: Prealloc::Off,
             })
             .map_err(DaemonError::Invalid)
         }
@@ -41,7 +42,7 @@ pub(super) fn create_image(
     create_file(&FileCreate {
         filename: path.to_string(),
         size: 0,
-        falloc: false,
+        prealloc: Prealloc::Off,
     })
     .map_err(DaemonError::Invalid)?;
     let opts = FileOptions {

@@ -6,7 +6,7 @@
 use std::os::fd::AsRawFd;
 
 use super::lock::ImageLock;
-use crate::block::create::{unsupported, CreateDef, PREALLOC_MODE};
+use crate::block::create::{CreateDef, Prealloc, PREALLOC_MODE};
 use crate::block::node::perm::Perm;
 use crate::schema::{opt, req, Ty};
 
@@ -20,22 +20,20 @@ pub const CREATE: CreateDef = CreateDef {
         opt("extent-size-hint", Ty::Uint),
     ],
     prepare: |mut kv, _| {
-        let falloc = match kv.take("preallocation").as_deref() {
-            None | Some("off") => false,
-            Some("falloc") => true,
-            Some(p) => return Err(unsupported(&format!("preallocation={p}"))),
-        };
         let o = FileCreate {
+            prealloc: Prealloc::take(&mut kv)?,
             filename: kv.take_required("filename")?,
             size: kv.take_u64("size", false)?.unwrap_or(0),
-            falloc,
         };
         // Hints for filesystems that have them; stord's files get neither (as QEMU's on
         // most filesystems).
         kv.take("nocow");
         kv.take("extent-size-hint");
         kv.finish()?;
-        Ok(Box::pin(async move { create_file(&o) }))
+        // A worker thread's: `full` writes the whole file.
+        Ok(Box::pin(async move {
+            crate::block::worker_pool::run(move || create_file(&o)).await
+        }))
     },
 };
 
@@ -44,8 +42,8 @@ pub const CREATE: CreateDef = CreateDef {
 pub struct FileCreate {
     pub filename: String,
     pub size: u64,
-    /// `preallocation=falloc`.
-    pub falloc: bool,
+    /// `off`, `falloc` or `full` (a file has no metadata to preallocate).
+    pub prealloc: Prealloc,
 }
 
 /// Creates (or cuts and resizes) the file.
@@ -69,9 +67,33 @@ pub fn create_file(o: &FileCreate) -> Result<(), String> {
     f.set_len(0)
         .and_then(|()| f.set_len(o.size))
         .map_err(|e| format!("Could not resize file: {e}"))?;
-    if o.falloc && o.size > 0 {
-        crate::sys::fallocate(f.as_raw_fd(), 0, 0, o.size)
-            .map_err(|e| format!("Could not preallocate data for the new file: {e}"))?;
+    match o.prealloc {
+        Prealloc::Off => {}
+        Prealloc::Falloc if o.size > 0 => crate::sys::fallocate(f.as_raw_fd(), 0, 0, o.size)
+            .map_err(|e| format!("Could not preallocate data for the new file: {e}"))?,
+        Prealloc::Falloc => {}
+        Prealloc::Full => write_zeroes(&f, o.size)
+            .map_err(|e| format!("Could not write zeros for preallocation: {e}"))?,
+        Prealloc::Metadata => {
+            return Err(format!(
+                "Unsupported preallocation mode: {}",
+                o.prealloc.name()
+            ))
+        }
     }
     Ok(())
+}
+
+/// `preallocation=full`: zeroes written over the whole file, a MiB at a time, then synced
+/// (QEMU's handle_aiocb_truncate).
+fn write_zeroes(f: &std::fs::File, size: u64) -> std::io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    let zeroes = vec![0u8; 1 << 20];
+    let mut at = 0;
+    while at < size {
+        let n = (size - at).min(zeroes.len() as u64) as usize;
+        f.write_all_at(&zeroes[..n], at)?;
+        at += n as u64;
+    }
+    f.sync_all()
 }

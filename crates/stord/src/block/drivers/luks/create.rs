@@ -4,7 +4,9 @@
 
 use std::sync::Arc;
 
-use crate::block::create::{unsupported, CreateDef, CreateEnv, Creation, PREALLOC_MODE};
+use crate::block::create::{
+    resize_allocated, unsupported, CreateDef, CreateEnv, Creation, Prealloc, PREALLOC_MODE,
+};
 use crate::block::node::block_node::BlockNode;
 use crate::block::node::perm::Perm;
 use crate::block::open::GraphError;
@@ -84,10 +86,11 @@ fn prepare(mut kv: KeyVal, env: &dyn CreateEnv) -> Result<Creation, GraphError> 
     }
     let file = kv.take("file");
     let header = kv.take("header");
-    let falloc = match kv.take("preallocation").as_deref() {
-        None | Some("off") | Some("metadata") => false,
-        Some("falloc") => true,
-        Some(p) => return Err(unsupported(&format!("preallocation={p}"))),
+    // `metadata` is `off` for a volume, which has none (QEMU passes it to the file, whose
+    // truncate takes it as no preallocation).
+    let prealloc = match Prealloc::take(&mut kv)? {
+        Prealloc::Metadata => Prealloc::Off,
+        p => p,
     };
     let secret_id = kv.take("key-secret");
     let o = options(&mut kv)?;
@@ -97,7 +100,7 @@ fn prepare(mut kv: KeyVal, env: &dyn CreateEnv) -> Result<Creation, GraphError> 
         file: file.map(|n| (env.node(&n), n)),
         header: header.map(|n| (env.node(&n), n)),
         secret: secret_id.map(|id| (env.secret(&id).map(zeroize::Zeroizing::new), id)),
-        falloc,
+        prealloc,
         size,
         o,
     };
@@ -111,7 +114,7 @@ struct Job {
     file: Named<Arc<BlockNode>>,
     header: Named<Arc<BlockNode>>,
     secret: Named<zeroize::Zeroizing<Vec<u8>>>,
-    falloc: bool,
+    prealloc: Prealloc,
     size: u64,
     o: CreateOptions,
 }
@@ -131,7 +134,7 @@ impl Job {
         if self.header.is_none() && self.file.is_none() {
             return Err("Either the parameter 'header' or 'file' must be specified".into());
         }
-        if self.falloc && self.file.is_none() {
+        if self.prealloc != Prealloc::Off && self.file.is_none() {
             return Err(
                 "Parameter 'preallocation' requires 'file' to be specified for \
                         formatting LUKS disk"
@@ -149,17 +152,17 @@ impl Job {
         let created = crate::block::worker_pool::run(move || create(&o, &password, detached))
             .await
             .map_err(|e| e.to_string())?;
-        let (size, falloc) = (self.size, self.falloc);
+        let (size, prealloc) = (self.size, self.prealloc);
         match (header, file) {
             (Some(h), file) => {
-                write_volume(&h, &created, 0, false).await?;
+                write_volume(&h, &created, 0, Prealloc::Off).await?;
                 if let Some(f) = file {
                     let _claim = claim(&f)?;
-                    resize(&f, size, falloc).await?;
+                    resize(&f, size, prealloc).await?;
                 }
                 Ok(())
             }
-            (None, Some(f)) => write_volume(&f, &created, size, falloc).await,
+            (None, Some(f)) => write_volume(&f, &created, size, prealloc).await,
             (None, None) => unreachable!("checked above"),
         }
     }
@@ -175,13 +178,10 @@ fn claim(node: &Arc<BlockNode>) -> Result<crate::block::node::block_node::Claim,
     .map_err(|e| e.to_string())
 }
 
-async fn resize(node: &Arc<BlockNode>, size: u64, falloc: bool) -> Result<(), String> {
-    let r = if falloc {
-        node.resize_preallocated(size).await
-    } else {
-        node.resize(size).await
-    };
-    r.map_err(|e| format!("Could not resize image: {}", crate::sys::os_text(&e)))
+async fn resize(node: &Arc<BlockNode>, size: u64, prealloc: Prealloc) -> Result<(), String> {
+    resize_allocated(node, size, prealloc)
+        .await
+        .map_err(|e| format!("Could not resize image: {}", crate::sys::os_text(&e)))
 }
 
 /// Sizes `node` for the header and `size` bytes of payload, then writes slot 0's
@@ -190,10 +190,10 @@ async fn write_volume(
     node: &Arc<BlockNode>,
     c: &Created,
     size: u64,
-    falloc: bool,
+    prealloc: Prealloc,
 ) -> Result<(), String> {
     let _claim = claim(node)?;
-    resize(node, c.header_size + size, falloc).await?;
+    resize(node, c.header_size + size, prealloc).await?;
     let (offset, _) = c.luks.material(0);
     write(node, offset, &c.material).await?;
     write(node, 0, &c.luks.header.encode()).await?;

@@ -13,7 +13,9 @@
 use std::io;
 use std::sync::Arc;
 
-use crate::block::create::{unsupported, CreateDef, CreateEnv, Creation, PREALLOC_MODE};
+use crate::block::create::{
+    resize_allocated, unsupported, CreateDef, CreateEnv, Creation, Prealloc, PREALLOC_MODE,
+};
 use crate::block::node::block_node::BlockNode;
 use crate::block::node::perm::Perm;
 use crate::block::open::GraphError;
@@ -90,14 +92,15 @@ fn prepare(mut kv: KeyVal, env: &dyn CreateEnv) -> Result<Creation, GraphError> 
                 name: d.filename().unwrap_or_default(),
                 node: d,
                 raw: data.raw,
-                prealloc: data.raw || data.metadata,
+                prealloc: data.prealloc,
             }),
         };
         let crypt = match encrypt {
             Some(e) => Some(e.make().await?),
             None => None,
         };
-        create_image(&node, &opts, new_data.as_ref(), crypt.as_ref())
+        let prealloc = data.prealloc;
+        create_image(&node, &opts, new_data.as_ref(), crypt.as_ref(), prealloc)
             .await
             .map_err(|e| e.to_string())
     }))
@@ -108,34 +111,29 @@ struct DataFileOptions {
     /// `data-file`: the node's name.
     node: Option<String>,
     raw: bool,
-    /// `preallocation=metadata` asked for.
-    metadata: bool,
+    /// `preallocation`: with a data file, for the data file; without, for the image.
+    prealloc: Prealloc,
 }
 
 impl DataFileOptions {
-    /// Takes `data-file`, `data-file-raw` and `preallocation`: only `off`, or `metadata`
-    /// with a data file, where it maps the clusters there one to one.
+    /// Takes `data-file`, `data-file-raw` and `preallocation`.
     fn take(kv: &mut KeyVal) -> Result<Self, GraphError> {
         if kv.take_prefixed("data-file").is_some() {
             return Err(unsupported("an inline 'data-file' (name a node)"));
         }
         let node = kv.take("data-file");
         let raw = kv.take_bool("data-file-raw", false)?;
-        let metadata = match kv.take("preallocation").as_deref() {
-            None | Some("off") => false,
-            Some("metadata") if node.is_some() => true,
-            Some(p) => return Err(unsupported(&format!("preallocation={p}"))),
-        };
+        let prealloc = Prealloc::take(kv)?;
         Ok(Self {
             node,
             raw,
-            metadata,
+            prealloc,
         })
     }
 
     /// QEMU's checks and texts (qcow2_co_create), after those of [`Qcow2Create::check`].
     fn check(&self, o: &Qcow2Create) -> Result<(), String> {
-        if o.backing_file.is_some() && self.metadata && !o.extended_l2 {
+        if o.backing_file.is_some() && self.prealloc != Prealloc::Off && !o.extended_l2 {
             return Err("Backing file and preallocation can only be used at the same time if extended_l2 is on".into());
         }
         if self.raw && self.node.is_none() {
@@ -159,9 +157,16 @@ pub struct NewDataFile {
     pub name: String,
     /// `data-file-raw`: the data file reads as the disk by itself.
     pub raw: bool,
-    /// Every cluster mapped to its offset in the data file (QEMU's metadata
-    /// preallocation, which `data-file-raw` implies).
-    pub prealloc: bool,
+    /// `preallocation` for the data file: any but `off` (which `data-file-raw` implies
+    /// is `metadata`) maps every cluster to its own offset there.
+    pub prealloc: Prealloc,
+}
+
+impl NewDataFile {
+    /// Every cluster mapped one to one (QEMU's metadata preallocation).
+    fn mapped(&self) -> bool {
+        self.raw || self.prealloc != Prealloc::Off
+    }
 }
 
 /// `blockdev-create` of `driver=qcow2` (the options QEMU checks before it starts the job
@@ -232,21 +237,44 @@ struct Layout {
     luks: u64,
     /// Preallocated L2 tables after those, one per L1 entry (or none).
     l2_tables: u64,
+    /// Preallocated data clusters in the image itself, after the L2 tables (or none).
+    data: u64,
+}
+
+/// Where a new image's L2 tables map its clusters, if it has any yet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mapping {
+    /// No L2 table: an empty L1 table.
+    None,
+    /// Every cluster to its own offset in the external data file.
+    DataFile,
+    /// Every cluster to one of the image's own, after the L2 tables (QEMU's
+    /// preallocation without a data file).
+    InImage,
 }
 
 impl Layout {
-    /// The layout of `o`, with `luks` clusters for a LUKS header and an L2 table for every
-    /// L1 entry if `prealloc`.
-    fn new(o: &Qcow2Create, luks: u64, prealloc: bool) -> Layout {
+    /// The layout of `o`, with `luks` clusters for a LUKS header, and an L2 table for every
+    /// L1 entry (and, in the image, the data clusters they map) as `mapping` says.
+    fn new(o: &Qcow2Create, luks: u64, mapping: Mapping) -> Layout {
         let cs = o.cluster_size;
         let entry_bytes = if o.extended_l2 { 16 } else { 8 };
         let l1_entries = o.size.div_ceil(cs * (cs / entry_bytes));
         let l1_clusters = (l1_entries * 8).div_ceil(cs).max(1);
-        let l2_tables = if prealloc { l1_entries } else { 0 };
+        let l2_tables = if mapping == Mapping::None {
+            0
+        } else {
+            l1_entries
+        };
+        let data = if mapping == Mapping::InImage {
+            o.size.div_ceil(cs)
+        } else {
+            0
+        };
         let per_block = cs * 8 / o.refcount_bits;
         let (mut rt, mut rb) = (1, 1);
         loop {
-            let total = 1 + rt + rb + l1_clusters + luks + l2_tables;
+            let total = 1 + rt + rb + l1_clusters + luks + l2_tables + data;
             let rb2 = total.div_ceil(per_block);
             let rt2 = (rb2 * 8).div_ceil(cs);
             if (rb2, rt2) == (rb, rt) {
@@ -261,6 +289,7 @@ impl Layout {
             l1_clusters,
             luks,
             l2_tables,
+            data,
         }
     }
 
@@ -279,8 +308,14 @@ impl Layout {
         self.luks_start() + self.luks
     }
 
-    fn clusters(&self) -> u64 {
+    /// Where the preallocated data clusters start (the metadata's end), in clusters.
+    fn data_start(&self) -> u64 {
         self.l2_start() + self.l2_tables
+    }
+
+    /// Every cluster the refcounts count.
+    fn clusters(&self) -> u64 {
+        self.data_start() + self.data
     }
 }
 
@@ -380,7 +415,7 @@ fn feature_table() -> Vec<u8> {
 
 /// Writes a new qcow2 image on `file` (its contents are replaced).
 pub async fn create_qcow2(file: &Arc<BlockNode>, o: &Qcow2Create) -> io::Result<()> {
-    create_image(file, o, None, None).await
+    create_image(file, o, None, None, Prealloc::Off).await
 }
 
 /// Writes a new qcow2 image on `file` whose guest data lives in `data` (when given),
@@ -390,11 +425,17 @@ pub async fn create_image(
     o: &Qcow2Create,
     data: Option<&NewDataFile>,
     crypt: Option<&Created>,
+    prealloc: Prealloc,
 ) -> io::Result<()> {
     let cs = o.cluster_size;
     let luks_len = crypt.map_or(0, |c| c.header_size);
-    let prealloc = data.is_some_and(|d| d.prealloc);
-    let l = Layout::new(o, luks_len.div_ceil(cs), prealloc);
+    let mapping = match data {
+        Some(d) if d.mapped() => Mapping::DataFile,
+        Some(_) => Mapping::None,
+        None if prealloc != Prealloc::Off => Mapping::InImage,
+        None => Mapping::None,
+    };
+    let l = Layout::new(o, luks_len.div_ceil(cs), mapping);
     if o.backing_file.as_ref().is_some_and(|b| b.len() > 1023) {
         return Err(io::Error::other("Backing file name too long"));
     }
@@ -421,9 +462,14 @@ pub async fn create_image(
         write_at(file, luks_at + offset, &c.material).await?;
         write_at(file, luks_at, &c.luks.header.encode()).await?;
     }
-    if let Some(d) = data {
-        write_identity_tables(file, o, &l).await?;
-        size_data_file(d, o.size).await?;
+    write_mapped_tables(file, o, &l, mapping).await?;
+    match data {
+        Some(d) => size_data_file(d, o.size).await?,
+        // The data clusters, as the mode allocates them (`metadata`: sparse).
+        None if mapping == Mapping::InImage => {
+            resize_allocated(file, l.clusters() * cs, prealloc).await?
+        }
+        None => {}
     }
     file.flush().await
 }
@@ -434,7 +480,7 @@ pub async fn create_image(
 /// RBD image) keeps its size. A new file ends where QEMU's does: after the L1 table's last
 /// entry, or after the last cluster of a LUKS header or of preallocated L2 tables.
 async fn clear_metadata_area(file: &Arc<BlockNode>, l: &Layout, cs: u64) -> io::Result<()> {
-    let total = l.clusters();
+    let total = l.data_start();
     let need = match (l.l1_entries, l.luks + l.l2_tables) {
         (n, 0) if n > 0 => (total - l.l1_clusters) * cs + n * 8,
         _ => total * cs,
@@ -477,20 +523,24 @@ async fn write_refcounts(file: &Arc<BlockNode>, o: &Qcow2Create, l: &Layout) -> 
     Ok(())
 }
 
-/// With a data file mapped one to one: the L1 table naming the L2 tables after it, and
-/// those mapping every guest cluster to its offset in the data file, COPIED (an extended
-/// entry's subclusters left unallocated, as QEMU's preallocation leaves them). Without,
-/// the L1 table stays zero (zeroed before).
-async fn write_identity_tables(
+/// Preallocated: the L1 table naming the L2 tables after it, and those mapping every
+/// guest cluster, COPIED, to its offset in the data file or to the image's data clusters
+/// in order (an extended entry's subclusters left unallocated, as QEMU's preallocation
+/// leaves them: they read from the backing file, or as zeroes). Else the L1 table stays
+/// zero (zeroed before).
+async fn write_mapped_tables(
     file: &Arc<BlockNode>,
     o: &Qcow2Create,
     l: &Layout,
+    mapping: Mapping,
 ) -> io::Result<()> {
     const COPIED: u64 = 1 << 63;
-    if l.l2_tables == 0 {
-        return Ok(());
-    }
     let cs = o.cluster_size;
+    let base = match mapping {
+        Mapping::None => return Ok(()),
+        Mapping::DataFile => 0,
+        Mapping::InImage => l.data_start() * cs,
+    };
     let first_l2 = l.l2_start();
     let l1: Vec<u8> = (0..l.l1_entries)
         .flat_map(|i| (((first_l2 + i) * cs) | COPIED).to_be_bytes())
@@ -502,9 +552,9 @@ async fn write_identity_tables(
     for t in 0..l.l2_tables {
         let mut table = vec![0u8; cs as usize];
         for i in 0..per_table.min(clusters - t * per_table) {
-            let guest = (t * per_table + i) * cs;
+            let host = base + (t * per_table + i) * cs;
             let at = (i * words * 8) as usize;
-            table[at..at + 8].copy_from_slice(&(guest | COPIED).to_be_bytes());
+            table[at..at + 8].copy_from_slice(&(host | COPIED).to_be_bytes());
         }
         write_at(file, (first_l2 + t) * cs, &table).await?;
     }
@@ -512,11 +562,12 @@ async fn write_identity_tables(
 }
 
 /// The data file sized for a disk of `size` bytes, as QEMU's truncate of a new image
-/// sizes it: to `size` exactly, or, mapped one to one, grown to it if shorter.
+/// sizes it: to `size` exactly, or, mapped one to one, grown to it if shorter; a grown
+/// area allocated as `preallocation` says.
 async fn size_data_file(d: &NewDataFile, size: u64) -> io::Result<()> {
     let have = d.node.size();
-    if have != size && !(d.prealloc && have > size) {
-        d.node.resize(size).await?;
+    if have != size && !(d.mapped() && have > size) {
+        resize_allocated(&d.node, size, d.prealloc).await?;
     }
     d.node.flush().await
 }
@@ -560,12 +611,12 @@ mod tests {
     #[test]
     fn the_layout_counts_its_own_refcount_blocks() {
         // QEMU's 64 MiB image: header, reftable, refblock, one L1 cluster.
-        let l = Layout::new(&opts(64 << 20, 65536, 16), 0, false);
+        let l = Layout::new(&opts(64 << 20, 65536, 16), 0, Mapping::None);
         assert_eq!(l.clusters(), 4);
         assert_eq!(l.l1_entries, 1);
         // 512 B clusters, 1-bit refcounts, 1 GiB: L1 of 32768 entries in 512 clusters,
         // which several refcount blocks must cover.
-        let l = Layout::new(&opts(1 << 30, 512, 1), 0, false);
+        let l = Layout::new(&opts(1 << 30, 512, 1), 0, Mapping::None);
         assert_eq!(l.l1_clusters, 512);
         assert!(l.refblocks * 512 * 8 >= l.clusters());
         assert!(l.reftable_clusters * 512 / 8 >= l.refblocks);
@@ -575,13 +626,13 @@ mod tests {
     fn a_data_file_is_named_and_its_clusters_mapped_one_to_one() {
         let o = opts(1 << 30, 65536, 16);
         // QEMU's layout: header, refcount table and block, L1 table, then two L2 tables.
-        let l = Layout::new(&o, 0, true);
+        let l = Layout::new(&o, 0, Mapping::DataFile);
         assert_eq!((l.l1_start(), l.l2_tables, l.clusters()), (3, 2, 6));
         let d = NewDataFile {
             node: crate::block::drivers::null::test_node("d"),
             name: "/images/disk.raw".into(),
             raw: true,
-            prealloc: true,
+            prealloc: Prealloc::Metadata,
         };
         let h =
             super::super::header::Header::parse(&header(&o, &l, Some(&d), None).unwrap()).unwrap();
@@ -594,12 +645,18 @@ mod tests {
             name: "x".repeat(500),
             ..d
         };
-        assert!(header(&small, &Layout::new(&small, 0, false), Some(&long), None).is_none());
+        assert!(header(
+            &small,
+            &Layout::new(&small, 0, Mapping::None),
+            Some(&long),
+            None
+        )
+        .is_none());
         // QEMU's rules for the options.
         let given = |node: bool, raw: bool| DataFileOptions {
             node: node.then(|| "d".to_string()),
             raw,
-            metadata: false,
+            prealloc: Prealloc::Off,
         };
         assert_eq!(
             given(false, true).check(&o).unwrap_err(),
@@ -641,6 +698,6 @@ mod tests {
         assert!(o.check().is_ok());
         // An L2 table of 16 KiB maps 1024 clusters with extended entries: 16 MiB.
         o.size = 64 << 20;
-        assert_eq!(Layout::new(&o, 0, false).l1_entries, 4);
+        assert_eq!(Layout::new(&o, 0, Mapping::None).l1_entries, 4);
     }
 }
