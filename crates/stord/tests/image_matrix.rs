@@ -1,5 +1,5 @@
-//! The images users' tools make, as a matrix: qcow2 as qemu-img 10.0 makes it (v3 and v2),
-//! subclusters as Proxmox makes its overlays, LUKS in both forms (the `luks` format and
+//! The images users' tools make, as a matrix: qcow2 as qemu-img 10.0 makes it (v3 and v2,
+//! preallocated as Proxmox makes its disks), subclusters as Proxmox makes its overlays, LUKS in both forms (the `luks` format and
 //! qcow2's `encrypt.format=luks`), external data files (with and without
 //! `data_file_raw`, and encrypted), zstd-compressed clusters, persistent bitmaps. Each
 //! kind is made twice by qemu-img, once for stord and once for QEMU; the same qemu-io
@@ -148,6 +148,39 @@ const KINDS: &[Kind] = &[
         copied: false,
     },
     Kind {
+        // Proxmox's default for a new qcow2 disk.
+        name: "qcow2-preallocated-metadata",
+        make: |d| create(d, "qcow2", "preallocation=metadata", "disk.qcow2"),
+        opts: qcow2_opts,
+        checked: true,
+        copied: false,
+    },
+    Kind {
+        // Allocated clusters whose subclusters are all unallocated (reads go to the base).
+        name: "proxmox-overlay-preallocated",
+        make: |d| {
+            let o = format!(
+                "extended_l2=on,cluster_size=128k,preallocation=metadata,\
+                 backing_file={},backing_fmt=qcow2",
+                base(d)
+            );
+            create(d, "qcow2", &o, "disk.qcow2")
+        },
+        opts: qcow2_opts,
+        checked: true,
+        copied: false,
+    },
+    Kind {
+        name: "subclusters-2m-falloc",
+        make: |d| {
+            let o = "extended_l2=on,cluster_size=2M,preallocation=falloc";
+            create(d, "qcow2", o, "disk.qcow2")
+        },
+        opts: qcow2_opts,
+        checked: true,
+        copied: false,
+    },
+    Kind {
         name: "zstd-compressed",
         make: |d| compressed(d),
         opts: qcow2_opts,
@@ -214,6 +247,19 @@ const KINDS: &[Kind] = &[
         name: "data-file-raw",
         make: |d| {
             let o = format!("data_file={},data_file_raw=on", p(d, "disk.raw"));
+            create(d, "qcow2", &o, "disk.qcow2")
+        },
+        opts: data_file_opts,
+        checked: true,
+        copied: false,
+    },
+    Kind {
+        name: "data-file-subclusters",
+        make: |d| {
+            let o = format!(
+                "data_file={},extended_l2=on,cluster_size=32k",
+                p(d, "disk.raw")
+            );
             create(d, "qcow2", &o, "disk.qcow2")
         },
         opts: data_file_opts,

@@ -256,6 +256,85 @@ fn backing_chains_raw_and_qcow2_of_mixed_cluster_sizes() {
     same_as_qemu(&dir, &v2, &ops(&[]));
 }
 
+/// Extended L2 entries (subclusters) across the matrix: every cluster size they allow,
+/// the narrowest and widest refcounts, lazy refcounts (and a dirty image repaired),
+/// metadata preallocation, compressed clusters, and a chain of subclustered images over
+/// a raw base, each written as QEMU writes it.
+#[test]
+fn extended_l2_across_cluster_sizes_refcounts_and_chains() {
+    let dir = tmpdir("matrix-extl2");
+    for cs in ["16k", "32k", "64k", "128k", "512k", "2M"] {
+        let img = create(
+            &dir.join(format!("x{cs}.qcow2")),
+            &format!("extended_l2=on,cluster_size={cs}"),
+            "64M",
+        );
+        same_as_qemu(
+            &dir,
+            &img,
+            &ops(&["write -P 0x61 60M 4M", "write -z 61M 3k"]),
+        );
+    }
+    for opts in [
+        "extended_l2=on,cluster_size=128k,refcount_bits=1",
+        "extended_l2=on,cluster_size=64k,refcount_bits=64",
+        "extended_l2=on,cluster_size=32k,lazy_refcounts=on",
+        "extended_l2=on,cluster_size=128k,preallocation=metadata",
+    ] {
+        let name = opts.replace([',', '='], "-");
+        let img = create(&dir.join(format!("{name}.qcow2")), opts, "64M");
+        same_as_qemu(&dir, &img, &ops(&[]));
+    }
+    let dirty = create(
+        &dir.join("dirty.qcow2"),
+        "extended_l2=on,cluster_size=32k,lazy_refcounts=on",
+        "64M",
+    );
+    let out = run(
+        "qemu-io",
+        &[
+            "-c",
+            "write -P 0x62 0 4M",
+            "-c",
+            "write -P 0x63 5000k 3k",
+            "-c",
+            "sigraise 9",
+            &dirty,
+        ],
+    );
+    assert!(!out.status.success());
+    same_as_qemu(&dir, &dirty, &ops(&["read -P 0x63 5000k 3k"]));
+    let raw = dir.join("src.raw").display().to_string();
+    run_ok("qemu-img", &["create", "-q", "-f", "raw", &raw, "16M"]);
+    qemu_io(&["-f", "raw"], &["write -P 0x64 0 16M"], &raw);
+    let zipped = dir.join("zipped.qcow2").display().to_string();
+    let o = "extended_l2=on,cluster_size=64k";
+    run_ok(
+        "qemu-img",
+        &["convert", "-q", "-c", "-O", "qcow2", "-o", o, &raw, &zipped],
+    );
+    same_as_qemu(&dir, &zipped, &ops(&["read -P 0x64 8M 64k"]));
+    let mid = create(
+        &dir.join("mid.qcow2"),
+        &format!("extended_l2=on,cluster_size=32k,backing_file={raw},backing_fmt=raw"),
+        "64M",
+    );
+    qemu_io(&["-f", "qcow2"], &["write -P 0x65 5M 5k"], &mid);
+    let top = create(
+        &dir.join("top.qcow2"),
+        &format!(
+            "extended_l2=on,cluster_size=128k,preallocation=metadata,\
+             backing_file={mid},backing_fmt=qcow2"
+        ),
+        "64M",
+    );
+    same_as_qemu(
+        &dir,
+        &top,
+        &ops(&["read -P 0x64 10k 90k", "read -P 0x65 5M 5k"]),
+    );
+}
+
 #[test]
 fn two_tib_virtual_size() {
     let dir = tmpdir("matrix-huge");
