@@ -51,7 +51,7 @@ fn sigterm_during_fio_writes_keeps_acknowledged_flushed_data() {
             "--iodepth=16",
             "--size=32M",
             "--time_based",
-            "--runtime=30",
+            "--runtime=60",
         ])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -63,7 +63,14 @@ fn sigterm_during_fio_writes_keeps_acknowledged_flushed_data() {
     let start = Instant::now();
     let mut signalled = false;
     for i in 0..4096u64 {
-        if !signalled && start.elapsed() > Duration::from_millis(700) {
+        // The signal lands once enough writes are acknowledged to mean something (on a
+        // busy machine fio's writes can hold each flush up for a long time), with fio
+        // still running.
+        let waited = start.elapsed();
+        if !signalled
+            && waited > Duration::from_millis(700)
+            && (acked.len() > 50 || waited > Duration::from_secs(20))
+        {
             s.signal(libc::SIGTERM);
             signalled = true;
         }
@@ -100,7 +107,7 @@ fn sigterm_during_fio_writes_keeps_acknowledged_flushed_data() {
             break;
         }
         acked.push((offset, block[0]));
-        if signalled && start.elapsed() > Duration::from_secs(10) {
+        if signalled && start.elapsed() > Duration::from_secs(30) {
             break;
         }
     }
