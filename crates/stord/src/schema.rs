@@ -59,6 +59,8 @@ pub enum Ty {
     Union(&'static UnionType),
     /// An object with these members (the monitor checks them, as a struct's).
     Struct(&'static [Arg]),
+    /// An array of this type (its elements are not checked).
+    List(&'static Ty),
 }
 
 /// Why a value does not fit its declared type.
@@ -79,7 +81,7 @@ impl Ty {
             Ty::Uint => v.is_u64(),
             Ty::Bool => v.is_boolean(),
             Ty::Object | Ty::Union(_) | Ty::Struct(_) => v.is_object(),
-            Ty::Array => v.is_array(),
+            Ty::Array | Ty::List(_) => v.is_array(),
             Ty::Any => true,
             Ty::Enum(e) => {
                 let Some(s) = v.as_str() else {
@@ -105,7 +107,7 @@ impl Ty {
             Ty::Int | Ty::Uint => "integer",
             Ty::Bool => "boolean",
             Ty::Object | Ty::Union(_) | Ty::Struct(_) => "object",
-            Ty::Array => "array",
+            Ty::Array | Ty::List(_) => "array",
             Ty::Any => "any",
         }
     }

@@ -92,8 +92,9 @@ def newer(ours):
     """What QEMU 10.1 to 11.1 added is in stord's schema as QEMU's schema text has it:
     qom-list-get (qapi/qom.json: `paths`, a list of strings, required), blockdev-mirror's
     optional `target-is-zero` (block-core.json), nbd-server-start's inet address with
-    `keep-alive` and the 10.1 `keep-alive-count`, `-idle`, `-interval` (sockets.json), and
-    the `monitor-qmp` object type (qom.json's ObjectType, 11.1)."""
+    `keep-alive` and the 10.1 `keep-alive-count`, `-idle`, `-interval` (sockets.json), the
+    `monitor-qmp` object type (qom.json's ObjectType, 11.1), and query-named-block-nodes'
+    `children` (10.1) and `image.limits` (10.2) in its return type."""
     assert ours["qom-list-get"]["meta-type"] == "command"
     assert members(ours, "qom-list-get") == ({"paths"}, {"paths"})
     req, every = members(ours, "blockdev-mirror")
@@ -111,6 +112,18 @@ def newer(ours):
     qom_type = [m for m in ours[ours["object-add"]["arg-type"]]["members"]
                 if m["name"] == "qom-type"][0]
     assert "monitor-qmp" in ours[qom_type["type"]]["values"], ours[qom_type["type"]]
+    # query-named-block-nodes returns BlockDeviceInfo with 10.1's `children` (a list of
+    # BlockdevChild) and ImageInfo's 10.2 `limits` (BlockLimitsInfo).
+    ret = ours[ours["query-named-block-nodes"]["ret-type"]]
+    assert ret["meta-type"] == "array", ret
+    info = {m["name"]: m for m in ours[ret["element-type"]]["members"]}
+    children = ours[info["children"]["type"]]
+    assert children["meta-type"] == "array", children
+    child = {m["name"] for m in ours[children["element-type"]]["members"]}
+    assert child == {"child", "node-name"}, child
+    image = {m["name"]: m for m in ours[info["image"]["type"]]["members"]}
+    limits = {m["name"] for m in ours[image["limits"]["type"]]["members"]}
+    assert {"request-alignment", "max-iov", "opt-mem-alignment"} <= limits, limits
 
 
 common.main(test)

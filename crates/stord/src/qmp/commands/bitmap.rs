@@ -42,6 +42,7 @@ pub const ADD: Command = Command {
         opt("disabled", Ty::Bool),
     ],
     open: false,
+    ret: Ty::Any,
     run: |state, mut a| {
         let n = node(state, &mut a)?;
         let name = a.str_req("name")?;
@@ -59,6 +60,7 @@ pub const REMOVE: Command = Command {
     name: "block-dirty-bitmap-remove",
     args: NODE_NAME,
     open: false,
+    ret: Ty::Any,
     run: |state, mut a| {
         let n = bitmap_node(state, &mut a)?;
         let name = a.str_req("name")?;
@@ -76,6 +78,7 @@ pub const CLEAR: Command = Command {
     name: "block-dirty-bitmap-clear",
     args: NODE_NAME,
     open: false,
+    ret: Ty::Any,
     run: |state, mut a| {
         let n = bitmap_node(state, &mut a)?;
         let b = n.bitmap(&a.str_req("name")?)?;
@@ -89,6 +92,7 @@ pub const ENABLE: Command = Command {
     name: "block-dirty-bitmap-enable",
     args: NODE_NAME,
     open: false,
+    ret: Ty::Any,
     run: |state, mut a| {
         let n = bitmap_node(state, &mut a)?;
         let b = n.bitmap(&a.str_req("name")?)?;
@@ -102,6 +106,7 @@ pub const DISABLE: Command = Command {
     name: "block-dirty-bitmap-disable",
     args: NODE_NAME,
     open: false,
+    ret: Ty::Any,
     run: |state, mut a| {
         let n = bitmap_node(state, &mut a)?;
         let b = n.bitmap(&a.str_req("name")?)?;
@@ -115,6 +120,7 @@ pub const MERGE: Command = Command {
     name: "block-dirty-bitmap-merge",
     args: MERGE_ARGS,
     open: false,
+    ret: Ty::Any,
     run: |state, mut a| {
         let (target, sources) = merge_bitmaps(state, &mut a)?;
         merge_into(&target, &sources);
@@ -254,6 +260,7 @@ pub const SHA256: Command = Command {
     name: "x-debug-block-dirty-bitmap-sha256",
     args: NODE_NAME,
     open: false,
+    ret: Ty::Any,
     run: |state, mut a| {
         let n = bitmap_node(state, &mut a)?;
         Ok(json!({ "sha256": n.bitmap(&a.str_req("name")?)?.sha256() }))

@@ -3,7 +3,7 @@
 
 use serde_json::{json, Value};
 
-use super::{opt, req, type_error, Args, Command, Ty};
+use super::{opt, req, type_error, Arg, Args, Command, Ty};
 use crate::qmp::QmpError;
 
 pub const BLOCKDEV_ADD: Command = Command {
@@ -15,6 +15,7 @@ pub const BLOCKDEV_ADD: Command = Command {
         opt("aio", Ty::Str),
     ],
     open: true,
+    ret: Ty::Any,
     run: |state, a| {
         state
             .borrow_mut()
@@ -27,6 +28,7 @@ pub const BLOCKDEV_SET_ACTIVE: Command = Command {
     name: "blockdev-set-active",
     args: &[opt("node-name", Ty::Str), req("active", Ty::Bool)],
     open: false,
+    ret: Ty::Any,
     run: |state, mut a| {
         let node = a.str("node-name");
         let active = a.bool("active").unwrap_or(true);
@@ -41,6 +43,7 @@ pub const BLOCKDEV_SNAPSHOT: Command = Command {
     name: "blockdev-snapshot",
     args: &[req("node", Ty::Str), req("overlay", Ty::Str)],
     open: false,
+    ret: Ty::Any,
     run: |state, mut a| {
         let (node, overlay) = (a.str_req("node")?, a.str_req("overlay")?);
         let _held = crate::daemon::snapshot::hold_all_exports(state);
@@ -60,6 +63,7 @@ pub const BLOCKDEV_SNAPSHOT_SYNC: Command = Command {
         opt("mode", Ty::Str),
     ],
     open: false,
+    ret: Ty::Any,
     run: |state, mut a| {
         let o = snapshot_sync_options(&mut a)?;
         let _held = crate::daemon::snapshot::hold_all_exports(state);
@@ -149,6 +153,7 @@ pub const BLOCKDEV_DEL: Command = Command {
     name: "blockdev-del",
     args: &[req("node-name", Ty::Str)],
     open: false,
+    ret: Ty::Any,
     run: |state, mut a| {
         state.borrow_mut().del_blockdev(&a.str_req("node-name")?)?;
         Ok(json!({}))
@@ -163,6 +168,7 @@ pub const BLOCK_RESIZE: Command = Command {
         req("size", Ty::Int),
     ],
     open: false,
+    ret: Ty::Any,
     run: |state, mut a| {
         let device = a.str("device");
         let node_name = a.str("node-name");
@@ -182,6 +188,7 @@ pub const CHANGE_BACKING_FILE: Command = Command {
         req("backing-file", Ty::Str),
     ],
     open: false,
+    ret: Ty::Any,
     run: |state, mut a| {
         let (device, image) = (a.str_req("device")?, a.str_req("image-node-name")?);
         let backing = a.str_req("backing-file")?;
@@ -213,6 +220,7 @@ pub const BLOCKDEV_SNAPSHOT_INTERNAL_SYNC: Command = Command {
     name: "blockdev-snapshot-internal-sync",
     args: &[req("device", Ty::Str), req("name", Ty::Str)],
     open: false,
+    ret: Ty::Any,
     run: |state, mut a| {
         let (device, name) = (a.str_req("device")?, a.str_req("name")?);
         let _held = crate::daemon::snapshot::hold_all_exports(state);
@@ -229,6 +237,7 @@ pub const BLOCKDEV_SNAPSHOT_DELETE_INTERNAL_SYNC: Command = Command {
         opt("name", Ty::Str),
     ],
     open: false,
+    ret: Ty::Any,
     run: |state, mut a| {
         let device = a.str_req("device")?;
         let (id, name) = (a.str("id"), a.str("name"));
@@ -249,6 +258,7 @@ pub const X_BLOCKDEV_SET_IOTHREAD: Command = Command {
         opt("force", Ty::Bool),
     ],
     open: false,
+    ret: Ty::Any,
     run: |state, mut a| {
         let name = a.str_req("node-name")?;
         let iothread = match a.take("iothread") {
@@ -272,6 +282,7 @@ pub const X_BLOCKDEV_CHANGE: Command = Command {
         opt("node", Ty::Str),
     ],
     open: false,
+    ret: Ty::Any,
     run: |state, mut a| {
         let parent = a.str_req("parent")?;
         let (child, node) = (a.str("child"), a.str("node"));
@@ -286,6 +297,7 @@ pub const BLOCK_SET_WRITE_THRESHOLD: Command = Command {
     name: "block-set-write-threshold",
     args: &[req("node-name", Ty::Str), req("write-threshold", Ty::Uint)],
     open: false,
+    ret: Ty::Any,
     run: |state, mut a| {
         let name = a.str_req("node-name")?;
         let st = state.borrow();
@@ -303,6 +315,7 @@ pub const QUERY_BLOCK: Command = Command {
     name: "query-block",
     args: &[],
     open: false,
+    ret: Ty::Any,
     run: |_, _| Ok(json!([])),
 };
 
@@ -312,6 +325,7 @@ pub const QUERY_BLOCKSTATS: Command = Command {
     name: "query-blockstats",
     args: &[opt("query-nodes", Ty::Bool)],
     open: false,
+    ret: Ty::Any,
     run: |state, mut a| {
         if !a.bool("query-nodes").unwrap_or(false) {
             return Ok(json!([]));
@@ -337,6 +351,7 @@ pub const X_DEBUG_QUERY_BLOCK_GRAPH: Command = Command {
     name: "x-debug-query-block-graph",
     args: &[],
     open: false,
+    ret: Ty::Any,
     run: |state, _| {
         let st = state.borrow();
         let mut nodes: Vec<Value> = Vec::new();
@@ -378,10 +393,64 @@ pub const X_DEBUG_QUERY_BLOCK_GRAPH: Command = Command {
     },
 };
 
+/// QEMU's BlockLimitsInfo (10.2), as `image.limits` reports it.
+const BLOCK_LIMITS_INFO: &[Arg] = &[
+    req("request-alignment", Ty::Uint),
+    opt("max-discard", Ty::Uint),
+    opt("discard-alignment", Ty::Uint),
+    opt("max-write-zeroes", Ty::Uint),
+    opt("write-zeroes-alignment", Ty::Uint),
+    opt("opt-transfer", Ty::Uint),
+    opt("max-transfer", Ty::Uint),
+    opt("max-hw-transfer", Ty::Uint),
+    req("max-iov", Ty::Int),
+    opt("max-hw-iov", Ty::Int),
+    req("min-mem-alignment", Ty::Uint),
+    req("opt-mem-alignment", Ty::Uint),
+];
+
+/// The members of QEMU's ImageInfo that stord reports.
+const IMAGE_INFO: &[Arg] = &[
+    req("filename", Ty::Str),
+    req("format", Ty::Str),
+    req("virtual-size", Ty::Int),
+    opt("actual-size", Ty::Int),
+    opt("dirty-flag", Ty::Bool),
+    opt("encrypted", Ty::Bool),
+    opt("limits", Ty::Struct(BLOCK_LIMITS_INFO)),
+];
+
+/// QEMU's BlockdevChild (10.1).
+const BLOCKDEV_CHILD: &[Arg] = &[req("child", Ty::Str), req("node-name", Ty::Str)];
+
+/// The members of QEMU's BlockDeviceInfo that stord reports.
+const BLOCK_DEVICE_INFO: &[Arg] = &[
+    req("file", Ty::Str),
+    opt("node-name", Ty::Str),
+    req("ro", Ty::Bool),
+    req("drv", Ty::Str),
+    req("backing_file_depth", Ty::Int),
+    req("encrypted", Ty::Bool),
+    req("active", Ty::Bool),
+    req("detect_zeroes", Ty::Str),
+    req("bps", Ty::Int),
+    req("bps_rd", Ty::Int),
+    req("bps_wr", Ty::Int),
+    req("iops", Ty::Int),
+    req("iops_rd", Ty::Int),
+    req("iops_wr", Ty::Int),
+    req("image", Ty::Struct(IMAGE_INFO)),
+    req("write_threshold", Ty::Int),
+    opt("dirty-bitmaps", Ty::Array),
+    req("cache", Ty::Object),
+    req("children", Ty::List(&Ty::Struct(BLOCKDEV_CHILD))),
+];
+
 pub const QUERY_NAMED_BLOCK_NODES: Command = Command {
     name: "query-named-block-nodes",
     args: &[opt("flat", Ty::Bool)],
     open: false,
+    ret: Ty::List(&Ty::Struct(BLOCK_DEVICE_INFO)),
     run: |state, _| {
         let st = state.borrow();
         Ok(Value::Array(st.nodes().map(|n| node_info(n)).collect()))
@@ -470,6 +539,7 @@ pub const BLOCKDEV_REOPEN: Command = Command {
     name: "blockdev-reopen",
     args: &[req("options", Ty::Array)],
     open: false,
+    ret: Ty::Any,
     run: |state, mut a| {
         // Checked whole before anything changes.
         let mut todo = Vec::new();

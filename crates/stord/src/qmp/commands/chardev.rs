@@ -34,6 +34,7 @@ pub const CHARDEV_ADD: Command = Command {
     name: "chardev-add",
     args: &[req("id", Ty::Str), req("backend", Ty::Object)],
     open: false,
+    ret: Ty::Any,
     run: |state, mut a| {
         let id = a.str_req("id")?;
         let (dev, log) = backend(&mut a)
@@ -49,6 +50,7 @@ pub const CHARDEV_CHANGE: Command = Command {
     name: "chardev-change",
     args: &[req("id", Ty::Str), req("backend", Ty::Object)],
     open: false,
+    ret: Ty::Any,
     run: |state, mut a| {
         let id = a.str_req("id")?;
         if !state.borrow().chardev_table().contains(&id) {
@@ -66,6 +68,7 @@ pub const CHARDEV_REMOVE: Command = Command {
     name: "chardev-remove",
     args: &[req("id", Ty::Str)],
     open: false,
+    ret: Ty::Any,
     run: |state, mut a| {
         state.borrow_mut().chardevs().remove(&a.str_req("id")?)?;
         Ok(json!({}))
@@ -76,6 +79,7 @@ pub const CHARDEV_SEND_BREAK: Command = Command {
     name: "chardev-send-break",
     args: &[req("id", Ty::Str)],
     open: false,
+    ret: Ty::Any,
     run: |state, mut a| {
         let id = a.str_req("id")?;
         if !state.borrow().chardev_table().contains(&id) {
@@ -89,6 +93,7 @@ pub const QUERY_CHARDEV: Command = Command {
     name: "query-chardev",
     args: &[],
     open: false,
+    ret: Ty::Any,
     run: |state, _| {
         let st = state.borrow();
         Ok(Value::Array(
@@ -106,6 +111,7 @@ pub const QUERY_CHARDEV_BACKENDS: Command = Command {
     name: "query-chardev-backends",
     args: &[],
     open: false,
+    ret: Ty::Any,
     run: |_, _| Ok(BACKENDS.iter().map(|b| json!({ "name": b })).collect()),
 };
 
@@ -117,6 +123,7 @@ pub const RINGBUF_WRITE: Command = Command {
         opt("format", Ty::Enum(&DATA_FORMAT)),
     ],
     open: false,
+    ret: Ty::Any,
     run: |state, mut a| {
         let device = a.str_req("device")?;
         let data = a.str_req("data")?;
@@ -144,6 +151,7 @@ pub const RINGBUF_READ: Command = Command {
         opt("format", Ty::Enum(&DATA_FORMAT)),
     ],
     open: false,
+    ret: Ty::Any,
     run: |state, mut a| {
         let device = a.str_req("device")?;
         let size = a.i64("size").unwrap_or(0);

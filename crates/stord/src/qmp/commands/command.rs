@@ -20,6 +20,8 @@ pub struct Command {
     /// Takes arguments beyond `args` (a driver's, an object type's or an export type's
     /// options, checked by the daemon when it builds the thing).
     pub open: bool,
+    /// What it returns, for `query-qmp-schema` (`Any`: not described).
+    pub ret: Ty,
     pub run: Handler,
 }
 

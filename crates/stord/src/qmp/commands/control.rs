@@ -10,6 +10,7 @@ pub const QUERY_VERSION: Command = Command {
     name: "query-version",
     args: &[],
     open: false,
+    ret: Ty::Any,
     run: |_, _| Ok(crate::version::version_info()),
 };
 
@@ -20,6 +21,7 @@ pub const TRANSACTION: Command = Command {
     name: "transaction",
     args: &[req("actions", Ty::Array), opt("properties", Ty::Object)],
     open: false,
+    ret: Ty::Any,
     run: |state, mut a| {
         let actions = a.array("actions").unwrap_or_default();
         // Snapshots change what exports serve, and a backup's point in time is shared
@@ -97,6 +99,7 @@ pub const QUIT: Command = Command {
     name: "quit",
     args: &[],
     open: false,
+    ret: Ty::Any,
     run: |state, _| {
         state.borrow().request_quit();
         Ok(json!({}))

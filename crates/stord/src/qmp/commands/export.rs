@@ -55,6 +55,7 @@ pub const NBD_SERVER_START: Command = Command {
         opt("x-buffer-limit", Ty::Uint),
     ],
     open: false,
+    ret: Ty::Any,
     run: |state, a| {
         let opts = NbdServerOpts::from_options(a.into_keyval("nbd-server-start"))?;
         stord_aio::with_current_context(|ctx| state.borrow_mut().start_nbd_server(ctx, opts))
@@ -67,6 +68,7 @@ pub const NBD_SERVER_STOP: Command = Command {
     name: "nbd-server-stop",
     args: &[],
     open: false,
+    ret: Ty::Any,
     run: |state, _| {
         state.borrow_mut().stop_nbd_server()?;
         Ok(json!({}))
@@ -90,6 +92,7 @@ pub const BLOCK_EXPORT_ADD: Command = Command {
         opt("bitmaps", Ty::Array),
     ],
     open: true,
+    ret: Ty::Any,
     run: |state, mut a| {
         // bitmaps: names or {node, name} objects, as bitmaps.0=..., bitmaps.1.node=...
         if let Some(Value::Array(list)) = a.take("bitmaps") {
@@ -136,6 +139,7 @@ pub const NBD_SERVER_ADD: Command = Command {
         opt("bitmap", Ty::Str),
     ],
     open: false,
+    ret: Ty::Any,
     run: |state, mut a| {
         if !state.borrow().nbd_server_running() {
             return Err(QmpError::generic("NBD server not running"));
@@ -171,6 +175,7 @@ pub const NBD_SERVER_REMOVE: Command = Command {
     name: "nbd-server-remove",
     args: &[req("name", Ty::Str), opt("mode", Ty::Str)],
     open: false,
+    ret: Ty::Any,
     run: |state, mut a| {
         let name = a.str_req("name")?;
         if let Some(e) = state.borrow().exports().find(|e| e.id() == name) {
@@ -201,6 +206,7 @@ pub const BLOCK_EXPORT_DEL: Command = Command {
     name: "block-export-del",
     args: &[req("id", Ty::Str), opt("mode", Ty::Str)],
     open: false,
+    ret: Ty::Any,
     run: |state, mut a| {
         let id = a.str_req("id")?;
         let hard = export_del_mode(&mut a)?;
@@ -213,6 +219,7 @@ pub const QUERY_BLOCK_EXPORTS: Command = Command {
     name: "query-block-exports",
     args: &[],
     open: false,
+    ret: Ty::Any,
     run: |state, _| {
         let st = state.borrow();
         let v: Vec<Value> = st

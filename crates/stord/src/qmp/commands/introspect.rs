@@ -17,15 +17,17 @@ pub fn schema(commands: &[Command]) -> Value {
         name: "qmp_capabilities",
         args: &[],
         open: false,
+        ret: Ty::Any,
         run: |_, _| Ok(json!({})),
     };
     for c in std::iter::once(&qmp_capabilities).chain(commands) {
         let arg_type = b.object(c.args);
+        let ret_type = b.ty(c.ret);
         b.out.push(json!({
             "name": c.name,
             "meta-type": "command",
             "arg-type": arg_type,
-            "ret-type": "any",
+            "ret-type": ret_type,
         }));
     }
     for e in crate::events::EVENTS {
@@ -87,8 +89,20 @@ impl SchemaBuilder {
             Ty::Enum(e) => return self.enumeration(e),
             Ty::Union(u) => return self.union(u),
             Ty::Struct(members) => return self.object(members),
+            Ty::List(element) => return self.list(*element),
         };
         builtin.to_string()
+    }
+
+    /// An array type, named as QEMU names them: its element's name in brackets.
+    fn list(&mut self, element: Ty) -> String {
+        let element = self.ty(element);
+        let name = format!("[{element}]");
+        if !self.out.iter().any(|t| t["name"] == name.as_str()) {
+            self.out
+                .push(json!({ "name": name, "meta-type": "array", "element-type": element }));
+        }
+        name
     }
 
     fn members(&mut self, members: &[Arg]) -> Vec<Value> {

@@ -24,6 +24,7 @@ pub const BLOCKDEV_CREATE: Command = Command {
         req("options", Ty::Union(&drivers::BLOCKDEV_CREATE_OPTIONS)),
     ],
     open: false,
+    ret: Ty::Any,
     run: |state, mut a| {
         let id = a.str_req("job-id")?;
         let Some(Value::Object(options)) = a.take("options") else {
@@ -44,6 +45,7 @@ pub const X_BLOCKDEV_AMEND: Command = Command {
         opt("force", Ty::Bool),
     ],
     open: false,
+    ret: Ty::Any,
     run: |state, mut a| {
         let id = a.str_req("job-id")?;
         let node = a.str_req("node-name")?;
@@ -82,6 +84,7 @@ pub const QUERY_JOBS: Command = Command {
     name: "query-jobs",
     args: &[],
     open: false,
+    ret: Ty::Any,
     run: |state, _| Ok(state.borrow().jobs().query()),
 };
 
@@ -89,6 +92,7 @@ pub const QUERY_BLOCK_JOBS: Command = Command {
     name: "query-block-jobs",
     args: &[],
     open: false,
+    ret: Ty::Any,
     run: |state, _| Ok(state.borrow().jobs().query_block()),
 };
 
@@ -112,6 +116,7 @@ pub const JOB_DISMISS: Command = Command {
     name: "job-dismiss",
     args: &[req("id", Ty::Str)],
     open: false,
+    ret: Ty::Any,
     run: |state, mut a| verb(state, &mut a, "id", false, |j, job| j.dismiss(job)),
 };
 
@@ -119,6 +124,7 @@ pub const JOB_FINALIZE: Command = Command {
     name: "job-finalize",
     args: &[req("id", Ty::Str)],
     open: false,
+    ret: Ty::Any,
     run: |state, mut a| verb(state, &mut a, "id", false, |j, job| j.finalize(job)),
 };
 
@@ -126,6 +132,7 @@ pub const JOB_PAUSE: Command = Command {
     name: "job-pause",
     args: &[req("id", Ty::Str)],
     open: false,
+    ret: Ty::Any,
     run: |state, mut a| verb(state, &mut a, "id", false, |j, job| j.pause(job)),
 };
 
@@ -133,6 +140,7 @@ pub const JOB_RESUME: Command = Command {
     name: "job-resume",
     args: &[req("id", Ty::Str)],
     open: false,
+    ret: Ty::Any,
     run: |state, mut a| verb(state, &mut a, "id", false, |j, job| j.resume(job)),
 };
 
@@ -140,6 +148,7 @@ pub const JOB_CANCEL: Command = Command {
     name: "job-cancel",
     args: &[req("id", Ty::Str)],
     open: false,
+    ret: Ty::Any,
     run: |state, mut a| verb(state, &mut a, "id", false, |j, job| j.cancel(job, true)),
 };
 
@@ -147,6 +156,7 @@ pub const JOB_COMPLETE: Command = Command {
     name: "job-complete",
     args: &[req("id", Ty::Str)],
     open: false,
+    ret: Ty::Any,
     run: |state, mut a| verb(state, &mut a, "id", false, |j, job| j.complete(job)),
 };
 
@@ -154,6 +164,7 @@ pub const BLOCK_JOB_DISMISS: Command = Command {
     name: "block-job-dismiss",
     args: &[req("id", Ty::Str)],
     open: false,
+    ret: Ty::Any,
     run: |state, mut a| verb(state, &mut a, "id", true, |j, job| j.dismiss(job)),
 };
 
@@ -161,6 +172,7 @@ pub const BLOCK_JOB_FINALIZE: Command = Command {
     name: "block-job-finalize",
     args: &[req("id", Ty::Str)],
     open: false,
+    ret: Ty::Any,
     run: |state, mut a| verb(state, &mut a, "id", true, |j, job| j.finalize(job)),
 };
 
@@ -168,6 +180,7 @@ pub const BLOCK_JOB_PAUSE: Command = Command {
     name: "block-job-pause",
     args: &[req("device", Ty::Str)],
     open: false,
+    ret: Ty::Any,
     run: |state, mut a| verb(state, &mut a, "device", true, |j, job| j.pause(job)),
 };
 
@@ -175,6 +188,7 @@ pub const BLOCK_JOB_RESUME: Command = Command {
     name: "block-job-resume",
     args: &[req("device", Ty::Str)],
     open: false,
+    ret: Ty::Any,
     run: |state, mut a| verb(state, &mut a, "device", true, |j, job| j.resume(job)),
 };
 
@@ -182,6 +196,7 @@ pub const BLOCK_JOB_CANCEL: Command = Command {
     name: "block-job-cancel",
     args: &[req("device", Ty::Str), opt("force", Ty::Bool)],
     open: false,
+    ret: Ty::Any,
     run: |state, mut a| {
         let force = a.bool("force").unwrap_or(false);
         verb(state, &mut a, "device", true, |j, job| {
@@ -194,6 +209,7 @@ pub const BLOCK_JOB_COMPLETE: Command = Command {
     name: "block-job-complete",
     args: &[req("device", Ty::Str)],
     open: false,
+    ret: Ty::Any,
     run: |state, mut a| verb(state, &mut a, "device", true, |j, job| j.complete(job)),
 };
 
@@ -201,6 +217,7 @@ pub const BLOCK_JOB_SET_SPEED: Command = Command {
     name: "block-job-set-speed",
     args: &[req("device", Ty::Str), req("speed", Ty::Int)],
     open: false,
+    ret: Ty::Any,
     run: |state, mut a| {
         let speed = a.i64("speed").unwrap_or(0);
         verb(state, &mut a, "device", true, |j, job| {
@@ -242,6 +259,7 @@ pub const BLOCK_JOB_CHANGE: Command = Command {
         opt("copy-mode", Ty::Enum(&COPY_MODE)),
     ],
     open: false,
+    ret: Ty::Any,
     run: |state, mut a| {
         let id = a.str_req("id")?;
         let _ = a.str_req("type")?;
@@ -274,6 +292,7 @@ pub const BLOCK_STREAM: Command = Command {
         opt("auto-dismiss", Ty::Bool),
     ],
     open: false,
+    ret: Ty::Any,
     run: |state, mut a| {
         let on_error = on_error(&mut a)?;
         let o = crate::daemon::jobs::stream::StreamOptions {
@@ -315,6 +334,7 @@ pub const BLOCK_COMMIT: Command = Command {
         opt("auto-dismiss", Ty::Bool),
     ],
     open: false,
+    ret: Ty::Any,
     run: |state, mut a| {
         let o = crate::daemon::jobs::commit::CommitOptions {
             job_id: a.str("job-id"),
@@ -358,6 +378,7 @@ pub const BLOCKDEV_MIRROR: Command = Command {
         opt("target-is-zero", Ty::Bool),
     ],
     open: false,
+    ret: Ty::Any,
     run: |state, mut a| {
         let mut o = mirror_options(&mut a)?;
         o.target_is_zero = a.bool("target-is-zero").unwrap_or(false);
@@ -440,6 +461,7 @@ pub const DRIVE_MIRROR: Command = Command {
         opt("auto-dismiss", Ty::Bool),
     ],
     open: false,
+    ret: Ty::Any,
     run: |state, mut a| {
         let t = crate::daemon::jobs::drive::DriveTarget {
             path: String::new(),
@@ -530,6 +552,7 @@ pub const BLOCKDEV_BACKUP: Command = Command {
     name: "blockdev-backup",
     args: backup_args!(),
     open: false,
+    ret: Ty::Any,
     run: |state, a| backup_command(state, a, false),
 };
 
@@ -537,6 +560,7 @@ pub const DRIVE_BACKUP: Command = Command {
     name: "drive-backup",
     args: backup_args!(opt("format", Ty::Str), opt("mode", Ty::Str)),
     open: false,
+    ret: Ty::Any,
     run: |state, a| backup_command(state, a, true),
 };
 

@@ -137,6 +137,7 @@ pub const QUERY_COMMANDS: Command = Command {
     name: "query-commands",
     args: &[],
     open: false,
+    ret: Ty::Any,
     run: |_, _| {
         let names = std::iter::once("qmp_capabilities").chain(COMMANDS.iter().map(|c| c.name));
         Ok(Value::Array(names.map(|c| json!({ "name": c })).collect()))
@@ -148,6 +149,7 @@ pub const QUERY_QMP_SCHEMA: Command = Command {
     name: "query-qmp-schema",
     args: &[],
     open: false,
+    ret: Ty::Any,
     run: |_, _| Ok(schema()),
 };
 

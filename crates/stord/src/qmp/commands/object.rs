@@ -26,6 +26,7 @@ pub const OBJECT_ADD: Command = Command {
     name: "object-add",
     args: &[req("qom-type", Ty::Enum(&OBJECT_TYPE)), req("id", Ty::Str)],
     open: true,
+    ret: Ty::Any,
     run: |state, a| {
         if a.rest().get("qom-type").and_then(Value::as_str) == Some("iothread") {
             iothread::check_json_types(a.rest())?;
@@ -39,6 +40,7 @@ pub const OBJECT_DEL: Command = Command {
     name: "object-del",
     args: &[req("id", Ty::Str)],
     open: false,
+    ret: Ty::Any,
     run: |state, mut a| {
         state.borrow_mut().del_object(&a.str_req("id")?)?;
         Ok(json!({}))
@@ -66,6 +68,7 @@ pub const QOM_GET: Command = Command {
     name: "qom-get",
     args: &[req("path", Ty::Str), req("property", Ty::Str)],
     open: false,
+    ret: Ty::Any,
     run: |state, mut a| {
         let r = iothread(&state.borrow(), &a.str_req("path")?)?;
         Ok(iothread::get(&config(&r), &a.str_req("property")?)?)
@@ -80,6 +83,7 @@ pub const QOM_SET: Command = Command {
         req("value", Ty::Any),
     ],
     open: false,
+    ret: Ty::Any,
     run: |state, mut a| {
         let r = iothread(&state.borrow(), &a.str_req("path")?)?;
         let prop = a.str_req("property")?;
@@ -95,6 +99,7 @@ pub const QUERY_IOTHREADS: Command = Command {
     name: "query-iothreads",
     args: &[],
     open: false,
+    ret: Ty::Any,
     run: |state, _| {
         let st = state.borrow();
         Ok(Value::Array(
@@ -263,6 +268,7 @@ pub const QOM_LIST: Command = Command {
     name: "qom-list",
     args: &[req("path", Ty::Str)],
     open: false,
+    ret: Ty::Any,
     run: |state, mut a| {
         let path = a.str_req("path")?;
         let list = properties(&state.borrow(), &path)?;
@@ -279,6 +285,7 @@ pub const QOM_LIST_GET: Command = Command {
     name: "qom-list-get",
     args: &[req("paths", Ty::Array)],
     open: false,
+    ret: Ty::Any,
     run: |state, mut a| {
         let st = state.borrow();
         let mut out = Vec::new();
@@ -306,6 +313,7 @@ pub const QOM_LIST_TYPES: Command = Command {
     name: "qom-list-types",
     args: &[opt("implements", Ty::Str), opt("abstract", Ty::Bool)],
     open: false,
+    ret: Ty::Any,
     run: |_, mut a| {
         let implements = a.str("implements");
         let with_abstract = a.bool("abstract").unwrap_or(false);
@@ -331,6 +339,7 @@ pub const QOM_LIST_PROPERTIES: Command = Command {
     name: "qom-list-properties",
     args: &[req("typename", Ty::Str)],
     open: false,
+    ret: Ty::Any,
     run: |_, mut a| {
         let name = a.str_req("typename")?;
         let t = crate::qom::find(&name).ok_or_else(|| QmpError {
