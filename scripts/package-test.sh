@@ -40,7 +40,12 @@ case "$changelog" in
     "stord ($version) "*) ;;
     *) fail "crates/stord/debian/changelog's first entry is not $version: $changelog" ;;
 esac
-step "built $deb ($version, $(dpkg-deb -f "$deb" Depends))"
+depends=$(dpkg-deb -f "$deb" Depends)
+suggests=$(dpkg-deb -f "$deb" Suggests)
+step "built $deb ($version, $depends; suggests $suggests)"
+# Ceph's libraries are opened at run time by the rbd driver: never a dependency.
+case "$depends" in *librbd*|*librados*) fail "Depends names Ceph's libraries: $depends" ;; esac
+case "$suggests" in *librbd1*) ;; *) fail "Suggests lacks librbd1: $suggests" ;; esac
 lint_status=0
 lint=$(lintian --fail-on error "$deb" 2>&1) || lint_status=$?
 grep -v '^running with root privileges' <<<"$lint" || true

@@ -312,6 +312,34 @@ mod tests {
     /// docs/usage.md has a section for each entry, in the tables' order, headed by its
     /// name and opening with its synopsis as `--help` prints it.
     #[test]
+    fn docs_usage_md_names_every_qmp_command() {
+        let doc = include_str!("../../../docs/usage.md");
+        let start = doc.find("\n## QMP\n").expect("docs/usage.md has no '## QMP'");
+        let rest = &doc[start + 1..];
+        let section = &rest[..rest[3..].find("\n## ").map_or(rest.len(), |i| i + 3)];
+        // `name`, and the shorthands `chardev-add/-change` and `blockdev-add`/`-del` for
+        // names that share all but their last word with the name before.
+        let mut named = std::collections::HashSet::new();
+        let mut base = String::new();
+        for token in section.split('`').skip(1).step_by(2) {
+            for p in token.split('/') {
+                let name = match p.strip_prefix('-') {
+                    Some(last) => format!("{base}-{last}"),
+                    None => {
+                        base = p.rsplit_once('-').map_or(p, |(b, _)| b).to_string();
+                        p.to_string()
+                    }
+                };
+                named.insert(name);
+            }
+        }
+        let missing: Vec<&str> = crate::qmp::command_names()
+            .filter(|c| !named.contains(*c))
+            .collect();
+        assert!(missing.is_empty(), "docs/usage.md's QMP section lacks {missing:?}");
+    }
+
+    #[test]
     fn docs_usage_md_follows_the_tables() {
         let doc = include_str!("../../../docs/usage.md");
         let all = entries();
