@@ -406,6 +406,129 @@ fn passwords_reach_no_log_error_or_qmp_reply() {
     }
 }
 
+/// Runs job `cmd` (id `id`) through `q` to its end, completing it once ready if
+/// `ready_first` (a mirror, an active commit).
+fn run_job(q: &mut RawQmp, cmd: &str, id: &str, ready_first: bool) {
+    let r = q.send(cmd);
+    assert!(r.get("return").is_some(), "{cmd}: {r}");
+    if ready_first {
+        q.wait_event("BLOCK_JOB_READY", "device", id);
+        q.send(&format!(
+            r#"{{"execute":"job-complete","arguments":{{"id":"{id}"}}}}"#
+        ));
+    }
+    let e = q.wait_event("BLOCK_JOB_COMPLETED", "device", id);
+    assert!(e["data"].get("error").is_none(), "{e}");
+}
+
+/// Jobs with `luks` nodes at either end: a mirror from a volume to a qcow2 image, a
+/// backup from a qcow2 image into a volume, and a commit of a qcow2 overlay into the
+/// volume under it; QEMU reads each target as it reads its source.
+#[test]
+fn mirror_backup_and_commit_with_luks_volumes() {
+    let dir = tmpdir("luks-jobs");
+    let p = |n: &str| dir.join(n).display().to_string();
+    let mk = |fmt: &str, file: &str, extra: &[&str]| {
+        let mut a = vec!["create", "-q", "-f", fmt, "--object", SECRET];
+        a.extend_from_slice(extra);
+        a.extend([file, "8M"]);
+        run_ok("qemu-img", &a);
+    };
+    let o = "key-secret=sec0,iter-time=10";
+    let data = [
+        "write -P 0x31 0 1M",
+        "write -P 0x32 3000k 5k",
+        "write -z 6M 64k",
+    ];
+    mk("luks", &p("src.luks"), &["-o", o]);
+    qemu_io(&qemu_opts(&p("src.luks"), None), &data);
+    mk("qcow2", &p("mirror.qcow2"), &[]);
+    mk("qcow2", &p("plain.qcow2"), &[]);
+    let plain = |f: &str| format!("driver=qcow2,file.filename={f}");
+    qemu_io(&plain(&p("plain.qcow2")), &data);
+    mk("luks", &p("backup.luks"), &["-o", o]);
+    mk("luks", &p("base.luks"), &["-o", o]);
+    qemu_io(&qemu_opts(&p("base.luks"), None), &["write -P 0x41 0 4M"]);
+    mk("qcow2", &p("top.qcow2"), &[]);
+    let qmp = dir.join("qmp.sock");
+    let mut args = vec!["--object".to_string(), SECRET.to_string()];
+    args.extend(monitor_args(&qmp));
+    let _s = Stord::start(&dir, &args);
+    let mut q = RawQmp::connect(&qmp);
+    let add = |q: &mut RawQmp, name: &str, drv: &str, file: &str, extra: &str| {
+        let key = if drv == "luks" {
+            r#","key-secret":"sec0""#
+        } else {
+            ""
+        };
+        let r = q.send(&format!(
+            r#"{{"execute":"blockdev-add","arguments":{{"driver":"{drv}","node-name":"{name}","file":{{"driver":"file","filename":"{file}"}}{key}{extra}}}}}"#
+        ));
+        assert!(r.get("return").is_some(), "{name}: {r}");
+    };
+    add(&mut q, "src", "luks", &p("src.luks"), "");
+    add(&mut q, "mt", "qcow2", &p("mirror.qcow2"), "");
+    run_job(
+        &mut q,
+        r#"{"execute":"blockdev-mirror","arguments":{"job-id":"mi","device":"src","target":"mt","sync":"full"}}"#,
+        "mi",
+        true,
+    );
+    add(&mut q, "plain", "qcow2", &p("plain.qcow2"), "");
+    add(&mut q, "bt", "luks", &p("backup.luks"), "");
+    run_job(
+        &mut q,
+        r#"{"execute":"blockdev-backup","arguments":{"job-id":"bk","device":"plain","target":"bt","sync":"full"}}"#,
+        "bk",
+        false,
+    );
+    add(&mut q, "base", "luks", &p("base.luks"), "");
+    add(
+        &mut q,
+        "top",
+        "qcow2",
+        &p("top.qcow2"),
+        r#","backing":"base""#,
+    );
+    let nbd = dir.join("nbd.sock");
+    q.send(&format!(
+        r#"{{"execute":"nbd-server-start","arguments":{{"addr":{{"type":"unix","data":{{"path":"{}"}}}}}}}}"#,
+        nbd.display()
+    ));
+    q.send(r#"{"execute":"block-export-add","arguments":{"type":"nbd","id":"e","node-name":"top","writable":true}}"#);
+    let uri = format!("nbd+unix:///top?socket={}", nbd.display());
+    qemu_io(&uri, &["write -P 0x42 1M 1500k", "write -z 3M 64k"]);
+    q.send(r#"{"execute":"block-export-del","arguments":{"id":"e"}}"#);
+    q.wait_event("BLOCK_EXPORT_DELETED", "id", "e");
+    run_job(
+        &mut q,
+        r#"{"execute":"block-commit","arguments":{"job-id":"co","device":"top"}}"#,
+        "co",
+        true,
+    );
+    for n in ["src", "mt", "plain", "bt", "top", "base"] {
+        q.send(&format!(
+            r#"{{"execute":"blockdev-del","arguments":{{"node-name":"{n}"}}}}"#
+        ));
+    }
+    drop(q);
+    volumes_equal(&qemu_opts(&p("src.luks"), None), &plain(&p("mirror.qcow2")));
+    volumes_equal(
+        &plain(&p("plain.qcow2")),
+        &qemu_opts(&p("backup.luks"), None),
+    );
+    qemu_io(
+        &qemu_opts(&p("base.luks"), None),
+        &[
+            "read -P 0x41 0 1M",
+            "read -P 0x42 1M 1500k",
+            "read -P 0x41 2524k 500k",
+            "read -P 0 3M 64k",
+            "read -P 0x41 3136k 960k",
+        ],
+    );
+}
+
 /// A qemu-storage-daemon, killed when dropped (a failing test leaves none behind).
 struct Qsd(std::process::Child);
 
