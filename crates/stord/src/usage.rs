@@ -314,7 +314,9 @@ mod tests {
     #[test]
     fn docs_usage_md_names_every_qmp_command() {
         let doc = include_str!("../../../docs/usage.md");
-        let start = doc.find("\n## QMP\n").expect("docs/usage.md has no '## QMP'");
+        let start = doc
+            .find("\n## QMP\n")
+            .expect("docs/usage.md has no '## QMP'");
         let rest = &doc[start + 1..];
         let section = &rest[..rest[3..].find("\n## ").map_or(rest.len(), |i| i + 3)];
         // `name`, and the shorthands `chardev-add/-change` and `blockdev-add`/`-del` for
@@ -336,7 +338,10 @@ mod tests {
         let missing: Vec<&str> = crate::qmp::command_names()
             .filter(|c| !named.contains(*c))
             .collect();
-        assert!(missing.is_empty(), "docs/usage.md's QMP section lacks {missing:?}");
+        assert!(
+            missing.is_empty(),
+            "docs/usage.md's QMP section lacks {missing:?}"
+        );
     }
 
     #[test]
