@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use crate::{aio, fuse, load, nbd, report, timeline, vhost};
+use crate::{aio, density, fuse, load, nbd, report, timeline, vhost};
 
 pub(crate) fn usage() -> ! {
     eprintln!(
@@ -24,6 +24,8 @@ pub(crate) fn usage() -> ! {
          [--daemon D]... [--reps N] [--trace-ms N] [--out DIR]\n\
          \x20      stord-bench load [--runtime S] [--reps N] [--export nbd|fuse|vhost-user-blk-libblkio]... \
          [--backend file-io_uring|dev]... [--daemon D]... [--workload RW:QD]... [--load PCT]... [--pinned on|off] [--out DIR]\n\
+         \x20      stord-bench density [--shape N]... [--transport nbd|vhost-user-blk]... [--backend null|file-io_uring|dev]... \
+         [--daemon stord|stord-poll0|qsd|qsd-poll0]... [--runtime S] [--ramp S] [--reps N] [--flat-out on|off] [--idle S] [--load PCT | --total-iops N] [--out DIR]\n\
          \x20      stord-bench report [--quick on|off] [--runtime-ms N] [--ramp-ms N] [--reps N] \
          [--export nbd|fuse|vhost-user-blk|vhost-user-blk-libblkio|vhost-user-blk-libblkio-poll]... \
          [--all-engines on|off] [--extras on|off] [--docs on|off] [--out DIR]\n\
@@ -297,6 +299,42 @@ pub(crate) fn timeline_options(args: &[String]) -> (timeline::TimelineOptions, O
         &mut opts.daemons,
         None,
     );
+    (opts, out)
+}
+
+/// `density`'s options, and `--out`.
+pub(crate) fn density_options(args: &[String]) -> (density::DensityOptions, Option<PathBuf>) {
+    let mut opts = density::DensityOptions::default();
+    let mut m = MatrixFlags::default();
+    let (mut shapes, mut transports) = (Vec::new(), Vec::new());
+    for (flag, v) in flag_pairs(args) {
+        match flag {
+            _ if m.take(flag, v) => {}
+            "--shape" => shapes.push(parse(flag, v)),
+            "--transport" => transports.push(match v {
+                "nbd" => density::Transport::Nbd,
+                "vhost-user-blk" | "vhost" => density::Transport::Vhost,
+                _ => usage(),
+            }),
+            "--ramp" => opts.ramp = Duration::from_secs(parse(flag, v)),
+            "--flat-out" => opts.flat_out = on_off(flag, v),
+            "--idle" => opts.idle = Duration::from_secs(parse(flag, v)),
+            "--load" => opts.load = parse::<f64>(flag, v) / 100.0,
+            "--total-iops" => opts.total_iops = Some(parse(flag, v)),
+            _ => usage(),
+        }
+    }
+    set_if_given(&mut opts.shapes, shapes);
+    set_if_given(&mut opts.transports, transports);
+    let mut secs = opts.runtime.as_secs();
+    let out = m.apply(
+        &mut secs,
+        &mut opts.reps,
+        &mut opts.backends,
+        &mut opts.daemons,
+        None,
+    );
+    opts.runtime = Duration::from_secs(secs);
     (opts, out)
 }
 

@@ -32,11 +32,17 @@
 //!   [--trace-ms N]`: 4k random reads at QD1 traced with `perf record -a` (scheduler,
 //!   system calls, io_uring, block layer), each request split into milestones: where the
 //!   latency a daemon adds goes.
+//! - `density [--shape N]... [--transport nbd|vhost-user-blk]... [--backend B]... [--daemon D]...
+//!   [--runtime S] [--reps N] [--flat-out on|off] [--idle S] [--load PCT]`: many light
+//!   guests, an IoThread and an export each, paced at QD1 to PCT % (50) of the slower
+//!   daemon's one-export maximum, with one client flat out in a variant: the daemons' CPU,
+//!   pooled and worst-client latency, memory per export and idle cost.
 //! - `report-docs FILE.json`: regenerates the docs from an earlier report's JSON.
 
 mod aio;
 mod cli;
 mod daemon_args;
+mod density;
 mod fuse;
 mod idle;
 mod load;
@@ -104,6 +110,7 @@ fn main() {
         "load" => bench_load(flags),
         "timeline" => bench_timeline(flags),
         "idle" => bench_idle(flags),
+        "density" => bench_density(flags),
         "report" => {
             report::run(&cli::report_options(flags));
         }
@@ -189,6 +196,24 @@ fn bench_timeline(flags: &[String]) {
         "traces": traces,
     });
     write_results(out, "timeline", doc, Some(&md));
+}
+
+fn bench_density(flags: &[String]) {
+    let (opts, out) = cli::density_options(flags);
+    let d = density::run(&opts);
+    let md = density::report::markdown(&d);
+    println!("{md}");
+    let doc = serde_json::json!({
+        "benchmark": "density",
+        "runtime_s": opts.runtime.as_secs(),
+        "ramp_s": opts.ramp.as_secs(),
+        "reps": opts.reps,
+        "load": opts.load,
+        "idle_s": opts.idle.as_secs(),
+        "kernel": kernel_release(),
+        "result": d,
+    });
+    write_results(out, "density", doc, Some(&md));
 }
 
 fn bench_idle(flags: &[String]) {

@@ -7,7 +7,7 @@
 //! (`DriveSpec::rate_iops`) paces the requests as fio's `rate_iops` does.
 
 use std::mem::MaybeUninit;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use blkio::{Blkio, Blkioq, Completion, ReqFlags};
@@ -34,55 +34,151 @@ struct QueueRun {
     measured: Duration,
 }
 
+/// A connected and started libblkio device with its queues and one memory region, a
+/// slice of it per queue.
+struct Device {
+    _b: Blkio,
+    qs: Vec<Blkioq>,
+    capacity: u64,
+    base: usize,
+    per_queue: usize,
+    _region: blkio::MemoryRegion,
+}
+
+impl Device {
+    /// The device on `sock` with `queues` queues of `kind`, each with room for `spec`'s
+    /// requests; `read_only` for an export that is.
+    fn open(
+        sock: &Path,
+        spec: &DriveSpec,
+        kind: QueueKind,
+        queues: usize,
+        read_only: bool,
+    ) -> Device {
+        let mut b = Blkio::new("virtio-blk-vhost-user").unwrap_or_else(|e| fail("new", e));
+        b.set_str("path", &sock.display().to_string())
+            .unwrap_or_else(|e| fail("path", e));
+        b.set_bool("read-only", read_only)
+            .unwrap_or_else(|e| fail("read-only", e));
+        b.connect().unwrap_or_else(|e| fail("connect", e));
+        let n = queues as i32;
+        let (blocking, poll) = match kind {
+            QueueKind::Blocking => (n, 0),
+            QueueKind::Poll => (0, n),
+        };
+        b.set_i32("num-queues", blocking)
+            .unwrap_or_else(|e| fail("num-queues", e));
+        b.set_i32("num-poll-queues", poll)
+            .unwrap_or_else(|e| fail("num-poll-queues", e));
+        let started = b.start().unwrap_or_else(|e| fail("start", e));
+        let qs = match kind {
+            QueueKind::Blocking => started.queues,
+            QueueKind::Poll => started.poll_queues,
+        };
+        let capacity = b
+            .get_u64("capacity")
+            .unwrap_or_else(|e| fail("capacity", e));
+        let align = b
+            .get_u64("mem-region-alignment")
+            .unwrap_or_else(|e| fail("mem-region-alignment", e))
+            .max(4096) as usize;
+        let per_queue = (usize::from(spec.qd) * spec.bs as usize).div_ceil(align) * align;
+        let region = b
+            .alloc_mem_region(per_queue * queues)
+            .unwrap_or_else(|e| fail("alloc_mem_region", e));
+        b.map_mem_region(&region)
+            .unwrap_or_else(|e| fail("map_mem_region", e));
+        Device {
+            base: region.addr,
+            _b: b,
+            qs,
+            capacity,
+            per_queue,
+            _region: region,
+        }
+    }
+}
+
+impl Drop for Device {
+    fn drop(&mut self) {
+        // The queues go before the instance they belong to (the fields after them).
+        self.qs.clear();
+    }
+}
+
 /// Drives `spec` with libblkio over `queues` queues of `kind`; latency percentiles over all
 /// queues, IOPS summed.
 pub(crate) fn drive(sock: &Path, spec: &DriveSpec, kind: QueueKind, queues: usize) -> FioResult {
-    let mut b = Blkio::new("virtio-blk-vhost-user").unwrap_or_else(|e| fail("new", e));
-    b.set_str("path", &sock.display().to_string())
-        .unwrap_or_else(|e| fail("path", e));
-    b.connect().unwrap_or_else(|e| fail("connect", e));
-    let n = queues as i32;
-    let (blocking, poll) = match kind {
-        QueueKind::Blocking => (n, 0),
-        QueueKind::Poll => (0, n),
-    };
-    b.set_i32("num-queues", blocking)
-        .unwrap_or_else(|e| fail("num-queues", e));
-    b.set_i32("num-poll-queues", poll)
-        .unwrap_or_else(|e| fail("num-poll-queues", e));
-    let started = b.start().unwrap_or_else(|e| fail("start", e));
-    let mut qs = match kind {
-        QueueKind::Blocking => started.queues,
-        QueueKind::Poll => started.poll_queues,
-    };
-    let capacity = b
-        .get_u64("capacity")
-        .unwrap_or_else(|e| fail("capacity", e));
-    let align = b
-        .get_u64("mem-region-alignment")
-        .unwrap_or_else(|e| fail("mem-region-alignment", e))
-        .max(4096) as usize;
-    let per_queue = (usize::from(spec.qd) * spec.bs as usize).div_ceil(align) * align;
-    let region = b
-        .alloc_mem_region(per_queue * queues)
-        .unwrap_or_else(|e| fail("alloc_mem_region", e));
-    b.map_mem_region(&region)
-        .unwrap_or_else(|e| fail("map_mem_region", e));
-    let base = region.addr;
+    let mut d = Device::open(sock, spec, kind, queues, false);
+    let (base, per_queue, capacity) = (d.base, d.per_queue, d.capacity);
     let runs: Vec<QueueRun> = std::thread::scope(|s| {
-        let handles: Vec<_> = qs
-            .iter_mut()
+        let handles: Vec<_> =
+            d.qs.iter_mut()
+                .enumerate()
+                .map(|(i, q)| {
+                    let buf = base + i * per_queue;
+                    s.spawn(move || run_queue(q, buf, capacity, spec, i as u64))
+                })
+                .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    drop(d);
+    summarize(runs)
+}
+
+/// One read-only device per socket with one blocking queue, each driven by its own thread
+/// with its own spec (the density benchmark's light guests): each device's IOPS and
+/// latencies (ns).
+pub(crate) fn drive_devices(socks: &[PathBuf], specs: &[DriveSpec]) -> Vec<(f64, Vec<u64>)> {
+    std::thread::scope(|s| {
+        let handles: Vec<_> = socks
+            .iter()
+            .zip(specs)
             .enumerate()
-            .map(|(i, q)| {
-                let buf = base + i * per_queue;
-                s.spawn(move || run_queue(q, buf, capacity, spec, i as u64))
+            .map(|(i, (sock, spec))| {
+                s.spawn(move || {
+                    let mut d = Device::open(sock, spec, QueueKind::Blocking, 1, true);
+                    let (buf, capacity) = (d.base, d.capacity);
+                    let r = run_queue(&mut d.qs[0], buf, capacity, spec, i as u64);
+                    let iops = r.lat_ns.len() as f64 / r.measured.as_secs_f64().max(1e-9);
+                    (iops, r.lat_ns)
+                })
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
-    drop(qs);
-    drop(b);
-    summarize(runs)
+    })
+}
+
+/// Connects a read-only device to each socket and does one read on each, says so on `ready`, then
+/// holds them without I/O until `stop` says (or its sender goes).
+pub(crate) fn hold_devices(
+    socks: &[PathBuf],
+    ready: std::sync::mpsc::Sender<()>,
+    stop: std::sync::mpsc::Receiver<()>,
+) {
+    let spec = DriveSpec {
+        write: false,
+        sequential: true,
+        bs: 4096,
+        qd: 1,
+        ramp: Duration::ZERO,
+        runtime: Duration::ZERO,
+        think: Duration::ZERO,
+        think_spin: false,
+        rate_iops: None,
+    };
+    let mut devices: Vec<Device> = socks
+        .iter()
+        .map(|s| Device::open(s, &spec, QueueKind::Blocking, 1, true))
+        .collect();
+    for d in &mut devices {
+        let (buf, capacity) = (d.base, d.capacity);
+        let mut slots = Slots::new(&mut d.qs[0], buf, &spec, Offsets::new(capacity, &spec, 0));
+        slots.issue_due(Instant::now(), None);
+        slots.drain();
+    }
+    let _ = ready.send(());
+    let _ = stop.recv();
 }
 
 /// One queue's loop, like one fio job.
@@ -92,7 +188,10 @@ fn run_queue(q: &mut Blkioq, buf: usize, capacity: u64, spec: &DriveSpec, seed: 
     let t0 = Instant::now();
     let ramp_end = t0 + spec.ramp;
     let mut measure_start = None;
-    let mut lat_ns = Vec::with_capacity(1 << 20);
+    let expected = spec.rate_iops.map_or(1 << 20, |r| {
+        (r * spec.runtime.as_secs_f64() * 1.2) as usize + 1024
+    });
+    let mut lat_ns = Vec::with_capacity(expected.min(1 << 20));
     loop {
         let now = Instant::now();
         match measure_start {

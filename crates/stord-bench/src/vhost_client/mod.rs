@@ -1,11 +1,12 @@
 //! The vhost-user-blk clients the benchmarks drive an export with, picked by name: `own`,
 //! a frontend of our own with one queue ([`frontend`]), and `blkio` or `blkio-poll`,
-//! libblkio with blocking or poll queues, which can also use several ([`libblkio`]). What
-//! they drive is a [`DriveSpec`].
+//! libblkio with blocking or poll queues, which can also use several ([`libblkio`], which
+//! also drives many devices at once for the density benchmark). What they drive is a
+//! [`DriveSpec`].
 
 mod frontend;
-mod libblkio;
-mod spec;
+pub(crate) mod libblkio;
+pub(crate) mod spec;
 
 use std::path::Path;
 
