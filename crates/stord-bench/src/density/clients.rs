@@ -198,7 +198,14 @@ fn fio_figures(child: Child) -> Figures {
                     h.add(k.parse().unwrap_or(0), n.as_u64().unwrap_or(0));
                 }
             }
-            (r["iops"].as_f64().unwrap_or(0.0), Latencies::of(h))
+            // A job that failed counts as having served nothing.
+            let failed = j["error"].as_i64().unwrap_or(0) != 0;
+            let iops = if failed {
+                0.0
+            } else {
+                r["iops"].as_f64().unwrap_or(0.0)
+            };
+            (iops, Latencies::of(h))
         })
         .collect();
     Figures { clients }
@@ -290,6 +297,16 @@ impl Figures {
 
     /// The light clients' latencies, and the flat-out client's IOPS (client 0, in that
     /// variant).
+    /// Light clients (all but the flat-out one, client 0, in that variant) that served
+    /// less than nine tenths of `rate`: requests lost or a daemon that stalled.
+    pub fn short_of(&self, rate: f64, flat: bool) -> usize {
+        self.clients
+            .iter()
+            .skip(usize::from(flat))
+            .filter(|c| c.0 < rate * 0.9)
+            .count()
+    }
+
     pub fn split_flat(self, flat: bool) -> (Latencies, Option<f64>) {
         let mut it = self.clients.into_iter();
         let flat_iops = if flat { it.next().map(|c| c.0) } else { None };
@@ -298,5 +315,50 @@ impl Figures {
             all.add_client(l);
         }
         (all, flat_iops)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hist(values: &[(u64, u64)]) -> Hist {
+        let mut h = Hist::default();
+        for &(ns, n) in values {
+            h.add(ns, n);
+        }
+        h
+    }
+
+    #[test]
+    fn quantiles_pool_clients_and_the_worst_is_a_clients_own() {
+        let a = hist(&[(1000, 98), (5000, 2)]);
+        let b = hist(&[(2000, 100)]);
+        assert_eq!(a.quantile_us(0.5), 1.0);
+        assert_eq!(a.quantile_us(0.99), 5.0);
+        let mut all = Latencies::default();
+        all.add_client(Latencies::of(a));
+        all.add_client(Latencies::of(b));
+        // Pooled: 200 latencies, the 99th percentile among b's 2 µs.
+        assert_eq!(all.pooled(0.99), 2.0);
+        assert_eq!(all.pooled(0.999), 5.0);
+        assert_eq!(all.worst(0.99), 5.0);
+        assert_eq!(Hist::default().quantile_us(0.99), 0.0);
+    }
+
+    #[test]
+    fn the_flat_out_client_is_set_apart_and_short_clients_counted() {
+        let f = Figures {
+            clients: vec![
+                (9000.0, Latencies::of(hist(&[(100, 1)]))),
+                (100.0, Latencies::of(hist(&[(200, 1)]))),
+                (80.0, Latencies::of(hist(&[(300, 1)]))),
+            ],
+        };
+        assert_eq!(f.short_of(100.0, true), 1);
+        assert_eq!(f.short_of(100.0, false), 1);
+        let (light, flat) = f.split_flat(true);
+        assert_eq!(flat, Some(9000.0));
+        assert_eq!(light.pooled(0.01), 0.2);
     }
 }

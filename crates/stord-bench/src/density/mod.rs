@@ -36,8 +36,8 @@ pub struct DensityOptions {
     pub ramp: Duration,
     pub runtime: Duration,
     pub reps: usize,
-    /// Also run each shape with one client flat out.
-    pub flat_out: bool,
+    /// The variants each shape runs: `light`, `flat-out` (one client flat out), or both.
+    pub variants: Vec<&'static str>,
     /// How long the idle cost is measured (zero: not at all).
     pub idle: Duration,
     /// The offered load as a fraction of the slower daemon's one-export QD1 maximum.
@@ -61,7 +61,7 @@ impl Default for DensityOptions {
             ramp: Duration::from_secs(3),
             runtime: Duration::from_secs(60),
             reps: 3,
-            flat_out: true,
+            variants: vec!["light", "flat-out"],
             idle: Duration::from_secs(60),
             load: 0.5,
             calibrate: Duration::from_secs(5),
@@ -88,6 +88,8 @@ pub struct Run {
     pub flat_iops: Option<f64>,
     /// The daemon's resident memory at the end, over the exports.
     pub rss_kib_per_export: f64,
+    /// Light clients served less than nine tenths of their rate (lost requests, a stall).
+    pub short_clients: usize,
 }
 
 /// One (transport, backend, variant, shape, daemon) over its repetitions.
@@ -137,7 +139,7 @@ pub fn run(opts: &DensityOptions) -> Density {
             for &n in &opts.shapes {
                 let rate = total / n as f64;
                 let mut rows = case.shape(n, rate);
-                if i == 0 && !opts.idle.is_zero() {
+                if i == 0 && !opts.idle.is_zero() && opts.variants.contains(&"light") {
                     case.idle(n, &mut rows);
                 }
                 out.rows.extend(rows);
@@ -182,13 +184,8 @@ impl Case<'_> {
     /// Every daemon on `n` exports, light (and with one client flat out), repetitions
     /// alternating the daemons' order.
     fn shape(&self, n: usize, rate: f64) -> Vec<Row> {
-        let variants: &[&'static str] = if self.opts.flat_out {
-            &["light", "flat-out"]
-        } else {
-            &["light"]
-        };
         let mut rows = Vec::new();
-        for &variant in variants {
+        for &variant in &self.opts.variants {
             let mut mine: Vec<Row> = self
                 .opts
                 .daemons
@@ -256,6 +253,7 @@ impl Case<'_> {
         drop(set);
         let cpu_ns = (used.user_ns + used.sys_ns) as f64;
         let iops = figures.iops();
+        let short_clients = figures.short_of(rate, flat);
         let (light, flat_iops) = figures.split_flat(flat);
         Run {
             cpu_ms_per_s: cpu_ns / 1e6 / secs,
@@ -267,6 +265,7 @@ impl Case<'_> {
             worst_p99_us: light.worst(0.99),
             flat_iops,
             rss_kib_per_export: rss as f64 / n as f64,
+            short_clients,
         }
     }
 

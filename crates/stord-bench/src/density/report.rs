@@ -52,8 +52,9 @@ pub fn markdown(d: &Density) -> String {
 fn table(s: &mut String, g: &[&Row]) {
     s.push_str(
         "| IoThreads | daemon | IOPS per client | CPU ms/s [range] | CPU µs/IO | p50 µs | \
-         p99 µs | p99.9 µs | worst client p99 µs | flat-out IOPS | RSS KiB/export | idle ms |\n\
-         |---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+         p99 µs | p99.9 µs | worst client p99 µs | flat-out IOPS | RSS KiB/export | idle ms | \
+         short clients |\n\
+         |---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     for r in g {
         let (lo, hi) = range(r, |x| x.cpu_ms_per_s);
@@ -64,7 +65,7 @@ fn table(s: &mut String, g: &[&Row]) {
             .collect::<Vec<_>>();
         let _ = writeln!(
             s,
-            "| {} | {} | {:.0} | {:.0} [{lo:.0}-{hi:.0}] | {:.1} | {:.0} | {:.0} | {:.0} | {:.0} | {} | {:.0} | {} |",
+            "| {} | {} | {:.0} | {:.0} [{lo:.0}-{hi:.0}] | {:.1} | {:.0} | {:.0} | {:.0} | {:.0} | {} | {:.0} | {} | {} |",
             r.shape,
             r.daemon,
             r.rate_per_client,
@@ -81,6 +82,7 @@ fn table(s: &mut String, g: &[&Row]) {
             },
             med(r, |x| x.rss_kib_per_export),
             r.idle_ms.map_or("-".into(), |ms| format!("{ms:.3}")),
+            r.runs.iter().map(|x| x.short_clients).sum::<usize>(),
         );
     }
 }
