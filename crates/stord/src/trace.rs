@@ -139,6 +139,10 @@ pub const GROUPS: &[Group] = &[
         targets: &["stord::tls"],
     },
     Group {
+        qemu: "blkdebug",
+        targets: &["stord::block::drivers::blkdebug"],
+    },
+    Group {
         qemu: "qcrypto_block",
         targets: &["stord::crypto", "stord::block::drivers::luks"],
     },

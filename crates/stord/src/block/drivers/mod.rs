@@ -3,6 +3,7 @@
 //! `query-qmp-schema`, `blockdev-create` and `x-blockdev-amend` come from the table.
 //! What each driver exports, and what it sees while it opens, is [`super::open`].
 
+pub mod blkdebug;
 pub mod copy_before_write;
 pub mod file;
 pub mod luks;
@@ -20,6 +21,7 @@ use crate::schema::{EnumType, UnionType};
 /// Every block driver.
 pub const BLOCK_DRIVERS: &[&DriverDef] = &[
     &null::DRIVER,
+    &null::DRIVER_AIO,
     &file::DRIVER,
     &raw::DRIVER,
     &throttle::DRIVER,
@@ -29,6 +31,7 @@ pub const BLOCK_DRIVERS: &[&DriverDef] = &[
     &rbd::DRIVER,
     &copy_before_write::filter::DRIVER,
     &snapshot_access::DRIVER,
+    &blkdebug::DRIVER,
 ];
 
 /// The driver `name` selects.

@@ -1,7 +1,10 @@
-//! `null` (qsd: `null-co`): a device of a given size that stores nothing.
+//! `null-co` (also `null`) and `null-aio`: a device of a given size that stores nothing.
 //!
 //! Reads return zeroes with `read-zeroes=on`; with `read-zeroes=off` (the default, as in
-//! qsd) the buffer is handed back as it is, which costs nothing. Writes are dropped.
+//! qsd) the buffer is handed back as it is, which costs nothing. Writes are dropped. With
+//! `latency-ns`, every request completes that long after it came, on a loop timer (QEMU's
+//! null-co sleeps in its coroutine, null-aio arms a timer: in stord both are the loop's
+//! timer); without, at once. The two names differ only in what `drv` reports.
 
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -21,21 +24,50 @@ pub const DRIVER: DriverDef = DriverDef {
     takes_discard: false,
     takes_cache: false,
     help: Help {
-        synopsis: "[,size=<size>][,read-zeroes=on|off]",
+        synopsis: "[,size=<size>][,read-zeroes=on|off]\n[,latency-ns=<ns>]",
         about: "reads zeroes (with read-zeroes=on), drops writes: for tests\n\
                 and benchmarks",
     },
     create: None,
     amend: None,
-    open: |_, kv, flags| {
-        Ok(Opened {
-            driver: Box::new(NullDriver::from_opts(kv)?),
-            read_only: flags.read_only,
-            direct: false,
-            bitmaps: Vec::new(),
-        })
-    },
+    open: |_, kv, flags| open(kv, flags, "null-co"),
 };
+
+/// `null-aio`: the same device under QEMU's other name for it.
+pub const DRIVER_AIO: DriverDef = DriverDef {
+    names: &["null-aio"],
+    takes_discard: false,
+    takes_cache: false,
+    help: Help {
+        synopsis: "[,size=<size>][,read-zeroes=on|off]\n[,latency-ns=<ns>]",
+        about: "null-co under QEMU's name for its callback-based twin",
+    },
+    create: None,
+    amend: None,
+    open: |_, kv, flags| open(kv, flags, "null-aio"),
+};
+
+fn open(
+    kv: &mut KeyVal,
+    flags: crate::block::open::OpenFlags<'_>,
+    name: &'static str,
+) -> Result<Opened, GraphError> {
+    let mut d = NullDriver::from_opts(kv)?;
+    d.name = name;
+    if let Some(f) = kv.take("filename") {
+        if f != format!("{name}://") {
+            return Err(GraphError::Invalid(format!(
+                "The only allowed filename for this driver is '{name}://'"
+            )));
+        }
+    }
+    Ok(Opened {
+        driver: Box::new(d),
+        read_only: flags.read_only,
+        direct: false,
+        bitmaps: Vec::new(),
+    })
+}
 
 /// qsd's default null size (1 GiB).
 pub const DEFAULT_SIZE: u64 = 1 << 30;
@@ -47,6 +79,10 @@ pub const MAX_SIZE: u64 = (i64::MAX as u64) & !((1 << 30) - 1);
 pub struct NullDriver {
     size: AtomicU64,
     read_zeroes: bool,
+    /// `latency-ns`: how long each request takes (zero: none).
+    latency_ns: u64,
+    /// What `drv` says: `null-co` or `null-aio`.
+    name: &'static str,
 }
 
 /// A writable 1 MiB null node named `name`, for unit tests of the graph's mechanisms.
@@ -66,6 +102,8 @@ impl NullDriver {
         Self {
             size: AtomicU64::new(size),
             read_zeroes,
+            latency_ns: 0,
+            name: "null-co",
         }
     }
 
@@ -79,16 +117,27 @@ impl NullDriver {
             )));
         }
         let read_zeroes = opts.take_bool("read-zeroes", false)?;
-        // qsd's null-co also takes latency-ns; accept 0 only (we do not simulate latency).
-        if let Some(l) = opts.take_u64("latency-ns", false)? {
-            if l != 0 {
-                return Err(GraphError::Invalid(format!(
-                    "{}: latency-ns is not supported (only 0)",
-                    opts.what
-                )));
-            }
+        let latency_ns = match opts.take("latency-ns") {
+            None => 0,
+            Some(v) => v
+                .parse::<u64>()
+                .map_err(|_| GraphError::Invalid("latency-ns is invalid".into()))?,
+        };
+        let mut d = Self::new(size, read_zeroes);
+        d.latency_ns = latency_ns;
+        Ok(d)
+    }
+
+    /// `v`, once the request's latency has passed.
+    fn after<T: 'static>(&self, v: T) -> BoxFut<'_, T> {
+        if self.latency_ns == 0 {
+            return Box::pin(std::future::ready(v));
         }
-        Ok(Self::new(size, read_zeroes))
+        let d = std::time::Duration::from_nanos(self.latency_ns);
+        Box::pin(async move {
+            stord_aio::sleep(d).await;
+            v
+        })
     }
 
     /// Everything is allocated; it reads as zero when read-zeroes is on.
@@ -107,7 +156,7 @@ impl BlockDriver for NullDriver {
         Box::pin(async { Ok(()) })
     }
     fn driver_name(&self) -> &'static str {
-        "null-co"
+        self.name
     }
     fn size(&self) -> u64 {
         self.size.load(Relaxed)
@@ -116,22 +165,22 @@ impl BlockDriver for NullDriver {
         if self.read_zeroes {
             buf.fill(0);
         }
-        Box::pin(std::future::ready((Ok(()), buf)))
+        self.after((Ok(()), buf))
     }
     fn write(&self, _offset: u64, buf: Buf, _fua: bool) -> BoxFut<'_, (io::Result<()>, Buf)> {
-        Box::pin(std::future::ready((Ok(()), buf)))
+        self.after((Ok(()), buf))
     }
     fn readv(&self, _offset: u64, mut iov: IoVec) -> BoxFut<'_, (io::Result<()>, IoVec)> {
         if self.read_zeroes {
             iov.zero_from(0);
         }
-        Box::pin(std::future::ready((Ok(()), iov)))
+        self.after((Ok(()), iov))
     }
     fn writev(&self, _offset: u64, iov: IoVec, _fua: bool) -> BoxFut<'_, (io::Result<()>, IoVec)> {
-        Box::pin(std::future::ready((Ok(()), iov)))
+        self.after((Ok(()), iov))
     }
     fn flush(&self) -> BoxFut<'_, io::Result<()>> {
-        Box::pin(std::future::ready(Ok(())))
+        self.after(Ok(()))
     }
     fn discard(&self, _: u64, _: u64) -> BoxFut<'_, io::Result<()>> {
         Box::pin(std::future::ready(Ok(())))

@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 use super::future::{unsupported_fut, BoxFut};
 use super::options::{CommonOptions, DetectZeroes};
-use super::{dirty_bitmap, hook, limits, perm, stats};
+use super::{debug_event, dirty_bitmap, hook, limits, perm, stats};
 use crate::buf::{count_bounce, request_buf, Buf};
 use crate::iov::IoVec;
 
@@ -184,6 +184,11 @@ pub trait BlockDriver: Send + Sync {
     /// The child nodes, each with its role (`file`), for the graph's bookkeeping.
     fn children(&self) -> Vec<(&'static str, Arc<BlockNode>)> {
         Vec::new()
+    }
+    /// A debug event announced on this node ([`debug_event`]): a `blkdebug` node acts
+    /// on it; true if the driver took it.
+    fn debug_event(&self, _e: debug_event::DebugEvent) -> bool {
+        false
     }
     /// For a filter: the child every write goes to unchanged but for an offset added
     /// (its bitmaps see the write too, as each QEMU node marks what passes through it).
@@ -365,6 +370,12 @@ impl BlockNode {
         self.detect_zeroes = o.detect_zeroes;
         self.unmap = o.unmap;
         self
+    }
+
+    /// Announces debug event `e` to this node's driver (QEMU's bdrv_debug_event: a
+    /// driver without events drops it; nothing walks on to the children).
+    pub fn debug_event(&self, e: debug_event::DebugEvent) {
+        self.driver.debug_event(e);
     }
 
     /// Whether writes are refused.

@@ -19,6 +19,7 @@ use std::io;
 use super::driver::{Meta, Qcow2Driver};
 use super::header::Compression;
 use super::table::{Mapping, COMPRESSED};
+use crate::block::node::debug_event::DebugEvent;
 use crate::buf::Buf;
 
 /// Compresses one cluster `src` into at most `max` bytes (QEMU passes the cluster size
@@ -118,6 +119,7 @@ impl Qcow2Driver {
             .lock(cstart, cstart + self.cluster_size)
             .await;
         let host = self.alloc_compressed(cstart, len).await?;
+        self.ev(DebugEvent::WriteCompressed);
         let written = self.file_write(host, &packed).await;
         let mut m = self.meta.lock().await;
         if let Err(e) = written {
@@ -126,6 +128,7 @@ impl Qcow2Driver {
             return Err(e);
         }
         let entry = compressed_entry(host, len, self.cluster_bits);
+        self.ev(DebugEvent::L2UpdateCompressed);
         self.set_l2(&mut m, cstart, entry, 0).await
     }
 
@@ -154,6 +157,7 @@ impl Qcow2Driver {
     /// one's tail when it comes right after it. Each host cluster the bytes touch gains a
     /// reference. The bytes' host offset.
     pub(super) async fn alloc_bytes(&self, m: &mut Meta, size: u64) -> io::Result<u64> {
+        self.ev(DebugEvent::ClusterAllocBytes);
         let cs = self.cluster_size;
         let mut offset = m.free_byte_offset;
         if offset != 0 && self.refcount(m, offset).await? == self.refcounts().max() {

@@ -23,6 +23,7 @@ use super::driver::{Crypt, Qcow2Driver};
 use super::header::{crypt, Header};
 use crate::block::drivers::luks::amend::Keys;
 use crate::block::node::block_node::BlockNode;
+use crate::block::node::debug_event::DebugEvent;
 use crate::block::node::range_lock::RangeLocks;
 use crate::block::open::{Graph, GraphError};
 use crate::buf::{request_buf, Buf};
@@ -152,6 +153,7 @@ impl Qcow2Driver {
     /// Writes `buf` at `host`, encrypted in place: only for a buffer of ours when the
     /// image is encrypted.
     pub(super) async fn data_write_buf(&self, host: u64, mut buf: Buf) -> (io::Result<()>, Buf) {
+        self.ev(DebugEvent::WriteAio);
         if let Some(c) = &self.crypt {
             debug_assert!(host.is_multiple_of(SECTOR) && buf.len().is_multiple_of(SECTOR_SIZE));
             if let Err(e) = c.cipher.encrypt(host / SECTOR, &mut buf) {

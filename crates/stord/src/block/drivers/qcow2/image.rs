@@ -23,6 +23,9 @@ pub enum Qcow2Error {
     /// Reading or updating the image failed.
     #[error("qcow2: {0}")]
     Io(#[from] io::Error),
+    /// A read of the open failed: QEMU's words for the step, then the error's.
+    #[error("{what}: {text}")]
+    Step { what: &'static str, text: String },
     /// Opening read-write is not possible.
     #[error("qcow2: {0}")]
     NotWritable(&'static str),
@@ -60,13 +63,23 @@ impl Image {
     pub async fn load(file: &BlockNode, writable: bool) -> Result<Image, Qcow2Error> {
         let f = file.driver();
         let mut header = read_header(f).await?;
-        let l1 = read_table(f, header.l1_table_offset, header.l1_size as usize).await?;
+        let step = |what: &'static str| {
+            move |e: io::Error| Qcow2Error::Step {
+                what,
+                text: crate::sys::os_text(&e),
+            }
+        };
+        let l1 = read_table(f, header.l1_table_offset, header.l1_size as usize)
+            .await
+            .map_err(step("Could not read L1 table"))?;
+        f.debug_event(crate::block::node::debug_event::DebugEvent::ReftableLoad);
         let reftable = read_table(
             f,
             header.refcount_table_offset,
             (header.refcount_table_clusters as u64 * header.cluster_size() / 8) as usize,
         )
-        .await?;
+        .await
+        .map_err(step("Could not initialize refcount handling"))?;
         if writable && header.incompatible & incompat::CORRUPT != 0 {
             return Err(Qcow2Error::NotWritable(
                 "Image is corrupt; cannot be opened read/write",

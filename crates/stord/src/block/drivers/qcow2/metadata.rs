@@ -11,6 +11,7 @@ use super::bytes::decode_be64;
 use super::driver::{corrupt, Meta, MetaKind, Qcow2Driver};
 use super::header::{field, incompat, MAX_L1_BYTES};
 use super::table::{EntryCodec, Mapping, RefcountCodec, COPIED, OFFSET_MASK};
+use crate::block::node::debug_event::DebugEvent;
 use crate::block::node::stats::Op;
 use crate::buf::request_buf;
 
@@ -96,6 +97,11 @@ impl Qcow2Driver {
         RefcountCodec::new(self.refcount_order)
     }
 
+    /// Announces debug event `e` on the file (a `blkdebug` node there acts on it).
+    pub(super) fn ev(&self, e: DebugEvent) {
+        self.file.debug_event(e);
+    }
+
     pub(super) async fn file_read(&self, offset: u64, len: usize) -> io::Result<crate::buf::Buf> {
         let start = stord_aio::sys::now_ns();
         let (r, buf) = self.file.driver().read(offset, request_buf(len)).await;
@@ -136,6 +142,7 @@ impl Qcow2Driver {
         if m.l2.full_of_dirty() {
             self.write_back(m).await?;
         }
+        self.ev(DebugEvent::L2Load);
         let buf = self.file_read(l2_off, self.cluster_size as usize).await?;
         m.l2.insert(l2_off, decode_be64(&buf), false);
         Ok(())
@@ -240,12 +247,14 @@ impl Qcow2Driver {
             // Shared with an internal snapshot: the active image gets its own copy (the
             // data clusters' counts stay: both tables still reference them), and the
             // shared table loses one reference once the copy is durable.
+            self.ev(DebugEvent::L2AllocCowRead);
             self.load_l2(m, l2_off).await?;
             let entries = m.l2.get(l2_off).expect("just loaded").clone();
             let (table, _) = self.alloc_cluster(m).await?;
             if m.l2.full_of_dirty() {
                 self.write_back(m).await?;
             }
+            self.ev(DebugEvent::L2AllocWrite);
             m.l2.insert(table, entries, true);
             m.add_region(self.cluster_bits, table, self.cluster_size, MetaKind::L2);
             m.l1[i1] = table | COPIED;
@@ -257,6 +266,7 @@ impl Qcow2Driver {
             if m.l2.full_of_dirty() {
                 self.write_back(m).await?;
             }
+            self.ev(DebugEvent::L2AllocWrite);
             m.l2.insert(table, vec![0; (self.cluster_size / 8) as usize], true);
             m.add_region(self.cluster_bits, table, self.cluster_size, MetaKind::L2);
             m.l1[i1] = table | COPIED;
@@ -284,14 +294,17 @@ impl Qcow2Driver {
         // The on-disk L1 must hold every cached change before it is copied.
         self.write_back(m).await?;
         self.sync_if_needed(m).await?;
+        self.ev(DebugEvent::L1GrowAllocTable);
         let start = self.alloc_contiguous(m, n).await?;
         let mut l1 = m.l1.clone();
         l1.resize((n * cs / 8) as usize, 0);
         let bytes: Vec<u8> = l1.iter().flat_map(|e| e.to_be_bytes()).collect();
         self.check_overlap(m, start, n * cs, None).await?;
         self.write_back(m).await?;
+        self.ev(DebugEvent::L1GrowWriteTable);
         self.file_write(start, &bytes).await?;
         self.file.driver().flush().await?;
+        self.ev(DebugEvent::L1GrowActivateTable);
         let mut header = [0u8; 12];
         header[..4].copy_from_slice(&(entries as u32).to_be_bytes());
         header[4..].copy_from_slice(&start.to_be_bytes());

@@ -14,6 +14,7 @@ use super::header::Compression;
 use super::subcluster::{self, Kind};
 use super::table::Mapping;
 use crate::block::node::block_node::BlockNode;
+use crate::block::node::debug_event::DebugEvent;
 use crate::block::node::stats::Op;
 use crate::buf::{request_buf, Buf};
 use crate::iov::IoVec;
@@ -181,6 +182,7 @@ impl Qcow2Driver {
                 "compressed cluster at {offset:#x} too long"
             )));
         }
+        self.ev(DebugEvent::ReadCompressed);
         let data = self.file_read(offset, len as usize).await?;
         let mut out = vec![0u8; self.cluster_size as usize];
         let inflated = match self.compression {
@@ -221,8 +223,12 @@ impl Qcow2Driver {
             let dst = &mut buf[at..at + p.len as usize];
             match p.src {
                 Source::Zero | Source::Unmapped => dst.fill(0),
-                Source::Backing => Self::read_backing(backing, p.guest, dst).await?,
+                Source::Backing => {
+                    self.ev(DebugEvent::ReadBackingAio);
+                    Self::read_backing(backing, p.guest, dst).await?
+                }
                 Source::Host(h) => {
+                    self.ev(DebugEvent::ReadAio);
                     let b = self.data_read(h, dst.len()).await?;
                     dst.copy_from_slice(&b);
                 }
@@ -254,6 +260,7 @@ impl Qcow2Driver {
         }] = pieces[..]
         {
             let (start, len, node) = (now_ns(), buf.len() as u64, self.data_node());
+            self.ev(DebugEvent::ReadAio);
             let r = node.driver().read(h, buf).await;
             drop(inflight);
             node.count_direct(Op::Read, start, h + len, len, r.0.is_ok());
@@ -288,6 +295,7 @@ impl Qcow2Driver {
         }] = pieces[..]
         {
             let (start, len, node) = (now_ns(), iov.len() as u64, self.data_node());
+            self.ev(DebugEvent::ReadAio);
             let r = node.driver().readv(h, iov).await;
             drop(inflight);
             node.count_direct(Op::Read, start, h + len, len, r.0.is_ok());

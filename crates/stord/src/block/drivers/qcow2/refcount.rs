@@ -8,6 +8,7 @@ use std::io;
 use super::driver::{corrupt, Meta, MetaKind, Qcow2Driver};
 use super::header::{field, MAX_REFTABLE_BYTES};
 use super::table::{Mapping, OFFSET_MASK};
+use crate::block::node::debug_event::DebugEvent;
 
 /// Where a grown refcount table goes, in clusters: `table_clusters` at `area`, then
 /// `blocks` new refcount blocks that count the area.
@@ -48,6 +49,7 @@ impl Qcow2Driver {
     /// Allocates one cluster (refcount 1): its host offset, and whether it lies past
     /// everything ever written (so it reads as zeroes).
     pub(super) async fn alloc_cluster(&self, m: &mut Meta) -> io::Result<(u64, bool)> {
+        self.ev(DebugEvent::ClusterAlloc);
         let bits = self.refblock_bits();
         let per_block = 1u64 << bits;
         let rc = self.refcounts();
@@ -63,6 +65,9 @@ impl Qcow2Driver {
             if rb_off == 0 {
                 // No block counts this range yet, so all of it is free: the new refcount
                 // block takes the range's first free cluster and counts itself.
+                self.ev(DebugEvent::RefblockAlloc);
+                self.ev(DebugEvent::RefblockAllocWrite);
+                self.ev(DebugEvent::RefblockAllocHookup);
                 if m.refblocks.full_of_dirty() {
                     self.write_back(m).await?;
                 }
@@ -89,6 +94,9 @@ impl Qcow2Driver {
             match (idx..per_block as usize).find(|&i| rc.get(block, i) == 0) {
                 None => m.free_hint = (bi as u64 + 1) << bits,
                 Some(i) => {
+                    // The refcount set (QEMU's update_refcount: alloc_refcount_block).
+                    self.ev(DebugEvent::RefblockAlloc);
+                    self.ev(DebugEvent::RefblockLoad);
                     let c = ((bi as u64) << bits) + i as u64;
                     let block = m.refblocks.get_mut(rb_off).expect("loaded");
                     rc.set(block, i, 1);
@@ -112,6 +120,7 @@ impl Qcow2Driver {
     /// the new table in one write, then the old table's clusters are freed. Every step is
     /// durable before the next, so a crash leaves either table in force, never neither.
     async fn grow_reftable(&self, m: &mut Meta, need: usize) -> io::Result<()> {
+        self.ev(DebugEvent::ReftableGrow);
         // The table on disk must hold everything the cached one does.
         self.write_back(m).await?;
         self.sync_if_needed(m).await?;
@@ -196,6 +205,7 @@ impl Qcow2Driver {
         // its range.
         let rc = self.refcounts();
         let mut next = area + table_clusters;
+        self.ev(DebugEvent::RefblockAllocWriteBlocks);
         for b in area / per_block..=(end - 1) / per_block {
             if table[b as usize] & OFFSET_MASK != 0 {
                 continue;
@@ -212,8 +222,10 @@ impl Qcow2Driver {
         }
         debug_assert_eq!(next, end);
         let bytes: Vec<u8> = table.iter().flat_map(|e| e.to_be_bytes()).collect();
+        self.ev(DebugEvent::RefblockAllocWriteTable);
         self.file_write(area * cs, &bytes).await?;
         self.file.driver().flush().await?;
+        self.ev(DebugEvent::RefblockAllocSwitchTable);
         let mut header = [0u8; 12];
         header[..8].copy_from_slice(&(area * cs).to_be_bytes());
         header[8..].copy_from_slice(&(table_clusters as u32).to_be_bytes());
@@ -275,6 +287,7 @@ impl Qcow2Driver {
     /// `alloc_clusters_noref` then `update_refcount`: the run is reserved first, so the
     /// refcount blocks its ranges lack are allocated after it, not inside it.
     pub(super) async fn alloc_contiguous(&self, m: &mut Meta, n: u64) -> io::Result<u64> {
+        self.ev(DebugEvent::ClusterAlloc);
         let cs = self.cluster_size;
         let bits = self.refblock_bits();
         let start = m.used_end.div_ceil(cs);
@@ -338,6 +351,9 @@ impl Qcow2Driver {
         if rb_off == 0 {
             return Err(corrupt(format!("cluster {host:#x} has no refcount block")));
         }
+        // QEMU's update_refcount: alloc_refcount_block, then load_refcount_block.
+        self.ev(DebugEvent::RefblockAlloc);
+        self.ev(DebugEvent::RefblockLoad);
         self.load_refblock(m, rb_off).await?;
         let rc = self.refcounts();
         let block = m.refblocks.get_mut(rb_off).expect("just loaded");
@@ -425,6 +441,7 @@ impl Qcow2Driver {
             return Ok(Vec::new());
         }
         let frees = std::mem::take(&mut m.pending_free);
+        self.ev(DebugEvent::ClusterFree);
         let mut unused = Vec::new();
         for host in frees {
             if self.change_refcount(m, host, -1).await? == 0 {

@@ -17,6 +17,7 @@ use super::read::Pieces;
 use super::subcluster;
 use super::table::{old_host, Mapping, COPIED, ZERO};
 use crate::block::node::block_node::{BlockDriver, BlockNode};
+use crate::block::node::debug_event::DebugEvent;
 use crate::block::node::stats::Op;
 use crate::buf::{request_buf, Buf};
 use crate::iov::IoVec;
@@ -75,14 +76,22 @@ impl Qcow2Driver {
             Mapping::Zero { .. } => Ok(None),
             Mapping::Unallocated => match &self.backing() {
                 Some(b) if cstart < b.size() => {
+                    self.ev(DebugEvent::CowRead);
+                    self.ev(DebugEvent::ReadBackingAio);
                     let mut v = vec![0u8; cs];
                     Self::read_backing(Some(b), cstart, &mut v).await?;
                     Ok(Some(v))
                 }
                 _ => Ok(None),
             },
-            Mapping::Data { host, .. } => Ok(Some(self.data_read(host, cs).await?.to_vec())),
-            Mapping::Compressed { offset, len } => Ok(Some(self.decompress(offset, len).await?)),
+            Mapping::Data { host, .. } => {
+                self.ev(DebugEvent::CowRead);
+                Ok(Some(self.data_read(host, cs).await?.to_vec()))
+            }
+            Mapping::Compressed { offset, len } => {
+                self.ev(DebugEvent::CowRead);
+                Ok(Some(self.decompress(offset, len).await?))
+            }
         }
     }
 
@@ -119,10 +128,22 @@ impl Qcow2Driver {
             match self.cluster_content(cstart, old).await? {
                 // Untouched bytes of a fresh cluster already read as zeroes (not so
                 // through a cipher: an encrypted image's get encrypted zeroes).
-                None if fresh && self.crypt.is_none() => self.data_write(host + within, data).await,
+                None if fresh && self.crypt.is_none() => {
+                    // QEMU zeroes the new cluster's space here (handle_alloc_space);
+                    // fresh space reads as zeroes already.
+                    self.ev(DebugEvent::ClusterAllocSpace);
+                    self.data_write(host + within, data).await
+                }
+                None => {
+                    self.ev(DebugEvent::ClusterAllocSpace);
+                    let mut c = vec![0u8; cs as usize];
+                    c[within as usize..within as usize + data.len()].copy_from_slice(data);
+                    self.data_write(host, &c).await
+                }
                 content => {
                     let mut c = content.unwrap_or_else(|| vec![0u8; cs as usize]);
                     c[within as usize..within as usize + data.len()].copy_from_slice(data);
+                    self.ev(DebugEvent::CowWrite);
                     self.data_write(host, &c).await
                 }
             }
@@ -394,6 +415,7 @@ impl Qcow2Driver {
             Ok(Some((host, inflight))) => {
                 let (start, len, node) = (now_ns(), buf.len() as u64, self.data_node());
                 node.note_write(host, len);
+                self.ev(DebugEvent::WriteAio);
                 let r = node.driver().write(host, buf, fua).await;
                 drop(inflight);
                 node.count_direct(Op::Write, start, host + len, len, r.0.is_ok());
@@ -423,6 +445,7 @@ impl Qcow2Driver {
             Ok(Some((host, inflight))) => {
                 let (start, len, node) = (now_ns(), iov.len() as u64, self.data_node());
                 node.note_write(host, len);
+                self.ev(DebugEvent::WriteAio);
                 let r = node.driver().writev(host, iov, fua).await;
                 drop(inflight);
                 node.count_direct(Op::Write, start, host + len, len, r.0.is_ok());
@@ -581,6 +604,9 @@ impl Qcow2Driver {
         let to = from + data.len() as u64;
         let mut buf = request_buf((end - start) as usize);
         let backing = self.backing();
+        if start < from || to < end {
+            self.ev(DebugEvent::CowRead);
+        }
         for (a, b) in [(start, from), (to, end)] {
             if a >= b {
                 continue;
@@ -593,6 +619,9 @@ impl Qcow2Driver {
                 .await?;
         }
         buf[(from - start) as usize..(to - start) as usize].copy_from_slice(data);
+        if start < from || to < end {
+            self.ev(DebugEvent::CowWrite);
+        }
         self.data_write_buf(host + start, buf).await.0
     }
 

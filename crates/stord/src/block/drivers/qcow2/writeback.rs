@@ -18,6 +18,7 @@ use std::collections::BTreeSet;
 use std::io;
 
 use super::driver::{Meta, MetaKind, Qcow2Driver};
+use crate::block::node::debug_event::DebugEvent;
 
 /// Entries written per L1 / refcount table write-back unit (one 4 KiB page).
 const PAGE_ENTRIES: usize = 512;
@@ -28,8 +29,10 @@ impl Qcow2Driver {
     pub(super) async fn flush_impl(&self) -> io::Result<()> {
         // Guest data in a data file is durable before the tables that point at it.
         self.flush_data_file().await?;
+        self.ev(DebugEvent::FlushToOs);
         let mut m = self.meta.lock().await;
         self.write_back(&mut m).await?;
+        self.ev(DebugEvent::FlushToDisk);
         self.file.driver().flush().await?;
         m.needs_sync = false;
         let freed = self.apply_frees(&mut m).await?;
@@ -63,6 +66,7 @@ impl Qcow2Driver {
         for off in m.refblocks.dirty() {
             self.check_overlap(m, off, self.cluster_size, Some(MetaKind::RefBlock))
                 .await?;
+            self.ev(DebugEvent::RefblockUpdatePart);
             self.file_write(off, m.refblocks.peek(off).expect("dirty is cached"))
                 .await?;
             m.refblocks.mark_clean(off);
@@ -87,6 +91,7 @@ impl Qcow2Driver {
                     .await?;
                 let table = m.l2.peek(off).expect("dirty is cached");
                 let bytes: Vec<u8> = table.iter().flat_map(|e| e.to_be_bytes()).collect();
+                self.ev(DebugEvent::L2Update);
                 self.file_write(off, &bytes).await?;
                 m.l2.mark_clean(off);
             }
@@ -96,6 +101,7 @@ impl Qcow2Driver {
             self.sync_if_needed(m).await?;
             let pages: BTreeSet<usize> = m.l1_dirty.iter().map(|i| i / PAGE_ENTRIES).collect();
             for p in pages {
+                self.ev(DebugEvent::L1Update);
                 self.write_entries(m.l1_offset, &m.l1, p).await?;
             }
             m.l1_dirty.clear();
