@@ -115,6 +115,9 @@ impl BlockDriver for RawDriver {
     fn driver_name(&self) -> &'static str {
         "raw"
     }
+    fn is_filter(&self) -> bool {
+        true
+    }
     fn size(&self) -> u64 {
         self.size
             .unwrap_or_else(|| self.child.size().saturating_sub(self.offset))

@@ -67,6 +67,9 @@ impl BlockDriver for ThrottleDriver {
     fn driver_name(&self) -> &'static str {
         "throttle"
     }
+    fn is_filter(&self) -> bool {
+        true
+    }
     fn size(&self) -> u64 {
         self.child.size()
     }

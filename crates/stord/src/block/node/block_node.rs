@@ -190,6 +190,11 @@ pub trait BlockDriver: Send + Sync {
     fn debug_event(&self, _e: debug_event::DebugEvent) -> bool {
         false
     }
+    /// Whether the driver is a filter of its `file` child (QEMU's `is_filter`): the node
+    /// below it in the chain QEMU's bdrv_filter_or_cow_bs walks.
+    fn is_filter(&self) -> bool {
+        false
+    }
     /// For a filter: the child every write goes to unchanged but for an offset added
     /// (its bitmaps see the write too, as each QEMU node marks what passes through it).
     fn passes_through(&self) -> Option<(&Arc<BlockNode>, u64)> {
@@ -524,16 +529,12 @@ impl BlockNode {
     }
 
     /// The node below this one that QEMU's bdrv_filter_or_cow_bs names: the backing
-    /// node, else a filter's (raw, throttle) file node.
+    /// node, else a filter's ([`BlockDriver::is_filter`]) file node.
     pub fn filtered_or_backing(&self) -> Option<Arc<BlockNode>> {
         let children = self.children();
         let pick = |role: &str| children.iter().find(|(r, _)| *r == role);
         pick("backing")
-            .or_else(|| {
-                matches!(self.driver_name(), "raw" | "throttle")
-                    .then(|| pick("file"))
-                    .flatten()
-            })
+            .or_else(|| self.driver.is_filter().then(|| pick("file")).flatten())
             .map(|(_, n)| (*n).clone())
     }
 
