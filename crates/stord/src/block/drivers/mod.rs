@@ -4,6 +4,7 @@
 //! What each driver exports, and what it sees while it opens, is [`super::open`].
 
 pub mod blkdebug;
+pub mod blklogwrites;
 pub mod copy_before_write;
 pub mod file;
 pub mod luks;
@@ -32,6 +33,7 @@ pub const BLOCK_DRIVERS: &[&DriverDef] = &[
     &copy_before_write::filter::DRIVER,
     &snapshot_access::DRIVER,
     &blkdebug::DRIVER,
+    &blklogwrites::DRIVER,
 ];
 
 /// The driver `name` selects.
