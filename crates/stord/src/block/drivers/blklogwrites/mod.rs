@@ -37,10 +37,11 @@ pub const DRIVER: DriverDef = DriverDef {
     takes_discard: false,
     takes_cache: false,
     help: Help {
-        synopsis: "file=<node> | ,file.driver=...,log=<node> | ,log.driver=...\n\
+        synopsis: "file=<node> | ,file.driver=...\n\
+                   ,log=<node> | ,log.driver=...\n\
                    [,log-sector-size=<n>][,log-append=on|off][,log-super-update-interval=<n>]",
-        about: "every write, write-zeroes, discard and flush of `file` logged to `log`\n\
-                in the dm-log-writes format, for replay to any point (crash tests)",
+        about: "QEMU's write logger: what reaches `file` logged to `log`\n\
+                (dm-log-writes format), for replay to any point",
     },
     create: None,
     amend: None,
