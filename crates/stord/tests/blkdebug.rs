@@ -10,10 +10,11 @@ mod common;
 
 use std::collections::HashMap;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::rawnbd::{RawNbd, CMD_FLUSH, CMD_READ};
+use common::side::{start_with, words, Daemon};
 use common::{run, run_ok, tmpdir};
 
 /// The events a qcow2 image can raise (the vmstate ones and those QEMU never sends to its
@@ -245,15 +246,6 @@ impl Model {
 }
 
 /// A daemon serving node `n` (qcow2 over blkdebug with the rule) and `z` (null).
-struct Daemon(Child);
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 fn start(binary: &str, dir: &Path, img: &Path, event: &str) -> Result<Daemon, String> {
     let (sock, pid) = (dir.join("nbd.sock"), dir.join("daemon.pid"));
     let _ = std::fs::remove_file(&sock);
@@ -410,55 +402,6 @@ fn every_metadata_steps_error_fires_where_qemus_does() {
         unknown.is_empty(),
         "events that fire in one daemon only: {unknown:#?}"
     );
-}
-
-/// A daemon with `--blockdev opts` (node `b`) exported over NBD and a QMP monitor; its
-/// start-up error, if it refuses.
-fn start_with(
-    binary: &str,
-    dir: &Path,
-    opts: &str,
-) -> Result<(Daemon, std::path::PathBuf), String> {
-    let (sock, pid, qmp) = (dir.join("b.sock"), dir.join("b.pid"), dir.join("qmp.sock"));
-    for f in [&sock, &pid, &qmp] {
-        let _ = std::fs::remove_file(f);
-    }
-    let mut c = Command::new(binary)
-        .args(["--blockdev", opts, "--nbd-server"])
-        .arg(format!("addr.type=unix,addr.path={}", p(&sock)))
-        .args(["--export", "type=nbd,id=e,node-name=b,writable=on"])
-        .arg("--chardev")
-        .arg(format!("socket,id=m,path={},server=on,wait=off", p(&qmp)))
-        .args(["--monitor", "chardev=m", "--pidfile"])
-        .arg(&pid)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let t = Instant::now();
-    while !pid.exists() {
-        if c.try_wait().unwrap().is_some() {
-            let mut e = String::new();
-            use std::io::Read;
-            c.stderr.take().unwrap().read_to_string(&mut e).unwrap();
-            return Err(e.trim().to_string());
-        }
-        assert!(
-            t.elapsed() < Duration::from_secs(20),
-            "{binary} did not start"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    Ok((Daemon(c), sock))
-}
-
-/// The error after qsd's echo of the options (`--blockdev OPTS: `), or stord's.
-fn words(e: &str, opts: &str) -> String {
-    e.split_once(&format!("{opts}: "))
-        .or_else(|| e.split_once("--blockdev: "))
-        .or_else(|| e.split_once("stord: "))
-        .map_or(e, |x| x.1)
-        .to_string()
 }
 
 #[test]

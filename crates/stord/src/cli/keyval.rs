@@ -18,10 +18,10 @@ pub enum OptionError {
     #[error("{what}: option '{key}' given twice")]
     Twice { what: String, key: String },
     /// A required key is absent.
-    #[error("{what}: parameter '{key}' is missing")]
+    #[error("{what}: Parameter '{key}' is missing")]
     Missing { what: String, key: String },
     /// A value of the wrong kind.
-    #[error("{what}: parameter '{key}' expects {expected}, got '{value}'")]
+    #[error("{what}: Parameter '{key}' expects {expected}")]
     Value {
         what: String,
         key: String,
@@ -38,7 +38,7 @@ pub enum OptionError {
         value: u64,
     },
     /// A key nobody consumed.
-    #[error("{what}: invalid parameter '{key}'")]
+    #[error("{what}: Parameter '{key}' is unexpected")]
     Unknown { what: String, key: String },
 }
 
@@ -428,7 +428,7 @@ mod tests {
         );
         assert_eq!(
             e.to_string(),
-            "--blockdev: parameter 'cache.direct' expects 'on' or 'off', got 'maybe'"
+            "--blockdev: Parameter 'cache.direct' expects 'on' or 'off'"
         );
         let e = kv.finish().unwrap_err();
         assert!(

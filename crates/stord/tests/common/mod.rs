@@ -6,6 +6,7 @@ pub mod crash;
 pub mod guest;
 pub mod rawnbd;
 pub mod rawqmp;
+pub mod side;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Output, Stdio};

@@ -38,8 +38,12 @@ impl RawQmp {
 
     /// Sends `text` (one JSON message) and returns the reply (events skipped).
     pub fn send(&mut self, text: &str) -> serde_json::Value {
-        self.r.get_mut().write_all(text.as_bytes()).unwrap();
-        self.r.get_mut().write_all(b"\n").unwrap();
+        // One write: qsd acts on a command at its closing brace, and a quit closes the
+        // socket before a second write of the newline could land.
+        self.r
+            .get_mut()
+            .write_all(format!("{text}\n").as_bytes())
+            .unwrap();
         loop {
             let v = self.line();
             if v.get("event").is_none() {

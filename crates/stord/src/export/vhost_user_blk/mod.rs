@@ -59,7 +59,7 @@ impl VhostUserBlkOptions {
             Some(t) => {
                 return Err(format!("{what}: addr.type '{t}' not supported (use unix)").into())
             }
-            None => return Err(format!("{what}: parameter 'addr.type' is missing").into()),
+            None => return Err(format!("{what}: Parameter 'addr.type' is missing").into()),
         }
         let path = PathBuf::from(kv.take_required("addr.path")?);
         let writable = kv.take_bool("writable", false)?;

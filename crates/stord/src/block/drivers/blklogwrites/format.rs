@@ -4,7 +4,7 @@
 //! sectors of it. A write-zeroes logs its zeroes as data; a flush is an entry of no sectors.
 
 /// The superblock's magic ("rhswfsj").
-pub const MAGIC: u64 = 0x6a73_6677_7368_72;
+pub const MAGIC: u64 = 0x006a_7366_7773_6872;
 /// The only version there is.
 pub const VERSION: u64 = 1;
 /// The entry was a flush.
