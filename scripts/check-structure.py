@@ -155,11 +155,13 @@ def modules(src):
 
 def flatten(tree):
     """The paths a use tree names (`a::{b, c::d}` -> a::b, a::c::d)."""
+    # Renames go first, while the spaces still mark them (`crash` is no `cr as h`).
+    tree = re.sub(r"\s+as\s+\w+", "", tree)
     tree = re.sub(r"\s+", "", tree)
     depth, parts, cur = 0, [], ""
     brace = tree.find("{")
     if brace < 0:
-        return [re.sub(r"as\w+$", "", tree.replace("::*", ""))]
+        return [tree.replace("::*", "")]
     prefix, inner = tree[:brace], tree[brace + 1 : tree.rfind("}")]
     for ch in inner:
         if ch == "," and depth == 0:
