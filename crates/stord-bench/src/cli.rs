@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use crate::{aio, density, fuse, load, nbd, report, timeline, vhost};
+use crate::{aio, crash, density, fuse, load, nbd, report, timeline, vhost};
 
 pub(crate) fn usage() -> ! {
     eprintln!(
@@ -29,6 +29,9 @@ pub(crate) fn usage() -> ! {
          \x20      stord-bench report [--quick on|off] [--runtime-ms N] [--ramp-ms N] [--reps N] \
          [--export nbd|fuse|vhost-user-blk|vhost-user-blk-libblkio|vhost-user-blk-libblkio-poll]... \
          [--all-engines on|off] [--extras on|off] [--docs on|off] [--out DIR]\n\
+         \x20      stord-bench crash [--daemon stord|qsd]... [--workload W]... [--points N] [--seed S] \
+         [--stord PATH] [--dir DIR] [--out DIR]\n\
+         \x20      stord-bench replay LOG DEVICE [--entries N]\n\
          \x20      stord-bench report-docs FILE.json"
     );
     std::process::exit(2);
@@ -412,4 +415,25 @@ fn on_off(flag: &str, v: &str) -> bool {
             usage()
         }
     }
+}
+
+pub(crate) fn crash_options(args: &[String]) -> (crash::Options, Option<PathBuf>) {
+    let mut o = crash::Options::default();
+    let (mut daemons, mut workloads, mut out) = (Vec::new(), Vec::new(), None);
+    for (flag, v) in flag_pairs(args) {
+        match flag {
+            "--daemon" => daemons.push(v.to_string()),
+            "--workload" => workloads.push(v.to_string()),
+            "--points" => o.points = parse(flag, v),
+            "--seed" => o.seed = parse(flag, v),
+            "--stord" => o.stord = Some(PathBuf::from(v)),
+            "--dir" => o.dir = PathBuf::from(v),
+            "--lose-every" => o.lose_every = parse(flag, v),
+            "--out" => out = Some(PathBuf::from(v)),
+            _ => usage(),
+        }
+    }
+    set_if_given(&mut o.daemons, daemons);
+    set_if_given(&mut o.workloads, workloads);
+    (o, out)
 }

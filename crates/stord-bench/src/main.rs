@@ -37,10 +37,17 @@
 //!   guests, an IoThread and an export each, paced at QD1 to PCT % (50) of the slower
 //!   daemon's one-export maximum, with one client flat out in a variant: the daemons' CPU,
 //!   pooled and worst-client latency, memory per export and idle cost.
+//! - `crash [--daemon stord|qsd]... [--workload W]... [--points N] [--seed S] [--stord PATH]
+//!   [--dir DIR]`: crash consistency by replay: qcow2 workloads written through
+//!   `blklogwrites`, the log replayed to flush points and torn points between them, each
+//!   checked with `qemu-img check` and against what the guest wrote (exits 1 on a failure).
+//! - `replay LOG DEVICE [--entries N]`: replays a dm-log-writes log (stord's, qsd's or
+//!   Linux's) onto a copy of the device it logged.
 //! - `report-docs FILE.json`: regenerates the docs from an earlier report's JSON.
 
 mod aio;
 mod cli;
+mod crash;
 mod daemon_args;
 mod density;
 mod fuse;
@@ -111,6 +118,13 @@ fn main() {
         "timeline" => bench_timeline(flags),
         "idle" => bench_idle(flags),
         "density" => bench_density(flags),
+        "crash" => bench_crash(flags),
+        "replay" => {
+            if let Err(e) = crash::log::replay_command(flags) {
+                eprintln!("stord-bench replay: {e}");
+                std::process::exit(1);
+            }
+        }
         "report" => {
             report::run(&cli::report_options(flags));
         }
@@ -214,6 +228,25 @@ fn bench_density(flags: &[String]) {
         "result": d,
     });
     write_results(out, "density", doc, Some(&md));
+}
+
+fn bench_crash(flags: &[String]) {
+    let (opts, out) = cli::crash_options(flags);
+    let rs = crash::run(&opts);
+    let md = crash::markdown(&rs);
+    println!("{md}");
+    let passed = rs.iter().all(crash::Outcome::passed);
+    let doc = serde_json::json!({
+        "benchmark": "crash-replay",
+        "points_per_workload": opts.points,
+        "seed": opts.seed,
+        "passed": passed,
+        "outcomes": rs,
+    });
+    write_results(out, "crash", doc, Some(&md));
+    if !passed {
+        std::process::exit(1);
+    }
 }
 
 fn bench_idle(flags: &[String]) {
