@@ -5,6 +5,7 @@
 
 pub mod blkdebug;
 pub mod blklogwrites;
+pub mod compress;
 pub mod copy_before_write;
 pub mod file;
 pub mod luks;
@@ -34,6 +35,7 @@ pub const BLOCK_DRIVERS: &[&DriverDef] = &[
     &snapshot_access::DRIVER,
     &blkdebug::DRIVER,
     &blklogwrites::DRIVER,
+    &compress::DRIVER,
 ];
 
 /// The driver `name` selects.
