@@ -7,6 +7,7 @@ pub mod blkdebug;
 pub mod blklogwrites;
 pub mod compress;
 pub mod copy_before_write;
+pub mod copy_on_read;
 pub mod file;
 pub mod luks;
 pub mod nbd_client;
@@ -36,6 +37,7 @@ pub const BLOCK_DRIVERS: &[&DriverDef] = &[
     &blkdebug::DRIVER,
     &blklogwrites::DRIVER,
     &compress::DRIVER,
+    &copy_on_read::DRIVER,
 ];
 
 /// The driver `name` selects.
