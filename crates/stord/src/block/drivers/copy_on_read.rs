@@ -22,7 +22,8 @@ pub const DRIVER: DriverDef = DriverDef {
     takes_discard: false,
     takes_cache: false,
     help: Help {
-        synopsis: "file=<node> | ,file.driver=...[,bottom=<node>]",
+        synopsis: "file=<node> | ,file.driver=...\n\
+                   [,bottom=<node>]",
         about: "reads that find data in the backing chain copy it into `file`",
     },
     create: None,
