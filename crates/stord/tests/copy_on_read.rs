@@ -136,7 +136,10 @@ fn copies_on_read_as_qsd() {
         per_bottom.push(maps.swap_remove(0));
     }
     // Above mid, the base's data stays where it is.
-    assert_ne!(per_bottom[0], per_bottom[1], "bottom=mid copied as much as no bottom");
+    assert_ne!(
+        per_bottom[0], per_bottom[1],
+        "bottom=mid copied as much as no bottom"
+    );
 }
 
 #[test]

@@ -176,20 +176,35 @@ impl State {
     }
 
     /// Closes every node opened for writing (what a format node caches goes to disk, its
-    /// persistent bitmaps to its image), as tasks on the calling loop.
+    /// persistent bitmaps to its image), parents before their children as QEMU's
+    /// bdrv_close_all does (what a parent writes as it closes reaches a child still open,
+    /// and preallocate cuts its file back after the last write), the nodes of one level
+    /// together: one task.
     pub fn close_writable_nodes(&self) -> Vec<stord_aio::JoinHandle<()>> {
-        self.nodes
+        let writable: Vec<Arc<BlockNode>> = self
+            .nodes
             .values()
             .filter(|n| n.can_write() && !n.is_inactive())
             .cloned()
-            .map(|node| {
-                stord_aio::spawn(async move {
-                    if let Err(e) = node.close().await {
-                        tracing::error!("closing node '{}' failed: {e}", node.name);
-                    }
-                })
-            })
-            .collect()
+            .collect();
+        let levels = parents_first(&writable);
+        vec![stord_aio::spawn(async move {
+            for level in levels {
+                let closing: Vec<_> = level
+                    .into_iter()
+                    .map(|node| {
+                        stord_aio::spawn(async move {
+                            if let Err(e) = node.close().await {
+                                tracing::error!("closing node '{}' failed: {e}", node.name);
+                            }
+                        })
+                    })
+                    .collect();
+                for c in closing {
+                    c.await;
+                }
+            }
+        })]
     }
 
     /// Takes the IoThreads out (to be stopped).
@@ -240,4 +255,39 @@ impl State {
             })
             .collect()
     }
+}
+
+/// `nodes` in levels, each node in a level below all its parents among them.
+fn parents_first(nodes: &[Arc<BlockNode>]) -> Vec<Vec<Arc<BlockNode>>> {
+    let index = |n: &Arc<BlockNode>| nodes.iter().position(|m| Arc::ptr_eq(m, n));
+    let mut parents: Vec<Vec<usize>> = vec![Vec::new(); nodes.len()];
+    for (p, n) in nodes.iter().enumerate() {
+        for (_, c) in n.children() {
+            if let Some(c) = index(&c) {
+                parents[c].push(p);
+            }
+        }
+    }
+    // A node's level: one below its deepest parent (the graph has no cycle; the bound
+    // keeps a bad one from looping).
+    let mut level = vec![0usize; nodes.len()];
+    for _ in 0..nodes.len() {
+        let mut moved = false;
+        for c in 0..nodes.len() {
+            let want = parents[c].iter().map(|&p| level[p] + 1).max().unwrap_or(0);
+            if want > level[c] {
+                level[c] = want;
+                moved = true;
+            }
+        }
+        if !moved {
+            break;
+        }
+    }
+    let mut out: Vec<Vec<Arc<BlockNode>>> =
+        vec![Vec::new(); level.iter().max().map_or(0, |m| m + 1)];
+    for (i, n) in nodes.iter().enumerate() {
+        out[level[i]].push(n.clone());
+    }
+    out
 }

@@ -12,6 +12,7 @@ pub mod file;
 pub mod luks;
 pub mod nbd_client;
 pub mod null;
+pub mod preallocate;
 pub mod qcow2;
 pub mod raw;
 pub mod rbd;
@@ -38,6 +39,7 @@ pub const BLOCK_DRIVERS: &[&DriverDef] = &[
     &blklogwrites::DRIVER,
     &compress::DRIVER,
     &copy_on_read::DRIVER,
+    &preallocate::DRIVER,
 ];
 
 /// The driver `name` selects.

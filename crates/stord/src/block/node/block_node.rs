@@ -152,6 +152,12 @@ pub trait BlockDriver: Send + Sync {
     fn allocated_bytes(&self) -> Option<u64> {
         None
     }
+    /// The node closes for good, after its parents closed and after its own flush (QEMU's
+    /// bdrv_close): what it keeps beside the data is put right (preallocate cuts its
+    /// file back to the data).
+    fn close(&self) -> BoxFut<'_, io::Result<()>> {
+        Box::pin(std::future::ready(Ok(())))
+    }
     /// The node goes inactive (another process takes the image over): what it caches is
     /// written and flushed (QEMU's bdrv_inactivate).
     fn inactivate(&self) -> BoxFut<'_, io::Result<()>> {
@@ -520,7 +526,7 @@ impl BlockNode {
         if !stored.is_empty() {
             self.driver.store_bitmaps(stored).await?;
         }
-        Ok(())
+        self.driver.close().await
     }
 
     /// `detect-zeroes` as set on this node.
