@@ -17,12 +17,14 @@ out = [
 ]
 for f in sorted(glob.glob(os.path.join(root, "*", "*.json"))):
     d = json.load(open(f))
-    rows = d.get("rows", [])
+    # A crash run's outcomes are its rows: a daemon and a workload each.
+    rows = d.get("rows", d.get("outcomes", []))
     daemons = sorted({str(r["daemon"]) for r in rows if r.get("daemon")})
     cases = sorted(
         {
             f"{r.get('backend', '')} {r['workload']}"
-            f"{'/' + str(r['block_size']) if r.get('block_size') else ''} QD{r.get('iodepth', '')}".strip()
+            f"{'/' + str(r['block_size']) if r.get('block_size') else ''}"
+            f"{' QD' + str(r.get('iodepth', '')) if 'iodepth' in r or 'outcomes' not in d else ''}".strip()
             for r in rows
             if "workload" in r
         }

@@ -129,6 +129,8 @@ struct Files {
     base: PathBuf,
     img: PathBuf,
     log: PathBuf,
+    /// The source image of the jobs' workloads.
+    src: PathBuf,
     nbd: PathBuf,
     qmp: PathBuf,
 }
@@ -139,12 +141,16 @@ fn run_one(o: &Options, daemon: &str, w: &Workload, dir: &Path) -> Outcome {
         base: dir.join("base.qcow2"),
         img: dir.join("img.qcow2"),
         log: dir.join("log"),
+        src: dir.join("src.qcow2"),
         nbd: dir.join("nbd.sock"),
         qmp: dir.join("qmp.sock"),
     };
     qemu_img_create(&f.base, w);
     std::fs::copy(&f.base, &f.img).expect("copy the image");
     std::fs::write(&f.log, b"").expect("create the log");
+    if w.source {
+        qemu_img_create(&f.src, w);
+    }
     let guest = drive(o, daemon, w, &f);
     let mut r = check(o, &guest, &f);
     r.daemon = daemon.into();
@@ -169,10 +175,11 @@ fn qemu_img_create(path: &Path, w: &Workload) {
     assert!(st.success(), "qemu-img create failed");
 }
 
-/// The daemon's command line: the image under blklogwrites under qcow2, exported.
-fn daemon_args(f: &Files) -> Vec<String> {
+/// The daemon's command line: the image under blklogwrites under qcow2 (node `disk`),
+/// exported, or for a job's workload the source image (node `src`) exported.
+fn daemon_args(f: &Files, w: &Workload) -> Vec<String> {
     let p = |p: &Path| p.display().to_string();
-    [
+    let mut nodes = vec![
         format!(
             "driver=file,node-name=img,filename={},discard=unmap",
             p(&f.img)
@@ -180,20 +187,29 @@ fn daemon_args(f: &Files) -> Vec<String> {
         format!("driver=file,node-name=logf,filename={}", p(&f.log)),
         "driver=blklogwrites,node-name=blw,file=img,log=logf,discard=unmap".into(),
         "driver=qcow2,node-name=disk,file=blw,discard=unmap".into(),
-    ]
-    .into_iter()
-    .flat_map(|b| ["--blockdev".to_string(), b])
-    .chain([
+    ];
+    let exported = if w.source {
+        nodes.push(format!("driver=file,node-name=srcf,filename={}", p(&f.src)));
+        nodes.push("driver=qcow2,node-name=src,file=srcf".into());
+        "src"
+    } else {
+        "disk"
+    };
+    let mut args: Vec<String> = nodes
+        .into_iter()
+        .flat_map(|b| ["--blockdev".to_string(), b])
+        .collect();
+    args.extend([
         "--nbd-server".into(),
         format!("addr.type=unix,addr.path={}", p(&f.nbd)),
         "--export".into(),
-        "type=nbd,id=e0,node-name=disk,name=disk,writable=on".into(),
+        format!("type=nbd,id=e0,node-name={exported},name=disk,writable=on"),
         "--chardev".into(),
         format!("socket,id=qmp0,path={},server=on,wait=off", p(&f.qmp)),
         "--monitor".into(),
         "chardev=qmp0".into(),
-    ])
-    .collect()
+    ]);
+    args
 }
 
 /// Starts the daemon, runs the workload's guest, and has the daemon quit (so what it
@@ -204,7 +220,7 @@ fn drive(o: &Options, daemon: &str, w: &Workload, f: &Files) -> Record {
         "qsd" => which("qemu-storage-daemon"),
         other => panic!("unknown daemon {other} (stord or qsd)"),
     };
-    let mut d = Daemon::start(daemon, &bin, &daemon_args(f), &f.nbd);
+    let mut d = Daemon::start(daemon, &bin, &daemon_args(f, w), &f.nbd);
     let nbd = nbd::Nbd::connect(&f.nbd, "disk").expect("connect over NBD");
     let qmp = Qmp::connect(&f.qmp).expect("connect to QMP");
     let mut g = Guest::new(nbd, qmp, &f.log, o.seed);
@@ -288,9 +304,13 @@ fn check_point(g: &Record, log: &Log, p: &Point, img: &Path, dir: &Path, r: &mut
             return fail(r, e);
         }
     }
-    let durable = durable_op(g, log, p.prefix);
+    let (durable, upto) = match g.frozen {
+        Some(f) if p.prefix == log.entries.len() => (f, f),
+        Some(f) => (0, f),
+        None => (durable_op(g, log, p.prefix), u32::MAX),
+    };
     let mut bad = match read_guest(img, dir, None) {
-        Ok(raw) => g.model.check(&raw, durable, u32::MAX).1,
+        Ok(raw) => g.model.check(&raw, durable, upto).1,
         Err(e) => vec![e],
     };
     if let Some(s) = &g.snapshot {

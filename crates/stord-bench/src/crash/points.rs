@@ -81,12 +81,17 @@ pub fn choose(log: &Log, want: usize, rng: &mut Rng) -> Vec<Point> {
         .filter(|(_, c)| c.1 > c.0)
         .map(|(i, _)| i)
         .collect();
-    for k in 0..each.min(torn.len() * 4) {
-        let i = torn[if torn.len() <= each {
-            k % torn.len()
+    // Torn points in every window in turn (several in one window when there are few:
+    // each picks another subset), or in windows drawn at random.
+    for k in 0..each {
+        if torn.is_empty() {
+            break;
+        }
+        let i = if torn.len() <= each {
+            torn[k % torn.len()]
         } else {
-            rng.below(torn.len() as u64) as usize
-        }];
+            torn[rng.below(torn.len() as u64) as usize]
+        };
         points.push(Point {
             prefix: cuts[i].0,
             torn: Some(rng.next()),

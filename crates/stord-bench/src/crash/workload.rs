@@ -21,6 +21,9 @@ pub struct Workload {
     pub create: &'static str,
     pub size: u64,
     pub run: fn(&mut Guest) -> io::Result<()>,
+    /// The guest writes to a source image (not logged) that a job copies into the logged
+    /// one, rather than to the logged one itself.
+    pub source: bool,
 }
 
 pub const WORKLOADS: &[Workload] = &[
@@ -29,36 +32,56 @@ pub const WORKLOADS: &[Workload] = &[
         create: "",
         size: 64 << 20,
         run: alloc,
+        source: false,
     },
     Workload {
         name: "reftable-grow",
         create: "cluster_size=512,refcount_bits=64",
         size: 16 << 20,
         run: reftable_grow,
+        source: false,
     },
     Workload {
         name: "subclusters",
         create: "extended_l2=on",
         size: 32 << 20,
         run: subclusters,
+        source: false,
     },
     Workload {
         name: "discard",
         create: "",
         size: 32 << 20,
         run: discard,
+        source: false,
     },
     Workload {
         name: "internal-snapshot",
         create: "",
         size: 32 << 20,
         run: internal_snapshot,
+        source: false,
     },
     Workload {
         name: "persistent-bitmap",
         create: "",
         size: 32 << 20,
         run: persistent_bitmap,
+        source: false,
+    },
+    Workload {
+        name: "mirror-target",
+        create: "",
+        size: 32 << 20,
+        run: mirror_target,
+        source: true,
+    },
+    Workload {
+        name: "backup-target",
+        create: "",
+        size: 32 << 20,
+        run: backup_target,
+        source: true,
     },
 ];
 
@@ -89,6 +112,9 @@ pub struct Record {
     pub snapshot: Option<Snapshot>,
     /// The persistent bitmap the image must hold once the daemon closed it.
     pub bitmap: Option<String>,
+    /// A backup's point in time: the logged image holds what the requests numbered below
+    /// it wrote (or zeroes, where the job had not copied yet), and once closed exactly that.
+    pub frozen: Option<u32>,
 }
 
 /// The guest of one workload.
@@ -99,6 +125,9 @@ pub struct Guest {
     rng: Rng,
     sectors: u64,
     rec: Record,
+    /// Whether a flush makes writes durable in the logged image (not while a job copies
+    /// them from the source there).
+    counting: bool,
 }
 
 impl Guest {
@@ -111,6 +140,7 @@ impl Guest {
             rng: Rng::new(seed),
             sectors,
             rec: Record::default(),
+            counting: true,
         }
     }
 
@@ -138,6 +168,9 @@ impl Guest {
     /// A flush, and the log's length once it is answered.
     pub fn flush(&mut self) -> io::Result<()> {
         self.nbd.flush()?;
+        if !self.counting {
+            return Ok(());
+        }
         self.rec.flushes.push(ClientFlush {
             durable: self.rec.model.next_op + 1,
             entries: log::count(&self.log)?,
@@ -300,4 +333,69 @@ fn persistent_bitmap(g: &mut Guest) -> io::Result<()> {
     )?;
     g.rec.bitmap = Some("b0".into());
     g.scatter(60, u64::MAX, 8, 64, 6)
+}
+
+/// Whether job `id` is still listed, and whether it is ready.
+fn job(g: &mut Guest, id: &str) -> io::Result<Option<bool>> {
+    let jobs = g.qmp("query-block-jobs", json!({}))?;
+    Ok(jobs
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|j| j["device"] == id)
+        .map(|j| j["ready"] == true))
+}
+
+/// Writes, a few milliseconds apart (up to 30 of them), while `until` says the job goes
+/// on (at most 20 s).
+fn write_while(g: &mut Guest, until: &dyn Fn(Option<bool>) -> bool) -> io::Result<()> {
+    for i in 0..2000 {
+        if !until(job(g, "j")?) {
+            return Ok(());
+        }
+        if i < 30 {
+            let n = 8 * (1 + g.rng.below(8));
+            let at = g.place(u64::MAX, 8, n);
+            g.write(at, n)?;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let jobs = g.qmp("query-block-jobs", json!({}))?;
+    Err(io::Error::other(format!(
+        "the job did not finish in 20 s: {jobs}"
+    )))
+}
+
+/// The image mirrored into the logged one while the guest writes to the source, then the
+/// job completed (the guest's export now writes the logged image): before that, each
+/// sector holds zero or something the guest wrote there; after the guest's first flush,
+/// everything it wrote.
+fn mirror_target(g: &mut Guest) -> io::Result<()> {
+    g.counting = false;
+    g.scatter(40, u64::MAX, 8, 64, 8)?;
+    g.qmp(
+        "blockdev-mirror",
+        json!({"job-id": "j", "device": "src", "target": "disk", "sync": "full",
+               "speed": 4 << 20}),
+    )?;
+    write_while(g, &|j| j == Some(false))?;
+    g.qmp("block-job-complete", json!({"device": "j"}))?;
+    write_while(g, &|j| j.is_some())?;
+    g.counting = true;
+    g.scatter(40, u64::MAX, 8, 64, 8)
+}
+
+/// A full backup (32 MiB/s: it copies the whole disk, zeroes included) of the source into
+/// the logged image while the guest writes to the source: the image gets the source as it was when the job began, never a later write.
+fn backup_target(g: &mut Guest) -> io::Result<()> {
+    g.counting = false;
+    g.scatter(40, u64::MAX, 8, 64, 8)?;
+    g.rec.frozen = Some(g.rec.model.next_op + 1);
+    g.qmp(
+        "blockdev-backup",
+        json!({"job-id": "j", "device": "src", "target": "disk", "sync": "full",
+               "speed": 32 << 20}),
+    )?;
+    write_while(g, &|j| j.is_some())?;
+    g.scatter(20, u64::MAX, 8, 64, 8)
 }
