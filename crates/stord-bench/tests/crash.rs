@@ -70,7 +70,7 @@ fn every_workload_survives_its_crash_points_on_stord_and_qsd() {
         &["--daemon", "stord", "--daemon", "qsd", "--points", "8"],
     );
     assert!(ok, "a crash point failed: {outcomes:#?}");
-    assert_eq!(outcomes.len(), 16, "eight workloads on two daemons");
+    assert_eq!(outcomes.len(), 18, "nine workloads on two daemons");
     for o in &outcomes {
         let what = format!("{} {}", o["daemon"], o["workload"]);
         assert!(o["points"].as_u64().unwrap() >= 6, "{what}: {o}");

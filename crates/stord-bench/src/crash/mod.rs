@@ -23,7 +23,7 @@ use crate::peers::{stord_binary, which, Daemon};
 use crate::qmp::Qmp;
 use log::Log;
 use points::{Point, Rng};
-use workload::{Guest, Record, Workload, WORKLOADS};
+use workload::{Guest, Record, Source, Workload, WORKLOADS};
 
 /// The run's options.
 pub struct Options {
@@ -148,7 +148,7 @@ fn run_one(o: &Options, daemon: &str, w: &Workload, dir: &Path) -> Outcome {
     qemu_img_create(&f.base, w);
     std::fs::copy(&f.base, &f.img).expect("copy the image");
     std::fs::write(&f.log, b"").expect("create the log");
-    if w.source {
+    if w.source != Source::Logged {
         qemu_img_create(&f.src, w);
     }
     let guest = drive(o, daemon, w, &f);
@@ -188,12 +188,20 @@ fn daemon_args(f: &Files, w: &Workload) -> Vec<String> {
         "driver=blklogwrites,node-name=blw,file=img,log=logf,discard=unmap".into(),
         "driver=qcow2,node-name=disk,file=blw,discard=unmap".into(),
     ];
-    let exported = if w.source {
-        nodes.push(format!("driver=file,node-name=srcf,filename={}", p(&f.src)));
-        nodes.push("driver=qcow2,node-name=src,file=srcf".into());
-        "src"
-    } else {
-        "disk"
+    let src = format!("driver=file,node-name=srcf,filename={}", p(&f.src));
+    let exported = match w.source {
+        Source::Logged => "disk",
+        Source::Apart => {
+            nodes.extend([src, "driver=qcow2,node-name=src,file=srcf".into()]);
+            "src"
+        }
+        Source::Above => {
+            nodes.extend([
+                src,
+                "driver=qcow2,node-name=src,file=srcf,backing=disk".into(),
+            ]);
+            "src"
+        }
     };
     let mut args: Vec<String> = nodes
         .into_iter()

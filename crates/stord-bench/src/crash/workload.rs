@@ -21,9 +21,19 @@ pub struct Workload {
     pub create: &'static str,
     pub size: u64,
     pub run: fn(&mut Guest) -> io::Result<()>,
-    /// The guest writes to a source image (not logged) that a job copies into the logged
-    /// one, rather than to the logged one itself.
-    pub source: bool,
+    /// Where the guest writes: the logged image, or an image a job copies into it.
+    pub source: Source,
+}
+
+/// The image the guest's export writes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Source {
+    /// The logged image itself (node `disk`).
+    Logged,
+    /// Another image (node `src`, not logged) that a job copies into the logged one.
+    Apart,
+    /// An image above the logged one (node `src`, its backing `disk`), committed into it.
+    Above,
 }
 
 pub const WORKLOADS: &[Workload] = &[
@@ -32,56 +42,63 @@ pub const WORKLOADS: &[Workload] = &[
         create: "",
         size: 64 << 20,
         run: alloc,
-        source: false,
+        source: Source::Logged,
     },
     Workload {
         name: "reftable-grow",
         create: "cluster_size=512,refcount_bits=64",
         size: 16 << 20,
         run: reftable_grow,
-        source: false,
+        source: Source::Logged,
     },
     Workload {
         name: "subclusters",
         create: "extended_l2=on",
         size: 32 << 20,
         run: subclusters,
-        source: false,
+        source: Source::Logged,
     },
     Workload {
         name: "discard",
         create: "",
         size: 32 << 20,
         run: discard,
-        source: false,
+        source: Source::Logged,
     },
     Workload {
         name: "internal-snapshot",
         create: "",
         size: 32 << 20,
         run: internal_snapshot,
-        source: false,
+        source: Source::Logged,
     },
     Workload {
         name: "persistent-bitmap",
         create: "",
         size: 32 << 20,
         run: persistent_bitmap,
-        source: false,
+        source: Source::Logged,
     },
     Workload {
         name: "mirror-target",
         create: "",
         size: 32 << 20,
         run: mirror_target,
-        source: true,
+        source: Source::Apart,
     },
     Workload {
         name: "backup-target",
         create: "",
         size: 32 << 20,
         run: backup_target,
-        source: true,
+        source: Source::Apart,
+    },
+    Workload {
+        name: "commit-base",
+        create: "",
+        size: 32 << 20,
+        run: commit_base,
+        source: Source::Above,
     },
 ];
 
@@ -371,13 +388,24 @@ fn write_while(g: &mut Guest, until: &dyn Fn(Option<bool>) -> bool) -> io::Resul
 /// sector holds zero or something the guest wrote there; after the guest's first flush,
 /// everything it wrote.
 fn mirror_target(g: &mut Guest) -> io::Result<()> {
+    let mirror = json!({"job-id": "j", "device": "src", "target": "disk", "sync": "full",
+                        "speed": 4 << 20});
+    copied_then_pivoted(g, "blockdev-mirror", mirror)
+}
+
+/// The image above the logged one committed into it (QEMU's active commit, a mirror into
+/// the backing image) while the guest writes to it, then completed: as a mirror target.
+fn commit_base(g: &mut Guest) -> io::Result<()> {
+    let commit = json!({"job-id": "j", "device": "src", "speed": 4 << 20});
+    copied_then_pivoted(g, "block-commit", commit)
+}
+
+/// Writes, the job `cmd` started, more writes while it copies, the job completed once
+/// ready, then writes that reach the logged image through the same export.
+fn copied_then_pivoted(g: &mut Guest, cmd: &str, args: Value) -> io::Result<()> {
     g.counting = false;
     g.scatter(40, u64::MAX, 8, 64, 8)?;
-    g.qmp(
-        "blockdev-mirror",
-        json!({"job-id": "j", "device": "src", "target": "disk", "sync": "full",
-               "speed": 4 << 20}),
-    )?;
+    g.qmp(cmd, args)?;
     write_while(g, &|j| j == Some(false))?;
     g.qmp("block-job-complete", json!({"device": "j"}))?;
     write_while(g, &|j| j.is_some())?;
