@@ -9,6 +9,7 @@ use std::io;
 use std::sync::Arc;
 
 use crate::block::driver_def::DriverDef;
+use crate::block::drivers::filter::passthrough;
 use crate::block::node::block_node::{BlockDriver, BlockNode, BlockStatus};
 use crate::block::node::future::BoxFut;
 use crate::block::node::perm::Perm;
@@ -89,14 +90,9 @@ impl CopyOnReadDriver {
 }
 
 impl BlockDriver for CopyOnReadDriver {
-    fn reopen_rw(&self) -> BoxFut<'_, Result<(), String>> {
-        Box::pin(async { Ok(()) })
-    }
+    passthrough!(child);
     fn driver_name(&self) -> &'static str {
         "copy-on-read"
-    }
-    fn is_filter(&self) -> bool {
-        true
     }
     fn size(&self) -> u64 {
         self.child.size()
@@ -120,44 +116,17 @@ impl BlockDriver for CopyOnReadDriver {
     fn supports_compressed_writes(&self) -> bool {
         self.child.supports_compressed_writes()
     }
-    fn flush(&self) -> BoxFut<'_, io::Result<()>> {
-        self.child.driver().flush()
-    }
-    fn discard(&self, offset: u64, len: u64) -> BoxFut<'_, io::Result<()>> {
-        self.child.driver_discard(offset, len)
-    }
     fn write_zeroes(&self, offset: u64, len: u64, may_unmap: bool) -> BoxFut<'_, io::Result<()>> {
         self.child.driver().write_zeroes(offset, len, may_unmap)
-    }
-    fn block_status(&self, offset: u64, len: u64) -> BoxFut<'_, io::Result<BlockStatus>> {
-        self.child.driver().block_status(offset, len)
     }
     fn block_status_costly(&self) -> bool {
         self.child.driver().block_status_costly()
     }
-    fn allocation_depth(&self, offset: u64, len: u64) -> BoxFut<'_, io::Result<(u64, u32)>> {
-        self.child.driver().allocation_depth(offset, len)
-    }
     fn resize(&self, size: u64) -> BoxFut<'_, io::Result<()>> {
         self.child.driver().resize(size)
     }
-    fn filename(&self) -> Option<String> {
-        self.child.filename()
-    }
-    fn no_flush(&self) -> bool {
-        self.child.driver().no_flush()
-    }
-    fn allocated_bytes(&self) -> Option<u64> {
-        self.child.allocated_bytes()
-    }
     fn cluster_size(&self) -> Option<u64> {
         self.child.driver().cluster_size()
-    }
-    fn children(&self) -> Vec<(&'static str, Arc<BlockNode>)> {
-        vec![("file", self.child.clone())]
-    }
-    fn passes_through(&self) -> Option<(&Arc<BlockNode>, u64)> {
-        Some((&self.child, 0))
     }
     /// QEMU's cor_child_perm: the parents' read, write and resize passed on, and
     /// unchanged writes (the copies) asked for and shared.

@@ -9,6 +9,7 @@ pub mod compress;
 pub mod copy_before_write;
 pub mod copy_on_read;
 pub mod file;
+mod filter;
 pub mod luks;
 pub mod nbd_client;
 pub mod null;

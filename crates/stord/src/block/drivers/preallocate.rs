@@ -11,9 +11,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
 use std::sync::Arc;
 
 use crate::block::driver_def::DriverDef;
+use crate::block::drivers::filter::passthrough;
 use crate::block::node::block_node::{BlockDriver, BlockNode, BlockStatus};
 use crate::block::node::future::BoxFut;
-use crate::block::node::perm::Perm;
+use crate::block::node::perm::{Perm, PermError};
 use crate::block::node::range_lock::RangeLocks;
 use crate::block::open::{GraphError, Opened};
 use crate::buf::Buf;
@@ -99,7 +100,14 @@ impl PreallocateDriver {
         let _ = self.child.driver().resize_falloc(target).await;
     }
 
-    /// Cuts the file back to the data's end (QEMU's preallocate_close).
+    /// [`drop_preallocation`](Self::drop_preallocation) once no growth is under way.
+    async fn cut_back(&self) -> io::Result<()> {
+        let _one = self.growing.lock(0, 1).await;
+        self.drop_preallocation().await
+    }
+
+    /// Cuts the file back to the data's end (QEMU's preallocate_close); the caller holds
+    /// `growing`.
     async fn drop_preallocation(&self) -> io::Result<()> {
         let data_end = self.data_end.load(SeqCst).next_multiple_of(self.file_align);
         if !self.active.load(SeqCst) || self.child.size() <= data_end {
@@ -110,14 +118,9 @@ impl PreallocateDriver {
 }
 
 impl BlockDriver for PreallocateDriver {
-    fn reopen_rw(&self) -> BoxFut<'_, Result<(), String>> {
-        Box::pin(async { Ok(()) })
-    }
+    passthrough!(child);
     fn driver_name(&self) -> &'static str {
         "preallocate"
-    }
-    fn is_filter(&self) -> bool {
-        true
     }
     fn size(&self) -> u64 {
         if self.active.load(SeqCst) {
@@ -135,12 +138,6 @@ impl BlockDriver for PreallocateDriver {
             self.child.driver().write(offset, buf, fua).await
         })
     }
-    fn flush(&self) -> BoxFut<'_, io::Result<()>> {
-        self.child.driver().flush()
-    }
-    fn discard(&self, offset: u64, len: u64) -> BoxFut<'_, io::Result<()>> {
-        self.child.driver_discard(offset, len)
-    }
     fn write_zeroes(&self, offset: u64, len: u64, may_unmap: bool) -> BoxFut<'_, io::Result<()>> {
         Box::pin(async move {
             self.before_write(offset + len).await;
@@ -149,12 +146,6 @@ impl BlockDriver for PreallocateDriver {
                 .write_zeroes(offset, len, may_unmap)
                 .await
         })
-    }
-    fn block_status(&self, offset: u64, len: u64) -> BoxFut<'_, io::Result<BlockStatus>> {
-        self.child.driver().block_status(offset, len)
-    }
-    fn allocation_depth(&self, offset: u64, len: u64) -> BoxFut<'_, io::Result<(u64, u32)>> {
-        self.child.driver().allocation_depth(offset, len)
     }
     /// The preallocation dropped first, then the file resized (QEMU's
     /// preallocate_co_truncate without `falloc`).
@@ -168,47 +159,33 @@ impl BlockDriver for PreallocateDriver {
         })
     }
     fn close(&self) -> BoxFut<'_, io::Result<()>> {
-        Box::pin(async move {
-            let _one = self.growing.lock(0, 1).await;
-            self.drop_preallocation().await
-        })
+        Box::pin(self.cut_back())
     }
     fn inactivate(&self) -> BoxFut<'_, io::Result<()>> {
         Box::pin(async move {
             self.child.driver().flush().await?;
-            let _one = self.growing.lock(0, 1).await;
-            self.drop_preallocation().await
+            self.cut_back().await
         })
-    }
-    fn filename(&self) -> Option<String> {
-        self.child.filename()
-    }
-    fn no_flush(&self) -> bool {
-        self.child.driver().no_flush()
-    }
-    fn allocated_bytes(&self) -> Option<u64> {
-        self.child.allocated_bytes()
-    }
-    fn children(&self) -> Vec<(&'static str, Arc<BlockNode>)> {
-        vec![("file", self.child.clone())]
-    }
-    fn passes_through(&self) -> Option<(&Arc<BlockNode>, u64)> {
-        Some((&self.child, 0))
     }
     /// QEMU's preallocate_child_perm: with write and resize from its users it holds both
     /// and shares neither, which is when it preallocates.
     fn child_perms(&self, _role: &'static str, perm: Perm, shared: Perm, _w: bool) -> (Perm, Perm) {
         let wr = Perm::WRITE | Perm::RESIZE;
-        let can = perm & wr == wr;
-        if can && !self.active.swap(true, SeqCst) {
-            self.data_end.store(self.child.size(), SeqCst);
-        } else if !can {
-            self.active.store(false, SeqCst);
-        }
-        if can {
+        if perm & wr == wr {
             (perm | wr, shared & wr.complement())
         } else {
             (perm, shared)
         }
+    }
+    /// QEMU's preallocate_set_perm: it preallocates from the file's end while its users
+    /// hold write and resize (its child then holds both, unshared), and stops when not.
+    fn set_perm(&self, perm: Perm, _shared: Perm) -> Result<(), PermError> {
+        let wr = Perm::WRITE | Perm::RESIZE;
+        if perm & wr != wr {
+            self.active.store(false, SeqCst);
+        } else if !self.active.swap(true, SeqCst) {
+            self.data_end.store(self.child.size(), SeqCst);
+        }
+        Ok(())
     }
 }
