@@ -34,6 +34,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
 
+import bench_density  # noqa: E402  (beside this script)
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_COMMAND = "cargo run --release -p stord-bench -- report"
 MARK_BEGIN = "<!-- bench:headline -->"
@@ -67,6 +69,8 @@ WORKLOAD_ORDER = {"randread": 0, "randwrite": 1, "read": 2, "write": 3}
 # One colour per daemon in every plot: stord policies in blues, qsd in oranges, nbdkit
 # green, fio on the raw file grey.
 DAEMON_COLOUR = {
+    "stord": "#2171b5",
+    "stord-poll0": "#9ecae1",
     "stord-off": "#9ecae1",
     "stord-classic": "#4a98c9",
     "stord-weighted": "#1f5fa8",
@@ -959,7 +963,7 @@ def intro(data, docs_dir):
     return out
 
 
-def build_doc(data, docs_dir, plots_dir, written, history=None):
+def build_doc(data, docs_dir, plots_dir, written, history=None, density_dir=None):
     m = Matrix(data.get("matrix"))
     reps = (data.get("params") or {}).get("reps")
     lines = intro(data, docs_dir)
@@ -978,6 +982,8 @@ def build_doc(data, docs_dir, plots_dir, written, history=None):
     lines += harvest_section(data.get("harvest"), plots_dir, written)
     lines += wakeup_section(data.get("wakeup"), plots_dir, written)
     lines += idle_section(data.get("idle"))
+    lines += bench_density.section(density_dir or os.path.join(REPO_ROOT, "results", "density"),
+                                   plots_dir, written, md_table, plt, colour, save)
     lines += ["---", "",
               "Earlier hand-run benchmarks and their analysis: "
               "[benchmark-notes.md](benchmark-notes.md)", ""]
@@ -1109,7 +1115,8 @@ def update_readme(readme_path, bullets):
 
 def is_generated_plot(name):
     """File names this script writes into plots/ (and nothing else)."""
-    return name in ("curves.png", "poll-window.png", "harvest.png", "wakeup.png") or (
+    return name in ("curves.png", "poll-window.png", "harvest.png", "wakeup.png",
+                    "density.png") or (
         name.endswith(".png") and (name.startswith("iops-") or name.startswith("cpu-")))
 
 
@@ -1123,6 +1130,9 @@ def main():
     ap.add_argument("--history", default=os.path.join(REPO_ROOT, "results", "report"),
                     help="earlier runs' JSON, to compare verdicts with (default: "
                          "results/report)")
+    ap.add_argument("--density", default=os.path.join(REPO_ROOT, "results", "density"),
+                    help="`stord-bench density` runs for the density section (default: "
+                         "results/density)")
     args = ap.parse_args()
 
     with open(args.results, encoding="utf-8") as f:
@@ -1132,7 +1142,7 @@ def main():
     os.makedirs(plots_dir, exist_ok=True)
 
     written = []
-    doc = build_doc(data, docs_dir, plots_dir, written, args.history)
+    doc = build_doc(data, docs_dir, plots_dir, written, args.history, args.density)
     doc_path = os.path.join(docs_dir, "benchmarks.md")
     with open(doc_path, "w", encoding="utf-8") as f:
         f.write(doc)

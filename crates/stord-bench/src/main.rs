@@ -223,6 +223,7 @@ fn bench_density(flags: &[String]) {
         "ramp_s": opts.ramp.as_secs(),
         "reps": opts.reps,
         "load": opts.load,
+        "total_iops": opts.total_iops,
         "idle_s": opts.idle.as_secs(),
         "kernel": kernel_release(),
         "result": d,

@@ -222,3 +222,103 @@ fn generator_writes_page_plots_and_readme_headline() {
     assert!(std::fs::read_to_string(&readme).unwrap().contains("kept"));
     let _ = std::fs::remove_dir_all(&tmp);
 }
+
+/// A `stord-bench density` run with made-up figures: stord, qsd and qsd-poll0 on 8
+/// exports, each row's runs as (CPU ms/s, p99 µs).
+fn density_run(rows: &[(&str, &[(f64, f64)])]) -> serde_json::Value {
+    let rows: Vec<serde_json::Value> = rows
+        .iter()
+        .map(|(daemon, runs)| {
+            let runs: Vec<serde_json::Value> = runs
+                .iter()
+                .map(|&(cpu, p99)| {
+                    serde_json::json!({
+                        "cpu_ms_per_s": cpu, "cpu_us_per_io": cpu / 3.0, "iops": 3000.0,
+                        "p50_us": 40.0, "p99_us": p99, "p999_us": p99 * 2.0,
+                        "worst_p99_us": p99 * 1.5, "flat_iops": null,
+                        "rss_kib_per_export": 1000.0, "short_clients": 0
+                    })
+                })
+                .collect();
+            serde_json::json!({
+                "transport": "nbd", "backend": "null", "variant": "light", "shape": 8,
+                "daemon": daemon, "rate_per_client": 375.0, "runs": runs, "idle_ms": 0.0
+            })
+        })
+        .collect();
+    serde_json::json!({
+        "benchmark": "density", "runtime_s": 60, "ramp_s": 3, "reps": 2, "load": 0.5,
+        "total_iops": 3000.0, "idle_s": 60, "kernel": "test", "unix_time": 1000,
+        "result": { "maxima": [["nbd", "null", "stord", 6000.0]], "rows": rows }
+    })
+}
+
+/// The page the generator writes with `run` as the only density run (in `tmp`, emptied
+/// first).
+fn density_page(tmp: &Path, run: &serde_json::Value) -> String {
+    let _ = std::fs::remove_dir_all(tmp);
+    let dir = tmp.join("density");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("1000.json"), run.to_string()).unwrap();
+    let out = Command::new("/usr/bin/python3")
+        .arg(repo().join("scripts/bench_report.py"))
+        .arg(repo().join("crates/stord-bench/tests/fixtures/report-sample.json"))
+        .args(["--docs".as_ref(), tmp.join("docs").as_os_str()])
+        .args(["--readme".as_ref(), tmp.join("no-readme.md").as_os_str()])
+        .args(["--density".as_ref(), dir.as_os_str()])
+        .output()
+        .expect("run /usr/bin/python3");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    std::fs::read_to_string(tmp.join("docs/benchmarks.md")).unwrap()
+}
+
+#[test]
+fn density_section_weighs_stord_against_the_cheapest_qsd_with_no_better_tail() {
+    let tmp = std::env::temp_dir().join(format!("stord-report-density-{}", std::process::id()));
+    // qsd is cheapest but has the better p99; qsd-poll0's p99 is no better than stord's, so
+    // stord is weighed against qsd-poll0: medians 60 against 100 ms/s, 0.60x, target met;
+    // the interval is stord's extremes over qsd-poll0's: 50/110 and 70/90.
+    let run = density_run(&[
+        ("stord", &[(50.0, 900.0), (70.0, 1100.0)]),
+        ("qsd", &[(55.0, 500.0), (65.0, 700.0)]),
+        ("qsd-poll0", &[(90.0, 1000.0), (110.0, 1400.0)]),
+    ]);
+    let page = density_page(&tmp, &run);
+    let section = &page[page.find("## Density").expect("no density section")..];
+    let verdict = section
+        .lines()
+        .find(|l| l.starts_with("- x8:"))
+        .unwrap_or_else(|| panic!("no verdict for 8 exports:\n{section}"));
+    assert!(
+        verdict.contains("0.60× the CPU") && verdict.contains("qsd-poll0"),
+        "{verdict}"
+    );
+    assert!(verdict.contains("[0.45–0.78]"), "{verdict}");
+    assert!(
+        verdict.ends_with("met") && !verdict.contains("not met"),
+        "{verdict}"
+    );
+    assert!(
+        section.contains("| 8 | stord | 375 | 60 [50–70] |"),
+        "{section}"
+    );
+    assert!(is_png(&tmp.join("docs/plots/density.png")));
+    assert!(section.contains("plots/density.png"));
+
+    // With every qsd set-up's tail better, the cheapest is taken and the verdict says so.
+    let run = density_run(&[
+        ("stord", &[(80.0, 3000.0), (80.0, 3000.0)]),
+        ("qsd", &[(100.0, 500.0), (100.0, 700.0)]),
+    ]);
+    let page = density_page(&tmp, &run);
+    assert!(
+        page.contains("0.80× the CPU of the cheapest qsd set-up (every one has a better p99), qsd")
+            && page.contains("target 0.70×: not met"),
+        "{page}"
+    );
+    let _ = std::fs::remove_dir_all(&tmp);
+}

@@ -108,7 +108,7 @@ fn verdicts(g: &[&Row]) -> Vec<String> {
         let (pool, note) = if worse.is_empty() {
             (
                 qsds.clone(),
-                "every qsd set-up has a better p99; the cheapest",
+                "the cheapest qsd set-up (every one has a better p99)",
             )
         } else {
             (worse, "the cheapest qsd set-up with a p99 no better")
@@ -127,19 +127,27 @@ fn verdicts(g: &[&Row]) -> Vec<String> {
     out
 }
 
+/// Issue 60's target: stord's CPU at most this share of the qsd set-up it is weighed against.
+const TARGET_CPU_RATIO: f64 = 0.70;
+
 fn cpu_verdict(n: usize, ours: &Row, theirs: &Row, note: &str) -> String {
     let (alo, ahi) = range(ours, |x| x.cpu_ms_per_s);
     let (blo, bhi) = range(theirs, |x| x.cpu_ms_per_s);
     let ratio = med(ours, |x| x.cpu_ms_per_s) / med(theirs, |x| x.cpu_ms_per_s);
     format!(
-        "x{n}: {} uses {ratio:.2}x the CPU of {note} ({}; p99 {:.0} against {:.0} µs) \
-         [{:.2}-{:.2}]",
+        "x{n}: {} uses {ratio:.2}x the CPU of {note}, {} [{:.2}-{:.2}]; p99 {:.0} µs \
+         against {:.0} µs; target 0.70x {}",
         ours.daemon,
         theirs.daemon,
-        med(ours, |x| x.p99_us),
-        med(theirs, |x| x.p99_us),
         alo / bhi,
         ahi / blo,
+        med(ours, |x| x.p99_us),
+        med(theirs, |x| x.p99_us),
+        if ratio <= TARGET_CPU_RATIO {
+            "met"
+        } else {
+            "not met"
+        },
     )
 }
 
