@@ -5,7 +5,8 @@ one export each, every client paced at a low rate: issue 60). Unlike the report'
 density runs are made by hand, a few shapes at a time, so this section reads every run in
 that directory: a table per run (newest first), each ratio computed within its run, and
 one plot of CPU and p99 against the number of IoThreads, each point from the newest run
-that measured it. Imported by bench_report.py; the standard library and matplotlib only.
+that measured it. Imported by bench_report.py, whose helpers (tables, colours, plots, run
+ranges) it uses through the module it is handed.
 """
 
 import datetime
@@ -56,11 +57,6 @@ def med(row, field):
     return statistics.median(vals) if vals else None
 
 
-def extremes(row, field):
-    vals = [r.get(field) for r in row.get("runs") or [] if isinstance(r.get(field), (int, float))]
-    return (min(vals), max(vals)) if vals else (None, None)
-
-
 def fmt(x, digits=0):
     return "–" if x is None else f"{x:,.{digits}f}"
 
@@ -73,10 +69,10 @@ def groups(rows):
     return out
 
 
-def table(rows, md_table):
+def table(rows, report):
     body = []
     for r in rows:
-        lo, hi = extremes(r, "cpu_ms_per_s")
+        lo, hi = report.runs_range(r, "cpu_ms_per_s") or (None, None)
         flat = med(r, "flat_iops")
         body.append([
             r.get("shape"), r.get("daemon"), fmt(r.get("rate_per_client")),
@@ -87,12 +83,12 @@ def table(rows, md_table):
             "–" if r.get("idle_ms") is None else f"{r['idle_ms']:.3f}",
             fmt(med(r, "short_clients")),
         ])
-    return md_table(["IoThreads", "daemon", "IOPS per client", "CPU ms/s [range]", "CPU µs/IO",
+    return report.md_table(["IoThreads", "daemon", "IOPS per client", "CPU ms/s [range]", "CPU µs/IO",
                      "p50 µs", "p99 µs", "p99.9 µs", "worst p99 µs", "flat-out IOPS",
                      "RSS KiB/export", "idle ms", "short clients"], body, left=2)
 
 
-def verdicts(rows):
+def verdicts(rows, report):
     """Per shape: stord's CPU over the qsd set-up the target weighs it against."""
     out = []
     for n in sorted({r.get("shape") for r in rows}):
@@ -108,8 +104,8 @@ def verdicts(rows):
         a, b = med(ours, "cpu_ms_per_s"), med(theirs, "cpu_ms_per_s")
         if not b:
             continue
-        alo, ahi = extremes(ours, "cpu_ms_per_s")
-        blo, bhi = extremes(theirs, "cpu_ms_per_s")
+        alo, ahi = report.runs_range(ours, "cpu_ms_per_s")
+        blo, bhi = report.runs_range(theirs, "cpu_ms_per_s")
         ratio = a / b
         against = ("the cheapest qsd set-up with a p99 no better" if worse else
                    "the cheapest qsd set-up (every one has a better p99)")
@@ -156,12 +152,13 @@ def newest_points(runs):
     return out
 
 
-def plot(runs, plots_dir, written, plt, colour, save):
+def plot(runs, plots_dir, written, report):
     """density.png: CPU and p99 against IoThreads; None when nothing is plottable."""
     points = newest_points(runs)
     if not points:
         return None
-    fig, (cpu_ax, p99_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
+    colour = report.colour
+    fig, (cpu_ax, p99_ax) = report.plt.subplots(1, 2, figsize=(12, 4.5))
     styles = ["-", "--", ":", "-."]
     cases = sorted({(t, b, v) for t, b, v, _ in points}, key=lambda c: (c[0], c[1], c[2] != "light"))
     ticks = sorted({s for pts in points.values() for s in pts})
@@ -189,17 +186,17 @@ def plot(runs, plots_dir, written, plt, colour, save):
     p99_ax.set_title("p99 of the light clients (lower is better)")
     fig.tight_layout()
     path = os.path.join(plots_dir, "density.png")
-    save(fig, path, written)
+    report.save(fig, path, written)
     return path
 
 
-def section(density_dir, plots_dir, written, md_table, plt, colour, save):
-    """The section's lines (heading, plot, a table per run)."""
+def section(density_dir, plots_dir, written, report):
+    """The section's lines (heading, plot, a table per run); `report` is bench_report."""
     out = ["## Density", "", INTRO, ""]
     runs = load_runs(density_dir)
     if not runs:
         return out + ["(no `stord-bench density` run in results/density)", ""]
-    if plot(runs, plots_dir, written, plt, colour, save):
+    if plot(runs, plots_dir, written, report):
         out += ["![density: CPU and p99 against IoThreads](plots/density.png)", "",
                 PLOT_NOTE, ""]
     for path, data in runs:
@@ -210,6 +207,6 @@ def section(density_dir, plots_dir, written, md_table, plt, colour, save):
                 f"{m[0]}, {m[1]}, {m[2]} {fmt(m[3])} IOPS" for m in maxima
                 if isinstance(m, list) and len(m) == 4) + ".", ""]
         for (t, b, v), rows in groups(data["result"]["rows"]).items():
-            out += [f"{t}, {b}, {v}:", "", table(rows, md_table), ""]
-            out += verdicts(rows) + [""]
+            out += [f"{t}, {b}, {v}:", "", table(rows, report), ""]
+            out += verdicts(rows, report) + [""]
     return out

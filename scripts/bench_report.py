@@ -983,7 +983,7 @@ def build_doc(data, docs_dir, plots_dir, written, history=None, density_dir=None
     lines += wakeup_section(data.get("wakeup"), plots_dir, written)
     lines += idle_section(data.get("idle"))
     lines += bench_density.section(density_dir or os.path.join(REPO_ROOT, "results", "density"),
-                                   plots_dir, written, md_table, plt, colour, save)
+                                   plots_dir, written, sys.modules[__name__])
     lines += ["---", "",
               "Earlier hand-run benchmarks and their analysis: "
               "[benchmark-notes.md](benchmark-notes.md)", ""]

@@ -136,7 +136,7 @@ fn cpu_verdict(n: usize, ours: &Row, theirs: &Row, note: &str) -> String {
     let ratio = med(ours, |x| x.cpu_ms_per_s) / med(theirs, |x| x.cpu_ms_per_s);
     format!(
         "x{n}: {} uses {ratio:.2}x the CPU of {note}, {} [{:.2}-{:.2}]; p99 {:.0} µs \
-         against {:.0} µs; target 0.70x {}",
+         against {:.0} µs; target {TARGET_CPU_RATIO:.2}x {}",
         ours.daemon,
         theirs.daemon,
         alo / bhi,
