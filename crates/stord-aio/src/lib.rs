@@ -53,7 +53,7 @@ mod timer;
 
 pub use bh::{Bh, RemoteBh};
 pub use buf::{AlignedBuf, IoBuf, IoBufMut, IoVecs, IoVecsMut, Slice};
-pub use context::{with_current_context, AioContext, AioContextOptions};
+pub use context::{with_current_context, AioContext, AioContextOptions, DEFAULT_SCHED_SLICE_NS};
 pub use handler::{FdHandlerId, Interest, PollHandler, PollHandlerId, Readiness};
 pub use iothread::IoThread;
 pub use poll::{PolicyKind, PollParams};

@@ -115,6 +115,11 @@ impl Remote {
             .expect("context initialised")
     }
 
+    /// The scheduler slice the context's thread was made with (0: the kernel's default).
+    pub fn sched_slice_ns(&self) -> u64 {
+        self.shared.sched_slice_ns
+    }
+
     /// The context's name.
     pub fn name(&self) -> &str {
         &self.shared.name

@@ -46,6 +46,49 @@ pub fn yield_cpu() {
     unsafe { libc::sched_yield() };
 }
 
+/// Asks the fair scheduler for a `slice_ns` time slice for the calling thread
+/// (sched_setattr(2)'s `sched_runtime`, a custom slice since Linux 6.12; 0 goes back to
+/// the kernel's default). Keeps the
+/// thread's policy, nice value and reset-on-fork flag; a thread in a real-time or deadline
+/// policy is left as it is (returns false).
+pub fn set_sched_slice(slice_ns: u64) -> io::Result<bool> {
+    let mut attr = sched_getattr()?;
+    let policy = attr.sched_policy as libc::c_int;
+    if policy != libc::SCHED_OTHER && policy != libc::SCHED_BATCH {
+        return Ok(false);
+    }
+    attr.sched_flags &= libc::SCHED_FLAG_RESET_ON_FORK as u64;
+    attr.sched_runtime = slice_ns;
+    // SAFETY: `attr` is a valid sched_attr of `attr.size` bytes that the kernel only reads.
+    cvt(unsafe { libc::syscall(libc::SYS_sched_setattr, 0, &attr, 0) })?;
+    Ok(true)
+}
+
+/// The calling thread's fair-scheduler slice as sched_getattr(2) reports it: the one
+/// [`set_sched_slice`] asked for, or the kernel's default.
+pub fn sched_slice() -> io::Result<u64> {
+    Ok(sched_getattr()?.sched_runtime)
+}
+
+fn sched_getattr() -> io::Result<libc::sched_attr> {
+    let size = std::mem::size_of::<libc::sched_attr>() as u32;
+    let mut attr = libc::sched_attr {
+        size,
+        sched_policy: 0,
+        sched_flags: 0,
+        sched_nice: 0,
+        sched_priority: 0,
+        sched_runtime: 0,
+        sched_deadline: 0,
+        sched_period: 0,
+    };
+    // SAFETY: `attr` is a writable sched_attr of `size` bytes; the kernel writes at most
+    // `size` bytes into it. Pid 0 is the calling thread.
+    cvt(unsafe { libc::syscall(libc::SYS_sched_getattr, 0, &mut attr, size, 0) })?;
+    attr.size = size;
+    Ok(attr)
+}
+
 /// A non-blocking, close-on-exec eventfd.
 pub fn eventfd() -> io::Result<OwnedFd> {
     // SAFETY: eventfd takes no pointers; the result is checked before use.

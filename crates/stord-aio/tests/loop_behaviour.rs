@@ -27,6 +27,7 @@ fn opts(name: &str, reactor: ReactorKind, poll: PollParams) -> AioContextOptions
         name: name.to_string(),
         reactor,
         poll,
+        ..AioContextOptions::default()
     }
 }
 
@@ -361,6 +362,45 @@ fn stopping_an_iothread_joins_it() {
             !std::path::Path::new(&format!("/proc/self/task/{tid}")).exists()
         });
     }
+}
+
+/// The kernel's view of a thread's slice, as /proc shows it (the default when it has none).
+fn proc_slice_ns(tid: i32) -> u64 {
+    let sched = std::fs::read_to_string(format!("/proc/self/task/{tid}/sched")).unwrap();
+    let line = sched.lines().find(|l| l.starts_with("se.slice")).unwrap();
+    line.rsplit(' ').next().unwrap().parse().unwrap()
+}
+
+#[test]
+fn a_loop_thread_asks_for_the_slice_it_was_made_with() {
+    let _serial = serial();
+    let kernel_default = proc_slice_ns(stord_aio::sys::gettid());
+    // The threads below inherit this one's slice: 0 must undo it, not keep it.
+    stord_aio::sys::set_sched_slice(500_000).unwrap();
+    for (asked, expect) in [
+        (None, stord_aio::DEFAULT_SCHED_SLICE_NS),
+        (Some(300_000), 300_000),
+        (Some(0), 0),
+    ] {
+        let mut o = opts("slice", ReactorKind::Auto, PollParams::default());
+        if let Some(ns) = asked {
+            o.sched_slice_ns = ns;
+        }
+        let t = IoThread::spawn(o).unwrap();
+        let remote = t.remote().clone();
+        assert_eq!(remote.sched_slice_ns(), expect);
+        // What the scheduler runs it with, as the thread and as /proc see it.
+        let effective = if expect == 0 { kernel_default } else { expect };
+        let own = remote.run(stord_aio::sys::sched_slice).unwrap().unwrap();
+        assert_eq!(own, effective, "asked {asked:?}");
+        assert_eq!(
+            proc_slice_ns(remote.thread_id()),
+            effective,
+            "asked {asked:?}"
+        );
+    }
+    stord_aio::sys::set_sched_slice(0).unwrap();
+    assert_eq!(proc_slice_ns(stord_aio::sys::gettid()), kernel_default);
 }
 
 #[test]

@@ -19,6 +19,7 @@ fn ctx(reactor: ReactorKind) -> AioContext {
         name: "ops".into(),
         reactor,
         poll: PollParams::default(),
+        ..AioContextOptions::default()
     })
     .unwrap()
 }

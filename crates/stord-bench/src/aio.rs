@@ -89,6 +89,7 @@ pub fn run_case(
         name: format!("bench-{policy}"),
         reactor,
         poll,
+        ..AioContextOptions::default()
     })
     .expect("start iothread");
     let remote = t.remote().clone();

@@ -2,12 +2,12 @@
 //!
 //! QEMU's event-loop properties (`poll-max-ns`, `poll-grow`, `poll-shrink`, `poll-weight`,
 //! `aio-max-batch`) and ours (`poll-policy`, `poll-grow-start`, `poll-allow-shrink`,
-//! `poll-yield-ns`, `reactor`) are read from `--object iothread,...` and `object-add`,
+//! `poll-yield-ns`, `reactor`, `sched-slice-ns`) are read from `--object iothread,...` and `object-add`,
 //! changed by `qom-set`, read by `qom-get` and shown by `query-iothreads`: every one of
 //! those goes through [`PROPERTIES`], so a new property is one entry.
 
 use serde_json::Value;
-use stord_aio::{PollParams, ReactorKind};
+use stord_aio::{PollParams, ReactorKind, DEFAULT_SCHED_SLICE_NS};
 
 use crate::cli::keyval::{KeyVal, OptionError};
 
@@ -57,11 +57,26 @@ impl PropValue {
 }
 
 /// What an iothread is made with.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct IoThreadConfig {
     pub poll: PollParams,
     pub reactor: ReactorKind,
+    /// The scheduler slice its thread asks for (0: the kernel's default).
+    pub sched_slice_ns: u64,
 }
+
+impl Default for IoThreadConfig {
+    fn default() -> Self {
+        Self {
+            poll: PollParams::default(),
+            reactor: ReactorKind::Auto,
+            sched_slice_ns: DEFAULT_SCHED_SLICE_NS,
+        }
+    }
+}
+
+/// The slices the kernel takes (it clamps others to these bounds; stord refuses them).
+const SCHED_SLICE_NS: std::ops::RangeInclusive<u64> = 100_000..=100_000_000;
 
 /// One property.
 pub struct Property {
@@ -193,6 +208,25 @@ pub const PROPERTIES: &[Property] = &[
             Ok(())
         },
     },
+    Property {
+        name: "sched-slice-ns",
+        kind: Kind::Int,
+        in_query: false,
+        live: false,
+        get: |c| c.sched_slice_ns.into(),
+        set: |c, v| {
+            let ns = v.int();
+            if ns != 0 && !SCHED_SLICE_NS.contains(&ns) {
+                return Err(format!(
+                    "sched-slice-ns must be 0 or in {}..={}, got {ns}",
+                    SCHED_SLICE_NS.start(),
+                    SCHED_SLICE_NS.end()
+                ));
+            }
+            c.sched_slice_ns = ns;
+            Ok(())
+        },
+    },
     // QEMU's thread pool bounds: stord's file engines need no thread pool.
     Property {
         name: "thread-pool-min",
@@ -236,10 +270,7 @@ pub enum PropertyError {
 /// The configuration `--object iothread,...` / `object-add` describe (`qom-type` and `id`
 /// already taken): every property the table knows, checked against its range.
 pub fn from_options(kv: &mut KeyVal) -> Result<IoThreadConfig, PropertyError> {
-    let mut c = IoThreadConfig {
-        poll: PollParams::default(),
-        reactor: ReactorKind::Auto,
-    };
+    let mut c = IoThreadConfig::default();
     for p in PROPERTIES {
         let v = match p.kind {
             Kind::Int => kv.take_u64(p.name, false)?.map(PropValue::Int),
@@ -352,5 +383,25 @@ mod tests {
             assert!(keys.contains(&k), "{keys:?}");
         }
         assert!(!keys.contains(&"reactor"));
+        assert!(!keys.contains(&"sched-slice-ns"));
+    }
+
+    #[test]
+    fn the_scheduler_slice_is_short_by_default_and_kept_in_the_kernels_bounds() {
+        let parse = |opts: &str| {
+            let mut kv = KeyVal::parse("--object", opts, None).unwrap();
+            from_options(&mut kv)
+        };
+        let c = parse("poll-max-ns=0").unwrap();
+        assert_eq!(get(&c, "sched-slice-ns").unwrap(), DEFAULT_SCHED_SLICE_NS);
+        assert_eq!(parse("sched-slice-ns=0").unwrap().sched_slice_ns, 0);
+        assert_eq!(
+            parse("sched-slice-ns=100000000").unwrap().sched_slice_ns,
+            100_000_000
+        );
+        for bad in ["sched-slice-ns=99999", "sched-slice-ns=100000001"] {
+            let e = parse(bad).unwrap_err().to_string();
+            assert!(e.contains("must be 0 or in 100000..=100000000"), "{e}");
+        }
     }
 }

@@ -126,6 +126,7 @@ impl Daemon {
             name: "main".into(),
             reactor: ReactorKind::Auto,
             poll: main_poll,
+            ..AioContextOptions::default()
         })?;
         let state: SharedState = Rc::default();
         state.borrow_mut().set_self(Rc::downgrade(&state));

@@ -87,6 +87,7 @@ pub fn window_trace(policies: &[PolicyKind], reactor: ReactorKind) -> Value {
                 policy,
                 ..PollParams::default()
             },
+            ..AioContextOptions::default()
         })
         .expect("start iothread");
         let remote = t.remote().clone();

@@ -38,7 +38,8 @@ pub const OBJECT_TYPES: &[ObjectType] = &[
                    [,poll-grow=<n>][,poll-shrink=<n>]\n\
                    [,poll-weight=<0..63>][,poll-policy=adaptive|off|classic|weighted|haltpoll]\n\
                    [,poll-grow-start=<ns>][,poll-allow-shrink=on|off][,poll-yield-ns=<ns>]\n\
-                   [,reactor=auto|io_uring|epoll]",
+                   [,reactor=auto|io_uring|epoll]\n\
+                   [,sched-slice-ns=<ns> (default 100000; 0: the kernel's slice)]",
             about: "an IoThread (an event loop on its own thread)",
         },
     },
@@ -166,6 +167,7 @@ fn create_iothread(st: &mut State, _: &str, id: &str, mut kv: KeyVal) -> Result<
         name: id.into(),
         reactor: config.reactor,
         poll: config.poll,
+        sched_slice_ns: config.sched_slice_ns,
     })
     .map_err(|source| DaemonError::IoThreadStart {
         id: id.into(),

@@ -1,5 +1,8 @@
 """qom-set changes the live loop's polling: query-iothreads shows it, and the statistics
-move accordingly under I/O."""
+move accordingly under I/O. The loop threads run with the scheduler slice they were made with."""
+
+import os
+import threading
 
 import common
 from common import ok, err
@@ -8,6 +11,13 @@ from common import ok, err
 def iothread(q):
     [t] = ok(q.cmd_raw("query-iothreads"))
     return t
+
+
+def slice_ns(pid, tid):
+    """The slice the kernel runs a thread with (its /proc sched file)."""
+    with open(f"/proc/{pid}/task/{tid}/sched") as f:
+        [line] = [l for l in f if l.startswith("se.slice")]
+    return int(line.split()[-1])
 
 
 def load(uri, seconds=1):
@@ -81,6 +91,25 @@ def test():
             contains="0..=1000000000")
         err(q.cmd_raw("qom-get", {"path": "/objects/nope", "property": "poll-max-ns"}), cls="DeviceNotFound")
         assert iothread(q)["poll-weight"] == 2
+
+        # The loop threads ask the scheduler for a short slice (the main loop's too); an
+        # iothread made with another runs with that one, and slices the kernel would clamp
+        # are refused.
+        pid = d.proc.pid
+        assert slice_ns(pid, t["thread-id"]) == 100000
+        assert slice_ns(pid, pid) == 100000
+        assert ok(q.cmd_raw("qom-get", {"path": "/objects/io0", "property": "sched-slice-ns"})) == 100000
+        ok(q.cmd_raw("object-add", {"qom-type": "iothread", "id": "io1", "sched-slice-ns": 250000}))
+        [t1] = [t for t in ok(q.cmd_raw("query-iothreads")) if t["id"] == "io1"]
+        assert slice_ns(pid, t1["thread-id"]) == 250000
+        assert ok(q.cmd_raw("qom-get", {"path": "io1", "property": "sched-slice-ns"})) == 250000
+        # 0: the kernel's default (what this script runs with), not the main loop's slice
+        # that the thread would otherwise inherit.
+        ok(q.cmd_raw("object-add", {"qom-type": "iothread", "id": "io3", "sched-slice-ns": 0}))
+        [t3] = [t for t in ok(q.cmd_raw("query-iothreads")) if t["id"] == "io3"]
+        assert slice_ns(pid, t3["thread-id"]) == slice_ns(os.getpid(), threading.get_native_id())
+        err(q.cmd_raw("object-add", {"qom-type": "iothread", "id": "io2", "sched-slice-ns": 5000}),
+            contains="sched-slice-ns must be 0 or in 100000..=100000000")
         q.close()
     finally:
         d.stop()

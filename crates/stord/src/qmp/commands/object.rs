@@ -61,6 +61,7 @@ fn config(r: &Remote) -> IoThreadConfig {
     IoThreadConfig {
         poll: r.poll_params(),
         reactor: r.reactor_info().kind.parse().unwrap_or_default(),
+        sched_slice_ns: r.sched_slice_ns(),
     }
 }
 
