@@ -137,12 +137,12 @@ pub struct AioContextOptions {
     /// Initial polling parameters.
     pub poll: PollParams,
     /// The fair-scheduler slice the thread asks for (Linux 6.12's custom slices, which the
-    /// kernel clamps to 0.1-100 ms); 0 asks for the kernel's default (rather than the
-    /// slice the thread inherited). With the default slice
-    /// (about 1.4 ms on two CPUs) a client woken by the loop's reply preempts the loop
-    /// before it can go back to sleep, and a loop woken by a request waits behind the
-    /// client that sent it: one extra context switch per request and tens of microseconds
-    /// of latency at QD1. Threads the user put in another policy (real-time) are left alone.
+    /// kernel clamps to 0.1-100 ms); 0 asks for the kernel's default rather than the slice
+    /// the thread inherited. With the default slice (about 1.4 ms on two CPUs) a client
+    /// woken by the loop's reply preempts the loop before it can go back to sleep, and a
+    /// loop woken by a request waits behind the client that sent it: one extra context
+    /// switch per request and tens of microseconds of latency at QD1. Threads the user put
+    /// in another policy (real-time) are left alone.
     pub sched_slice_ns: u64,
 }
 

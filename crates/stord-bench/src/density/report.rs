@@ -20,9 +20,13 @@ fn range(r: &Row, f: impl Fn(&Run) -> f64) -> (f64, f64) {
     )
 }
 
-/// The whole result: the one-export maxima, then the tables.
+/// The whole result: the one-export maxima (when the load was derived from them rather than
+/// given with `--total-iops`), then the tables.
 pub fn markdown(d: &Density) -> String {
-    let mut s = String::from("One-export QD1 maxima the loads derive from:\n\n");
+    let mut s = String::new();
+    if !d.maxima.is_empty() {
+        s.push_str("One-export QD1 maxima the loads derive from:\n\n");
+    }
     for (t, b, daemon, iops) in &d.maxima {
         let _ = writeln!(s, "- {t}, {b}, {daemon}: {iops:.0} IOPS");
     }
