@@ -49,7 +49,8 @@ pub fn yield_cpu() {
 /// Asks the fair scheduler for a `slice_ns` time slice for the calling thread
 /// (sched_setattr(2)'s `sched_runtime`, a custom slice since Linux 6.12; 0 goes back to
 /// the kernel's default). Keeps the thread's policy, nice value and reset-on-fork flag; a
-/// thread in a real-time or deadline policy is left as it is (returns false).
+/// thread in any other policy than SCHED_OTHER or SCHED_BATCH (real-time, deadline,
+/// SCHED_IDLE) is left as it is (returns false).
 pub fn set_sched_slice(slice_ns: u64) -> io::Result<bool> {
     let mut attr = sched_getattr()?;
     let policy = attr.sched_policy as libc::c_int;

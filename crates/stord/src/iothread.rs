@@ -399,6 +399,13 @@ mod tests {
             parse("sched-slice-ns=100000000").unwrap().sched_slice_ns,
             100_000_000
         );
+        let mut c = parse("sched-slice-ns=200000").unwrap();
+        // Fixed when the thread starts, as `reactor` is.
+        assert!(matches!(
+            set(&mut c, "sched-slice-ns", &Value::from(300_000)),
+            Err(PropertyError::NotFound(_))
+        ));
+        assert_eq!(c.sched_slice_ns, 200_000);
         for bad in ["sched-slice-ns=99999", "sched-slice-ns=100000001"] {
             let e = parse(bad).unwrap_err().to_string();
             assert!(e.contains("must be 0 or in 100000..=100000000"), "{e}");

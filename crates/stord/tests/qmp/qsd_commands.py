@@ -252,9 +252,10 @@ def editing(binary, tag):
 # the installed qsd (10.0) lacks (monitor_object.py checks them).
 OWN_TYPES = {"metrics", "monitor", "monitor-qmp"}
 
-# stord's own iothread properties (its polling policies and reactor), beside QEMU's.
+# stord's own iothread properties (its polling policies, reactor and scheduler slice),
+# beside QEMU's.
 IOTHREAD_OWN = {"poll-weight", "poll-policy", "poll-grow-start", "poll-allow-shrink",
-                "poll-yield-ns", "reactor"}
+                "poll-yield-ns", "reactor", "sched-slice-ns"}
 
 
 def chardevs_and_qom(binary, tag):
