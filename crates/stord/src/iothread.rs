@@ -2,9 +2,9 @@
 //!
 //! QEMU's event-loop properties (`poll-max-ns`, `poll-grow`, `poll-shrink`, `poll-weight`,
 //! `aio-max-batch`) and ours (`poll-policy`, `poll-grow-start`, `poll-allow-shrink`,
-//! `poll-yield-ns`, `reactor`, `sched-slice-ns`) are read from `--object iothread,...` and `object-add`,
-//! changed by `qom-set`, read by `qom-get` and shown by `query-iothreads`: every one of
-//! those goes through [`PROPERTIES`], so a new property is one entry.
+//! `poll-yield-ns`, `reactor`, `sched-slice-ns`) are read from `--object iothread,...` and
+//! `object-add`, changed by `qom-set`, read by `qom-get` and shown by `query-iothreads`:
+//! every one of those goes through [`PROPERTIES`], so a new property is one entry.
 
 use serde_json::Value;
 use stord_aio::{PollParams, ReactorKind, DEFAULT_SCHED_SLICE_NS};
