@@ -458,6 +458,10 @@ impl Inner {
         self.exec.spawn(&self.shared, fut);
     }
 
+    pub(crate) fn spawn_local_now(&self, fut: crate::task::LocalFuture) {
+        self.exec.spawn_now(&self.shared, fut);
+    }
+
     fn add_poll_handler(&self, h: Rc<dyn PollHandler>) -> PollHandlerId {
         let entry = PollEntry {
             name: h.name().to_string(),

@@ -65,6 +65,7 @@ pub use task::JoinHandle;
 pub use timer::{Sleep, TimerId};
 
 use std::future::Future;
+use std::pin::Pin;
 use std::time::Duration;
 
 /// Spawns a task on the current thread's context.
@@ -83,7 +84,21 @@ pub fn spawn<F: Future + 'static>(future: F) -> JoinHandle<F::Output> {
 /// # Panics
 /// If the thread has no context.
 pub fn spawn_detached<F: Future<Output = ()> + 'static>(future: F) {
-    context::with_current(|c| c.spawn_local(Box::pin(future)));
+    // Boxed before the closure takes it: a request's future is copied once, not twice.
+    let future: task::LocalFuture = Box::pin(future);
+    context::with_current(|c| c.spawn_local(future));
+}
+
+/// Runs a task at once, in the caller's turn, until it completes or must wait; only then
+/// is it kept as a task of its own (woken like any other). A connection's reader starts
+/// each request this way, as QEMU enters a request's coroutine. The future comes boxed (a
+/// caller that picks among futures of several kinds boxes each where it is made, and the
+/// task takes that allocation as it is).
+///
+/// # Panics
+/// If the thread has no context.
+pub fn spawn_now(future: Pin<Box<dyn Future<Output = ()>>>) {
+    context::with_current(|c| c.spawn_local_now(future));
 }
 
 /// Completes after `d` (a loop timer on the current context).

@@ -341,18 +341,45 @@ pub mod blocking {
 /// writev(2) of borrowed slices, with MSG_DONTWAIT semantics if the fd is non-blocking:
 /// returns the count written, or WouldBlock.
 pub fn writev_now(fd: RawFd, bufs: &[&[u8]]) -> io::Result<usize> {
-    let iov: Vec<libc::iovec> = bufs
-        .iter()
-        .take(1024)
-        .map(|b| libc::iovec {
-            iov_base: b.as_ptr() as *mut _,
-            iov_len: b.len(),
-        })
-        .collect();
+    writev_iter(fd, bufs.iter().copied())
+}
+
+/// [`writev_now`] of the slices an iterator yields: at most IOV_MAX (1024) of them go
+/// out, the first [`STACK_IOVECS`] without an allocation (a reply batch is a few).
+pub fn writev_iter<'a>(fd: RawFd, bufs: impl Iterator<Item = &'a [u8]>) -> io::Result<usize> {
+    let iovec = |b: &[u8]| libc::iovec {
+        iov_base: b.as_ptr() as *mut _,
+        iov_len: b.len(),
+    };
+    let mut on_stack = [libc::iovec {
+        iov_base: std::ptr::null_mut(),
+        iov_len: 0,
+    }; STACK_IOVECS];
+    let mut on_heap: Vec<libc::iovec> = Vec::new();
+    let mut n = 0;
+    for b in bufs.take(1024) {
+        if n < STACK_IOVECS {
+            on_stack[n] = iovec(b);
+        } else {
+            if on_heap.is_empty() {
+                on_heap.extend_from_slice(&on_stack);
+            }
+            on_heap.push(iovec(b));
+        }
+        n += 1;
+    }
+    let iov: &[libc::iovec] = if n <= STACK_IOVECS {
+        &on_stack[..n]
+    } else {
+        &on_heap
+    };
     // SAFETY: every iovec points into a slice borrowed for the duration of this call.
     let r = unsafe { libc::writev(fd, iov.as_ptr(), iov.len() as i32) };
     cvt(r as libc::c_long)
 }
+
+/// Slices [`writev_iter`] takes without allocating.
+pub const STACK_IOVECS: usize = 16;
 
 /// CPU time (user + system) used so far by thread `tid` of this process, in nanoseconds,
 /// from /proc/self/task/TID/schedstat (nanosecond resolution).

@@ -77,30 +77,73 @@ pub(crate) struct Executor {
 }
 
 impl Executor {
-    pub(crate) fn spawn(&self, shared: &Arc<Shared>, future: LocalFuture) {
+    /// A slot for a new task holding `future` (None while it is being polled), and its
+    /// waker's handle, `queued` as given.
+    fn insert(
+        &self,
+        shared: &Arc<Shared>,
+        future: Option<LocalFuture>,
+        queued: bool,
+    ) -> (Key, Arc<TaskWaker>, Waker) {
         let mut tasks = self.tasks.borrow_mut();
         let key = tasks.next_key().to_token(0);
         let handle = match self.spare.borrow_mut().pop() {
             Some(h) => {
                 // Nobody else holds it (checked when it was put aside).
                 h.key.store(key, Ordering::Relaxed);
-                h.queued.store(true, Ordering::Relaxed);
+                h.queued.store(queued, Ordering::Relaxed);
                 h
             }
             None => Arc::new(TaskWaker {
                 key: AtomicU64::new(key),
-                queued: AtomicBool::new(true),
+                queued: AtomicBool::new(queued),
                 shared: shared.clone(),
             }),
         };
+        let waker = Waker::from(handle.clone());
         let inserted = tasks.insert(TaskSlot {
-            future: Some(future),
+            future,
             handle: handle.clone(),
-            waker: Waker::from(handle.clone()),
+            waker: waker.clone(),
         });
         debug_assert_eq!(inserted, handle.key());
-        drop(tasks);
+        (inserted, handle, waker)
+    }
+
+    pub(crate) fn spawn(&self, shared: &Arc<Shared>, future: LocalFuture) {
+        let (_, handle, _) = self.insert(shared, Some(future), true);
         self.run_queue.borrow_mut().push_back(handle);
+    }
+
+    /// Polls a new task at once, in the caller's turn (inside another task's poll, say),
+    /// and keeps it only if it must wait. QEMU enters a request's coroutine the same way:
+    /// a request that needs no I/O (or gets its I/O under way) is done or parked without
+    /// a trip through the run queue.
+    pub(crate) fn spawn_now(&self, shared: &Arc<Shared>, mut future: LocalFuture) {
+        // The slot is taken first: the task's waker names it, and whatever the poll
+        // spawns must not take its key.
+        let (key, handle, waker) = self.insert(shared, None, false);
+        let done = future
+            .as_mut()
+            .poll(&mut Context::from_waker(&waker))
+            .is_ready();
+        let mut tasks = self.tasks.borrow_mut();
+        if done {
+            let slot = tasks.remove(key);
+            drop(tasks);
+            drop((future, slot, waker));
+            self.recycle(handle);
+        } else if let Some(slot) = tasks.get_mut(key) {
+            slot.future = Some(future);
+        }
+    }
+
+    /// Keeps a finished task's waker for the next task, if nobody else holds it.
+    fn recycle(&self, w: Arc<TaskWaker>) {
+        let mut spare = self.spare.borrow_mut();
+        if Arc::strong_count(&w) == 1 && spare.len() < SPARE_WAKERS {
+            spare.push(w);
+        }
     }
 
     /// A wake that arrived through the remote queue.
@@ -151,10 +194,7 @@ impl Executor {
                 // still holds this waker.
                 drop(fut);
                 drop(slot);
-                let mut spare = self.spare.borrow_mut();
-                if Arc::strong_count(&w) == 1 && spare.len() < SPARE_WAKERS {
-                    spare.push(w);
-                }
+                self.recycle(w);
             } else if let Some(slot) = tasks.get_mut(w.key()) {
                 slot.future = Some(fut);
             }
@@ -230,4 +270,66 @@ where
         }
     });
     (fut, JoinHandle { state })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::RefCell;
+    use std::rc::Rc;
+
+    use crate::context::with_current;
+    use crate::{AioContext, AioContextOptions};
+
+    fn live_tasks() -> usize {
+        with_current(|c| c.exec.len())
+    }
+
+    /// A task started now that needs nothing runs to its end in the caller's turn and
+    /// leaves no task behind; one that must wait is kept, with its own waker, and ends
+    /// after the caller went on; what it spawns while first polled takes a slot of its
+    /// own.
+    #[test]
+    fn a_task_started_now_runs_in_the_callers_turn_and_is_kept_only_while_it_waits() {
+        let ctx = AioContext::new(AioContextOptions::default()).unwrap();
+        let log = Rc::new(RefCell::new(Vec::new()));
+        let l = log.clone();
+        let done = ctx.block_on(async move {
+            let before = live_tasks();
+            let l2 = l.clone();
+            crate::spawn_now(Box::pin(async move { l2.borrow_mut().push("ready") }));
+            l.borrow_mut().push("caller");
+            assert_eq!(live_tasks(), before, "a finished task is not kept");
+
+            let l3 = l.clone();
+            crate::spawn_now(Box::pin(async move {
+                l3.borrow_mut().push("waits");
+                let l4 = l3.clone();
+                crate::spawn_detached(async move { l4.borrow_mut().push("spawned") });
+                crate::yield_now().await;
+                l3.borrow_mut().push("woken");
+            }));
+            l.borrow_mut().push("caller again");
+            assert_eq!(
+                live_tasks(),
+                before + 2,
+                "the waiting task and the one it spawned"
+            );
+            while live_tasks() > before {
+                crate::yield_now().await;
+            }
+            l.borrow().clone()
+        });
+        assert_eq!(
+            done,
+            [
+                "ready",
+                "caller",
+                "waits",
+                "caller again",
+                "spawned",
+                "woken"
+            ]
+        );
+        assert_eq!(log.borrow().len(), 6);
+    }
 }
