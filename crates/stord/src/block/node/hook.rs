@@ -75,12 +75,12 @@ impl Hooks {
 
 /// Runs every hook's [`NodeHook::before_write`]: what each holds, in order.
 pub(super) async fn before_write(
-    hooks: &HookList,
+    hooks: &[Arc<dyn NodeHook>],
     offset: u64,
     len: u64,
 ) -> io::Result<Vec<Option<Hold<'_>>>> {
     let mut held = Vec::new();
-    for h in hooks.iter().flatten() {
+    for h in hooks {
         held.push(h.before_write(offset, len).await?);
     }
     Ok(held)
@@ -88,13 +88,13 @@ pub(super) async fn before_write(
 
 /// Runs every hook's [`NodeHook::after_write`].
 pub(super) async fn after_write(
-    hooks: &HookList,
+    hooks: &[Arc<dyn NodeHook>],
     held: &[Option<Hold<'_>>],
     (offset, len): (u64, u64),
     ok: bool,
     what: Written<'_>,
 ) {
-    for (h, hold) in hooks.iter().flatten().zip(held) {
+    for (h, hold) in hooks.iter().zip(held) {
         h.after_write(offset, len, ok, hold.is_some(), what).await;
     }
 }

@@ -4,10 +4,12 @@
 use std::future::Future;
 use std::io;
 use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
 
 use stord_aio::sys::now_ns;
 
 use super::block_node::{BlockNode, BlockStatus};
+use super::future::BoxFut;
 use super::options::DetectZeroes;
 use super::stats::Op;
 use super::{dirty_bitmap, hook};
@@ -48,19 +50,13 @@ impl BlockNode {
         }
     }
 
-    /// Whether `[offset, offset + len)` may be written now: the node is writable, the
-    /// range inside it, and the hooks ran (a backup copied what the write would change).
-    /// What the hooks hold comes back, to be kept until the request is done.
-    async fn may_write<'h>(
-        &self,
-        hooks: &'h hook::HookList,
-        offset: u64,
-        len: u64,
-    ) -> io::Result<Vec<Option<hook::Hold<'h>>>> {
+    /// Whether `[offset, offset + len)` may be written now: the node is writable and the
+    /// range inside it (the hooks run after, where there are any).
+    fn check_write(&self, offset: u64, len: u64) -> io::Result<()> {
         self.check_writable()?;
         self.check_range(offset, len)?;
         self.note_write(offset, len);
-        hook::before_write(hooks, offset, len).await
+        Ok(())
     }
 
     /// A write of `[offset, offset + len)` is about to reach the node (or its driver,
@@ -91,22 +87,58 @@ impl BlockNode {
         }
     }
 
-    /// Runs `read` with what the hooks hold for a read of `[offset, offset + len)` (the
-    /// request starts only once they hold it).
-    async fn read_hooked<F: Future>(
-        &self,
-        offset: u64,
-        len: u64,
-        read: impl FnOnce() -> F,
-    ) -> F::Output {
-        let hooks = self.hooks.current();
-        let mut held = Vec::new();
-        for h in hooks.iter().flatten() {
-            held.extend(h.before_read(offset, len).await);
-        }
-        let r = read().await;
-        drop(held);
-        r
+    /// Runs `read` with what `hooks` hold for a read of `[offset, offset + len)` (the
+    /// request starts only once they hold it). Boxed, as every hooked path here: a
+    /// request's future is copied into its task whole, and only the requests that meet a
+    /// hook (while a job runs) should carry the hooks' state.
+    fn read_hooked<'a, F: Future + 'a>(
+        &'a self,
+        hooks: Vec<Arc<dyn hook::NodeHook>>,
+        (offset, len): (u64, u64),
+        read: impl FnOnce() -> F + 'a,
+    ) -> BoxFut<'a, F::Output> {
+        Box::pin(async move {
+            let mut held = Vec::new();
+            for h in &hooks {
+                held.extend(h.before_read(offset, len).await);
+            }
+            let r = read().await;
+            drop(held);
+            r
+        })
+    }
+
+    /// A write-like request (`run`, handed its payload) between the hooks'
+    /// [`before_write`](hook::NodeHook::before_write) and
+    /// [`after_write`](hook::NodeHook::after_write): `written` says what it wrote, and
+    /// whether a success changed the range. A hook's error fails it as `op`, the payload
+    /// handed back unwritten. Boxed, as [`read_hooked`](Self::read_hooked).
+    fn write_hooked<'a, P: 'a, F>(
+        &'a self,
+        hooks: Vec<Arc<dyn hook::NodeHook>>,
+        (op, offset, len): (Op, u64, u64),
+        payload: P,
+        run: impl FnOnce(P) -> F + 'a,
+        written: fn(&P) -> (hook::Written<'_>, bool),
+    ) -> BoxFut<'a, (io::Result<()>, P)>
+    where
+        F: Future<Output = (io::Result<()>, P)> + 'a,
+    {
+        Box::pin(async move {
+            let held = match hook::before_write(&hooks, offset, len).await {
+                Ok(h) => h,
+                Err(e) => {
+                    self.stats.refused(op, &e);
+                    return (Err(e), payload);
+                }
+            };
+            let (r, payload) = run(payload).await;
+            let (what, changes) = written(&payload);
+            let ok = r.is_ok() && changes;
+            hook::after_write(&hooks, &held, (offset, len), ok, what).await;
+            drop(held);
+            (r, payload)
+        })
     }
 
     /// Reads `buf.len()` bytes at `offset`.
@@ -117,9 +149,13 @@ impl BlockNode {
             self.stats.refused(Op::Read, &e);
             return (Err(e), buf);
         }
-        let (r, buf) = self
-            .read_hooked(offset, len, || self.driver.read(offset, buf))
-            .await;
+        let (r, buf) = match self.hooks.current() {
+            None => self.driver.read(offset, buf).await,
+            Some(hooks) => {
+                let read = || self.driver.read(offset, buf);
+                self.read_hooked(hooks, (offset, len), read).await
+            }
+        };
         self.stats.done(Op::Read, start, len, r.is_ok());
         (r, buf)
     }
@@ -146,24 +182,28 @@ impl BlockNode {
     ) -> (io::Result<()>, Buf) {
         let start = now_ns();
         let len = buf.len() as u64;
-        let hooks = self.hooks.current();
-        let held = match self.may_write(&hooks, offset, len).await {
-            Ok(h) => h,
-            Err(e) => {
-                self.stats.refused(Op::Write, &e);
-                return (Err(e), buf);
+        if let Err(e) = self.check_write(offset, len) {
+            self.stats.refused(Op::Write, &e);
+            return (Err(e), buf);
+        }
+        let run = |buf: Buf| async move {
+            let (r, buf) = match self.zero_write(|| is_zero(&buf)) {
+                Some(may_unmap) => (self.zeroes_then_fua(offset, len, may_unmap, fua).await, buf),
+                None if compressed => self.driver.write_compressed(offset, buf).await,
+                None => self.driver.write(offset, buf, fua).await,
+            };
+            self.wrote(start, offset, len, &r);
+            (r, buf)
+        };
+        match self.hooks.current() {
+            None => run(buf).await,
+            Some(hooks) => {
+                let what: fn(&Buf) -> (hook::Written<'_>, bool) =
+                    |b| (hook::Written::Data(b), true);
+                let span = (Op::Write, offset, len);
+                self.write_hooked(hooks, span, buf, run, what).await
             }
-        };
-        let (r, buf) = match self.zero_write(|| is_zero(&buf)) {
-            Some(may_unmap) => (self.zeroes_then_fua(offset, len, may_unmap, fua).await, buf),
-            None if compressed => self.driver.write_compressed(offset, buf).await,
-            None => self.driver.write(offset, buf, fua).await,
-        };
-        self.wrote(start, offset, len, &r);
-        let what = hook::Written::Data(&buf);
-        hook::after_write(&hooks, &held, (offset, len), r.is_ok(), what).await;
-        drop(held);
-        (r, buf)
+        }
     }
 
     /// Reads `iov.len()` bytes at `offset` into `iov`.
@@ -174,9 +214,13 @@ impl BlockNode {
             self.stats.refused(Op::Read, &e);
             return (Err(e), iov);
         }
-        let (r, iov) = self
-            .read_hooked(offset, len, || self.driver.readv(offset, iov))
-            .await;
+        let (r, iov) = match self.hooks.current() {
+            None => self.driver.readv(offset, iov).await,
+            Some(hooks) => {
+                let read = || self.driver.readv(offset, iov);
+                self.read_hooked(hooks, (offset, len), read).await
+            }
+        };
         self.stats.done(Op::Read, start, len, r.is_ok());
         (r, iov)
     }
@@ -185,28 +229,32 @@ impl BlockNode {
     pub async fn writev(&self, offset: u64, iov: IoVec, fua: bool) -> (io::Result<()>, IoVec) {
         let start = now_ns();
         let len = iov.len() as u64;
-        let hooks = self.hooks.current();
-        let held = match self.may_write(&hooks, offset, len).await {
-            Ok(h) => h,
-            Err(e) => {
-                self.stats.refused(Op::Write, &e);
-                return (Err(e), iov);
+        if let Err(e) = self.check_write(offset, len) {
+            self.stats.refused(Op::Write, &e);
+            return (Err(e), iov);
+        }
+        let run = |iov: IoVec| async move {
+            let zero = self.zero_write(|| {
+                let mut b = request_buf(iov.len());
+                iov.copy_out(0, &mut b);
+                is_zero(&b)
+            });
+            let (r, iov) = match zero {
+                Some(may_unmap) => (self.zeroes_then_fua(offset, len, may_unmap, fua).await, iov),
+                None => self.driver.writev(offset, iov, fua).await,
+            };
+            self.wrote(start, offset, len, &r);
+            (r, iov)
+        };
+        match self.hooks.current() {
+            None => run(iov).await,
+            Some(hooks) => {
+                let what: fn(&IoVec) -> (hook::Written<'_>, bool) =
+                    |v| (hook::Written::Iov(v), true);
+                let span = (Op::Write, offset, len);
+                self.write_hooked(hooks, span, iov, run, what).await
             }
-        };
-        let zero = self.zero_write(|| {
-            let mut b = request_buf(iov.len());
-            iov.copy_out(0, &mut b);
-            is_zero(&b)
-        });
-        let (r, iov) = match zero {
-            Some(may_unmap) => (self.zeroes_then_fua(offset, len, may_unmap, fua).await, iov),
-            None => self.driver.writev(offset, iov, fua).await,
-        };
-        self.wrote(start, offset, len, &r);
-        let what = hook::Written::Iov(&iov);
-        hook::after_write(&hooks, &held, (offset, len), r.is_ok(), what).await;
-        drop(held);
-        (r, iov)
+        }
     }
 
     /// Counts a request a format above sent straight to this node's driver (qcow2's data
@@ -253,46 +301,55 @@ impl BlockNode {
     /// Discards a range.
     pub async fn discard(&self, offset: u64, len: u64) -> io::Result<()> {
         let start = now_ns();
-        let hooks = self.hooks.current();
-        let held = match self.may_write(&hooks, offset, len).await {
-            Ok(h) => h,
-            Err(e) => {
-                self.stats.refused(Op::Unmap, &e);
-                return Err(e);
+        if let Err(e) = self.check_write(offset, len) {
+            self.stats.refused(Op::Unmap, &e);
+            return Err(e);
+        }
+        let run = |unmap: bool| async move {
+            let r = if unmap {
+                let r = self.driver.discard(offset, len).await;
+                self.mark_dirty_as(offset, len, true);
+                r
+            } else {
+                Ok(())
+            };
+            self.stats.done(Op::Unmap, start, len, r.is_ok());
+            (r, unmap)
+        };
+        // Without `unmap` a discard changes nothing, and the hooks hear so.
+        match self.hooks.current() {
+            None => run(self.unmap).await.0,
+            Some(hooks) => {
+                let what = |unmap: &bool| (hook::Written::Discard, *unmap);
+                let span = (Op::Unmap, offset, len);
+                self.write_hooked(hooks, span, self.unmap, run, what)
+                    .await
+                    .0
             }
-        };
-        let r = if self.unmap {
-            let r = self.driver.discard(offset, len).await;
-            self.mark_dirty_as(offset, len, true);
-            r
-        } else {
-            Ok(())
-        };
-        self.stats.done(Op::Unmap, start, len, r.is_ok());
-        let what = hook::Written::Discard;
-        hook::after_write(&hooks, &held, (offset, len), r.is_ok() && self.unmap, what).await;
-        drop(held);
-        r
+        }
     }
 
     /// Zeroes a range.
     pub async fn write_zeroes(&self, offset: u64, len: u64, may_unmap: bool) -> io::Result<()> {
         let start = now_ns();
-        let hooks = self.hooks.current();
-        let held = match self.may_write(&hooks, offset, len).await {
-            Ok(h) => h,
-            Err(e) => {
-                self.stats.refused(Op::Write, &e);
-                return Err(e);
-            }
+        if let Err(e) = self.check_write(offset, len) {
+            self.stats.refused(Op::Write, &e);
+            return Err(e);
+        }
+        let run = |may_unmap: bool| async move {
+            let r = self.driver.write_zeroes(offset, len, may_unmap).await;
+            self.wrote(start, offset, len, &r);
+            (r, may_unmap)
         };
         let may_unmap = may_unmap && self.unmap;
-        let r = self.driver.write_zeroes(offset, len, may_unmap).await;
-        self.wrote(start, offset, len, &r);
-        let what = hook::Written::Zeroes { may_unmap };
-        hook::after_write(&hooks, &held, (offset, len), r.is_ok(), what).await;
-        drop(held);
-        r
+        match self.hooks.current() {
+            None => run(may_unmap).await.0,
+            Some(hooks) => {
+                let what = |&may_unmap: &bool| (hook::Written::Zeroes { may_unmap }, true);
+                let span = (Op::Write, offset, len);
+                self.write_hooked(hooks, span, may_unmap, run, what).await.0
+            }
+        }
     }
 
     /// Allocation status of the first extent of a range.
@@ -303,14 +360,16 @@ impl BlockNode {
         }
         // Held as a read: a point-in-time reader must not see a status the write after a
         // copy changed (see [`hook`]).
-        let mut st = self
-            .read_hooked(offset, len, || async {
-                match self.driver.block_status_cached(offset, len) {
-                    Some(st) => Ok(st),
-                    None => self.driver.block_status(offset, len).await,
-                }
-            })
-            .await?;
+        let status = || async {
+            match self.driver.block_status_cached(offset, len) {
+                Some(st) => Ok(st),
+                None => self.driver.block_status(offset, len).await,
+            }
+        };
+        let mut st = match self.hooks.current() {
+            None => status().await?,
+            Some(hooks) => self.read_hooked(hooks, (offset, len), status).await?,
+        };
         st.len = st.len.clamp(1, len);
         Ok(st)
     }
