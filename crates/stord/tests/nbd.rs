@@ -754,3 +754,73 @@ fn connections_spread_over_the_exports_iothreads() {
         "multi-conn=off still advertised it"
     );
 }
+
+/// A pattern no two 4 KiB blocks of the image share: block `b`'s bytes are `b` and `!b`.
+fn pattern(len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| {
+            let b = (i / 4096) as u8;
+            if i % 2 == 0 {
+                b
+            } else {
+                !b
+            }
+        })
+        .collect()
+}
+
+/// The only request in flight sends its reply at once, from its own turn; a reply the
+/// socket cannot take whole (a client that reads late) is finished by the connection's
+/// writer, in order, and the replies after it (one at a time, then pipelined) are whole.
+#[test]
+fn a_reply_the_socket_cannot_take_at_once_arrives_whole() {
+    let dir = tmpdir("nbd-late-reader");
+    let img = dir.join("disk.img");
+    let data = pattern(16 << 20);
+    std::fs::write(&img, &data).unwrap();
+    let s = Stord::with_node(&dir, &file_node(&img, "io_uring", false), true);
+    let mut c = RawNbd::connect(&s.sock, "disk");
+    c.send_request(CMD_READ, 0, 1, 4 << 20, 8 << 20, &[]);
+    // Far more than a socket's buffer waits while the client is away.
+    std::thread::sleep(Duration::from_millis(300));
+    let (e, h, d) = c.read_reply(8 << 20);
+    assert_eq!((e, h), (0, 1));
+    assert!(
+        d == data[4 << 20..12 << 20],
+        "the late reader's 8 MiB differ"
+    );
+
+    assert_eq!(c.write(2, 4096, &[0xa5; 4096]), 0);
+    assert_eq!(c.read(3, 4096, 4096), (0, vec![0xa5; 4096]));
+
+    // Pipelined: a large read, a small read and a write, replies in any order.
+    c.send_request(CMD_READ, 0, 10, 0, 4 << 20, &[]);
+    c.send_request(CMD_READ, 0, 11, 8 << 20, 4096, &[]);
+    c.send_request(CMD_WRITE, 0, 12, 12 << 20, 4096, &[0x3c; 4096]);
+    std::thread::sleep(Duration::from_millis(100));
+    let mut seen = Vec::new();
+    for _ in 0..3 {
+        let mut h = [0u8; 16];
+        std::io::Read::read_exact(&mut c.s, &mut h).unwrap();
+        let err = u32::from_be_bytes(h[4..8].try_into().unwrap());
+        let handle = u64::from_be_bytes(h[8..16].try_into().unwrap());
+        assert_eq!(err, 0, "request {handle}");
+        let (off, len) = match handle {
+            10 => (0, 4 << 20),
+            11 => (8 << 20, 4096),
+            12 => (0, 0),
+            other => panic!("unknown handle {other}"),
+        };
+        let mut got = vec![0u8; len];
+        std::io::Read::read_exact(&mut c.s, &mut got).unwrap();
+        let mut want = data[off..off + len].to_vec();
+        if handle == 10 {
+            want[4096..8192].fill(0xa5);
+        }
+        assert!(got == want, "request {handle}'s data differ");
+        seen.push(handle);
+    }
+    seen.sort();
+    assert_eq!(seen, [10, 11, 12]);
+    assert_eq!(c.read(13, 12 << 20, 4096), (0, vec![0x3c; 4096]));
+}

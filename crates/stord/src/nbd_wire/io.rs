@@ -414,16 +414,29 @@ impl std::ops::Deref for OutChunk {
     }
 }
 
-/// Sends `chunks` in order: through the TLS session if there is one, else as they are.
-pub async fn send(fd: RawFd, tls: Option<&SharedTls>, chunks: Vec<OutChunk>) -> io::Result<()> {
+/// Sends `chunks` in order, through the TLS session if there is one, else as they are
+/// (the first `sent` bytes of them went out already: see [`try_send`]; only without TLS);
+/// `chunks` is left empty, with its capacity (a connection's writer reuses it).
+pub async fn send(
+    fd: RawFd,
+    tls: Option<&SharedTls>,
+    chunks: &mut Vec<OutChunk>,
+    sent: usize,
+) -> io::Result<()> {
     let Some(tls) = tls else {
+        if sent > 0 {
+            return send_rest(fd, std::mem::take(chunks), sent).await;
+        }
         return send_all(fd, chunks).await;
     };
+    debug_assert_eq!(sent, 0, "a TLS session's records are written whole");
     {
         let views: Vec<io::IoSlice<'_>> = chunks.iter().map(|c| io::IoSlice::new(c)).collect();
-        tls.lock().write_plain(&views)?;
+        let written = tls.lock().write_plain(&views);
+        drop(views);
+        chunks.clear();
+        written?;
     }
-    drop(chunks);
     flush_tls(fd, tls).await
 }
 
@@ -466,26 +479,49 @@ pub async fn flush_tls(fd: RawFd, tls: &SharedTls) -> io::Result<()> {
     Ok(())
 }
 
-/// Sends every chunk, in order, with as few writev calls as the socket allows.
+/// One non-blocking writev of `chunks`, now: the bytes it took (0 when the socket is
+/// full). When it took them all, `chunks` is left empty (its capacity kept); else it is
+/// left as it was, for [`send_rest`] to finish.
+pub fn try_send(fd: RawFd, chunks: &mut Vec<OutChunk>) -> io::Result<usize> {
+    chunks.retain(|c| !c.is_empty());
+    let sent = match stord_aio::sys::writev_iter(fd, chunks.iter().map(|c| &c[..])) {
+        Ok(n) => n,
+        Err(e)
+            if e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::Interrupted =>
+        {
+            0
+        }
+        Err(e) => return Err(e),
+    };
+    if sent == chunks.iter().map(|c| c.len()).sum::<usize>() {
+        chunks.clear();
+    }
+    Ok(sent)
+}
+
+/// Sends every chunk, in order, with as few writev calls as the socket allows, and leaves
+/// `chunks` empty (its capacity kept for the next batch).
 ///
-/// The first attempt is a direct non-blocking writev: a socket with room in its send
-/// buffer (the common case) takes the whole batch at once, with no SQE, no CQE and no
-/// extra loop iteration. Whatever does not fit goes through the ring.
-pub async fn send_all(fd: RawFd, chunks: Vec<OutChunk>) -> io::Result<()> {
-    let chunks: Vec<OutChunk> = chunks.into_iter().filter(|c| !c.is_empty()).collect();
-    let mut sent_now = {
-        let views: Vec<&[u8]> = chunks.iter().map(|c| &c[..]).collect();
-        match stord_aio::sys::writev_now(fd, &views) {
-            Ok(n) => n,
-            Err(e)
-                if e.kind() == io::ErrorKind::WouldBlock
-                    || e.kind() == io::ErrorKind::Interrupted =>
-            {
-                0
-            }
-            Err(e) => return Err(e),
+/// The first attempt is a direct non-blocking writev ([`try_send`]): a socket with room in
+/// its send buffer (the common case) takes the whole batch at once, with no SQE, no CQE,
+/// no extra loop iteration and no allocation. Whatever does not fit goes through the ring.
+pub async fn send_all(fd: RawFd, chunks: &mut Vec<OutChunk>) -> io::Result<()> {
+    let sent = match try_send(fd, chunks) {
+        Ok(n) => n,
+        Err(e) => {
+            chunks.clear();
+            return Err(e);
         }
     };
+    if chunks.is_empty() {
+        return Ok(());
+    }
+    send_rest(fd, std::mem::take(chunks), sent).await
+}
+
+/// Sends what is left of `chunks` once their first `sent_now` bytes went out, through the
+/// ring, waiting for room in the socket as needed.
+pub async fn send_rest(fd: RawFd, chunks: Vec<OutChunk>, mut sent_now: usize) -> io::Result<()> {
     let mut slices: Vec<Slice<OutChunk>> = Vec::new();
     for c in chunks {
         let n = c.len();

@@ -204,7 +204,7 @@ async fn refuse_before_tls(fd: RawFd, rd: &mut SockReader, opt: u32, len: u32) -
         REP_ERR_TLS_REQD,
         "TLS is required: send STARTTLS first",
     );
-    let sent = send(fd, None, vec![OutChunk::Bytes(reply)]).await;
+    let sent = send(fd, None, &mut vec![OutChunk::Bytes(reply)], 0).await;
     if opt == OPT_ABORT {
         // The client may hang up before reading the reply: that is fine.
         return Ok(true);
@@ -221,7 +221,8 @@ async fn start_tls(fd: RawFd, rd: &mut SockReader, tls: &TlsServer) -> io::Resul
     send(
         fd,
         None,
-        vec![OutChunk::Bytes(opt_reply(OPT_STARTTLS, REP_ACK, &[]))],
+        &mut vec![OutChunk::Bytes(opt_reply(OPT_STARTTLS, REP_ACK, &[]))],
+        0,
     )
     .await?;
     let sess = SharedTls::new(sess);
@@ -320,7 +321,7 @@ impl<'a> Negotiation<'a> {
         hello.extend_from_slice(&NBDMAGIC.to_be_bytes());
         hello.extend_from_slice(&IHAVEOPT.to_be_bytes());
         hello.extend_from_slice(&(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES).to_be_bytes());
-        send(fd, None, vec![OutChunk::Bytes(hello)]).await?;
+        send(fd, None, &mut vec![OutChunk::Bytes(hello)], 0).await?;
 
         let mut rd = SockReader::new(fd, Vec::new());
         rd.ensure(4).await?;
@@ -396,7 +397,13 @@ impl<'a> Negotiation<'a> {
 
     /// Sends option replies (inside the TLS session, once there is one).
     async fn reply(&self, replies: Vec<u8>) -> io::Result<()> {
-        send(self.fd, self.sess.as_ref(), vec![OutChunk::Bytes(replies)]).await
+        send(
+            self.fd,
+            self.sess.as_ref(),
+            &mut vec![OutChunk::Bytes(replies)],
+            0,
+        )
+        .await
     }
 
     /// An option over MAX_OPTION_LEN: too big to be honest, small enough to skip (up to

@@ -30,9 +30,10 @@ use std::task::{Poll, Waker};
 use super::export::NbdExport;
 use super::handshake::{MetaContexts, Negotiated};
 use crate::block::node::block_node::BlockNode;
+use crate::block::node::link::Entered;
 use crate::buf::Buf;
 use crate::export::budget::MemoryBudget;
-use crate::nbd_wire::io::{send, OutChunk, SharedTls, SockReader};
+use crate::nbd_wire::io::{send, try_send, OutChunk, SharedTls, SockReader};
 use crate::nbd_wire::proto::*;
 
 /// Requests a connection may have between its header being read and its reply sent.
@@ -100,6 +101,9 @@ struct Conn {
     out: RefCell<Vec<OutChunk>>,
     /// Requests and bytes whose replies are in `out`.
     out_held: Cell<(usize, usize)>,
+    /// Bytes at the front of `out` already sent (by [`Conn::send_now`]), for the writer to
+    /// skip.
+    out_sent: Cell<usize>,
     writer_waker: RefCell<Option<Waker>>,
     reader_waker: RefCell<Option<Waker>>,
     /// Requests admitted whose reply has not left yet, and the bytes they hold.
@@ -174,12 +178,20 @@ impl Conn {
     /// Queues the reply to `req`: its header `parts` (appended to the pending header
     /// bytes, so consecutive replies share one buffer and no allocation) and its data, if
     /// any. This is the request's one reply: its budget goes back once the reply is sent.
+    ///
+    /// The connection's only request in flight (QD1) sends its reply at once
+    /// ([`send_now`](Self::send_now)); with more in flight, replies that complete in the
+    /// same turn leave together through the writer, in one writev.
     fn queue(&self, req: &Request, parts: &[&[u8]], data: Option<Buf>) {
         if self.broken.get() {
             self.release(1, req.cost);
             return;
         }
         let mut out = self.out.borrow_mut();
+        let alone = out.is_empty()
+            && self.held.get().0 == 1
+            && self.tls.is_none()
+            && self.writer_waker.borrow().is_some();
         let bytes = match out.last_mut() {
             Some(OutChunk::Bytes(b)) if b.len() < 4096 => b,
             _ => {
@@ -199,7 +211,35 @@ impl Conn {
         drop(out);
         let (n, b) = self.out_held.get();
         self.out_held.set((n + 1, b + req.cost));
-        self.wake_writer();
+        if alone {
+            self.send_now();
+        } else {
+            self.wake_writer();
+        }
+    }
+
+    /// Sends what `out` holds now, from the request's own turn, while the writer is idle:
+    /// no trip through the writer task. What the socket does not take is the writer's to
+    /// finish.
+    fn send_now(&self) {
+        let mut out = self.out.borrow_mut();
+        match try_send(self.raw(), &mut out) {
+            Ok(_) if out.is_empty() => {
+                drop(out);
+                self.sends.add(1);
+                let (n, bytes) = self.out_held.replace((0, 0));
+                self.release(n, bytes);
+            }
+            Ok(sent) => {
+                drop(out);
+                self.out_sent.set(sent);
+                self.wake_writer();
+            }
+            Err(_) => {
+                drop(out);
+                self.break_off();
+            }
+        }
     }
 
     fn simple_reply(&self, req: &Request, error: u32, data: Option<Buf>) {
@@ -279,6 +319,7 @@ pub async fn serve(fd: OwnedFd, n: Negotiated, budget: Arc<MemoryBudget>) {
         meta,
         out: RefCell::default(),
         out_held: Cell::new((0, 0)),
+        out_sent: Cell::new(0),
         writer_waker: RefCell::default(),
         reader_waker: RefCell::default(),
         held: Cell::new((0, 0)),
@@ -328,12 +369,15 @@ fn log_close(conn: &Conn, e: &io::Error) {
 }
 
 async fn write_loop(conn: Rc<Conn>) {
+    // The batch being sent; it and `conn.out` swap their (empty) buffers, so a busy
+    // connection allocates no list per reply.
+    let mut batch = Vec::new();
     loop {
-        let batch = poll_fn(|cx| {
+        let held = poll_fn(|cx| {
             let mut out = conn.out.borrow_mut();
             if !out.is_empty() {
-                let held = conn.out_held.replace((0, 0));
-                return Poll::Ready(Some((std::mem::take(&mut *out), held)));
+                std::mem::swap(&mut *out, &mut batch);
+                return Poll::Ready(Some(conn.out_held.replace((0, 0))));
             }
             if conn.reader_done.get() && conn.held.get().0 == 0 {
                 return Poll::Ready(None);
@@ -342,11 +386,16 @@ async fn write_loop(conn: Rc<Conn>) {
             Poll::Pending
         })
         .await;
-        let Some((batch, (n, bytes))) = batch else {
+        let Some((n, bytes)) = held else {
             break;
         };
         conn.sends.add(1);
-        let sent = !conn.broken.get() && send(conn.raw(), conn.tls.as_ref(), batch).await.is_ok();
+        let from = conn.out_sent.replace(0);
+        let sent = !conn.broken.get()
+            && send(conn.raw(), conn.tls.as_ref(), &mut batch, from)
+                .await
+                .is_ok();
+        batch.clear();
         conn.release(n, bytes);
         if !sent && !conn.broken.get() {
             conn.break_off();
@@ -384,10 +433,7 @@ async fn read_loop(conn: &Rc<Conn>, pending: Vec<u8>, cipher: Vec<u8>) -> io::Re
         } else {
             None
         };
-        let c = conn.clone();
-        stord_aio::spawn_detached(async move {
-            handle(&c, req, payload).await;
-        });
+        stord_aio::spawn_now(request_task(conn.clone(), req, payload));
     }
 }
 
@@ -483,41 +529,74 @@ fn check(conn: &Conn, node: &BlockNode, req: &Request) -> Result<(), u32> {
     Ok(())
 }
 
-async fn handle(conn: &Conn, req: Request, payload: Option<Buf>) {
-    // The request runs on the node the export serves now, even if a pivot moves it.
-    let node = conn.export.link.enter().await;
-    let node: &BlockNode = &node;
-    if let Err(e) = check(conn, node, &req) {
-        return conn.error_reply(&req, e);
+/// The task that serves `req`. Its future holds only its own command's state: a task's
+/// future is copied into its allocation whole, and a read need not carry a write's.
+fn request_task(conn: Rc<Conn>, req: Request, payload: Option<Buf>) -> RequestTask {
+    match req.kind {
+        CMD_READ => Box::pin(async move {
+            if let Some(node) = enter(&conn, &req).await {
+                read(&conn, &node, &req).await;
+            }
+        }),
+        CMD_BLOCK_STATUS => Box::pin(async move {
+            if let Some(node) = enter(&conn, &req).await {
+                block_status(&conn, &node, &req).await;
+            }
+        }),
+        _ => Box::pin(async move {
+            if let Some(node) = enter(&conn, &req).await {
+                modify(&conn, &node, &req, payload).await;
+            }
+        }),
     }
+}
+
+type RequestTask = std::pin::Pin<Box<dyn std::future::Future<Output = ()>>>;
+
+/// Enters the node the export serves now (the request runs there even if a pivot moves
+/// it) and checks the request against it; None when it was refused (the error reply is
+/// queued).
+async fn enter<'a>(conn: &'a Conn, req: &Request) -> Option<Entered<'a>> {
+    let node = conn.export.link.enter().await;
+    match check(conn, &node, req) {
+        Ok(()) => Some(node),
+        Err(e) => {
+            conn.error_reply(req, e);
+            None
+        }
+    }
+}
+
+async fn read(conn: &Conn, node: &BlockNode, req: &Request) {
+    if conn.structured
+        && req.flags & CMD_FLAG_DF == 0
+        && req.len > 0
+        && read_hole(conn, node, req).await
+    {
+        return;
+    }
+    let (r, buf) = node
+        .read(req.offset, crate::buf::request_buf(req.len as usize))
+        .await;
+    match r {
+        Ok(()) if conn.structured => {
+            let h = Conn::chunk_header(
+                req.handle,
+                REPLY_FLAG_DONE,
+                REPLY_TYPE_OFFSET_DATA,
+                8 + req.len,
+            );
+            conn.queue(req, &[&h, &req.offset.to_be_bytes()], Some(buf));
+        }
+        Ok(()) => conn.simple_reply(req, 0, Some(buf)),
+        Err(e) => conn.error_reply(req, wire_errno(&e)),
+    }
+}
+
+/// The commands that change the node (write, write-zeroes, trim) and flush.
+async fn modify(conn: &Conn, node: &BlockNode, req: &Request, payload: Option<Buf>) {
     let fua = req.flags & CMD_FLAG_FUA != 0 || conn.export.writethrough;
     let result = match req.kind {
-        CMD_READ => {
-            if conn.structured
-                && req.flags & CMD_FLAG_DF == 0
-                && req.len > 0
-                && read_hole(conn, node, &req).await
-            {
-                return;
-            }
-            let (r, buf) = node
-                .read(req.offset, crate::buf::request_buf(req.len as usize))
-                .await;
-            match r {
-                Ok(()) if conn.structured => {
-                    let h = Conn::chunk_header(
-                        req.handle,
-                        REPLY_FLAG_DONE,
-                        REPLY_TYPE_OFFSET_DATA,
-                        8 + req.len,
-                    );
-                    conn.queue(&req, &[&h, &req.offset.to_be_bytes()], Some(buf));
-                    return;
-                }
-                Ok(()) => return conn.simple_reply(&req, 0, Some(buf)),
-                Err(e) => Err(e),
-            }
-        }
         CMD_WRITE => {
             let buf = payload.expect("write payload");
             node.write(req.offset, buf, fua).await.0
@@ -540,12 +619,11 @@ async fn handle(conn: &Conn, req: Request, payload: Option<Buf>) {
                 other => other,
             }
         }
-        CMD_BLOCK_STATUS => return block_status(conn, node, &req).await,
-        _ => unreachable!("checked above"),
+        _ => unreachable!("checked on entry"),
     };
     match result {
-        Ok(()) => conn.simple_reply(&req, 0, None),
-        Err(e) => conn.error_reply(&req, wire_errno(&e)),
+        Ok(()) => conn.simple_reply(req, 0, None),
+        Err(e) => conn.error_reply(req, wire_errno(&e)),
     }
 }
 

@@ -422,7 +422,7 @@ async fn sender(c: Arc<Conn>) {
         let r = match work {
             None => return,
             Some(Work::Backlog(batch)) => {
-                send_all(c.sock.raw(), vec![OutChunk::Bytes(batch)]).await
+                send_all(c.sock.raw(), &mut vec![OutChunk::Bytes(batch)]).await
             }
             Some(Work::Records) => write_all_records(&c).await,
         };
