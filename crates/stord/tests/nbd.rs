@@ -824,3 +824,61 @@ fn a_reply_the_socket_cannot_take_at_once_arrives_whole() {
     assert_eq!(seen, [10, 11, 12]);
     assert_eq!(c.read(13, 12 << 20, 4096), (0, vec![0x3c; 4096]));
 }
+
+/// A pipelining client's requests that arrive together are answered together: 64 reads
+/// of a null node sent in one write get their replies in a few writes, not one each,
+/// though each request is done the moment it is read.
+#[test]
+fn replies_to_requests_that_arrive_together_leave_together() {
+    let dir = tmpdir("nbd-coalesce");
+    let sock = dir.join("nbd.sock");
+    let qmp = dir.join("qmp.sock");
+    let mut args = vec![
+        "--object".to_string(),
+        "iothread,id=io0".into(),
+        "--blockdev".into(),
+        "driver=null-co,node-name=disk,size=64M,read-zeroes=on".into(),
+        "--nbd-server".into(),
+        format!("addr.type=unix,addr.path={}", sock.display()),
+        "--export".into(),
+        "type=nbd,id=e,node-name=disk,name=disk,iothread=io0".into(),
+    ];
+    args.extend(common::rawqmp::monitor_args(&qmp));
+    let s = Stord::start(&dir, &args);
+    let mut q = common::rawqmp::RawQmp::connect(&qmp);
+    let mut counters = || {
+        let r = q.send("{\"execute\":\"query-iothreads\"}");
+        let c = &r["return"][0]["x-stats"]["counters"];
+        let n = |k: &str| c[k].as_u64().unwrap_or(0);
+        (n("nbd.requests"), n("nbd.sends"))
+    };
+    let mut c = RawNbd::connect(&s.sock, "disk");
+    // One at a time first: a reply each.
+    for h in 0..8 {
+        assert_eq!(c.read(h, h * 4096, 512), (0, vec![0; 512]));
+    }
+    let (requests, sends) = counters();
+    assert_eq!((requests, sends), (8, 8));
+    let mut burst = Vec::new();
+    for h in 100..164u64 {
+        burst.extend_from_slice(&0x2560_9513u32.to_be_bytes());
+        burst.extend_from_slice(&0u16.to_be_bytes());
+        burst.extend_from_slice(&CMD_READ.to_be_bytes());
+        burst.extend_from_slice(&h.to_be_bytes());
+        burst.extend_from_slice(&(h * 4096).to_be_bytes());
+        burst.extend_from_slice(&512u32.to_be_bytes());
+    }
+    std::io::Write::write_all(&mut c.s, &burst).unwrap();
+    for h in 100..164u64 {
+        let (e, handle, d) = c.read_reply(512);
+        assert_eq!((e, handle), (0, h));
+        assert_eq!(d, vec![0; 512]);
+    }
+    let (requests, sends) = counters();
+    assert_eq!(requests, 8 + 64);
+    assert!(
+        sends - 8 <= 4,
+        "64 replies went out in {} writes",
+        sends - 8
+    );
+}

@@ -104,6 +104,9 @@ struct Conn {
     /// Bytes at the front of `out` already sent (by [`Conn::send_now`]), for the writer to
     /// skip.
     out_sent: Cell<usize>,
+    /// The reader holds the next request already (a pipelining client): replies go through
+    /// the writer, to leave together.
+    more_coming: Cell<bool>,
     writer_waker: RefCell<Option<Waker>>,
     reader_waker: RefCell<Option<Waker>>,
     /// Requests admitted whose reply has not left yet, and the bytes they hold.
@@ -180,8 +183,9 @@ impl Conn {
     /// any. This is the request's one reply: its budget goes back once the reply is sent.
     ///
     /// The connection's only request in flight (QD1) sends its reply at once
-    /// ([`send_now`](Self::send_now)); with more in flight, replies that complete in the
-    /// same turn leave together through the writer, in one writev.
+    /// ([`send_now`](Self::send_now)); with more in flight, or more read and about to
+    /// start, replies that complete in the same turn leave together through the writer, in
+    /// one writev.
     fn queue(&self, req: &Request, parts: &[&[u8]], data: Option<Buf>) {
         if self.broken.get() {
             self.release(1, req.cost);
@@ -190,6 +194,7 @@ impl Conn {
         let mut out = self.out.borrow_mut();
         let alone = out.is_empty()
             && self.held.get().0 == 1
+            && !self.more_coming.get()
             && self.tls.is_none()
             && self.writer_waker.borrow().is_some();
         let bytes = match out.last_mut() {
@@ -320,6 +325,7 @@ pub async fn serve(fd: OwnedFd, n: Negotiated, budget: Arc<MemoryBudget>) {
         out: RefCell::default(),
         out_held: Cell::new((0, 0)),
         out_sent: Cell::new(0),
+        more_coming: Cell::new(false),
         writer_waker: RefCell::default(),
         reader_waker: RefCell::default(),
         held: Cell::new((0, 0)),
@@ -433,6 +439,9 @@ async fn read_loop(conn: &Rc<Conn>, pending: Vec<u8>, cipher: Vec<u8>) -> io::Re
         } else {
             None
         };
+        // With another request's header already here, replies that complete now wait
+        // for it and leave together through the writer.
+        conn.more_coming.set(rd.buffered().len() >= 28);
         stord_aio::spawn_now(request_task(conn.clone(), req, payload));
     }
 }
