@@ -402,13 +402,13 @@ def set_iothread(binary, tag):
         c("block-export-add", type="nbd", id="e", **{"node-name": "n"}, name="e")
         c("x-blockdev-set-iothread", **{"node-name": "n", "iothread": "io1"})
         if binary == common.STORD:
-            def iterations():
-                return {t["id"]: t["x-stats"]["completions"]
+            def served():
+                return {t["id"]: t["x-stats"]["counters"].get("nbd.requests", 0)
                         for t in ok(q.cmd_raw("query-iothreads"))}
-            before = iterations()
+            before = served()
             common.fio("--name=r", "--ioengine=nbd", f"--uri=nbd+unix:///e?socket={sock}",
                        "--rw=randread", "--bs=4k", "--size=4M", "--io_size=4M")
-            after = iterations()
+            after = served()
             assert after["io0"] - before["io0"] >= 1024, (before, after)
             assert after["io1"] == before["io1"], (before, after)
             r = q.cmd_raw("x-blockdev-set-iothread",
