@@ -245,6 +245,9 @@ pub struct Vring {
     running: Cell<(usize, usize)>,
     /// Requests taken from the ring that wait for budget, in ring order.
     waiting: RefCell<VecDeque<(u16, Result<Chain, String>)>>,
+    /// [`Vring::run_waiting`] is starting waiting requests: one that completes at once and
+    /// asks again leaves the rest to it (no recursion through requests that need no I/O).
+    starting_waiting: Cell<bool>,
     /// The heads one pass over the ring took (kept to reuse its allocation).
     heads: RefCell<Vec<u16>>,
     /// The loop is busy-polling us (notifications suppressed).
@@ -331,6 +334,7 @@ impl Vring {
             in_flight: Cell::new(0),
             running: Cell::new((0, 0)),
             waiting: RefCell::default(),
+            starting_waiting: Cell::new(false),
             heads: RefCell::default(),
             polling: Cell::new(false),
             enabled: Cell::new(s.enabled),
@@ -553,7 +557,9 @@ impl Vring {
         n == 0 || bytes + Self::cost(chain) <= MAX_QUEUE_BYTES
     }
 
-    /// Starts a request as a task; when it completes, its budget goes to waiting ones.
+    /// Starts a request as a task, at once (it runs until it must wait, and is done
+    /// without a trip through the run queue if it need not); when it completes, its
+    /// budget goes to waiting ones.
     fn run(self: &Rc<Self>, head: u16, chain: Result<Chain, String>) {
         let cost = Self::cost(&chain);
         let (n, bytes) = self.running.get();
@@ -561,7 +567,7 @@ impl Vring {
         let mem = self.mem.borrow().clone();
         let v = self.clone();
         let t0 = head.is_multiple_of(16).then(now_ns);
-        stord_aio::spawn_detached(async move {
+        stord_aio::spawn_now(Box::pin(async move {
             let len = match chain {
                 Ok(chain) => request::execute(&v.dev, &mem, &chain).await,
                 Err(e) => {
@@ -581,11 +587,14 @@ impl Vring {
                 v.stats.service_ns.record(now_ns() - t0);
             }
             v.run_waiting();
-        });
+        }));
     }
 
     /// Starts waiting requests, in order, while the budget allows.
     fn run_waiting(self: &Rc<Self>) {
+        if self.starting_waiting.replace(true) {
+            return;
+        }
         loop {
             let next = {
                 let mut w = self.waiting.borrow_mut();
@@ -594,9 +603,10 @@ impl Vring {
                     _ => None,
                 }
             };
-            let Some((head, chain)) = next else { return };
+            let Some((head, chain)) = next else { break };
             self.run(head, chain);
         }
+        self.starting_waiting.set(false);
     }
 
     /// Publishes one completion in the used ring right away (plain memory writes: a driver
