@@ -25,7 +25,7 @@ pub(crate) fn usage() -> ! {
          \x20      stord-bench load [--runtime S] [--reps N] [--export nbd|fuse|vhost-user-blk-libblkio]... \
          [--backend file-io_uring|dev]... [--daemon D]... [--workload RW:QD]... [--load PCT]... [--pinned on|off] [--out DIR]\n\
          \x20      stord-bench density [--shape N]... [--transport nbd|vhost-user-blk]... [--backend null|file-io_uring|dev]... \
-         [--daemon stord|stord-poll0|qsd|qsd-poll0]... [--runtime S] [--ramp S] [--reps N] [--flat-out on|off|only] [--idle S] [--load PCT | --total-iops N] [--out DIR]\n\
+         [--daemon stord|stord-poll0|qsd|qsd-poll0|floor]... [--runtime S] [--ramp S] [--reps N] [--flat-out on|off|only] [--idle S] [--load PCT | --total-iops N] [--out DIR]\n\
          \x20      stord-bench report [--quick on|off] [--runtime-ms N] [--ramp-ms N] [--reps N] \
          [--export nbd|fuse|vhost-user-blk|vhost-user-blk-libblkio|vhost-user-blk-libblkio-poll]... \
          [--all-engines on|off] [--extras on|off] [--docs on|off] [--out DIR]\n\

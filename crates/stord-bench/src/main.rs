@@ -36,7 +36,10 @@
 //!   [--runtime S] [--reps N] [--flat-out on|off] [--idle S] [--load PCT]`: many light
 //!   guests, an IoThread and an export each, paced at QD1 to PCT % (50) of the slower
 //!   daemon's one-export maximum, with one client flat out in a variant: the daemons' CPU,
-//!   pooled and worst-client latency, memory per export and idle cost.
+//!   pooled and worst-client latency, memory per export and idle cost. `--daemon floor`
+//!   adds a minimal NBD server whose CPU per request is the kernel's own share.
+//! - `floor-server DAEMON-ARGS`: that minimal server (its NBD socket and pidfile taken
+//!   from a daemon's command line), for `density --daemon floor`.
 //! - `crash [--daemon stord|qsd]... [--workload W]... [--points N] [--seed S] [--stord PATH]
 //!   [--dir DIR]`: crash consistency by replay: qcow2 workloads written through
 //!   `blklogwrites`, the log replayed to flush points and torn points between them, each
@@ -118,6 +121,7 @@ fn main() {
         "timeline" => bench_timeline(flags),
         "idle" => bench_idle(flags),
         "density" => bench_density(flags),
+        "floor-server" => density::floor::serve_command(flags),
         "crash" => bench_crash(flags),
         "replay" => {
             if let Err(e) = crash::log::replay_command(flags) {

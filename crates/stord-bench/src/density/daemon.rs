@@ -37,12 +37,25 @@ pub(crate) struct DaemonSet {
     dir: PathBuf,
 }
 
-/// The binary and the `--object iothread` (as io0) of a daemon set-up.
-fn binary_and_iothread(daemon: &str) -> (PathBuf, String) {
+/// The binary, the arguments before the daemon's own (`floor-server` for the floor) and
+/// the `--object iothread` (as io0) of a daemon set-up.
+fn binary_and_iothread(daemon: &str) -> (PathBuf, Vec<String>, String) {
+    let iothread = "iothread,id=io0".to_string();
     match daemon {
-        "stord" => (stord_binary(), "iothread,id=io0".into()),
-        "stord-poll0" => (stord_binary(), "iothread,id=io0,poll-max-ns=0".into()),
-        other => qsd_style(other),
+        "stord" => (stord_binary(), Vec::new(), iothread),
+        "stord-poll0" => (
+            stord_binary(),
+            Vec::new(),
+            format!("{iothread},poll-max-ns=0"),
+        ),
+        "floor" => {
+            let me = std::env::current_exe().expect("stord-bench's own path");
+            (me, vec!["floor-server".into()], iothread)
+        }
+        other => {
+            let (bin, iothread) = qsd_style(other);
+            (bin, Vec::new(), iothread)
+        }
     }
 }
 
@@ -96,9 +109,13 @@ impl DaemonSet {
         let dir = bench_dir().join("density");
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
-        let (bin, iothread) = binary_and_iothread(daemon);
+        assert!(
+            daemon != "floor" || (t == Transport::Nbd && backend == "null"),
+            "the floor serves NBD reads of a null device only"
+        );
+        let (bin, mut args, iothread) = binary_and_iothread(daemon);
         let pidfile = dir.join("daemon.pid");
-        let mut args = node_args(&iothread, backend, img, n);
+        args.extend(node_args(&iothread, backend, img, n));
         args.extend(export_args(t, n, &dir));
         args.extend(["--pidfile".into(), pidfile.display().to_string()]);
         let child = Command::new(&bin)

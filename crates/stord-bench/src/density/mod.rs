@@ -13,6 +13,7 @@
 
 mod clients;
 mod daemon;
+pub mod floor;
 pub mod report;
 
 use std::time::{Duration, Instant};
@@ -31,7 +32,8 @@ pub struct DensityOptions {
     pub transports: Vec<Transport>,
     /// `null`, `file-io_uring`, `dev`.
     pub backends: Vec<String>,
-    /// `stord`, `stord-poll0`, `qsd`, `qsd-poll0`, or a stord-POLICY.
+    /// `stord`, `stord-poll0`, `qsd`, `qsd-poll0`, a stord-POLICY, or `floor` (the
+    /// kernel's own cost of a request: [`floor`]; NBD over null only).
     pub daemons: Vec<String>,
     pub ramp: Duration,
     pub runtime: Duration,
