@@ -706,11 +706,14 @@ fn qemu_nbd(addr: &[&str], object: Option<&str>, image: &Path) -> Child {
 fn qmp_daemon(program: &str, dir: &Path) -> (Child, RawQmp) {
     let qmp = dir.join(format!("qmp-{}.sock", std::process::id()));
     let _ = std::fs::remove_file(&qmp);
+    // Its stderr (stord's at debug level) is kept for a failure to print.
+    let log = std::fs::File::create(daemon_log(program, dir)).unwrap();
     let child = Command::new(program)
         .args(monitor_args(&qmp))
         .current_dir(dir)
+        .env("STORD_LOG", "debug")
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stderr(log)
         .spawn()
         .unwrap_or_else(|e| panic!("spawn {program}: {e}"));
     let start = Instant::now();
@@ -721,7 +724,19 @@ fn qmp_daemon(program: &str, dir: &Path) -> (Child, RawQmp) {
         );
         std::thread::sleep(Duration::from_millis(10));
     }
-    (child, RawQmp::connect(&qmp))
+    let q = RawQmp::connect(&qmp);
+    // blockdev-add of an nbd node connects and negotiates TLS before it answers: on a
+    // loaded two-CPU runner that can take longer than the usual 10 s.
+    q.r.get_ref()
+        .set_read_timeout(Some(Duration::from_secs(40)))
+        .unwrap();
+    (child, q)
+}
+
+/// Where [`qmp_daemon`] keeps `program`'s stderr.
+fn daemon_log(program: &str, dir: &Path) -> PathBuf {
+    let name = Path::new(program).file_name().unwrap().to_string_lossy();
+    dir.join(format!("{name}.stderr"))
 }
 
 /// The reply's error class and text, or "ok".
@@ -901,7 +916,15 @@ fn nbd_client_node_over_tls_answers_as_qsd_and_carries_data() {
             answers.push(format!("{node}: {}", outcome(&r)));
         }
         if program == env!("CARGO_BIN_EXE_stord") {
-            stord_carries_data(&mut q, &dir, &image, &mut tcp, &port, &x509_server);
+            // A failure there shows what stord said (the reconnects, say) beside it.
+            let carried = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                stord_carries_data(&mut q, &dir, &image, &mut tcp, &port, &x509_server)
+            }));
+            if let Err(e) = carried {
+                let log = std::fs::read_to_string(daemon_log(program, &dir)).unwrap_or_default();
+                eprintln!("stord's stderr:\n{log}");
+                std::panic::resume_unwind(e);
+            }
         }
         let _ = child.kill();
         let _ = child.wait();
@@ -978,13 +1001,19 @@ fn stord_carries_data(
             "flush",
         ])
         .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
         .spawn()
         .unwrap();
     std::thread::sleep(Duration::from_millis(500));
     run_ok("kill", &["-CONT", &pid]);
     let out = writer.wait_with_output().unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success() && !text.contains("error"), "{text}");
+    assert!(
+        out.status.success() && !text.contains("error"),
+        "{}: {text}{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
     let out = run_ok(
         "qemu-io",
         &["-f", "raw", &uri("n2"), "-c", "read -P 0x3c 0 32M"],
