@@ -110,3 +110,61 @@ fn the_floor_serves_reads_of_a_null_device_to_real_clients() {
     assert_eq!(job["error"], 0, "{job}");
     assert_eq!(job["read"]["total_ios"], 1024, "{job}");
 }
+
+/// A client that agrees no structured replies (the density benchmark's idle clients) gets
+/// a read's zeroes in a simple reply, and a write refused.
+#[test]
+fn a_simple_reply_carries_the_zeroes_and_writes_are_refused() {
+    use std::io::{Read, Write};
+    let f = Floor::start("simple");
+    let mut s = std::os::unix::net::UnixStream::connect(&f.sock).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut greeting = [0u8; 18];
+    s.read_exact(&mut greeting).unwrap();
+    s.write_all(&3u32.to_be_bytes()).unwrap();
+    // NBD_OPT_GO for "d0", no information requests.
+    let mut opt = b"IHAVEOPT".to_vec();
+    opt.extend_from_slice(&7u32.to_be_bytes());
+    opt.extend_from_slice(&8u32.to_be_bytes());
+    opt.extend_from_slice(&2u32.to_be_bytes());
+    opt.extend_from_slice(b"d0");
+    opt.extend_from_slice(&0u16.to_be_bytes());
+    s.write_all(&opt).unwrap();
+    loop {
+        let mut h = [0u8; 20];
+        s.read_exact(&mut h).unwrap();
+        let kind = u32::from_be_bytes(h[12..16].try_into().unwrap());
+        let len = u32::from_be_bytes(h[16..20].try_into().unwrap()) as usize;
+        s.read_exact(&mut vec![0u8; len]).unwrap();
+        assert!(kind < 1 << 31, "NBD_OPT_GO refused: {kind:#x}");
+        if kind == 1 {
+            break;
+        }
+    }
+    let request = |kind: u16, handle: u64| {
+        let mut r = 0x2560_9513u32.to_be_bytes().to_vec();
+        r.extend_from_slice(&0u16.to_be_bytes());
+        r.extend_from_slice(&kind.to_be_bytes());
+        r.extend_from_slice(&handle.to_be_bytes());
+        r.extend_from_slice(&8192u64.to_be_bytes());
+        r.extend_from_slice(&4096u32.to_be_bytes());
+        r
+    };
+    s.write_all(&request(0, 7)).unwrap();
+    let mut reply = vec![0xffu8; 16 + 4096];
+    s.read_exact(&mut reply).unwrap();
+    assert_eq!(reply[0..4], 0x6744_6698u32.to_be_bytes());
+    assert_eq!(reply[4..8], [0; 4], "error");
+    assert_eq!(reply[8..16], 7u64.to_be_bytes());
+    assert!(reply[16..].iter().all(|&b| b == 0));
+    // A write is refused (its payload, not sent here, would not be read).
+    s.write_all(&request(1, 8)).unwrap();
+    let mut h = [0u8; 16];
+    s.read_exact(&mut h).unwrap();
+    assert_eq!(
+        u32::from_be_bytes(h[4..8].try_into().unwrap()),
+        22,
+        "EINVAL"
+    );
+    assert_eq!(h[8..16], 8u64.to_be_bytes());
+}
