@@ -2,7 +2,7 @@
 # Builds the fuzz targets in fuzz/ with libFuzzer's coverage instrumentation on the stable
 # toolchain (the same -C flags cargo-fuzz passes, without a sanitizer) and runs them.
 #
-#   scripts/fuzz.sh                  # every target, 60 s each (what CI runs)
+#   scripts/fuzz.sh                  # every target, 60 s each, one per CPU at a time (what CI runs)
 #   scripts/fuzz.sh nbd_handshake 600
 #   scripts/fuzz.sh all 600
 #
@@ -30,24 +30,44 @@ if [ "$target" = all ]; then
 else
     targets=$target
 fi
-status=0
-for t in $targets; do
+# Targets run side by side, one per CPU (FUZZ_JOBS to choose): each still gets its full
+# time, and CI waits for the slowest group rather than the sum of all of them.
+jobs=${FUZZ_JOBS:-$(nproc)}
+results=$(mktemp -d)
+trap 'rm -rf "$results"' EXIT
+run_one() { # target: runs it, leaves its summary line (and its log if it failed) in $results
+    local t=$1 log="$results/$1.log" result execs cov ft corpus
     mkdir -p "corpus/$t" "artifacts/$t"
-    log=$(mktemp)
     # -rss_limit_mb: a leak or runaway allocation fails the run; -timeout: a hang does.
     if "$bin/$t" "corpus/$t" -max_total_time="$seconds" -rss_limit_mb=2048 \
         -timeout=10 -artifact_prefix="artifacts/$t/" -print_final_stats=1 >"$log" 2>&1; then
         result=ok
     else
         result=FAILED
-        status=1
-        tail -40 "$log"
+        touch "$results/$t.failed"
     fi
     execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log")
     cov=$(grep -o 'cov: [0-9]*' "$log" | tail -1 | awk '{print $2}')
     ft=$(grep -o 'ft: [0-9]*' "$log" | tail -1 | awk '{print $2}')
     corpus=$(ls "corpus/$t" | wc -l)
-    echo "fuzz $t: $result, ${seconds}s, ${execs:-0} executions, coverage ${cov:-0} edges (${ft:-0} features), corpus $corpus"
-    rm -f "$log"
+    echo "fuzz $t: $result, ${seconds}s, ${execs:-0} executions, coverage ${cov:-0} edges (${ft:-0} features), corpus $corpus" >"$results/$t.line"
+}
+running=0
+for t in $targets; do
+    if [ "$running" -ge "$jobs" ]; then
+        wait -n
+        running=$((running - 1))
+    fi
+    run_one "$t" &
+    running=$((running + 1))
+done
+wait
+status=0
+for t in $targets; do
+    if [ -e "$results/$t.failed" ]; then
+        status=1
+        tail -40 "$results/$t.log"
+    fi
+    cat "$results/$t.line"
 done
 exit $status
