@@ -35,7 +35,7 @@ fi
 jobs=${FUZZ_JOBS:-$(nproc)}
 results=$(mktemp -d)
 trap 'rm -rf "$results"' EXIT
-run_one() { # target: runs it, leaves its summary line (and its log if it failed) in $results
+run_one() { # target: runs it, leaves its log and its summary line in $results
     local t=$1 log="$results/$1.log" result execs cov ft corpus
     mkdir -p "corpus/$t" "artifacts/$t"
     # -rss_limit_mb: a leak or runaway allocation fails the run; -timeout: a hang does.
@@ -44,7 +44,6 @@ run_one() { # target: runs it, leaves its summary line (and its log if it failed
         result=ok
     else
         result=FAILED
-        touch "$results/$t.failed"
     fi
     execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log")
     cov=$(grep -o 'cov: [0-9]*' "$log" | tail -1 | awk '{print $2}')
@@ -55,7 +54,7 @@ run_one() { # target: runs it, leaves its summary line (and its log if it failed
 running=0
 for t in $targets; do
     if [ "$running" -ge "$jobs" ]; then
-        wait -n
+        wait -n || true
         running=$((running - 1))
     fi
     run_one "$t" &
@@ -64,7 +63,7 @@ done
 wait
 status=0
 for t in $targets; do
-    if [ -e "$results/$t.failed" ]; then
+    if grep -q "^fuzz $t: FAILED," "$results/$t.line"; then
         status=1
         tail -40 "$results/$t.log"
     fi

@@ -517,9 +517,9 @@ impl Image {
     pub fn stat(&self) -> io::Result<(u64, u64)> {
         // SAFETY: all-zero bytes are a valid ImageInfo (integers and char arrays).
         let mut info: ImageInfo = unsafe { std::mem::zeroed() };
+        let size = std::mem::size_of::<ImageInfo>();
         // SAFETY: an open image; `info` is a valid out-pointer of the size we pass.
-        let r =
-            unsafe { (self.api.rbd_stat)(self.img, &mut info, std::mem::size_of::<ImageInfo>()) };
+        let r = unsafe { (self.api.rbd_stat)(self.img, &mut info, size) };
         if r < 0 {
             return Err(errno(r));
         }
