@@ -190,17 +190,23 @@ impl DaemonSet {
 }
 
 impl Drop for DaemonSet {
+    /// Stops the daemon (SIGTERM, then SIGKILL after 10 s) and removes its sockets and
+    /// pidfile, so a finished run leaves no scratch under `results/tmp`.
     fn drop(&mut self) {
         // SAFETY: kill(2) on our own child's pid.
         unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
         let start = Instant::now();
-        while start.elapsed() < Duration::from_secs(10) {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
+        let mut exited = false;
+        while !exited && start.elapsed() < Duration::from_secs(10) {
+            exited = matches!(self.child.try_wait(), Ok(Some(_)));
+            if !exited {
+                std::thread::sleep(Duration::from_millis(10));
             }
-            std::thread::sleep(Duration::from_millis(10));
         }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        if !exited {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
