@@ -57,6 +57,11 @@ fn qmp_query_shapes_match_qemu_storage_daemon() {
 }
 
 #[test]
+fn qmp_open_errors_read_as_qsd_writes_them() {
+    run_script("open_errors.py");
+}
+
+#[test]
 fn qmp_reopen_and_transaction_answer_as_qsd() {
     run_script("reopen_transaction.py");
 }

@@ -7,21 +7,32 @@
 
 use std::collections::BTreeMap;
 
+/// What an error about option list `what` starts with: `what: `, or nothing when the list
+/// came from a QMP command (`what` empty), whose errors QEMU does not prefix.
+pub fn prefix(what: &str) -> String {
+    if what.is_empty() {
+        String::new()
+    } else {
+        format!("{what}: ")
+    }
+}
+
 /// What is wrong with an option list: the cli layer's error. `what` names the list (e.g.
-/// "--blockdev"); the texts are qsd's where it has one.
+/// "--blockdev"; empty for a QMP command's arguments, see [`prefix`]); the texts are qsd's
+/// where it has one.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum OptionError {
     /// Not `key=value` syntax, or not a JSON object.
-    #[error("{what}: {detail}")]
+    #[error("{}{detail}", prefix(.what))]
     Syntax { what: String, detail: String },
     /// The same key twice.
-    #[error("{what}: option '{key}' given twice")]
+    #[error("{}option '{key}' given twice", prefix(.what))]
     Twice { what: String, key: String },
     /// A required key is absent.
-    #[error("{what}: Parameter '{key}' is missing")]
+    #[error("{}Parameter '{key}' is missing", prefix(.what))]
     Missing { what: String, key: String },
     /// A value of the wrong kind.
-    #[error("{what}: Parameter '{key}' expects {expected}")]
+    #[error("{}Parameter '{key}' expects {expected}", prefix(.what))]
     Value {
         what: String,
         key: String,
@@ -29,7 +40,7 @@ pub enum OptionError {
         value: String,
     },
     /// A number outside its stated range.
-    #[error("{what}: parameter '{key}' must be in {min}..={max}, got {value}")]
+    #[error("{}parameter '{key}' must be in {min}..={max}, got {value}", prefix(.what))]
     Range {
         what: String,
         key: String,
@@ -38,7 +49,7 @@ pub enum OptionError {
         value: u64,
     },
     /// A key nobody consumed.
-    #[error("{what}: Parameter '{key}' is unexpected")]
+    #[error("{}Parameter '{key}' is unexpected", prefix(.what))]
     Unknown { what: String, key: String },
 }
 
@@ -258,17 +269,23 @@ impl KeyVal {
                 (k[dotted.len()..].to_string(), v)
             })
             .collect();
-        Some(KeyVal {
-            what: format!("{} ({prefix})", self.what),
-            map,
-        })
+        let what = if self.what.is_empty() {
+            String::new()
+        } else {
+            format!("{} ({prefix})", self.what)
+        };
+        Some(KeyVal { what, map })
     }
 
     /// A nested object's members (`location.pool=p` gives `pool=p`), named `what.prefix`
     /// in errors as QMP names nested members. None if there are none.
     pub fn take_object(&mut self, prefix: &str) -> Option<KeyVal> {
         let mut kv = self.take_prefixed(prefix)?;
-        kv.what = format!("{}.{prefix}", self.what);
+        kv.what = if self.what.is_empty() {
+            prefix.to_string()
+        } else {
+            format!("{}.{prefix}", self.what)
+        };
         Some(kv)
     }
 
@@ -375,6 +392,28 @@ mod tests {
         );
         assert_eq!(kv.take_u64_in("n", false, 1..=64).unwrap(), Some(3));
         assert_eq!(kv.take_u64_in("absent", false, 1..=64).unwrap(), None);
+    }
+
+    /// A QMP command's arguments (no name) give QEMU's unprefixed texts, their inline
+    /// children too; a command line's name every list, an inline child by its role.
+    #[test]
+    fn errors_name_the_list_only_on_the_command_line() {
+        let mut qmp = KeyVal::parse("", "file.driver=file,x=1", None).unwrap();
+        let file = qmp.take_prefixed("file").unwrap();
+        assert_eq!(
+            file.missing("filename").to_string(),
+            "Parameter 'filename' is missing"
+        );
+        assert_eq!(
+            qmp.finish().unwrap_err().to_string(),
+            "Parameter 'x' is unexpected"
+        );
+        let mut cli = KeyVal::parse("--blockdev", "file.driver=file", None).unwrap();
+        let file = cli.take_prefixed("file").unwrap();
+        assert_eq!(
+            file.missing("filename").to_string(),
+            "--blockdev (file): Parameter 'filename' is missing"
+        );
     }
 
     /// Found by the keyval fuzz target: a multi-byte last character panicked in split_at.

@@ -17,9 +17,7 @@ pub const BLOCKDEV_ADD: Command = Command {
     open: true,
     ret: Ty::Any,
     run: |state, a| {
-        state
-            .borrow_mut()
-            .add_blockdev(a.into_keyval("blockdev-add"))?;
+        state.borrow_mut().add_blockdev(a.into_keyval(""))?;
         Ok(json!({}))
     },
 };

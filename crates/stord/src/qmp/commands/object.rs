@@ -31,7 +31,7 @@ pub const OBJECT_ADD: Command = Command {
         if a.rest().get("qom-type").and_then(Value::as_str) == Some("iothread") {
             iothread::check_json_types(a.rest())?;
         }
-        state.borrow_mut().add_object(a.into_keyval("object-add"))?;
+        state.borrow_mut().add_object(a.into_keyval(""))?;
         Ok(json!({}))
     },
 };

@@ -40,7 +40,7 @@ use crate::block::node::future::BoxFut;
 use crate::block::open::{GraphError, Opened};
 use crate::block::worker_pool;
 use crate::buf::{new_buf, request_buf, Buf};
-use crate::cli::keyval::KeyVal;
+use crate::cli::keyval::{prefix, KeyVal};
 use crate::cli::Help;
 use crate::iov::IoVec;
 use crate::sys;
@@ -170,7 +170,8 @@ pub const DRIVER: DriverDef = DriverDef {
     open: |_, kv, flags| {
         let opts = FileOptions::from_opts(kv, flags.read_only)?;
         let direct = opts.direct;
-        let driver = open(opts).map_err(|e| GraphError::Invalid(format!("{}: {e}", kv.what)))?;
+        let driver =
+            open(opts).map_err(|e| GraphError::Invalid(format!("{}{e}", prefix(&kv.what))))?;
         Ok(Opened {
             driver,
             read_only: flags.read_only,
@@ -223,6 +224,18 @@ pub fn open(opts: FileOptions) -> io::Result<Box<dyn BlockDriver>> {
     })
 }
 
+/// An error's text as QEMU gives it: strerror's words, without the " (os error N)" that
+/// Rust's text adds.
+fn errno_text(e: &io::Error) -> String {
+    let text = e.to_string();
+    match e.raw_os_error() {
+        Some(n) => text
+            .strip_suffix(&format!(" (os error {n})"))
+            .map_or_else(|| text.clone(), str::to_string),
+        None => text,
+    }
+}
+
 impl<E: Engine> FileDriver<E> {
     /// Opens the file.
     pub fn open(opts: FileOptions, mut engine: E) -> io::Result<Self> {
@@ -234,7 +247,8 @@ impl<E: Engine> FileDriver<E> {
         }
         oo.custom_flags(flags);
         let file = oo.open(&opts.filename).map_err(|e| {
-            io::Error::new(e.kind(), format!("Could not open '{}': {e}", opts.filename))
+            let text = format!("Could not open '{}': {}", opts.filename, errno_text(&e));
+            io::Error::new(e.kind(), text)
         })?;
         let meta = file.metadata()?;
         let block_device = meta.file_type().is_block_device();
@@ -667,5 +681,19 @@ impl<E: Engine> BlockDriver for FileDriver<E> {
             }
             Ok(())
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io;
+
+    /// Open errors read as QEMU's: strerror's text without Rust's "(os error N)".
+    #[test]
+    fn errno_text_is_strerrors() {
+        let e = io::Error::from_raw_os_error(libc::ENOENT);
+        assert_eq!(super::errno_text(&e), "No such file or directory");
+        let other = io::Error::other("not an errno");
+        assert_eq!(super::errno_text(&other), "not an errno");
     }
 }
