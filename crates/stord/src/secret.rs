@@ -10,8 +10,10 @@ use crate::cli::keyval::{KeyVal, OptionError};
 pub enum SecretError {
     #[error(transparent)]
     Option(#[from] OptionError),
-    #[error("{0}: exactly one of 'data' and 'file' is required")]
-    Source(String),
+    #[error("{0}: Either 'file' or 'data' must be provided")]
+    NoSource(String),
+    #[error("{0}: 'file' and 'data' are mutually exclusive")]
+    TwoSources(String),
     #[error("{what}: unable to read '{path}': {source}")]
     Read {
         what: String,
@@ -53,7 +55,8 @@ impl Secret {
                 path,
                 source,
             })?,
-            _ => return Err(SecretError::Source(what)),
+            (None, None) => return Err(SecretError::NoSource(what)),
+            (Some(_), Some(_)) => return Err(SecretError::TwoSources(what)),
         };
         let bytes = if base64 {
             let text = String::from_utf8_lossy(&raw);
@@ -146,11 +149,11 @@ mod tests {
         assert!(make("format=raw")
             .unwrap_err()
             .to_string()
-            .contains("exactly one"));
+            .contains("Either 'file' or 'data' must be provided"));
         assert!(make("data=a,file=/x")
             .unwrap_err()
             .to_string()
-            .contains("exactly one"));
+            .contains("'file' and 'data' are mutually exclusive"));
         assert!(make("data=!!,format=base64")
             .unwrap_err()
             .to_string()

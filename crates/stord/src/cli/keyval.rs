@@ -7,32 +7,21 @@
 
 use std::collections::BTreeMap;
 
-/// What an error about option list `what` starts with: `what: `, or nothing when the list
-/// came from a QMP command (`what` empty), whose errors QEMU does not prefix.
-pub fn prefix(what: &str) -> String {
-    if what.is_empty() {
-        String::new()
-    } else {
-        format!("{what}: ")
-    }
-}
-
 /// What is wrong with an option list: the cli layer's error. `what` names the list (e.g.
-/// "--blockdev"; empty for a QMP command's arguments, see [`prefix`]); the texts are qsd's
-/// where it has one.
+/// "--blockdev"); the texts are qsd's where it has one.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum OptionError {
     /// Not `key=value` syntax, or not a JSON object.
-    #[error("{}{detail}", prefix(.what))]
+    #[error("{what}: {detail}")]
     Syntax { what: String, detail: String },
     /// The same key twice.
-    #[error("{}option '{key}' given twice", prefix(.what))]
+    #[error("{what}: option '{key}' given twice")]
     Twice { what: String, key: String },
     /// A required key is absent.
-    #[error("{}Parameter '{key}' is missing", prefix(.what))]
+    #[error("{what}: Parameter '{key}' is missing")]
     Missing { what: String, key: String },
     /// A value of the wrong kind.
-    #[error("{}Parameter '{key}' expects {expected}", prefix(.what))]
+    #[error("{what}: Parameter '{key}' expects {expected}")]
     Value {
         what: String,
         key: String,
@@ -40,7 +29,7 @@ pub enum OptionError {
         value: String,
     },
     /// A number outside its stated range.
-    #[error("{}parameter '{key}' must be in {min}..={max}, got {value}", prefix(.what))]
+    #[error("{what}: parameter '{key}' must be in {min}..={max}, got {value}")]
     Range {
         what: String,
         key: String,
@@ -49,7 +38,7 @@ pub enum OptionError {
         value: u64,
     },
     /// A key nobody consumed.
-    #[error("{}Parameter '{key}' is unexpected", prefix(.what))]
+    #[error("{what}: Parameter '{key}' is unexpected")]
     Unknown { what: String, key: String },
 }
 
@@ -269,23 +258,17 @@ impl KeyVal {
                 (k[dotted.len()..].to_string(), v)
             })
             .collect();
-        let what = if self.what.is_empty() {
-            String::new()
-        } else {
-            format!("{} ({prefix})", self.what)
-        };
-        Some(KeyVal { what, map })
+        Some(KeyVal {
+            what: format!("{} ({prefix})", self.what),
+            map,
+        })
     }
 
     /// A nested object's members (`location.pool=p` gives `pool=p`), named `what.prefix`
     /// in errors as QMP names nested members. None if there are none.
     pub fn take_object(&mut self, prefix: &str) -> Option<KeyVal> {
         let mut kv = self.take_prefixed(prefix)?;
-        kv.what = if self.what.is_empty() {
-            prefix.to_string()
-        } else {
-            format!("{}.{prefix}", self.what)
-        };
+        kv.what = format!("{}.{prefix}", self.what);
         Some(kv)
     }
 
@@ -392,28 +375,6 @@ mod tests {
         );
         assert_eq!(kv.take_u64_in("n", false, 1..=64).unwrap(), Some(3));
         assert_eq!(kv.take_u64_in("absent", false, 1..=64).unwrap(), None);
-    }
-
-    /// A QMP command's arguments (no name) give QEMU's unprefixed texts, their inline
-    /// children too; a command line's name every list, an inline child by its role.
-    #[test]
-    fn errors_name_the_list_only_on_the_command_line() {
-        let mut qmp = KeyVal::parse("", "file.driver=file,x=1", None).unwrap();
-        let file = qmp.take_prefixed("file").unwrap();
-        assert_eq!(
-            file.missing("filename").to_string(),
-            "Parameter 'filename' is missing"
-        );
-        assert_eq!(
-            qmp.finish().unwrap_err().to_string(),
-            "Parameter 'x' is unexpected"
-        );
-        let mut cli = KeyVal::parse("--blockdev", "file.driver=file", None).unwrap();
-        let file = cli.take_prefixed("file").unwrap();
-        assert_eq!(
-            file.missing("filename").to_string(),
-            "--blockdev (file): Parameter 'filename' is missing"
-        );
     }
 
     /// Found by the keyval fuzz target: a multi-byte last character panicked in split_at.

@@ -19,7 +19,7 @@ use crate::block::node::options::{CommonOptions, DetectZeroes};
 use crate::block::open::{Graph, GraphError, OpenFlags};
 use crate::block::throttle_group::ThrottleGroup;
 use crate::cli::id_wellformed;
-use crate::cli::keyval::{prefix, KeyVal};
+use crate::cli::keyval::KeyVal;
 
 /// How deep a chain of backing files may go (a loop ends here too).
 const MAX_BACKING_DEPTH: u32 = 64;
@@ -185,7 +185,7 @@ impl Builder<'_> {
             let n = node.clone();
             crate::block::helper_thread::block_on_helper(move || async move { n.activate().await })
                 .and_then(|r| r)
-                .map_err(|e| GraphError::Invalid(format!("{}{e}", prefix(&what))))?;
+                .map_err(|e| GraphError::Invalid(format!("{what}: {e}")))?;
         }
         self.register(name, &node, implicit);
         Ok(node)
@@ -227,8 +227,8 @@ impl Graph for Builder<'_> {
         if let Some(inline) = kv.take_prefixed(role) {
             if kv.take(role).is_some() {
                 return Err(GraphError::Invalid(format!(
-                    "{}'{role}' given both as a node name and inline",
-                    prefix(&kv.what)
+                    "{}: '{role}' given both as a node name and inline",
+                    kv.what
                 )));
             }
             return self.open_inline(inline);

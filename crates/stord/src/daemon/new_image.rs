@@ -58,7 +58,15 @@ pub(super) fn create_image(
         locking: true,
         no_flush: false,
     };
-    let driver = file::open(opts).map_err(|e| invalid(format!("Could not open '{path}': {e}")))?;
+    // The file driver's own open error already reads "Could not open 'P': ...".
+    let driver = file::open(opts).map_err(|e| {
+        let text = e.to_string();
+        invalid(if text.starts_with("Could not open ") {
+            text
+        } else {
+            format!("Could not open '{path}': {}", crate::sys::os_text(&e))
+        })
+    })?;
     let node = Arc::new(BlockNode::new("new-image".into(), driver, false, false));
     let (backing_file, backing_fmt) = backing.unzip();
     let q = Qcow2Create {

@@ -79,7 +79,7 @@ pub enum ExportError {
     Option(#[from] OptionError),
     #[error("Cannot find device='{name}' nor node-name='{name}'")]
     NodeNotFound { what: String, name: String },
-    #[error("{what}: iothread '{id}' not found")]
+    #[error("{what}: iothread \"{id}\" not found")]
     IoThreadNotFound { what: String, id: String },
     #[error("{what}: '{resource}' is already used by another export")]
     Claimed { what: String, resource: String },

@@ -19,6 +19,25 @@ impl QmpError {
             desc: desc.into(),
         }
     }
+
+    /// The error of a command whose arguments were read as an option list named `list`
+    /// (as `--blockdev` is on the command line): the daemon's texts begin with the list's
+    /// name (`blockdev-add: `, an inline child's `blockdev-add (file): `), which QEMU's
+    /// QMP texts do not, so it is cut.
+    pub fn without_list_name(mut self, list: &str) -> Self {
+        if let Some(mut rest) = self.desc.strip_prefix(list) {
+            while let Some(role) = rest.strip_prefix(" (") {
+                match role.split_once(')') {
+                    Some((_, after)) => rest = after,
+                    None => return self,
+                }
+            }
+            if let Some(text) = rest.strip_prefix(": ") {
+                self.desc = text.to_string();
+            }
+        }
+        self
+    }
 }
 
 impl From<crate::daemon::DaemonError> for QmpError {
@@ -46,5 +65,30 @@ impl From<crate::cli::keyval::OptionError> for QmpError {
 impl From<String> for QmpError {
     fn from(s: String) -> Self {
         QmpError::generic(s)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::QmpError;
+
+    #[test]
+    fn a_commands_list_name_is_cut_from_its_texts() {
+        let cut = |d: &str| QmpError::generic(d).without_list_name("blockdev-add").desc;
+        assert_eq!(
+            cut("blockdev-add: Could not open 'x'"),
+            "Could not open 'x'"
+        );
+        assert_eq!(
+            cut("blockdev-add (file): Parameter 'filename' is missing"),
+            "Parameter 'filename' is missing"
+        );
+        assert_eq!(cut("blockdev-add (file) (backing): x: y"), "x: y");
+        assert_eq!(
+            cut("Duplicate nodes with node-name='a'"),
+            "Duplicate nodes with node-name='a'"
+        );
+        assert_eq!(cut("blockdev-add (file"), "blockdev-add (file");
+        assert_eq!(cut("blockdev-adder: x"), "blockdev-adder: x");
     }
 }

@@ -1,27 +1,37 @@
-"""blockdev-add that cannot open a node answers with qsd's error, class and text byte for
-byte: a missing file (top-level, and inline under raw and qcow2, where the text is the
-file node's own), a child node that does not exist, and an option nobody takes. QEMU does
-not prefix a QMP error with the command's name, nor does strerror's text carry the
-"(os error N)" that Rust's adds."""
+"""Commands that cannot open or find what they name answer with qsd's error, class and
+text byte for byte: blockdev-add of a missing file (top-level, and inline under raw and
+qcow2, where the text is the file node's own), of a child node that does not exist, with
+an option nobody takes, and with aio=native on a file opened without O_DIRECT; object-add
+of a secret with neither data nor file, or with both; block-export-add on an iothread
+that does not exist. QEMU does not prefix a QMP error with the command's name, nor does
+strerror's text carry the "(os error N)" that Rust's adds."""
 
 import common
 
 MISSING = common.path("no-such-dir/disk.img")
 
 COMMANDS = [
-    {"driver": "file", "node-name": "a", "filename": MISSING},
-    {"driver": "raw", "node-name": "b", "file": {"driver": "file", "filename": MISSING}},
-    {"driver": "qcow2", "node-name": "c", "file": {"driver": "file", "filename": MISSING}},
-    {"driver": "raw", "node-name": "d", "file": "no-such-node"},
-    {"driver": "null-co", "node-name": "e", "no-such-option": 1},
+    ("blockdev-add", {"driver": "file", "node-name": "a", "filename": MISSING}),
+    ("blockdev-add", {"driver": "raw", "node-name": "b",
+                      "file": {"driver": "file", "filename": MISSING}}),
+    ("blockdev-add", {"driver": "qcow2", "node-name": "c",
+                      "file": {"driver": "file", "filename": MISSING}}),
+    ("blockdev-add", {"driver": "raw", "node-name": "d", "file": "no-such-node"}),
+    ("blockdev-add", {"driver": "null-co", "node-name": "e", "no-such-option": 1}),
+    ("blockdev-add", {"driver": "file", "node-name": "f", "filename": "/etc/hostname",
+                      "aio": "native"}),
+    ("object-add", {"qom-type": "secret", "id": "s0"}),
+    ("object-add", {"qom-type": "secret", "id": "s1", "data": "a", "file": "/etc/hostname"}),
+    ("blockdev-add", {"driver": "null-co", "node-name": "n"}),
+    ("block-export-add", {"type": "nbd", "id": "x", "node-name": "n", "iothread": "nope"}),
 ]
 
 
-def errors(binary, tag):
+def replies(binary, tag):
     d = common.Daemon([], binary=binary, tag=tag)
     try:
         q = d.qmp()
-        out = [q.cmd_raw("blockdev-add", c).get("error") for c in COMMANDS]
+        out = [q.cmd_raw(cmd, args) for cmd, args in COMMANDS]
         q.close()
     finally:
         d.stop()
@@ -29,12 +39,12 @@ def errors(binary, tag):
 
 
 def test():
-    theirs = errors("qemu-storage-daemon", "qsd")
-    ours = errors(common.STORD, "stord")
+    theirs = replies("qemu-storage-daemon", "qsd")
+    ours = replies(common.STORD, "stord")
     for cmd, t, o in zip(COMMANDS, theirs, ours):
-        assert t is not None, f"qsd accepted {cmd}"
         assert o == t, f"{cmd}: stord answered {o}, qsd {t}"
-    assert "No such file or directory" in theirs[0]["desc"], theirs[0]
+    assert sum("error" in t for t in theirs) == len(COMMANDS) - 1, theirs
+    assert "No such file or directory" in theirs[0]["error"]["desc"], theirs[0]
 
 
 common.main(test)

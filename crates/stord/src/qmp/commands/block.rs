@@ -17,7 +17,10 @@ pub const BLOCKDEV_ADD: Command = Command {
     open: true,
     ret: Ty::Any,
     run: |state, a| {
-        state.borrow_mut().add_blockdev(a.into_keyval(""))?;
+        state
+            .borrow_mut()
+            .add_blockdev(a.into_keyval("blockdev-add"))
+            .map_err(|e| QmpError::from(e).without_list_name("blockdev-add"))?;
         Ok(json!({}))
     },
 };

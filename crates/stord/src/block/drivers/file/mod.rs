@@ -40,7 +40,7 @@ use crate::block::node::future::BoxFut;
 use crate::block::open::{GraphError, Opened};
 use crate::block::worker_pool;
 use crate::buf::{new_buf, request_buf, Buf};
-use crate::cli::keyval::{prefix, KeyVal};
+use crate::cli::keyval::KeyVal;
 use crate::cli::Help;
 use crate::iov::IoVec;
 use crate::sys;
@@ -135,7 +135,7 @@ impl FileOptions {
         if aio == AioMode::Native && !direct {
             // Same rule as QEMU: linux-aio without O_DIRECT would block in io_submit.
             return Err(GraphError::Invalid(format!(
-                "{}: aio=native requires cache.direct=on",
+                "{}: aio=native was specified, but it requires cache.direct=on, which was not specified.",
                 opts.what
             )));
         }
@@ -170,8 +170,7 @@ pub const DRIVER: DriverDef = DriverDef {
     open: |_, kv, flags| {
         let opts = FileOptions::from_opts(kv, flags.read_only)?;
         let direct = opts.direct;
-        let driver =
-            open(opts).map_err(|e| GraphError::Invalid(format!("{}{e}", prefix(&kv.what))))?;
+        let driver = open(opts).map_err(|e| GraphError::Invalid(format!("{}: {e}", kv.what)))?;
         Ok(Opened {
             driver,
             read_only: flags.read_only,
@@ -224,18 +223,6 @@ pub fn open(opts: FileOptions) -> io::Result<Box<dyn BlockDriver>> {
     })
 }
 
-/// An error's text as QEMU gives it: strerror's words, without the " (os error N)" that
-/// Rust's text adds.
-fn errno_text(e: &io::Error) -> String {
-    let text = e.to_string();
-    match e.raw_os_error() {
-        Some(n) => text
-            .strip_suffix(&format!(" (os error {n})"))
-            .map_or_else(|| text.clone(), str::to_string),
-        None => text,
-    }
-}
-
 impl<E: Engine> FileDriver<E> {
     /// Opens the file.
     pub fn open(opts: FileOptions, mut engine: E) -> io::Result<Self> {
@@ -247,7 +234,7 @@ impl<E: Engine> FileDriver<E> {
         }
         oo.custom_flags(flags);
         let file = oo.open(&opts.filename).map_err(|e| {
-            let text = format!("Could not open '{}': {}", opts.filename, errno_text(&e));
+            let text = format!("Could not open '{}': {}", opts.filename, sys::os_text(&e));
             io::Error::new(e.kind(), text)
         })?;
         let meta = file.metadata()?;
@@ -681,19 +668,5 @@ impl<E: Engine> BlockDriver for FileDriver<E> {
             }
             Ok(())
         })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use std::io;
-
-    /// Open errors read as QEMU's: strerror's text without Rust's "(os error N)".
-    #[test]
-    fn errno_text_is_strerrors() {
-        let e = io::Error::from_raw_os_error(libc::ENOENT);
-        assert_eq!(super::errno_text(&e), "No such file or directory");
-        let other = io::Error::other("not an errno");
-        assert_eq!(super::errno_text(&other), "not an errno");
     }
 }

@@ -17,7 +17,6 @@ use crate::block::driver_def::DriverDef;
 use crate::block::node::block_node::BlockNode;
 use crate::block::node::range_lock::RangeLocks;
 use crate::block::open::{GraphError, Opened};
-use crate::cli::keyval::prefix;
 use crate::cli::Help;
 
 /// The driver table's entry: a qcow2 image over its `file`; its backing node is
@@ -64,7 +63,7 @@ pub const DRIVER: DriverDef = DriverDef {
             Image::load(&f, writes).await
         })
         .and_then(|r| r.map_err(io::Error::other))
-        .map_err(|e| GraphError::Invalid(format!("{}{e}", prefix(&kv.what))))?;
+        .map_err(|e| GraphError::Invalid(format!("{}: {e}", kv.what)))?;
         let crypt = super::crypt::open(g, encrypt, &image.header, &file)?;
         drop(opening);
         // The one the header names inherits the image's read-only state.
