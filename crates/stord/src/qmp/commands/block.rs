@@ -19,8 +19,7 @@ pub const BLOCKDEV_ADD: Command = Command {
     run: |state, a| {
         state
             .borrow_mut()
-            .add_blockdev(a.into_keyval("blockdev-add"))
-            .map_err(|e| QmpError::from(e).without_list_name("blockdev-add"))?;
+            .add_blockdev(a.into_keyval("blockdev-add"))?;
         Ok(json!({}))
     },
 };

@@ -57,8 +57,7 @@ pub const NBD_SERVER_START: Command = Command {
     open: false,
     ret: Ty::Any,
     run: |state, a| {
-        let opts = NbdServerOpts::from_options(a.into_keyval("nbd-server-start"))
-            .map_err(|e| QmpError::from(e).without_list_name("nbd-server-start"))?;
+        let opts = NbdServerOpts::from_options(a.into_keyval("nbd-server-start"))?;
         stord_aio::with_current_context(|ctx| state.borrow_mut().start_nbd_server(ctx, opts))
             .ok_or_else(|| QmpError::generic("nbd-server-start outside the main loop"))??;
         Ok(json!({}))
@@ -122,8 +121,7 @@ pub const BLOCK_EXPORT_ADD: Command = Command {
         }
         state
             .borrow_mut()
-            .add_export(a.into_keyval("block-export-add"))
-            .map_err(|e| QmpError::from(e).without_list_name("block-export-add"))?;
+            .add_export(a.into_keyval("block-export-add"))?;
         Ok(json!({}))
     },
 };
@@ -168,10 +166,7 @@ pub const NBD_SERVER_ADD: Command = Command {
             o.insert("bitmaps".into(), json!({ "0": b }));
         }
         let kv = super::Args::from_map(o).into_keyval("nbd-server-add");
-        state
-            .borrow_mut()
-            .add_export(kv)
-            .map_err(|e| QmpError::from(e).without_list_name("nbd-server-add"))?;
+        state.borrow_mut().add_export(kv)?;
         Ok(json!({}))
     },
 };

@@ -129,7 +129,9 @@ pub fn execute(
         });
     };
     let args = Args::check(args, c.args, c.open)?;
-    (c.run)(state, args)
+    // Errors built for the command line name their option list (`--blockdev: `); read
+    // from QMP, that list is the command, and QEMU's QMP texts never name it.
+    (c.run)(state, args).map_err(|e| e.without_list_name(c.name))
 }
 
 /// `query-commands`: the table's names.

@@ -31,10 +31,7 @@ pub const OBJECT_ADD: Command = Command {
         if a.rest().get("qom-type").and_then(Value::as_str) == Some("iothread") {
             iothread::check_json_types(a.rest())?;
         }
-        state
-            .borrow_mut()
-            .add_object(a.into_keyval("object-add"))
-            .map_err(|e| QmpError::from(e).without_list_name("object-add"))?;
+        state.borrow_mut().add_object(a.into_keyval("object-add"))?;
         Ok(json!({}))
     },
 };
